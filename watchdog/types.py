@@ -1,0 +1,377 @@
+"""Typed events: what every source turns its raw input into.
+
+Data flows one way: ``parsing/`` (pure, raw text or bytes -> these events) ->
+``state`` (folds events into per-rank, per-communicator sequences) ->
+``detectors`` (pure, state -> verdict) -> sinks.  Nothing in this module
+imports anything else from the project.
+
+Events are pydantic models, frozen, with one exception: the per-operation
+record ``Op`` is a ``NamedTuple``.  A real NCCL log is almost all operation
+lines and ingestion must sustain >= 500k lines/s on one core; a validated
+pydantic object per line costs more than the whole per-line budget, so
+operations travel in ``OpBatch`` events built with ``model_construct`` (the
+regex in the parser has already validated every field).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Event(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Citation(Event):
+    """Where a fact came from, precise enough for a human to open it."""
+
+    file: str
+    line: int | None = None  # 1-based line in a text file
+    entry: str | None = None  # e.g. "entries[127]" in a dump
+    text: str | None = None  # the line or a short excerpt
+
+    def __str__(self) -> str:
+        where = self.file
+        if self.line is not None:
+            where += f":{self.line}"
+        if self.entry is not None:
+            where += f" {self.entry}"
+        return where
+
+
+class ProcKey(NamedTuple):
+    """A process as NCCL names it in every line prefix: ``host:pid:tid``."""
+
+    host: str
+    pid: int
+
+
+# --------------------------------------------------------------------------
+# Operations
+# --------------------------------------------------------------------------
+
+P2P_OPS = frozenset({"Send", "Recv"})
+
+
+class OpSig(NamedTuple):
+    """What must be equal across ranks for one collective to match.
+
+    ``op`` is NCCL's spelling (``AllReduce``, ``Send``...).  ``count`` is the
+    per-rank element count NCCL prints (for Flight Recorder, the numel of the
+    inputs); ``dtype`` and ``redop`` are NCCL's enum numbers as text, or the
+    PyTorch dtype name.  ``root`` is the root for rooted collectives and the
+    peer for Send/Recv.  ``None`` means "this source does not say".
+    """
+
+    op: str
+    count: int | None
+    dtype: str | None
+    redop: str | None
+    root: int | None
+
+    def describe(self) -> str:
+        parts = [self.op]
+        if self.count is not None:
+            parts.append(f"count={self.count}")
+        if self.dtype is not None:
+            parts.append(f"dtype={self.dtype}")
+        if self.redop is not None and self.op in ("AllReduce", "Reduce", "ReduceScatter"):
+            parts.append(f"op={self.redop}")
+        if self.root is not None and self.op in ("Broadcast", "Reduce", "Gather", "Scatter"):
+            parts.append(f"root={self.root}")
+        if self.root is not None and self.op in P2P_OPS:
+            parts.append(("to" if self.op == "Send" else "from") + f"={self.root}")
+        return " ".join(parts)
+
+
+class OpState(StrEnum):
+    """Progress of one operation as far as a source can tell."""
+
+    enqueued = "enqueued"  # NCCL log: the host enqueued it; nothing more is known
+    scheduled = "scheduled"  # Flight Recorder: enqueued, kernel not seen starting
+    started = "started"
+    completed = "completed"
+
+
+class Op(NamedTuple):
+    sig: OpSig
+    line: int  # 1-based line in the source file, or the dump entry index
+    state: OpState = OpState.enqueued
+    time_ns: int | None = None
+    frames: tuple[str, ...] = ()  # "func (file:line)", innermost first
+
+
+# --------------------------------------------------------------------------
+# NCCL debug file
+# --------------------------------------------------------------------------
+
+
+class NcclVersion(Event):
+    proc: ProcKey
+    version: str
+    cite: Citation
+
+
+class CommInit(Event):
+    """``ncclCommInitRank*`` / ``ncclCommSplit`` lines, START or COMPLETE.
+
+    ``comm_id`` is NCCL's commId hash (2.23+ and many older versions); split
+    communicators print ``parent``/``color``/``key`` and no commId instead.
+    """
+
+    proc: ProcKey
+    comm_ptr: str
+    rank: int
+    nranks: int
+    cuda_dev: int | None = None
+    bus_id: str | None = None
+    comm_id: str | None = None
+    parent_ptr: str | None = None
+    split_count: int | None = None
+    color: int | None = None
+    key: int | None = None
+    phase: Literal["start", "complete"]
+    cite: Citation
+
+
+class CommTopology(Event):
+    """``comm <ptr> rank r nRanks n nNodes k localRanks l localRank j ...``."""
+
+    proc: ProcKey
+    comm_ptr: str
+    rank: int
+    nranks: int
+    nnodes: int
+    local_ranks: int
+    local_rank: int
+    cite: Citation
+
+
+class CommEnd(Event):
+    """``comm <ptr> rank r nranks n ... - Destroy COMPLETE`` / ``Abort START|COMPLETE``."""
+
+    proc: ProcKey
+    comm_ptr: str
+    rank: int
+    kind: Literal["destroy", "abort"]
+    phase: Literal["start", "complete"]
+    cite: Citation
+
+
+class WarningCategory(StrEnum):
+    network = "network"
+    cuda = "cuda"
+    system = "system"
+    other = "other"
+
+
+class NcclWarning(Event):
+    proc: ProcKey
+    category: WarningCategory
+    message: str
+    peer: str | None = None  # "10.0.0.2<36012>" when the line names one
+    cite: Citation
+
+
+class LocalPeerClosed(Event):
+    """NCCL's proxy service saw a local peer's connection close.
+
+    ``[Service thread] Connection closed by localRank 1``: on a rank that did
+    not destroy its communicator this is how its death shows in the others'
+    logs.
+    """
+
+    proc: ProcKey
+    local_rank: int
+    cite: Citation
+
+
+class OpBatch(Event):
+    """Operations one process enqueued on one communicator, in order."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    proc: ProcKey
+    comm_ptr: str
+    file: str
+    sigs: list[OpSig]
+
+
+# --------------------------------------------------------------------------
+# PyTorch Flight Recorder
+# --------------------------------------------------------------------------
+
+
+class FrFrame(Event):
+    name: str
+    filename: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.filename}:{self.line})"
+
+
+class FrEntry(Event):
+    """One Flight Recorder entry, normalised across dump versions 1.4-2.10."""
+
+    index: int  # position in the dump's entries list
+    record_id: int | None = None
+    pg_id: str
+    collective_seq_id: int | None = None
+    p2p_seq_id: int | None = None
+    profiling_name: str  # as dumped, e.g. "nccl:send 0->1"
+    op: str  # NCCL spelling: "AllReduce", "Send", "Coalesced", ...
+    is_p2p: bool
+    peer: int | None = None  # group rank of the peer, for p2p
+    input_sizes: list[list[int]] = Field(default_factory=list)
+    output_sizes: list[list[int]] = Field(default_factory=list)
+    input_dtypes: list[str] = Field(default_factory=list)
+    output_dtypes: list[str] = Field(default_factory=list)
+    state: OpState
+    time_created_ns: int | None = None
+    time_started_ns: int | None = None
+    time_completed_ns: int | None = None
+    timeout_ms: int | None = None
+    frames: list[FrFrame] = Field(default_factory=list)
+
+
+class FrProcessGroup(Event):
+    pg_id: str
+    desc: str | None = None
+    ranks: list[int] = Field(default_factory=list)  # global ranks, group order
+    last_enqueued: int | None = None
+    last_started: int | None = None
+    last_completed: int | None = None
+
+
+class FrDump(Event):
+    rank: int | None  # global rank: from the file name suffix, else inferred
+    version: str
+    comm_lib_version: str | None = None
+    process_groups: dict[str, FrProcessGroup]
+    entries: list[FrEntry]
+    cite: Citation
+
+
+# --------------------------------------------------------------------------
+# NCCL RAS
+# --------------------------------------------------------------------------
+
+
+class RasRank(Event):
+    rank: int
+    host: str | None = None
+    pid: int | None = None
+    cuda_dev: int | None = None
+    status: str | None = None
+    collective_counts: dict[str, int] = Field(default_factory=dict)
+
+
+class RasCommunicator(Event):
+    comm_hash: str | None = None
+    label: str | None = None  # "#0-0" in the text report
+    nranks: int | None = None
+    status: str  # "OK", "MISMATCH", "INCOMPLETE", ...
+    ranks: list[RasRank] = Field(default_factory=list)
+    messages: list[str] = Field(default_factory=list)  # the report's own sentences
+
+
+class RasReport(Event):
+    format: Literal["text", "json"]
+    nccl_version: str | None = None
+    communicators: list[RasCommunicator]
+    cite: Citation
+
+
+# --------------------------------------------------------------------------
+# PyTorch and torchrun logs
+# --------------------------------------------------------------------------
+
+
+class WatchdogTimeout(Event):
+    """PyTorch's ``Watchdog caught collective operation timeout`` line."""
+
+    rank: int
+    seq: int
+    op: str  # PyTorch's OpType spelling, e.g. "ALLGATHER"
+    numel_in: int | None = None
+    numel_out: int | None = None
+    timeout_ms: int | None = None
+    ran_ms: int | None = None
+    cite: Citation
+
+
+class WorkerFailure(Event):
+    """One entry of torchrun's ``ChildFailedError`` summary."""
+
+    rank: int
+    local_rank: int | None = None
+    exitcode: int
+    pid: int | None = None
+    host: str | None = None
+    root_cause: bool
+    cite: Citation
+
+
+# --------------------------------------------------------------------------
+# Stacks and GPUs
+# --------------------------------------------------------------------------
+
+
+class ThreadStack(Event):
+    name: str | None = None
+    os_tid: int | None = None
+    active: bool | None = None
+    frames: list[str] = Field(default_factory=list)  # innermost first
+
+
+class StackDump(Event):
+    pid: int
+    threads: list[ThreadStack]
+    cite: Citation
+
+
+class WireModel(Event):
+    """Read from a file another program wrote: unknown keys are ignored."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class GpuGpm(WireModel):
+    sm_util_pct: float | None = None
+    sm_occupancy_pct: float | None = None
+    dram_bw_util_pct: float | None = None
+    any_tensor_util_pct: float | None = None
+
+
+class GpuProcess(WireModel):
+    pid: int
+    used_memory_bytes: int | None = None
+
+
+class GpuSample(WireModel):
+    index: int
+    uuid: str | None = None
+    bus_id: str | None = None
+    util_gpu_pct: float | None = None
+    util_mem_pct: float | None = None
+    power_w: float | None = None
+    sm_clock_mhz: float | None = None
+    gpm: GpuGpm | None = None
+    processes: list[GpuProcess] = Field(default_factory=list)
+
+
+class GpuSnapshot(Event):
+    time: float
+    gpus: list[GpuSample]
+    cite: Citation
+
+
+class Unusable(Event):
+    """Input that could not be read; becomes a line in the report."""
+
+    reason: str
+    cite: Citation
