@@ -42,7 +42,8 @@ from ..types import (
 # Optional bracketed prefixes: a timestamp "[2026-04-28 14:14:42] " or a tee
 # prefix "[rank0]:" / "[default0]:".
 _PREFIX = rb"(?:\[[^\]\n]*\]:? ?)*"
-_PROC = rb"([^:\s\[\]]+):(\d+):\d+ \[\d+\] NCCL "
+# WARN lines put the source location (and, from 2.29, the function) before "NCCL".
+_PROC = rb"([^:\s\[\]]+):(\d+):\d+ \[\d+\] (?:\S+:\d+ (?:\([^)]*\) )?)?NCCL "
 
 # ``count .. root ..`` is one group: interned as bytes, split only once per
 # distinct signature.
@@ -65,9 +66,10 @@ _MARKERS = (
 )
 
 _INIT_RE = re.compile(
-    r"(?P<fn>\w+) comm (?P<comm>\S+) rank (?P<rank>\d+) nranks (?P<nranks>\d+)"
+    r"(?:(?P<fn>\w+) )?comm (?P<comm>\S+) rank (?P<rank>\d+) nranks (?P<nranks>\d+)"
     r"(?: cudaDev (?P<cuda>-?\d+))?(?: nvmlDev -?\d+)?(?: busId (?P<bus>\w+))?"
-    r"(?P<rest>.*?) - Init (?P<phase>START|COMPLETE)"
+    # Split START lines have no space before the dash ("key 0- Init START", 2.27+).
+    r"(?P<rest>.*?) ?- Init (?P<phase>START|COMPLETE)"
 )
 _COMM_ID_RE = re.compile(r"commId (0x[0-9a-fA-F]+)")
 _PARENT_RE = re.compile(r"parent (\S+)")

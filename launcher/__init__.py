@@ -1,0 +1,1 @@
+"""The torchrun wrapper and what it injects into workers (``ncclwatch torchrun ...``)."""

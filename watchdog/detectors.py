@@ -1,0 +1,678 @@
+"""Pure detectors: a ``Snapshot`` in, a ``Finding`` out.
+
+Per communicator, in this order (the first that fires wins):
+
+1. ``collectives``: align every rank's collectives by position.  At the first
+   position where ranks issued different operations -> ``collective_mismatch``;
+   otherwise, if some ranks issued fewer -> ``rank_behind``.
+2. ``point_to_point``: a send r->p must meet the matching recv on p from r;
+   counts and sizes are compared pairwise, never position by position.
+3. ``completion``: every rank issued the same operations; Flight Recorder
+   says whether the last completed (``stuck_in_collective`` / ``no_hang``);
+   NCCL's log only says when the job shut its communicators down.
+
+``decide`` then picks the most telling communicator and lets job-wide
+evidence sharpen it: a rank that died (torchrun's failure summary, peers'
+"Connection closed by localRank") turns ``rank_behind`` into
+``process_dead``; GPU signatures and stacks name the lead rank of a
+``stuck_in_collective`` when sequences cannot; a RAS report stands in when
+there is nothing else.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Literal
+
+from .snapshot import CommView, PeerView, RankView, Snapshot
+from .types import Citation, OpSig, OpState, ProcKey
+
+MAX_PERIOD = 512  # longest repeating pattern (ops per training step) looked for
+MAX_SKEW = 16  # how far apart two ranks' sequences may be realigned
+
+
+class Verdict(StrEnum):
+    collective_mismatch = "collective_mismatch"
+    rank_behind = "rank_behind"
+    process_dead = "process_dead"
+    stuck_in_collective = "stuck_in_collective"
+    no_hang = "no_hang"
+    inconclusive = "inconclusive"
+
+
+# Higher wins when communicators disagree.
+PRIORITY = {
+    Verdict.collective_mismatch: 6,
+    Verdict.process_dead: 5,
+    Verdict.rank_behind: 4,
+    Verdict.stuck_in_collective: 3,
+    Verdict.no_hang: 2,
+    Verdict.inconclusive: 1,
+}
+HANG_VERDICTS = frozenset(v for v in Verdict if v not in (Verdict.no_hang, Verdict.inconclusive))
+
+
+@dataclass(frozen=True)
+class OpRef:
+    """An operation to cite as file:line; resolved after the verdict (the state keeps no line numbers)."""
+
+    file: str
+    proc: ProcKey
+    comm_ptr: str
+    kind: Literal["coll", "Send", "Recv"]
+    peer: int | None
+    ordinal: int  # 0-based among this kind (and peer) on this communicator in this process
+
+
+@dataclass(frozen=True)
+class Evidence:
+    source: str
+    fact: str
+    cite: Citation | None = None
+    op_ref: OpRef | None = None
+
+
+@dataclass(frozen=True)
+class RankRow:
+    rank: int
+    host: str | None
+    pid: int | None
+    issued: int | None
+    last_op: str | None
+    status: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Finding:
+    verdict: Verdict
+    summary: str
+    reason: str = ""
+    culprits: tuple[int, ...] = ()
+    comm_key: str | None = None
+    comm_label: str | None = None
+    source: str | None = None
+    position: int | None = None  # 1-based sequence number of the operation in its communicator
+    operation: str | None = None
+    evidence: tuple[Evidence, ...] = ()
+    missing: tuple[str, ...] = ()
+    rows: tuple[RankRow, ...] = ()
+
+
+# --------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------
+
+
+def _rank_id(rank: RankView) -> int:
+    return rank.global_rank if rank.global_rank is not None else rank.comm_rank
+
+
+def _names(ranks: Sequence[RankView]) -> str:
+    ids = sorted(_rank_id(r) for r in ranks)
+    return ("rank " if len(ids) == 1 else "ranks ") + ", ".join(map(str, ids))
+
+
+def _op_evidence(comm: CommView, rank: RankView, position: int, fact: str) -> Evidence:
+    if comm.source == "flight_recorder":
+        op = rank.details.get(position)
+        entry = f"entries[{op.line}]" if op is not None else None
+        return Evidence(comm.source, fact, Citation(file=rank.file, entry=entry))
+    ref = None
+    if rank.proc is not None and rank.comm_ptr is not None:
+        ref = OpRef(rank.file, rank.proc, rank.comm_ptr, "coll", None, position)
+    return Evidence(comm.source, fact, Citation(file=rank.file), ref)
+
+
+def _rows(comm: CommView, status: Callable[[RankView], tuple[str, str]]) -> tuple[RankRow, ...]:
+    rows = []
+    for rank in comm.ranks:
+        last = rank.at(rank.total - 1)
+        text, detail = status(rank)
+        rows.append(
+            RankRow(
+                rank=_rank_id(rank),
+                host=rank.proc.host if rank.proc else None,
+                pid=rank.proc.pid if rank.proc else None,
+                issued=rank.total,
+                last_op=last.describe() if last else None,
+                status=text,
+                detail=detail,
+            )
+        )
+    return tuple(sorted(rows, key=lambda r: r.rank))
+
+
+def predict_next(history: Sequence[OpSig]) -> OpSig | None:
+    """The operation the job's repeating pattern expects next, if it has one.
+
+    A training step issues the same operations every step, so the shortest
+    period ``p`` with the last two periods identical predicts ``history[-p]``.
+    """
+    n = len(history)
+    for period in range(1, min(MAX_PERIOD, n // 2) + 1):
+        if all(history[n - k] == history[n - k - period] for k in range(1, period + 1)):
+            return history[n - period]
+    return None
+
+
+def _realign(longer: Sequence[OpSig], other: Sequence[OpSig]) -> int | None:
+    """Smallest k such that ``longer[k:]`` lines up with ``other`` (both from the divergence)."""
+    for skew in range(1, MAX_SKEW + 1):
+        span = min(len(longer) - skew, len(other))
+        if span >= 1 and tuple(longer[skew : skew + span]) == tuple(other[:span]):
+            return skew
+    return None
+
+
+# --------------------------------------------------------------------------
+# 1. collectives aligned by position
+# --------------------------------------------------------------------------
+
+
+def check_collectives(comm: CommView) -> Finding | None:
+    ranks = [r for r in comm.ranks if r.window or r.base]
+    if len(ranks) < 2:
+        return None
+    diverged = _first_divergence(ranks)
+    if diverged is not None:
+        return _mismatch(comm, ranks, *diverged)
+    return _behind(comm, ranks)
+
+
+def _first_divergence(ranks: list[RankView]) -> tuple[int, dict[OpSig | None, list[RankView]]] | None:
+    start = max(r.base for r in ranks)
+    digests = {r.comm_rank: r.digest_at(start) for r in ranks}
+    known = {d for d in digests.values() if d is not None}
+    if len(known) > 1:
+        # They disagreed before the oldest operation still held: group by history.
+        by_digest: dict[int | None, list[RankView]] = {}
+        for r in ranks:
+            by_digest.setdefault(digests[r.comm_rank], []).append(r)
+        return start, {r.at(start): members for members in by_digest.values() for r in members[:1]}
+    for position in range(start, max(r.total for r in ranks)):
+        present = [(r, r.at(position)) for r in ranks if r.total > position]
+        if len(present) < 2:
+            return None
+        first = present[0][1]
+        if any(sig != first for _, sig in present[1:]):
+            groups: dict[OpSig | None, list[RankView]] = {}
+            for r, sig in present:
+                groups.setdefault(sig, []).append(r)
+            return position, groups
+    return None
+
+
+def _mismatch(
+    comm: CommView, ranks: list[RankView], position: int, groups: dict[OpSig | None, list[RankView]]
+) -> Finding:
+    reference = max(ranks, key=lambda r: position - r.base)
+    history = reference.window[: position - reference.base]
+    expected = predict_next(history)
+    sizes = sorted((len(m) for m in groups.values()), reverse=True)
+    how: str
+    if expected in groups:
+        good_sig = expected
+        how = "it departs from the operation the job's repeating pattern (and its peers) expect there"
+    elif len(sizes) == 1 or sizes[0] > sizes[1]:
+        good_sig = max(groups, key=lambda s: len(groups[s]))
+        how = "it is in the minority at that position"
+    else:
+        good_sig = None
+        how = "the ranks split evenly and no repeating pattern tells which side is right"
+    culprits = [r for s, members in groups.items() if s != good_sig for r in members]
+    culprit_ids = tuple(sorted(_rank_id(r) for r in culprits)) if good_sig is not None else ()
+    good = groups.get(good_sig, []) if good_sig is not None else []
+    evidence = [
+        _op_evidence(comm, members[0], position, f"{_names(members)} issued {sig.describe() if sig else '?'} as collective #{position + 1}")
+        for sig, members in groups.items()
+    ]
+    skew_note = ""
+    if good and culprits:
+        c, g = culprits[0], good[0]
+        ahead = _realign(c.window[position - c.base :], g.window[position - g.base :])
+        behind = _realign(g.window[position - g.base :], c.window[position - c.base :])
+        if ahead is not None and (behind is None or ahead <= behind):
+            skew_note = f" Aligned by shortest edit, {c.name} has {ahead} operation(s) here that {g.name} lacks: it skipped operations the others issued, or added its own."
+        elif behind is not None:
+            skew_note = f" Aligned by shortest edit, {c.name} lacks {behind} operation(s) that {g.name} issued here: it skipped them."
+    culprit_sig = next((s for s, m in groups.items() if s != good_sig), None)
+    operation = (good_sig or culprit_sig or OpSig("?", None, None, None, None)).describe()
+    if culprit_ids:
+        summary = (
+            f"{_names(culprits)} issued {culprit_sig.describe() if culprit_sig else '?'} as collective #{position + 1} "
+            f"on {comm.label}, where {_names(good)} issued {operation}."
+        )
+    else:
+        summary = f"Ranks issued different operations as collective #{position + 1} on {comm.label}."
+    status_of = {r.comm_rank: ("diverged" if r in culprits else "waiting") for r in ranks}
+    return Finding(
+        verdict=Verdict.collective_mismatch,
+        summary=summary,
+        reason=f"Culprit because {how}.{skew_note}",
+        culprits=culprit_ids,
+        comm_key=comm.key,
+        comm_label=comm.label,
+        source=comm.source,
+        position=position + 1,
+        operation=operation,
+        evidence=tuple(evidence),
+        rows=_rows(comm, lambda r: (status_of.get(r.comm_rank, "?"), _at_text(r, position))),
+    )
+
+
+def _at_text(rank: RankView, position: int) -> str:
+    sig = rank.at(position)
+    return f"#{position + 1}: {sig.describe()}" if sig else f"did not reach #{position + 1}"
+
+
+def _behind(comm: CommView, ranks: list[RankView]) -> Finding | None:
+    totals = {r.comm_rank: r.total for r in ranks}
+    top = max(totals.values())
+    low = min(totals.values())
+    if top == low:
+        return None
+    culprits = [r for r in ranks if r.total == low]
+    ahead = max(ranks, key=lambda r: r.total)
+    missing = ahead.at(low)
+    operation = missing.describe() if missing else "?"
+    others_behind = [r for r in ranks if low < r.total < top]
+    ended = [r for r in culprits if r.end is not None]
+    summary = (
+        f"{_names(culprits)} never entered collective #{low + 1} ({operation}) on {comm.label}: "
+        f"{'they' if len(culprits) > 1 else 'it'} issued {low} collectives, {_names([ahead])} issued {top}."
+    )
+    reason = "Sequences agree up to there; the others wait in that collective for the ranks that never issued it."
+    if ended:
+        reason += f" {_names(ended)} shut the communicator down ({ended[0].end}) first."
+    if others_behind:
+        reason += f" {_names(others_behind)} are also behind, probably waiting on the culprit elsewhere."
+    evidence = [_op_evidence(comm, ahead, low, f"{_names([ahead])} issued {operation} as collective #{low + 1}")]
+    for r in culprits:
+        last = r.at(low - 1)
+        fact = f"{r.name}'s last collective is #{low}" + (f" ({last.describe()})" if last else "")
+        evidence.append(_op_evidence(comm, r, low - 1, fact) if low else Evidence(comm.source, f"{r.name} issued no collective"))
+    evidence += [Evidence(comm.source, f"{r.name} ended the communicator ({r.end})", r.end_cite) for r in ended]
+    return Finding(
+        verdict=Verdict.rank_behind,
+        summary=summary,
+        reason=reason,
+        culprits=tuple(sorted(_rank_id(r) for r in culprits)),
+        comm_key=comm.key,
+        comm_label=comm.label,
+        source=comm.source,
+        position=low + 1,
+        operation=operation,
+        evidence=tuple(evidence),
+        rows=_rows(comm, lambda r: ("behind" if r.total == low else "waiting" if r.total == top else "behind", f"issued {r.total}")),
+    )
+
+
+# --------------------------------------------------------------------------
+# 2. point-to-point, matched pairwise
+# --------------------------------------------------------------------------
+
+
+def check_point_to_point(comm: CommView) -> Finding | None:
+    """Sends r->p against recvs on p from r; NCCL logs only (Flight Recorder counts are relative)."""
+    if comm.source != "nccl_log":
+        return None
+    ranks = comm.by_comm_rank()
+    for sender in comm.ranks:
+        for peer, sends in sender.sent.items():
+            receiver = ranks.get(peer)
+            if receiver is None:
+                continue
+            recvs = receiver.received.get(sender.comm_rank, PeerView(0, 0, (), {}))
+            finding = _compare_pair(comm, sender, receiver, sends, recvs)
+            if finding is not None:
+                return finding
+    for receiver in comm.ranks:
+        for peer, recvs in receiver.received.items():
+            sender = ranks.get(peer)
+            if sender is not None and receiver.comm_rank not in sender.sent and recvs.count:
+                return _p2p_behind(comm, sender, receiver, "Send", 0, recvs.sigs[0] if recvs.sigs else None)
+    return None
+
+
+def _compare_pair(comm: CommView, sender: RankView, receiver: RankView, sends: PeerView, recvs: PeerView) -> Finding | None:
+    first = max(sends.base, recvs.base)
+    last = min(sends.count, recvs.count)
+    for index in range(first, last):
+        s, r = sends.sigs[index - sends.base], recvs.sigs[index - recvs.base]
+        if (s.count, s.dtype) != (r.count, r.dtype):
+            return Finding(
+                verdict=Verdict.collective_mismatch,
+                summary=(
+                    f"Point-to-point #{index + 1} from {sender.name} to {receiver.name} on {comm.label} does not match: "
+                    f"send count={s.count} dtype={s.dtype}, recv count={r.count} dtype={r.dtype}."
+                ),
+                reason="A send and its matching recv must agree on size and type.",
+                culprits=tuple(sorted({_rank_id(sender), _rank_id(receiver)})),
+                comm_key=comm.key,
+                comm_label=comm.label,
+                source=comm.source,
+                operation=s.describe(),
+                evidence=(
+                    _p2p_evidence(comm, sender, "Send", receiver.comm_rank, index, f"{sender.name} send #{index + 1}: {s.describe()}"),
+                    _p2p_evidence(comm, receiver, "Recv", sender.comm_rank, index, f"{receiver.name} recv #{index + 1}: {r.describe()}"),
+                ),
+            )
+    if sends.count > recvs.count:
+        sig = sends.sigs[recvs.count - sends.base] if recvs.count >= sends.base else None
+        return _p2p_behind(comm, receiver, sender, "Recv", recvs.count, sig)
+    if recvs.count > sends.count:
+        sig = recvs.sigs[sends.count - recvs.base] if sends.count >= recvs.base else None
+        return _p2p_behind(comm, sender, receiver, "Send", sends.count, sig)
+    return None
+
+
+def _p2p_evidence(comm: CommView, rank: RankView, kind: Literal["Send", "Recv"], peer: int, index: int, fact: str) -> Evidence:
+    ref = None
+    if rank.proc is not None and rank.comm_ptr is not None:
+        ref = OpRef(rank.file, rank.proc, rank.comm_ptr, kind, peer, index)
+    return Evidence(comm.source, fact, Citation(file=rank.file), ref)
+
+
+def _p2p_behind(
+    comm: CommView, culprit: RankView, waiter: RankView, missing_kind: Literal["Send", "Recv"], index: int, sig: OpSig | None
+) -> Finding:
+    theirs = "Recv" if missing_kind == "Send" else "Send"
+    direction = "to" if missing_kind == "Send" else "from"
+    return Finding(
+        verdict=Verdict.rank_behind,
+        summary=(
+            f"{culprit.name} never posted {missing_kind} #{index + 1} {direction} {waiter.name} on {comm.label}; "
+            f"{waiter.name} waits in its matching {theirs}."
+        ),
+        reason="Point-to-point operations are matched pairwise; the rank that has not posted its side is at fault.",
+        culprits=(_rank_id(culprit),),
+        comm_key=comm.key,
+        comm_label=comm.label,
+        source=comm.source,
+        operation=sig.describe() if sig else None,
+        evidence=(
+            _p2p_evidence(
+                comm, waiter, theirs, culprit.comm_rank, index, f"{waiter.name} posted {theirs} #{index + 1} ({sig.describe() if sig else '?'})"
+            ),
+        ),
+    )
+
+
+# --------------------------------------------------------------------------
+# 3. same operations everywhere: did the last one complete?
+# --------------------------------------------------------------------------
+
+
+def check_completion(comm: CommView) -> Finding:
+    ranks = list(comm.ranks)
+    total = max((r.total for r in ranks), default=0)
+    if ranks and all(r.end == "destroy" for r in ranks):
+        return Finding(
+            verdict=Verdict.no_hang,
+            summary=f"Every rank issued the same {total} collectives on {comm.label} and destroyed it cleanly.",
+            comm_key=comm.key,
+            comm_label=comm.label,
+            source=comm.source,
+            evidence=tuple(Evidence(comm.source, f"{r.name} destroyed the communicator", r.end_cite) for r in ranks[:4]),
+            rows=_rows(comm, lambda r: ("ok", "destroyed")),
+        )
+    if comm.source == "flight_recorder":
+        return _fr_completion(comm, ranks, total)
+    aborted = [r for r in ranks if r.end == "abort"]
+    if aborted:
+        return Finding(
+            verdict=Verdict.stuck_in_collective,
+            summary=(
+                f"Every rank issued the same {total} collectives on {comm.label}, and {_names(aborted)} aborted it: "
+                "an operation did not complete (PyTorch's watchdog aborts on timeout)."
+            ),
+            reason="Sequences agree; nothing in NCCL's log names a lead rank.",
+            comm_key=comm.key,
+            comm_label=comm.label,
+            source=comm.source,
+            position=total or None,
+            operation=(ranks[0].at(total - 1).describe() if total and ranks[0].at(total - 1) else None),
+            evidence=tuple(Evidence(comm.source, f"{r.name} aborted the communicator", r.end_cite) for r in aborted),
+            missing=("which rank stalled first: add Flight Recorder dumps, py-spy stacks or NVML samples",),
+        )
+    return Finding(
+        verdict=Verdict.inconclusive,
+        summary=f"Every rank issued the same {total} collectives on {comm.label}; the log does not say whether the last completed.",
+        reason="NCCL logs an operation when it is enqueued, never when it completes, and no rank shut the communicator down.",
+        comm_key=comm.key,
+        comm_label=comm.label,
+        source=comm.source,
+        missing=("completion state: a Flight Recorder dump, or the live watchdog's timing",),
+        rows=_rows(comm, lambda r: ("?", "no end line")),
+    )
+
+
+def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding:
+    pending = [r for r in ranks if r.completed is not None and r.completed < r.total]
+    if not pending:
+        return Finding(
+            verdict=Verdict.no_hang,
+            summary=f"Flight Recorder shows all {total} collectives on {comm.label} completed on every rank: nothing is pending.",
+            comm_key=comm.key,
+            comm_label=comm.label,
+            source=comm.source,
+            rows=_rows(comm, lambda r: ("ok", "all completed")),
+        )
+    position = min(r.completed or 0 for r in pending)
+    states = {r.comm_rank: r.state_at(position) for r in ranks}
+    not_started = [r for r in ranks if states[r.comm_rank] == OpState.scheduled]
+    started = [r for r in ranks if states[r.comm_rank] in (OpState.started, OpState.completed)]
+    lead = not_started if started and not_started else []
+    sig = pending[0].at(position)
+    evidence = [
+        _op_evidence(comm, r, position, f"{r.name}: collective #{position + 1} is {states[r.comm_rank] or 'absent'}") for r in ranks
+    ]
+    reason = (
+        f"{_names(lead)} never started the collective its peers are running (Flight Recorder: scheduled vs started)."
+        if lead
+        else "Every rank enqueued it and none finished; Flight Recorder does not say who is late."
+    )
+    return Finding(
+        verdict=Verdict.stuck_in_collective,
+        summary=f"Collective #{position + 1} ({sig.describe() if sig else '?'}) on {comm.label} was issued by every rank and never completed.",
+        reason=reason,
+        culprits=tuple(sorted(_rank_id(r) for r in lead)),
+        comm_key=comm.key,
+        comm_label=comm.label,
+        source=comm.source,
+        position=position + 1,
+        operation=sig.describe() if sig else None,
+        evidence=tuple(evidence),
+        missing=() if lead else ("which rank is late: 'started' states need TORCH_NCCL_ENABLE_TIMING=1; or add NVML samples / stacks",),
+        rows=_rows(comm, lambda r: (str(states[r.comm_rank] or "?"), f"completed {r.completed}")),
+    )
+
+
+def analyze_comm(comm: CommView) -> Finding:
+    return check_collectives(comm) or check_point_to_point(comm) or check_completion(comm)
+
+
+# --------------------------------------------------------------------------
+# the job
+# --------------------------------------------------------------------------
+
+
+def decide(snapshot: Snapshot) -> Finding:
+    findings = [analyze_comm(c) for c in snapshot.comms if c.ranks]
+    if not findings:
+        return _without_sequences(snapshot)
+    findings.sort(key=lambda f: (PRIORITY[f.verdict], f.source == "nccl_log", bool(f.culprits)), reverse=True)
+    best = findings[0]
+    corroborating = [
+        Evidence(f.source or "?", f"{f.comm_label}: {f.verdict.value}, culprits {list(f.culprits)} — {f.summary}")
+        for f in findings[1:]
+        if f.verdict in HANG_VERDICTS
+    ]
+    best = replace(best, evidence=best.evidence + tuple(corroborating[:8]))
+    if best.verdict == Verdict.rank_behind:
+        best = _upgrade_to_dead(snapshot, best)
+    if best.verdict == Verdict.stuck_in_collective and not best.culprits:
+        best = _lead_from_signatures(snapshot, best)
+    return _with_job_evidence(snapshot, best)
+
+
+def _dead_ranks(snapshot: Snapshot) -> dict[int, Evidence]:
+    """Ranks that died on their own: torchrun's summary (not its teardown SIGTERM), peers' logs."""
+    timed_out = {t.rank for t in snapshot.timeouts}
+    dead: dict[int, Evidence] = {}
+    for failure in snapshot.failures:
+        if failure.exitcode == -signal.SIGTERM or failure.rank in timed_out:
+            continue  # torchrun's teardown of healthy ranks, or PyTorch's abort after a timeout
+        if failure.root_cause or failure.exitcode != 0:
+            dead.setdefault(
+                failure.rank,
+                Evidence("torchrun", f"rank {failure.rank} exited with code {failure.exitcode} (pid {failure.pid})", failure.cite),
+            )
+    for closed in snapshot.peer_closed:
+        for comm in snapshot.comms:
+            comm_rank = comm.local_ranks.get((closed.proc.host, closed.local_rank))
+            rank = next((r for r in comm.ranks if r.comm_rank == comm_rank), None)
+            if rank is not None and rank.end is None:
+                dead.setdefault(
+                    _rank_id(rank),
+                    Evidence("nccl_log", f"a peer's NCCL proxy saw {rank.name}'s connection close (local rank {closed.local_rank})", closed.cite),
+                )
+    return dead
+
+
+def _upgrade_to_dead(snapshot: Snapshot, finding: Finding) -> Finding:
+    dead = _dead_ranks(snapshot)
+    if not finding.culprits or not all(r in dead for r in finding.culprits):
+        return finding
+    names = ", ".join(map(str, finding.culprits))
+    return replace(
+        finding,
+        verdict=Verdict.process_dead,
+        summary=f"Rank {names} died: " + finding.summary,
+        reason="The rank's process ended without shutting down NCCL, so its peers wait forever. " + finding.reason,
+        evidence=tuple(dead[r] for r in finding.culprits) + finding.evidence,
+    )
+
+
+def gpu_signature(util_pct: float | None, sm_util_pct: float | None) -> str:
+    """Name what a GPU is doing from NVML (see NCCL-FACTS.md, measured on H200)."""
+    if util_pct is None:
+        return "unknown"
+    if util_pct < 5:
+        return "idle"
+    if sm_util_pct is None:
+        return "kernel resident"
+    if sm_util_pct >= 5:
+        return "multi-block kernel (NCCL spin)"
+    return "1-block kernel"
+
+
+def _rank_signatures(snapshot: Snapshot) -> dict[int, tuple[str, Citation]]:
+    """Latest GPU signature per global rank, through the pid a GPU reports."""
+    rank_of_pid = {proc.pid: rank for proc, rank in snapshot.global_ranks.items()}
+    signatures: dict[int, tuple[str, Citation]] = {}
+    for snap in snapshot.gpus:
+        for gpu in snap.gpus:
+            sm = gpu.gpm.sm_util_pct if gpu.gpm else None
+            for process in gpu.processes:
+                rank = rank_of_pid.get(process.pid)
+                if rank is not None:
+                    signatures[rank] = (gpu_signature(gpu.util_gpu_pct, sm), snap.cite)
+    return signatures
+
+
+def _lead_from_signatures(snapshot: Snapshot, finding: Finding) -> Finding:
+    signatures = _rank_signatures(snapshot)
+    if len(signatures) < 2:
+        return finding
+    counts = Counter(sig for sig, _ in signatures.values())
+    (common, n_common), *rest = counts.most_common()
+    if not rest or n_common == rest[0][1]:
+        return finding
+    odd = sorted(r for r, (sig, _) in signatures.items() if sig != common)
+    cite = next(iter(signatures.values()))[1]
+    facts = tuple(
+        Evidence("nvml", f"rank {r}: GPU {sig}", c) for r, (sig, c) in sorted(signatures.items())
+    )
+    return replace(
+        finding,
+        culprits=tuple(odd),
+        reason=(
+            f"Every rank issued the same operations; the GPU of rank {', '.join(map(str, odd))} is doing something "
+            f"else ({signatures[odd[0]][0]}) while the others show '{common}': it is the lead."
+        ),
+        evidence=finding.evidence + facts,
+        missing=tuple(m for m in finding.missing if "which rank" not in m),
+    )
+    del cite
+
+
+def _with_job_evidence(snapshot: Snapshot, finding: Finding) -> Finding:
+    extra: list[Evidence] = []
+    for timeout in snapshot.timeouts[:8]:
+        extra.append(
+            Evidence(
+                "pytorch",
+                f"rank {timeout.rank}: PyTorch watchdog timed out in {timeout.op} (SeqNum {timeout.seq}) after {timeout.ran_ms} ms",
+                timeout.cite,
+            )
+        )
+    for warning in [w for w in snapshot.warnings if w.category != "other"][:8]:
+        extra.append(Evidence("nccl_log", f"NCCL WARN ({warning.category}): {warning.message[:200]}", warning.cite))
+    for report in snapshot.ras:
+        for comm in report.communicators:
+            if comm.status.upper() != "OK":
+                text = "; ".join(comm.messages[:3])
+                extra.append(Evidence("ras", f"RAS {comm.label or comm.comm_hash}: {comm.status}. {text}", report.cite))
+    return replace(finding, evidence=finding.evidence + tuple(extra))
+
+
+def _without_sequences(snapshot: Snapshot) -> Finding:
+    """No NCCL log and no Flight Recorder dump: RAS, torchrun or nothing."""
+    dead = _dead_ranks(snapshot)
+    if dead:
+        ranks = tuple(sorted(dead))
+        return Finding(
+            verdict=Verdict.process_dead,
+            summary=f"Rank {', '.join(map(str, ranks))} exited on its own; torchrun tore the job down.",
+            reason="torchrun's failure summary names it; no NCCL log or Flight Recorder dump was given to say more.",
+            culprits=ranks,
+            evidence=tuple(dead.values()),
+            missing=("NCCL logs or Flight Recorder dumps",),
+        )
+    for report in snapshot.ras:
+        for comm in report.communicators:
+            finding = _from_ras(report, comm)
+            if finding is not None:
+                return finding
+    return Finding(
+        verdict=Verdict.inconclusive,
+        summary="Nothing to align: no NCCL log, Flight Recorder dump or RAS report with operation counts was found.",
+        missing=("NCCL debug files (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL)", "Flight Recorder dumps", "an NCCL RAS report"),
+    )
+
+
+def _from_ras(report, comm) -> Finding | None:  # type: ignore[no-untyped-def]
+    from .parsing.ras import ras_outliers
+
+    outliers = ras_outliers(comm)
+    if not outliers:
+        return None
+    ranks = tuple(sorted(outliers))
+    return Finding(
+        verdict=Verdict.collective_mismatch if comm.status.upper() == "MISMATCH" else Verdict.rank_behind,
+        summary=f"NCCL RAS reports {comm.status} on communicator {comm.comm_hash or comm.label}: "
+        + "; ".join(f"rank {r}: {why}" for r, why in sorted(outliers.items())),
+        reason="RAS counts each rank's launched collectives; these ranks differ from the majority.",
+        culprits=ranks,
+        comm_key=comm.comm_hash,
+        comm_label=comm.label or comm.comm_hash,
+        source="ras",
+        evidence=tuple(Evidence("ras", m, report.cite) for m in comm.messages[:6]),
+        missing=("NCCL logs or Flight Recorder dumps, to name the operation and its position",),
+    )

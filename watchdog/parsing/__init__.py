@@ -1,0 +1,54 @@
+"""Pure parsers, one per wire format, and the content sniffer that picks them.
+
+A file's type is decided by its content, never its name: NCCL debug files
+are named ``<host>.<pid>`` with any suffix, Flight Recorder dumps
+``<prefix><rank>``, and people rename everything.  A text file may be two
+things at once (NCCL's lines inside a worker's stderr next to PyTorch's
+timeout message), so every text kind whose markers appear is applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..types import Event
+from .flight_recorder import looks_like_flight_recorder, parse_flight_recorder
+from .nccl_log import NcclLogParser, looks_like_nccl_log
+from .nvml import looks_like_nvml, parse_nvml
+from .pyspy import looks_like_pyspy, parse_pyspy
+from .ras import looks_like_ras, parse_ras
+from .torch_log import looks_like_torch_log, parse_torch_log
+
+SNIFF_BYTES = 1 << 20  # NCCL lines can start late in a worker's stderr
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    looks_like: Callable[[bytes], bool]
+    parse: Callable[[bytes, str], list[Event]] | None  # None: streamed (see NcclLogParser)
+
+
+# Binary and JSON formats first: a file that is one of them is nothing else.
+EXCLUSIVE = (
+    Format("flight_recorder", looks_like_flight_recorder, parse_flight_recorder),
+    Format("py-spy", looks_like_pyspy, parse_pyspy),
+    Format("nvml", looks_like_nvml, parse_nvml),
+    Format("ras", looks_like_ras, parse_ras),
+)
+TEXT = (
+    Format("nccl_log", looks_like_nccl_log, None),
+    Format("torch_log", looks_like_torch_log, parse_torch_log),
+)
+
+
+def sniff(head: bytes) -> list[Format]:
+    """The formats a file's first bytes show; empty when none."""
+    for fmt in EXCLUSIVE:
+        if fmt.looks_like(head):
+            return [fmt]
+    return [fmt for fmt in TEXT if fmt.looks_like(head)]
+
+
+__all__ = ["EXCLUSIVE", "TEXT", "Format", "NcclLogParser", "SNIFF_BYTES", "sniff"]

@@ -1,0 +1,714 @@
+"""NCCL RAS status reports (text, and JSON from 2.28.7) -> ``RasReport`` events.
+
+NCCL's RAS thread answers ``STATUS`` / ``VERBOSE STATUS`` on 127.0.0.1:28028;
+the formats below are those printed by ``src/ras/client_support.cc``
+(read at 2.29.2 and 2.32.3, plus a 2.24-era copy; 2.28.x was not available):
+
+Text::
+
+    NCCL version 2.28.9 compiled with CUDA 13.0          (no +cudaX suffix here)
+    CUDA runtime version 13000, driver version 13000
+    Job summary / =========== / a node-process-GPU table
+    Communicators... (0.002s)                            (%.2f before 2.26)
+    Group     Comms     Nodes     Ranks     Ranks     Ranks    Status  Errors
+        0         1         1         4         4         4   RUNNING  MISMATCH
+    Errors / ======     job blocks INCOMPLETE, DEAD; comm blocks "#g-i (hash) INCOMPLETE|ERROR"
+    Warnings / ======== job block TIMEOUT; comm blocks "#g-i (hash) MISMATCH"
+
+Only communicators with a problem get a ``#g-i`` block; the others exist only
+as summary-table rows, so OK communicators get synthesised labels ``#g-i``
+(NCCL numbers them the same way) and no hash.
+
+JSON (``SET FORMAT json``)::
+
+    {"nccl_version", "cuda_runtime_version", "cuda_driver_version", "timestamp",
+     "communicators_count", "communicators": [{"hash": "0x..", "secondary_hash",
+     "size", "ranks_count", "missing_ranks_count",
+     "ranks": [{rank, host, pid, cuda_dev, nvml_dev, status{init_state, async_error,
+                finalize_called, destroy_flag, abort_flag}, collective_counts{Op: n}}],
+     "missing_ranks": [{rank, host, pid, cuda_dev, nvml_dev,
+                        status{unresponsive, considered_dead}}]}],
+     "ras": {"collection_time_sec", "timeouts_count"}}
+
+Failure modes (nothing here raises): empty, binary or unrelated input, a
+server ``ERROR:`` reply, or a text report cut before its table ->
+``Unusable``.  Malformed JSON (seen on NCCL 2.28.9) is repaired or salvaged
+and returned *with* an ``Unusable`` note saying what was lost.  Every
+counter is host-side (operations *launched*, not completed) and per
+collective type; RAS has no p2p counts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from ..types import Citation, Event, RasCommunicator, RasRank, RasReport, Unusable
+
+MALFORMED_JSON_REASON = "malformed RAS JSON (known on NCCL 2.28.9); capture the text report too"
+
+# Rank status words.  NCCL's own: NOCOMM (2.26+; UNKNOWN before) INIT RUNNING
+# FINALIZE ABORT.  Ours: MISSING (did not answer RAS), DEAD (RAS gave up on the
+# process), "ERROR: <NCCL error text> (<phase>)".
+MISSING, DEAD = "MISSING", "DEAD"
+_STATUS_RANK = {DEAD: 4, MISSING: 3}  # higher wins when sections disagree; ERROR: 2, others 1
+_ERROR_ORDER = ("INCOMPLETE", "ERROR", "MISMATCH")  # NCCL's errorStr order
+_NCCL_ERRORS = {1: "Unhandled CUDA error", 2: "System error", 3: "Internal error", 4: "Invalid argument",
+                5: "Invalid usage", 6: "Remote process error"}  # 0 success, 7 in progress: not errors
+
+_SNIFF = (
+    re.compile(rb"^NCCL version \S+ compiled with CUDA", re.M),
+    re.compile(rb"^Communicators\.\.\.", re.M),
+    re.compile(rb"^Group +Comms +Nodes +Ranks", re.M),
+    re.compile(rb"^#\d+-\d+ \([0-9a-f]{16}\) (?:INCOMPLETE|ERROR|MISMATCH)", re.M),
+    re.compile(rb'"nccl_version"\s*:\s*"[^"]*"\s*,\s*"cuda_runtime_version"'),
+    re.compile(rb'"communicators"\s*:\s*\[\s*\{\s*"hash"\s*:\s*"0x'),
+)
+_PROTOCOL_LINE = re.compile(r"(?:SERVER PROTOCOL \d+|OK)\r?\n")
+_JSON_START = re.compile(r'\{\s*"nccl_version"')
+
+
+def looks_like_ras(head: bytes) -> bool:
+    """Cheap sniff of the first bytes.  Never raises.
+
+    Trap: an NCCL debug log also says ``NCCL version 2.28.9+cuda13.0``; only
+    the RAS header has ``compiled with CUDA`` right after the version.
+    """
+    try:
+        return any(p.search(head) for p in _SNIFF)
+    except Exception:  # noqa: BLE001 - a sniffer must never take ingestion down
+        return False
+
+
+def normalize_comm_hash(value: object) -> str | None:
+    """``0x93c3...``, ``93c3...`` or an int -> 16 lowercase hex digits, else None.
+
+    Trap: the text report prints ``%016lx`` (zero-padded, no 0x), the JSON and
+    NCCL's debug log ``0x%lx`` (not padded): normalise both sides before joining.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:016x}" if 0 <= value < 1 << 64 else None
+    if not isinstance(value, str):
+        return None
+    text = value.strip().lower().removeprefix("0x")
+    if not text or len(text) > 16 or any(c not in "0123456789abcdef" for c in text):
+        return None
+    return text.rjust(16, "0")
+
+
+def parse_ras(data: bytes, name: str) -> list[Event]:
+    """A captured RAS reply (text or JSON) -> ``[RasReport]`` or ``[Unusable]``.
+
+    A repaired or salvaged JSON gives ``[RasReport, Unusable(note)]``: the
+    report holds what survived, the note what was lost.  Never raises.
+    """
+    cite = Citation(file=name)
+    try:
+        return _parse_ras(data, name, cite)
+    except Exception as exc:  # noqa: BLE001 - a bad capture must not stop the watchdog
+        return [Unusable(reason=f"RAS parser failed: {type(exc).__name__}: {exc}", cite=cite)]
+
+
+def _parse_ras(data: bytes, name: str, cite: Citation) -> list[Event]:
+    if not data or not data.strip():
+        return [Unusable(reason="empty RAS capture (no report: RAS disabled, job gone, or query timed out)", cite=cite)]
+    if _looks_binary(data[:4096]):
+        return [Unusable(reason="not a RAS report (binary data)", cite=cite)]
+    text = data.decode("utf-8", errors="replace").replace("\x00", "")
+    # Trap: a raw socket capture starts with the handshake answers
+    # ("SERVER PROTOCOL 2", "OK" for TIMEOUT / SET FORMAT); drop them.
+    while (m := _PROTOCOL_LINE.match(text.lstrip())) is not None:
+        text = text.lstrip()[m.end():]
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    if first.startswith(("ERROR:", "BUSY:")):
+        return [Unusable(reason=f"RAS server refused the query: {first.strip()}", cite=cite)]
+    start = _json_start(text)
+    if start is not None:
+        return _parse_json_text(text, start, name, cite)
+    if _is_text_report(text):
+        return parse_ras_text(text, name)
+    if not text.strip():
+        return [Unusable(reason="RAS server answered the handshake but sent no report", cite=cite)]
+    return [Unusable(reason="not a NCCL RAS status report (no RAS header, table or JSON keys)", cite=cite)]
+
+
+def _looks_binary(head: bytes) -> bool:
+    if b"\x00" in head:
+        return True
+    text = head.decode("utf-8", errors="replace")
+    odd = sum(1 for c in text if c == "\ufffd" or (ord(c) < 32 and c not in "\r\n\t"))
+    return odd > max(8, len(text) // 20)
+
+
+def _json_start(text: str) -> int | None:
+    """Where the RAS JSON document starts, or None for a text report."""
+    stripped = text.lstrip()
+    if stripped.startswith("{"):
+        return len(text) - len(stripped)
+    # Trap: the JSON may follow text (a port that prints the text banner first).
+    m = _JSON_START.search(text)
+    return m.start() if m else None
+
+
+def _is_text_report(text: str) -> bool:
+    return any(p.search(text.encode("utf-8", errors="replace")) for p in _SNIFF[:4])
+
+
+# --------------------------------------------------------------------------
+# Text report
+# --------------------------------------------------------------------------
+
+_GPU = r"(?:GPU (?P<gpu>\d+)(?: \(NVML \d+\))? managed by process (?P<pid>\d+) on node (?P<host>\S*)|\[process information not found\])"
+_R = {
+    "version": re.compile(r"^NCCL version (\S+) compiled with CUDA"),
+    "row": re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+(?:-\d+)?)\s+(\d+)\s+(\d+)\s+([A-Z]+)\s+([A-Z,]+)\s*$"),
+    "comm": re.compile(r"^#(\d+)-(\d+) \(([0-9a-fA-F]+)\) (INCOMPLETE|ERROR|MISMATCH)\s*$"),
+    "job": re.compile(r"^(INCOMPLETE|DEAD|TIMEOUT)\s*$"),
+    "process": re.compile(r"^Process (\d+) on node (\S*) managing GPUs? (.+)$"),
+    "diff_ops": re.compile(r"^Communicator ranks have different (\w+) operation counts$"),
+    "diff_status": re.compile(r"^Communicator ranks have different status$"),
+    "group_ops": re.compile(r"^(\d+) ranks have (?:launched up to operation (\d+)|not launched any operations)$"),
+    "group_status": re.compile(r"^(\d+) ranks have status (\w+)$"),
+    "group_error": re.compile(r"^(\d+) ranks reported (.+)$"),
+    "phase": re.compile(r"^(Initialization|Asynchronous) errors? on \d+ ranks?$"),
+    "missing": re.compile(r"^Missing communicator data from \d+ ranks?$"),
+    "rank": re.compile(rf"^Rank (?P<rank>\d+) -- {_GPU}$"),
+    "rank_ops": re.compile(rf"^Rank (?P<rank>\d+) has (?:launched up to operation (?P<value>\d+)|not launched any operations) -- {_GPU}$"),
+    "rank_status": re.compile(rf"^Rank (?P<rank>\d+) has status (?P<status>\w+)(?: -- {_GPU})?$"),
+    "rank_error": re.compile(rf"^Rank (?P<rank>\d+) reported (?P<error>.+?) -- {_GPU}$"),
+    "rank_list": re.compile(r"^The (missing|unknown) ranks?: ([\d,]+)$"),  # 2.24/2.25 only
+}
+
+
+@dataclass
+class _CommAcc:
+    label: str
+    comm_hash: str | None = None
+    kinds: list[str] = field(default_factory=list)
+    ranks: dict[int, dict] = field(default_factory=dict)
+    messages: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _TextState:
+    version: str | None = None
+    rows: list[tuple] = field(default_factory=list)
+    no_comms: bool = False
+    saw_warnings: bool = False
+    comms: dict[str, _CommAcc] = field(default_factory=dict)
+    job: str | None = None  # current job-level block
+    comm: _CommAcc | None = None  # current communicator block
+    ctx: tuple[str, object] | None = None  # what a bare "Rank r -- GPU ..." line belongs to
+    job_messages: list[str] = field(default_factory=list)
+    dead: set[tuple[str, int]] = field(default_factory=set)
+
+
+def parse_ras_text(text: str, name: str = "ras.txt") -> list[Event]:
+    """A RAS text report -> ``[RasReport(format="text")]`` (+ a note when cut short).
+
+    Failure modes: no summary table (truncated: the query timed out or the
+    connection closed early) -> ``[Unusable]``, because an empty report would
+    read as "nothing wrong".  Table but no ``Warnings`` section -> the report
+    plus an ``Unusable`` note (mismatch details may be missing).
+    """
+    cite = Citation(file=name)
+    state = _TextState()
+    for line in text.splitlines():
+        _scan_line(state, line.rstrip())
+    if not state.rows and not state.comms and not state.no_comms:
+        got = f"NCCL {state.version} " if state.version else ""
+        return [Unusable(reason=f"RAS {got}text report has no communicator table (truncated or not a STATUS reply)",
+                         cite=cite)]
+    report = RasReport(format="text", nccl_version=state.version, communicators=_text_comms(state), cite=cite)
+    if state.saw_warnings:
+        return [report]
+    return [report, Unusable(reason="RAS text report ends before its Warnings section (truncated): "
+                                    "MISMATCH details may be missing", cite=cite)]
+
+
+def _scan_line(state: _TextState, line: str) -> None:
+    """Feed one line; headings switch block, indented lines are block details."""
+    if not line.strip() or set(line.strip()) == {"="}:
+        return
+    if line.startswith(" ") and (state.comm is not None or state.job is not None):
+        _scan_detail(state, line.strip())
+        return
+    if m := _R["version"].match(line):
+        state.version = m.group(1)
+    elif line.startswith("No communicator data collected!"):
+        state.no_comms = True
+    elif line.startswith(("Errors", "Warnings")):
+        state.saw_warnings |= line.startswith("Warnings")
+        state.job, state.comm, state.ctx = None, None, None
+    elif m := _R["comm"].match(line):
+        label = f"#{m.group(1)}-{m.group(2)}"
+        acc = state.comms.setdefault(label, _CommAcc(label=label))
+        acc.comm_hash = normalize_comm_hash(m.group(3))
+        if m.group(4) not in acc.kinds:
+            acc.kinds.append(m.group(4))
+        state.job, state.comm = None, acc
+        state.ctx = ("missing", None) if m.group(4) == "INCOMPLETE" else None
+    elif m := _R["job"].match(line):
+        state.job, state.comm, state.ctx = m.group(1), None, None
+    elif m := _R["row"].match(line):
+        state.rows.append(m.groups())
+
+
+def _scan_detail(state: _TextState, line: str) -> None:
+    """One indented sentence of a block: keep it, and pull out rank facts.
+
+    Trap: a bare ``Rank r -- GPU ...`` line carries no value of its own; it
+    belongs to the group sentence printed just before it (``N ranks have
+    launched up to operation V``, ``N ranks have status S``, ...).
+    """
+    if state.job is not None:
+        state.job_messages.append(f"{state.job}: {line}")
+        if state.job == "DEAD" and (m := _R["process"].match(line)):
+            state.dead.add((m.group(2), int(m.group(1))))
+        return
+    acc = state.comm
+    acc.messages.append(line)
+    if m := _R["diff_ops"].match(line):
+        op = m.group(1)
+        state.ctx = ("ops", "Collective" if op == "collective" else op)  # 2.24/2.25 sum all types
+    elif _R["diff_status"].match(line):
+        state.ctx = ("status", None)
+    elif (m := _R["group_ops"].match(line)) and state.ctx and state.ctx[0] in ("ops", "ops_value"):
+        state.ctx = ("ops_value", (_ctx_op(state.ctx), int(m.group(2) or 0)))
+    elif m := _R["group_status"].match(line):
+        state.ctx = ("status_value", m.group(2))
+    elif m := _R["phase"].match(line):
+        state.ctx = ("phase", m.group(1).lower())
+    elif (m := _R["group_error"].match(line)) and state.ctx and state.ctx[0] in ("phase", "error"):
+        state.ctx = ("error", (_ctx_phase(state.ctx), m.group(2)))
+    elif _R["missing"].match(line):
+        state.ctx = ("missing", None)
+    else:
+        _scan_rank_line(state, acc, line)
+
+
+def _ctx_op(ctx: tuple[str, object]) -> str:
+    return ctx[1] if ctx[0] == "ops" else ctx[1][0]  # type: ignore[index]
+
+
+def _ctx_phase(ctx: tuple[str, object]) -> str:
+    return ctx[1] if ctx[0] == "phase" else ctx[1][0]  # type: ignore[index]
+
+
+def _scan_rank_line(state: _TextState, acc: _CommAcc, line: str) -> None:
+    ctx = state.ctx or ("", None)
+    if m := _R["rank_ops"].match(line):
+        op = _ctx_op(ctx) if ctx[0] in ("ops", "ops_value") else "Collective"
+        _put_rank(acc, m, counts={op: int(m.group("value") or 0)})
+    elif m := _R["rank_status"].match(line):
+        _put_rank(acc, m, status=m.group("status"))
+    elif m := _R["rank_error"].match(line):
+        _put_rank(acc, m, status=f"ERROR: {m.group('error')} ({_ctx_phase(ctx) if ctx[0] in ('phase', 'error') else 'unknown phase'})")
+    elif m := _R["rank"].match(line):
+        kind, value = ctx
+        if kind == "ops_value":
+            _put_rank(acc, m, counts={value[0]: value[1]})
+        elif kind == "status_value":
+            _put_rank(acc, m, status=value)
+        elif kind == "error":
+            _put_rank(acc, m, status=f"ERROR: {value[1]} ({value[0]})")
+        elif kind == "missing":
+            _put_rank(acc, m, status=MISSING)
+        else:
+            _put_rank(acc, m)
+    elif m := _R["rank_list"].match(line):
+        status = MISSING if m.group(1) == "missing" else "UNKNOWN"
+        for rank in m.group(2).split(","):
+            if rank:
+                _merge_rank(acc.ranks, int(rank), status=status)
+
+
+def _put_rank(acc: _CommAcc, m: re.Match, **facts) -> None:
+    gpu, pid, host = m.groupdict().get("gpu"), m.groupdict().get("pid"), m.groupdict().get("host")
+    _merge_rank(acc.ranks, int(m.group("rank")), host=host or None, pid=int(pid) if pid else None,
+                cuda_dev=int(gpu) if gpu else None, **facts)
+
+
+def _merge_rank(ranks: dict[int, dict], rank: int, *, status: str | None = None,
+                counts: dict[str, int] | None = None, **ident) -> None:
+    """Merge what one section says about a rank into what others said."""
+    rec = ranks.setdefault(rank, {"rank": rank, "collective_counts": {}})
+    for key, value in ident.items():
+        if value is not None and rec.get(key) is None:
+            rec[key] = value
+    if status is not None and _status_rank(status) >= _status_rank(rec.get("status")):
+        rec["status"] = status
+    rec["collective_counts"].update(counts or {})
+
+
+def _status_rank(status: str | None) -> int:
+    if status is None:
+        return 0
+    return _STATUS_RANK.get(status, 2 if status.startswith("ERROR") else 1)
+
+
+def _text_comms(state: _TextState) -> list[RasCommunicator]:
+    """Table rows x comm blocks -> one ``RasCommunicator`` per communicator."""
+    table: dict[str, tuple] = {}
+    for group, n_comms, nodes, per_node, nranks, _in_group, status, errors in state.rows:
+        for index in range(int(n_comms)):
+            table[f"#{group}-{index}"] = (int(nranks), status, errors, nodes, per_node)
+    comms = []
+    for label in sorted(set(table) | set(state.comms), key=_label_key):
+        acc = state.comms.get(label) or _CommAcc(label=label)
+        nranks, life, errors, nodes, per_node = table.get(label, (None, None, None, None, None))
+        status = errors or ",".join(k for k in _ERROR_ORDER if k in acc.kinds) or "UNKNOWN"
+        messages = list(acc.messages)
+        if life is not None:
+            messages.insert(0, f"Status {life} (summary table: {nodes} node(s), {per_node} rank(s) per node)")
+        for rec in acc.ranks.values():  # a missing rank whose process RAS declared dead
+            if rec.get("status") == MISSING and (rec.get("host"), rec.get("pid")) in state.dead:
+                rec["status"] = DEAD
+        ranks = [RasRank(**rec) for _, rec in sorted(acc.ranks.items())]
+        comms.append(RasCommunicator(comm_hash=acc.comm_hash, label=label, nranks=nranks, status=status,
+                                     ranks=ranks, messages=messages))
+    return _attach_job_messages(comms, state.job_messages)
+
+
+def _label_key(label: str) -> tuple[int, int]:
+    group, _, index = label[1:].partition("-")
+    return int(group), int(index)
+
+
+def _attach_job_messages(comms: list[RasCommunicator], job: list[str]) -> list[RasCommunicator]:
+    """Job-level sentences (INCOMPLETE/DEAD/TIMEOUT) have no communicator of their own.
+
+    They go to every communicator that is not OK (all of them if none is); with
+    no communicator at all, to a stand-in labelled ``job`` so they are not lost.
+    """
+    if not job:
+        return comms
+    if not comms:
+        kinds = ",".join(dict.fromkeys(m.split(":", 1)[0] for m in job))
+        return [RasCommunicator(label="job", status=kinds, messages=list(job))]
+    targets = {id(c) for c in comms if c.status != "OK"} or {id(c) for c in comms}
+    return [c.model_copy(update={"messages": c.messages + job}) if id(c) in targets else c for c in comms]
+
+
+# --------------------------------------------------------------------------
+# JSON report
+# --------------------------------------------------------------------------
+
+
+def parse_ras_json(obj: object, name: str = "ras.json") -> list[Event]:
+    """A decoded RAS JSON document -> ``[RasReport(format="json")]``.
+
+    Failure modes: not a RAS STATUS document (e.g. a MONITOR event) ->
+    ``[Unusable]``; a communicator or rank record of the wrong shape is
+    skipped, with an ``Unusable`` note.  Fewer records than the counts NCCL
+    announced (``ranks_count``...) marks the communicator ``PARTIAL``.
+    """
+    cite = Citation(file=name)
+    if not isinstance(obj, dict) or not isinstance(obj.get("communicators"), list):
+        what = "a RAS MONITOR event" if isinstance(obj, dict) and "event" in obj else "no 'communicators' list"
+        return [Unusable(reason=f"not a RAS STATUS JSON report ({what})", cite=cite)]
+    comms, skipped = [], 0
+    for raw in obj["communicators"]:
+        comm = _json_comm(raw) if isinstance(raw, dict) else None
+        skipped += comm is None
+        if comm is not None:
+            comms.append(comm)
+    job = []
+    ras = obj.get("ras") if isinstance(obj.get("ras"), dict) else {}
+    if _int(ras.get("timeouts_count")):
+        job.append(f"TIMEOUT: Encountered {ras['timeouts_count']} communication timeout(s) while gathering "
+                   "communicator data")
+    version = obj.get("nccl_version") if isinstance(obj.get("nccl_version"), str) else None
+    events: list[Event] = [RasReport(format="json", nccl_version=version,
+                                     communicators=_attach_job_messages(comms, job), cite=cite)]
+    announced = _int(obj.get("communicators_count"))
+    if skipped or (announced is not None and announced > len(comms)):
+        events.append(Unusable(reason=f"RAS JSON: {len(comms)} of {announced or len(comms) + skipped} "
+                                      "communicators readable", cite=cite))
+    return events
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _json_comm(raw: dict) -> RasCommunicator | None:
+    """One JSON communicator; status computed as NCCL's text report would."""
+    present = [r for r in raw.get("ranks") or [] if isinstance(r, dict) and _int(r.get("rank")) is not None]
+    absent = [r for r in raw.get("missing_ranks") or [] if isinstance(r, dict) and _int(r.get("rank")) is not None]
+    if not present and not absent and "hash" not in raw:
+        return None
+    ranks = [_json_rank(r) for r in present] + [_json_missing_rank(r) for r in absent]
+    errors, messages = set(), []
+    lost = [r for r in ranks if r.status in (MISSING, DEAD)]
+    if lost:
+        errors.add("INCOMPLETE")
+        messages.append(f"Missing communicator data from {len(lost)} rank{'s' if len(lost) > 1 else ''}")
+    words = {_lifecycle(r.get("status")) for r in present} | {"NOCOMM" for r in ranks if r.status == "NOCOMM"}
+    if len(words) > 1:
+        errors.add("MISMATCH")
+        messages.append("Communicator ranks have different status")
+    for op in dict.fromkeys(op for r in ranks for op in r.collective_counts):
+        if len({r.collective_counts.get(op) for r in ranks if r.collective_counts}) > 1:
+            errors.add("MISMATCH")
+            messages.append(f"Communicator ranks have different {op} operation counts")
+    for r in ranks:
+        if r.status and r.status.startswith("ERROR"):
+            errors.add("ERROR")
+            messages.append(f"Rank {r.rank} reported {r.status.removeprefix('ERROR: ')}")
+    status = ",".join(k for k in _ERROR_ORDER if k in errors) or "OK"
+    partial = _partial(raw, present, absent)
+    if partial:
+        status = "PARTIAL" if status == "OK" else f"{status},PARTIAL"
+        messages.append(partial)
+    return RasCommunicator(comm_hash=normalize_comm_hash(raw.get("hash")), nranks=_int(raw.get("size")),
+                           status=status, ranks=sorted(ranks, key=lambda r: r.rank), messages=messages)
+
+
+def _partial(raw: dict, present: list, absent: list) -> str | None:
+    want_present, want_absent = _int(raw.get("ranks_count")), _int(raw.get("missing_ranks_count"))
+    if want_present is None and want_absent is None and present:
+        return None
+    if (want_present or 0) <= len(present) and (want_absent or 0) <= len(absent) and "hash" in raw:
+        return None
+    return (f"RAS JSON cut short: {len(present)} of {want_present if want_present is not None else '?'} rank "
+            f"records and {len(absent)} of {want_absent if want_absent is not None else '?'} missing-rank records "
+            "survived; absent ranks are unknown, not missing")
+
+
+def _lifecycle(status: object) -> str:
+    """NCCL's per-rank status word from the JSON status object."""
+    s = status if isinstance(status, dict) else {}
+    if s.get("abort_flag"):
+        return "ABORT"
+    if s.get("finalize_called") or s.get("destroy_flag"):
+        return "FINALIZE"
+    return "RUNNING" if s.get("init_state", 0) == 0 else "INIT"
+
+
+def _json_rank(raw: dict) -> RasRank:
+    status = raw.get("status") if isinstance(raw.get("status"), dict) else {}
+    word = _lifecycle(status)
+    for phase, key in (("initialization", "init_state"), ("asynchronous", "async_error")):
+        code = _int(status.get(key))
+        if code not in (None, 0, 7):  # 7 = ncclInProgress
+            word = f"ERROR: {_NCCL_ERRORS.get(code, 'Unexpected error')} ({phase})"
+    counts = raw.get("collective_counts") if isinstance(raw.get("collective_counts"), dict) else {}
+    return RasRank(rank=raw["rank"], status=word, collective_counts={k: v for k, v in counts.items() if _int(v) is not None},
+                   **_json_ident(raw))
+
+
+def _json_missing_rank(raw: dict) -> RasRank:
+    status = raw.get("status") if isinstance(raw.get("status"), dict) else {}
+    # Trap: a missing rank that *did* answer is not lost: its process no longer
+    # considers itself a member (mid-destroy) - NCCL calls that NOCOMM.
+    word = DEAD if status.get("considered_dead") else MISSING if status.get("unresponsive", True) else "NOCOMM"
+    return RasRank(rank=raw["rank"], status=word, **_json_ident(raw))
+
+
+def _json_ident(raw: dict) -> dict:
+    host = raw.get("host")
+    pid, cuda = _int(raw.get("pid")), _int(raw.get("cuda_dev"))
+    return {"host": host if isinstance(host, str) and host not in ("", "unknown") else None,
+            "pid": pid if pid is not None and pid >= 0 else None, "cuda_dev": cuda}
+
+
+# --------------------------------------------------------------------------
+# Malformed JSON: repair, salvage, or give up
+# --------------------------------------------------------------------------
+
+
+def _parse_json_text(text: str, start: int, name: str, cite: Citation) -> list[Event]:
+    """Strict parse, else repair, else salvage rank records, else the text before it."""
+    body = text[start:]
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(body)  # trailing bytes after the document are ignored
+        return parse_ras_json(obj, name)
+    except ValueError:
+        pass
+    repaired, fixes = _repair_json(body)
+    try:
+        events = parse_ras_json(json.loads(repaired), name)
+        if isinstance(events[0], RasReport):
+            note = f"{MALFORMED_JSON_REASON}; repaired ({', '.join(fixes) or 'no change'})"
+            return events + [Unusable(reason=note, cite=cite)]
+    except ValueError:
+        pass
+    salvaged = _salvage_json(body)
+    if salvaged["communicators"]:
+        events = parse_ras_json(salvaged, name)
+        return events + [Unusable(reason=f"{MALFORMED_JSON_REASON}; salvaged rank records only", cite=cite)]
+    if _is_text_report(text[:start]):
+        events = parse_ras_text(text[:start], name)
+        if isinstance(events[0], RasReport):
+            return events + [Unusable(reason=f"{MALFORMED_JSON_REASON}; used the text report before it", cite=cite)]
+    return [Unusable(reason=MALFORMED_JSON_REASON, cite=cite)]
+
+
+_TRAILING_COMMA = re.compile(r",(\s*[\]}])")
+_MISSING_COMMA = re.compile(r"([}\]])(\s*)(?=[{\[\"])")
+_CLOSER = {"{": "}", "[": "]"}
+
+
+def _repair_json(body: str) -> tuple[str, list[str]]:
+    """Lenient fixes for the breakages seen in RAS JSON; returns (text, what was done).
+
+    Trailing commas, missing commas between records, stray or missing closing
+    brackets, and truncation (cut back to the last complete value, then close
+    what is open).
+    """
+    fixes = []
+    text, n = _TRAILING_COMMA.subn(r"\1", body)
+    if n:
+        fixes.append(f"removed {n} trailing comma(s)")
+    text, n = _MISSING_COMMA.subn(r"\1,\2", text)
+    if n:
+        fixes.append(f"inserted {n} missing comma(s)")
+    out, stack, cut, in_str, esc = [], [], 0, False, False
+    for ch in text:
+        if in_str:
+            in_str, esc = (ch != '"' or esc), (ch == "\\" and not esc)
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            stack.append(ch)
+        elif ch in "}]":
+            if ch not in (_CLOSER.get(s) for s in stack):
+                fixes.append(f"dropped a stray '{ch}'")
+                continue
+            while _CLOSER[stack[-1]] != ch:  # bad nesting: close what was left open
+                out.append(_CLOSER[stack.pop()])
+                fixes.append("closed a bracket left open")
+            stack.pop()
+        out.append(ch)
+        if not in_str and ch in "{[}],":
+            cut = len(out)
+        if not stack and ch == "}":
+            break
+    if stack or in_str:
+        kept = "".join(out[:cut]).rstrip().rstrip(",")
+        return kept + "".join(_CLOSER[c] for c in reversed(_open_brackets(kept))), fixes + ["closed a truncated document"]
+    return "".join(out), fixes
+
+
+def _open_brackets(text: str) -> list[str]:
+    stack, in_str, esc = [], False, False
+    for ch in text:
+        if in_str:
+            in_str, esc = (ch != '"' or esc), (ch == "\\" and not esc)
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            stack.append(ch)
+        elif ch in "}]" and stack:
+            stack.pop()
+    return stack
+
+
+_RANK_OBJ = re.compile(r'\{\s*"rank"\s*:')
+_COMM_HASH = re.compile(r'"hash"\s*:\s*"(0x[0-9a-fA-F]+)"')
+_MISSING_LIST = re.compile(r'"missing_ranks"\s*:\s*\[')
+_VERSION = re.compile(r'"nccl_version"\s*:\s*"([^"]*)"')
+
+
+def _salvage_json(body: str) -> dict:
+    """Last resort: decode each ``{"rank": ...}`` record on its own.
+
+    A record goes to the communicator whose ``"hash"`` precedes it, and into
+    ``missing_ranks`` when a ``"missing_ranks": [`` lies between the two.
+    """
+    decoder, comms = json.JSONDecoder(), {}
+    hashes = [(m.start(), m.group(1)) for m in _COMM_HASH.finditer(body)]
+    missing_at = [m.start() for m in _MISSING_LIST.finditer(body)]
+    for m in _RANK_OBJ.finditer(body):
+        try:
+            record, _ = decoder.raw_decode(_TRAILING_COMMA.sub(r"\1", body[m.start():m.start() + 4096]))
+        except ValueError:
+            continue
+        owner = max(((pos, h) for pos, h in hashes if pos < m.start()), default=(-1, None))
+        comm = comms.setdefault(owner[1], {"hash": owner[1], "ranks": [], "missing_ranks": []})
+        in_missing = any(owner[0] < pos < m.start() for pos in missing_at)
+        comm["missing_ranks" if in_missing else "ranks"].append(record)
+    version = _VERSION.search(body)
+    for comm in comms.values():
+        if comm["hash"] is None:
+            del comm["hash"]
+    return {"nccl_version": version.group(1) if version else None, "communicators": list(comms.values())}
+
+
+# --------------------------------------------------------------------------
+# Outliers: RAS as one signal for the detectors
+# --------------------------------------------------------------------------
+
+_MSG_GROUP_OPS = re.compile(r"^(\d+) ranks have (?:launched up to operation (\d+)|not launched any operations)$")
+_MSG_GROUP_STATUS = re.compile(r"^(\d+) ranks have status (\w+)$")
+_LIFECYCLE = frozenset({"NOCOMM", "UNKNOWN", "INIT", "RUNNING", "FINALIZE", "ABORT"})
+
+
+def ras_outliers(comm: RasCommunicator) -> dict[int, str]:
+    """Rank -> why it stands out: missing, dead, in error, or off the majority.
+
+    Majorities come from the named ranks plus the text report's group
+    sentences (``3 ranks have launched up to operation 47``), whose members
+    NCCL does not name.  With no strict majority (e.g. 2 ranks, 47 vs 48),
+    every rank with a known value is returned with "no majority" in its
+    reason: RAS alone cannot tell which side is wrong.  Ranks absent from a
+    cut-short JSON are not reported.
+    """
+    reasons: dict[int, list[str]] = {}
+    for r in comm.ranks:
+        if r.status == DEAD:
+            reasons.setdefault(r.rank, []).append("process considered dead by RAS (unreachable)")
+        elif r.status == MISSING:
+            reasons.setdefault(r.rank, []).append("no answer to RAS (process unresponsive or stopped)")
+        elif r.status and r.status.startswith("ERROR"):
+            reasons.setdefault(r.rank, []).append(r.status.lower().replace("error: ", "reported ", 1))
+    op_groups, status_groups = _message_groups(comm.messages)
+    ops = dict.fromkeys([op for r in comm.ranks for op in r.collective_counts] + list(op_groups))
+    for op in ops:
+        values = {r.rank: r.collective_counts[op] for r in comm.ranks if op in r.collective_counts}
+        _flag_minority(reasons, values, op_groups.get(op, {}), f"{op} launched up to", numeric=True)
+    statuses = {r.rank: r.status for r in comm.ranks if r.status in _LIFECYCLE}
+    _flag_minority(reasons, statuses, status_groups, "status", numeric=False)
+    return {rank: "; ".join(why) for rank, why in sorted(reasons.items())}
+
+
+def _message_groups(messages: list[str]) -> tuple[dict[str, dict[int, int]], dict[str, int]]:
+    """The text report's unnamed groups: op -> {value: n ranks}, status -> n ranks."""
+    ops: dict[str, dict[int, int]] = {}
+    statuses: dict[str, int] = {}
+    op = None
+    for line in messages:
+        if m := _R["diff_ops"].match(line):
+            op = "Collective" if m.group(1) == "collective" else m.group(1)
+        elif _R["diff_status"].match(line):
+            op = None
+        elif (m := _MSG_GROUP_OPS.match(line)) and op is not None:
+            ops.setdefault(op, {})[int(m.group(2) or 0)] = int(m.group(1))
+        elif m := _MSG_GROUP_STATUS.match(line):
+            statuses[m.group(2)] = int(m.group(1))
+    return ops, statuses
+
+
+def _flag_minority(reasons: dict[int, list[str]], values: dict[int, object], groups: dict, what: str,
+                   *, numeric: bool) -> None:
+    """Add a reason for each named rank whose value is not the strict majority's."""
+    tally = dict(groups)
+    for value in values.values():
+        if value not in groups:  # named members of an announced group are already counted
+            tally[value] = tally.get(value, 0) + 1
+    if len(tally) < 2:
+        return
+    ranked = sorted(tally.items(), key=lambda kv: -kv[1])
+    (top, top_n), total = ranked[0], sum(tally.values())
+    tie = ranked[1][1] == top_n
+    spread = ", ".join(f"{n} at {v}" for v, n in ranked)
+    for rank, value in values.items():
+        if tie:
+            reasons.setdefault(rank, []).append(f"{what} {value}; no majority ({spread})")
+        elif value != top:
+            gap = ""
+            if numeric:
+                gap = f", {'ahead' if value > top else 'behind'} by {abs(value - top)}"  # type: ignore[operator]
+            reasons.setdefault(rank, []).append(f"{what} {value}, majority {top} ({top_n} of {total} ranks){gap}")

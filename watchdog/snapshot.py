@@ -1,0 +1,175 @@
+"""The frozen view of a ``JobState`` that detectors read.
+
+Detectors are pure functions of a ``Snapshot``: tuples and read-only
+mappings, the clock passed in as ``observed_at``.  Building one copies each
+rank's window (bounded), never the whole history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+from .state import Communicator, JobState, PeerLog, RankSeq, Source, fold
+from .types import (
+    Citation,
+    GpuSnapshot,
+    LocalPeerClosed,
+    NcclWarning,
+    Op,
+    OpSig,
+    OpState,
+    ProcKey,
+    RasReport,
+    StackDump,
+    WatchdogTimeout,
+    WorkerFailure,
+)
+
+
+@dataclass(frozen=True)
+class PeerView:
+    count: int
+    base: int
+    sigs: tuple[OpSig, ...]
+    states: Mapping[int, OpState]
+
+
+@dataclass(frozen=True)
+class RankView:
+    comm_rank: int
+    global_rank: int | None
+    proc: ProcKey | None
+    file: str
+    comm_ptr: str | None
+    base: int
+    window: tuple[OpSig, ...]
+    digest: int | None
+    sent: Mapping[int, PeerView]
+    received: Mapping[int, PeerView]
+    details: Mapping[int, Op]
+    completed: int | None
+    end: Literal["destroy", "abort"] | None
+    end_cite: Citation | None
+
+    @property
+    def total(self) -> int:
+        return self.base + len(self.window)
+
+    @property
+    def name(self) -> str:
+        rank = self.global_rank if self.global_rank is not None else self.comm_rank
+        return f"rank {rank}"
+
+    def at(self, position: int) -> OpSig | None:
+        """The collective at 0-based ``position``, if this rank issued it and still holds it."""
+        index = position - self.base
+        return self.window[index] if 0 <= index < len(self.window) else None
+
+    def digest_at(self, position: int) -> int | None:
+        """Digest of positions [0, position), when the window reaches that far back."""
+        if self.digest is None or not self.base <= position <= self.total:
+            return None
+        return fold(self.digest, self.window[: position - self.base])
+
+    def state_at(self, position: int) -> OpState | None:
+        op = self.details.get(position)
+        return op.state if op is not None else None
+
+
+@dataclass(frozen=True)
+class CommView:
+    key: str
+    source: Source
+    label: str
+    nranks: int
+    ranks: tuple[RankView, ...]  # ordered by comm rank
+    local_ranks: Mapping[tuple[str, int], int]
+    cites: tuple[Citation, ...]
+
+    def by_comm_rank(self) -> Mapping[int, RankView]:
+        return {r.comm_rank: r for r in self.ranks}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    observed_at: float
+    comms: tuple[CommView, ...]
+    global_ranks: Mapping[ProcKey, int]
+    nccl_versions: Mapping[ProcKey, str]
+    warnings: tuple[NcclWarning, ...]
+    peer_closed: tuple[LocalPeerClosed, ...]
+    timeouts: tuple[WatchdogTimeout, ...]
+    failures: tuple[WorkerFailure, ...]
+    ras: tuple[RasReport, ...]
+    stacks: Mapping[int, StackDump]
+    gpus: tuple[GpuSnapshot, ...]
+    notes: tuple[str, ...]
+
+    def pid_of(self, global_rank: int) -> int | None:
+        for proc, rank in self.global_ranks.items():
+            if rank == global_rank:
+                return proc.pid
+        return None
+
+
+def _peer(log: PeerLog) -> PeerView:
+    return PeerView(log.count, log.base, tuple(log.sigs), MappingProxyType(dict(log.states)))
+
+
+def _rank(seq: RankSeq, global_rank: int | None) -> RankView:
+    return RankView(
+        comm_rank=seq.comm_rank,
+        global_rank=global_rank,
+        proc=seq.proc,
+        file=seq.file,
+        comm_ptr=seq.comm_ptr,
+        base=seq.base,
+        window=tuple(seq.coll),
+        digest=seq.digest,
+        sent=MappingProxyType({p: _peer(log) for p, log in seq.sent.items()}),
+        received=MappingProxyType({p: _peer(log) for p, log in seq.received.items()}),
+        details=MappingProxyType(dict(seq.details)),
+        completed=seq.completed,
+        end=seq.end,
+        end_cite=seq.end_cite,
+    )
+
+
+def _comm(comm: Communicator, global_ranks: Mapping[ProcKey, int]) -> CommView:
+    ranks = []
+    for rank in sorted(comm.ranks):
+        seq = comm.ranks[rank]
+        global_rank = seq.global_rank
+        if global_rank is None and seq.proc is not None:
+            global_rank = global_ranks.get(seq.proc)
+        ranks.append(_rank(seq, global_rank))
+    return CommView(
+        key=comm.key,
+        source=comm.source,
+        label=comm.label,
+        nranks=comm.nranks,
+        ranks=tuple(ranks),
+        local_ranks=MappingProxyType(dict(comm.local_ranks)),
+        cites=tuple(comm.cites),
+    )
+
+
+def take_snapshot(state: JobState, observed_at: float) -> Snapshot:
+    global_ranks = state.global_ranks()
+    return Snapshot(
+        observed_at=observed_at,
+        comms=tuple(_comm(c, global_ranks) for c in state.comms.values()),
+        global_ranks=MappingProxyType(global_ranks),
+        nccl_versions=MappingProxyType({p: i.nccl_version for p, i in state.procs.items() if i.nccl_version}),
+        warnings=tuple(state.warnings),
+        peer_closed=tuple(state.peer_closed),
+        timeouts=tuple(state.timeouts),
+        failures=tuple(state.failures),
+        ras=tuple(state.ras),
+        stacks=MappingProxyType(dict(state.stacks)),
+        gpus=tuple(state.gpus),
+        notes=tuple(state.notes),
+    )

@@ -1,0 +1,393 @@
+"""Fold events into per-communicator, per-rank operation sequences.
+
+``JobState`` is the only mutable thing in the engine.  It keeps, for every
+(communicator, rank) a ``RankSeq``: how many collectives the rank issued, the
+last ``window`` of them, a stable digest of everything older, per-peer
+point-to-point counts, and how the communicator ended.  Memory is therefore
+bounded by ``ranks x communicators x window`` whatever the length of the run
+(bench/ measures it).
+
+Ranks are aligned by position: the n-th collective a rank issued on a
+communicator must match the n-th of every other rank.  NCCL's ``opCount`` is
+not used (it is 0 forever on single-node jobs from 2.27.3).
+
+Mergeable: every ``RankSeq`` belongs to one rank and so to one node; merging
+the states of several nodes is a union (``merge``), which is what the
+multi-node sidecars will do through the rendezvous store.
+
+``snapshot()`` hands detectors a frozen view; detectors never see this module's
+mutable objects.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .types import (
+    P2P_OPS,
+    Citation,
+    CommEnd,
+    CommInit,
+    CommTopology,
+    Event,
+    FrDump,
+    FrEntry,
+    GpuSnapshot,
+    LocalPeerClosed,
+    NcclVersion,
+    NcclWarning,
+    Op,
+    OpBatch,
+    OpSig,
+    OpState,
+    ProcKey,
+    RasReport,
+    StackDump,
+    Unusable,
+    WatchdogTimeout,
+    WorkerFailure,
+)
+
+DEFAULT_WINDOW = 2048
+_MASK = (1 << 64) - 1
+_MAX_NOTES = 200
+
+Source = Literal["nccl_log", "flight_recorder"]
+
+
+def sig_hash(sig: OpSig) -> int:
+    """A hash of a signature that is the same in every process and run."""
+    return zlib.crc32(repr(tuple(sig)).encode())
+
+
+def fold(digest: int, sigs: list[OpSig] | tuple[OpSig, ...]) -> int:
+    for sig in sigs:
+        digest = (digest * 1000003 + sig_hash(sig)) & _MASK
+    return digest
+
+
+@dataclass
+class PeerLog:
+    """Sends to (or receives from) one peer, in order: count and last window."""
+
+    count: int = 0
+    base: int = 0
+    sigs: list[OpSig] = field(default_factory=list)
+    states: dict[int, OpState] = field(default_factory=dict)  # position -> state (Flight Recorder)
+
+
+@dataclass
+class RankSeq:
+    """One rank's operations on one communicator, as one source saw them."""
+
+    comm_rank: int
+    proc: ProcKey | None
+    file: str
+    comm_ptr: str | None = None  # NCCL log: the communicator's address in this process
+    global_rank: int | None = None
+    coll: list[OpSig] = field(default_factory=list)
+    base: int = 0  # absolute position of coll[0]
+    digest: int | None = 0  # digest of positions [0, base); None when unknown
+    sent: dict[int, PeerLog] = field(default_factory=dict)
+    received: dict[int, PeerLog] = field(default_factory=dict)
+    details: dict[int, Op] = field(default_factory=dict)  # position -> Op, Flight Recorder only
+    completed: int | None = None  # collectives known completed (Flight Recorder)
+    end: Literal["destroy", "abort"] | None = None
+    end_cite: Citation | None = None
+
+    @property
+    def total(self) -> int:
+        return self.base + len(self.coll)
+
+    def trim(self, window: int) -> None:
+        """Fold the oldest collectives into the digest once the window overflows."""
+        if len(self.coll) > 2 * window:
+            cut = len(self.coll) - window
+            if self.digest is not None:
+                self.digest = fold(self.digest, self.coll[:cut])
+            del self.coll[:cut]
+            self.base += cut
+            for pos in [p for p in self.details if p < self.base]:
+                del self.details[pos]
+        for logs in (self.sent, self.received):
+            for log in logs.values():
+                if len(log.sigs) > 2 * window:
+                    cut = len(log.sigs) - window
+                    del log.sigs[:cut]
+                    log.base += cut
+
+
+@dataclass
+class Communicator:
+    key: str
+    source: Source
+    nranks: int
+    label: str  # what a human recognises: "commId 0x67..", "pg 0 (default_pg)"
+    ranks: dict[int, RankSeq] = field(default_factory=dict)  # comm rank -> sequence
+    local_ranks: dict[tuple[str, int], int] = field(default_factory=dict)  # (host, localRank) -> comm rank
+    cites: list[Citation] = field(default_factory=list)  # init lines, dump files
+
+
+@dataclass
+class ProcInfo:
+    proc: ProcKey
+    nccl_version: str | None = None
+    files: set[str] = field(default_factory=set)
+
+
+class JobState:
+    """Everything the engine knows about one job; fed one event at a time."""
+
+    def __init__(self, window: int = DEFAULT_WINDOW) -> None:
+        self.window = window
+        self.comms: dict[str, Communicator] = {}
+        self.procs: dict[ProcKey, ProcInfo] = {}
+        self.warnings: list[NcclWarning] = []
+        self.peer_closed: list[LocalPeerClosed] = []
+        self.timeouts: list[WatchdogTimeout] = []
+        self.failures: list[WorkerFailure] = []
+        self.ras: list[RasReport] = []
+        self.stacks: dict[int, StackDump] = {}
+        self.gpus: list[GpuSnapshot] = []
+        self.notes: list[str] = []
+        self._live: dict[tuple[ProcKey, str], RankSeq] = {}  # (proc, comm ptr) -> open sequence
+        self._comm_of: dict[tuple[ProcKey, str], str] = {}  # (proc, comm ptr) -> comm key
+        self._init_count: dict[ProcKey, int] = {}
+        self._unknown_ops: dict[tuple[ProcKey, str], int] = {}
+
+    # -- folding ---------------------------------------------------------
+
+    def apply(self, event: Event) -> None:
+        handler = _HANDLERS.get(type(event))
+        if handler is not None:
+            handler(self, event)
+
+    def _note(self, text: str) -> None:
+        if len(self.notes) < _MAX_NOTES and text not in self.notes:
+            self.notes.append(text)
+
+    def _proc(self, proc: ProcKey, file: str | None = None) -> ProcInfo:
+        info = self.procs.get(proc)
+        if info is None:
+            info = self.procs[proc] = ProcInfo(proc)
+        if file:
+            info.files.add(file)
+        return info
+
+    def _on_version(self, event: NcclVersion) -> None:
+        self._proc(event.proc, event.cite.file).nccl_version = event.version
+
+    def _on_init(self, event: CommInit) -> None:
+        self._proc(event.proc, event.cite.file)
+        slot = (event.proc, event.comm_ptr)
+        if event.phase == "complete" and slot in self._live:
+            return
+        key, label = self._comm_key(event)
+        comm = self.comms.get(key)
+        if comm is None:
+            comm = self.comms[key] = Communicator(key=key, source="nccl_log", nranks=event.nranks, label=label)
+        comm.cites.append(event.cite)
+        seq = comm.ranks.get(event.rank)
+        if seq is not None and seq.proc != event.proc:
+            self._note(
+                f"communicator {label}: rank {event.rank} appears in two processes "
+                f"({seq.proc.host}:{seq.proc.pid} and {event.proc.host}:{event.proc.pid}); "
+                "are logs of several runs mixed? keeping the later one"
+            )
+        seq = comm.ranks[event.rank] = RankSeq(
+            comm_rank=event.rank, proc=event.proc, file=event.cite.file, comm_ptr=event.comm_ptr
+        )
+        self._live[slot] = seq
+        self._comm_of[slot] = key
+
+    def _comm_key(self, event: CommInit) -> tuple[str, str]:
+        if event.comm_id is not None:
+            return f"nccl:{event.comm_id}", f"commId {event.comm_id}"
+        if event.parent_ptr is not None:
+            parent = self._comm_of.get((event.proc, event.parent_ptr), f"?{event.parent_ptr}")
+            key = f"{parent}/split{event.split_count}:color{event.color}"
+            return key, f"split of {parent.removeprefix('nccl:')} (color {event.color})"
+        # No commId and no parent (old versions): the n-th communicator a
+        # process creates is the n-th of every member, since creation is collective.
+        ordinal = self._init_count.get(event.proc, 0)
+        self._init_count[event.proc] = ordinal + 1
+        return f"nccl:init{ordinal}:n{event.nranks}", f"communicator #{ordinal} ({event.nranks} ranks)"
+
+    def _on_topology(self, event: CommTopology) -> None:
+        key = self._comm_of.get((event.proc, event.comm_ptr))
+        if key is not None:
+            self.comms[key].local_ranks[(event.proc.host, event.local_rank)] = event.rank
+
+    def _on_ops(self, event: OpBatch) -> None:
+        seq = self._live.get((event.proc, event.comm_ptr))
+        if seq is None:
+            slot = (event.proc, event.comm_ptr)
+            self._unknown_ops[slot] = self._unknown_ops.get(slot, 0) + len(event.sigs)
+            return
+        coll = [s for s in event.sigs if s.op not in P2P_OPS]
+        if len(coll) != len(event.sigs):
+            for sig in event.sigs:
+                if sig.op in P2P_OPS:
+                    logs = seq.sent if sig.op == "Send" else seq.received
+                    log = logs.get(sig.root)  # type: ignore[arg-type]
+                    if log is None:
+                        log = logs[sig.root] = PeerLog()  # type: ignore[index]
+                    log.count += 1
+                    log.sigs.append(sig)
+        seq.coll.extend(coll)
+        seq.trim(self.window)
+
+    def _on_end(self, event: CommEnd) -> None:
+        seq = self._live.get((event.proc, event.comm_ptr))
+        if seq is None:
+            return
+        if event.kind == "abort" or seq.end is None:
+            seq.end, seq.end_cite = event.kind, event.cite
+        if event.phase == "complete":
+            # The address may be reused by a later communicator of this process.
+            del self._live[(event.proc, event.comm_ptr)]
+
+    def _on_fr_dump(self, dump: FrDump) -> None:
+        if dump.rank is None:
+            self._note(f"{dump.cite.file}: Flight Recorder dump without a rank (file name has no rank suffix); skipped")
+            return
+        by_pg: dict[str, list[FrEntry]] = {}
+        for entry in dump.entries:
+            by_pg.setdefault(entry.pg_id, []).append(entry)
+        for pg_id, entries in by_pg.items():
+            pg = dump.process_groups.get(pg_id)
+            members = pg.ranks if pg and pg.ranks else []
+            comm_rank = members.index(dump.rank) if dump.rank in members else dump.rank
+            key = f"fr:{pg_id}"
+            label = f"process group {pg_id}" + (f" ({pg.desc})" if pg and pg.desc else "")
+            comm = self.comms.get(key)
+            if comm is None:
+                nranks = len(members) if members else 0
+                comm = self.comms[key] = Communicator(key=key, source="flight_recorder", nranks=nranks, label=label)
+            comm.cites.append(dump.cite)
+            if comm_rank in comm.ranks:
+                self._note(f"{label}: two Flight Recorder dumps for rank {dump.rank}; keeping {dump.cite.file}")
+            seq = RankSeq(comm_rank=comm_rank, proc=None, file=dump.cite.file, global_rank=dump.rank)
+            _fold_fr_entries(seq, entries, dump.cite.file)
+            comm.ranks[comm_rank] = seq
+
+    def _on_unusable(self, event: Unusable) -> None:
+        self._note(f"{event.cite}: {event.reason}")
+
+    # -- merging and views -------------------------------------------------
+
+    def finish(self) -> None:
+        """Say what was seen but could not be used (call once input is complete)."""
+        for (proc, ptr), count in self._unknown_ops.items():
+            self._note(
+                f"{count} operations of {proc.host}:{proc.pid} on communicator {ptr} skipped: "
+                "its Init line is missing (log truncated at the start?)"
+            )
+        self._unknown_ops.clear()
+
+    def merge(self, other: JobState) -> None:
+        """Union with another node's state: each rank's sequence lives on one node."""
+        for key, theirs in other.comms.items():
+            mine = self.comms.get(key)
+            if mine is None:
+                self.comms[key] = theirs
+                continue
+            mine.nranks = max(mine.nranks, theirs.nranks)
+            mine.local_ranks.update(theirs.local_ranks)
+            mine.cites.extend(theirs.cites)
+            for rank, seq in theirs.ranks.items():
+                if rank not in mine.ranks or seq.total > mine.ranks[rank].total:
+                    mine.ranks[rank] = seq
+        for proc, info in other.procs.items():
+            self.procs.setdefault(proc, info)
+        self.warnings += other.warnings
+        self.peer_closed += other.peer_closed
+        self.timeouts += other.timeouts
+        self.failures += other.failures
+        self.ras += other.ras
+        self.stacks.update(other.stacks)
+        self.gpus += other.gpus
+        for note in other.notes:
+            self._note(note)
+
+    def global_ranks(self) -> dict[ProcKey, int]:
+        """A process's global rank is its rank in the largest communicator it belongs to."""
+        best: dict[ProcKey, tuple[int, int]] = {}
+        for comm in self.comms.values():
+            for rank, seq in comm.ranks.items():
+                if seq.proc is not None and (seq.proc not in best or comm.nranks > best[seq.proc][0]):
+                    best[seq.proc] = (comm.nranks, rank)
+        return {proc: rank for proc, (_, rank) in best.items()}
+
+
+def _fr_sig(entry: FrEntry) -> OpSig:
+    numel = 0
+    for shape in entry.input_sizes:
+        n = 1
+        for dim in shape:
+            n *= dim
+        numel += n
+    dtype = entry.input_dtypes[0] if entry.input_dtypes else None
+    return OpSig(entry.op, numel, dtype, None, entry.peer if entry.is_p2p else None)
+
+
+def _fold_fr_entries(seq: RankSeq, entries: list[FrEntry], file: str) -> None:
+    """Collectives by ``collective_seq_id``, p2p per peer; coalesced markers give p2p their state."""
+    seq.digest = None  # the ring buffer forgot what came before its first entry
+    states = _effective_states(entries)
+    completed = 0
+    for entry, state in zip(entries, states, strict=True):
+        if entry.op == "Coalesced":
+            continue
+        sig = _fr_sig(entry)
+        op = Op(sig, entry.index, state, entry.time_created_ns, tuple(str(f) for f in entry.frames))
+        if entry.is_p2p:
+            logs = seq.sent if entry.op == "Send" else seq.received
+            # Counts start at the ring buffer's first entry, so they are
+            # relative; detectors compare only the pending ones across ranks.
+            log = logs.setdefault(entry.peer if entry.peer is not None else -1, PeerLog())
+            log.states[log.count] = state
+            log.count += 1
+            log.sigs.append(sig)
+            continue
+        if entry.collective_seq_id and not seq.coll:
+            seq.base = entry.collective_seq_id - 1
+        position = seq.total
+        seq.coll.append(sig)
+        seq.details[position] = op
+        if state == OpState.completed:
+            completed = position + 1
+    seq.completed = completed if seq.coll else None
+
+
+def _effective_states(entries: list[FrEntry]) -> list[OpState]:
+    """p2p ops inside a coalesced group stay 'scheduled' forever; their marker completes."""
+    states = [e.state for e in entries]
+    for i, entry in enumerate(entries):
+        if entry.op != "Coalesced":
+            continue
+        j = i - 1
+        while j >= 0 and entries[j].is_p2p and entries[j].p2p_seq_id == entry.p2p_seq_id:
+            states[j] = entry.state
+            j -= 1
+    return states
+
+
+_HANDLERS = {
+    NcclVersion: JobState._on_version,
+    CommInit: JobState._on_init,
+    CommTopology: JobState._on_topology,
+    OpBatch: JobState._on_ops,
+    CommEnd: JobState._on_end,
+    FrDump: JobState._on_fr_dump,
+    Unusable: JobState._on_unusable,
+    NcclWarning: lambda s, e: s.warnings.append(e) if len(s.warnings) < _MAX_NOTES else None,
+    LocalPeerClosed: lambda s, e: s.peer_closed.append(e),
+    WatchdogTimeout: lambda s, e: s.timeouts.append(e),
+    WorkerFailure: lambda s, e: s.failures.append(e),
+    RasReport: lambda s, e: s.ras.append(e),
+    StackDump: lambda s, e: s.stacks.__setitem__(e.pid, e),
+    GpuSnapshot: lambda s, e: s.gpus.append(e),
+}
