@@ -96,7 +96,7 @@ class NcclLogParser:
     def __init__(self, name: str) -> None:
         self.name = name
         self.lines_seen = 0
-        self.garbled = 0  # operation-like lines that did not parse
+        self.garbled = 0  # operation records (": opCount ") that did not parse
         self._carry = b""
         self._sigs: dict[tuple[bytes, bytes], OpSig] = {}
 
