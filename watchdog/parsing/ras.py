@@ -9,7 +9,7 @@ Text::
     NCCL version 2.28.9 compiled with CUDA 13.0          (no +cudaX suffix here)
     CUDA runtime version 13000, driver version 13000
     Job summary / =========== / a node-process-GPU table
-    Communicators... (0.002s)                            (%.2f before 2.26)
+    Communicators... (0.002s)                            (%.2f in the 2.24-2.26 sources)
     Group     Comms     Nodes     Ranks     Ranks     Ranks    Status  Errors
         0         1         1         4         4         4   RUNNING  MISMATCH
     Errors / ======     job blocks INCOMPLETE, DEAD; comm blocks "#g-i (hash) INCOMPLETE|ERROR"
@@ -40,8 +40,11 @@ collective type; RAS has no p2p counts.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..types import Citation, Event, RasCommunicator, RasRank, RasReport, Unusable
@@ -54,19 +57,26 @@ MALFORMED_JSON_REASON = "malformed RAS JSON (known on NCCL 2.28.9); capture the 
 MISSING, DEAD = "MISSING", "DEAD"
 _STATUS_RANK = {DEAD: 4, MISSING: 3}  # higher wins when sections disagree; ERROR: 2, others 1
 _ERROR_ORDER = ("INCOMPLETE", "ERROR", "MISMATCH")  # NCCL's errorStr order
-_NCCL_ERRORS = {1: "Unhandled CUDA error", 2: "System error", 3: "Internal error", 4: "Invalid argument",
-                5: "Invalid usage", 6: "Remote process error"}  # 0 success, 7 in progress: not errors
+_NCCL_ERRORS = {
+    1: "Unhandled CUDA error",
+    2: "System error",
+    3: "Internal error",
+    4: "Invalid argument",
+    5: "Invalid usage",
+    6: "Remote process error",
+}  # 0 success, 7 in progress: not errors
 
 _SNIFF = (
-    re.compile(rb"^NCCL version \S+ compiled with CUDA", re.M),
-    re.compile(rb"^Communicators\.\.\.", re.M),
-    re.compile(rb"^Group +Comms +Nodes +Ranks", re.M),
-    re.compile(rb"^#\d+-\d+ \([0-9a-f]{16}\) (?:INCOMPLETE|ERROR|MISMATCH)", re.M),
+    re.compile(rb"^NCCL version \S+ compiled with CUDA", re.MULTILINE),
+    re.compile(rb"^Communicators\.\.\.", re.MULTILINE),
+    re.compile(rb"^Group +Comms +Nodes +Ranks", re.MULTILINE),
+    re.compile(rb"^#\d+-\d+ \([0-9a-f]{16}\) (?:INCOMPLETE|ERROR|MISMATCH)", re.MULTILINE),
     re.compile(rb'"nccl_version"\s*:\s*"[^"]*"\s*,\s*"cuda_runtime_version"'),
     re.compile(rb'"communicators"\s*:\s*\[\s*\{\s*"hash"\s*:\s*"0x'),
 )
 _PROTOCOL_LINE = re.compile(r"(?:SERVER PROTOCOL \d+|OK)\r?\n")
 _JSON_START = re.compile(r'\{\s*"nccl_version"')
+_RAS_JSON_KEY = re.compile(r'"(?:nccl_version|communicators|collective_counts|missing_ranks)"\s*:')
 
 
 def looks_like_ras(head: bytes) -> bool:
@@ -82,21 +92,38 @@ def looks_like_ras(head: bytes) -> bool:
 
 
 def normalize_comm_hash(value: object) -> str | None:
-    """``0x93c3...``, ``93c3...`` or an int -> 16 lowercase hex digits, else None.
+    """A communicator hash in the form NCCL's debug log prints it (``0x%lx``), else None.
 
-    Trap: the text report prints ``%016lx`` (zero-padded, no 0x), the JSON and
-    NCCL's debug log ``0x%lx`` (not padded): normalise both sides before joining.
+    Accepts ``0x678a...``, ``678a...`` or an int.  Trap: the text report
+    prints ``%016lx`` (zero-padded, no 0x) while the JSON and the debug log's
+    ``commId`` print ``0x%lx`` (not padded); normalising both gives a string
+    equal to ``CommInit.comm_id``.
     """
     if isinstance(value, int) and not isinstance(value, bool):
-        return f"{value:016x}" if 0 <= value < 1 << 64 else None
+        return f"0x{value:x}" if 0 <= value < 1 << 64 else None
     if not isinstance(value, str):
         return None
     text = value.strip().lower().removeprefix("0x")
     if not text or len(text) > 16 or any(c not in "0123456789abcdef" for c in text):
         return None
-    return text.rjust(16, "0")
+    return f"0x{int(text, 16):x}"
 
 
+def _never_raises(parse: Callable[..., list[Event]]) -> Callable[..., list[Event]]:
+    """Turn any exception of a parser into ``[Unusable]``: a bad capture must not stop the watchdog."""
+
+    @functools.wraps(parse)
+    def guarded(payload: object, *args: str, **kwargs: str) -> list[Event]:
+        try:
+            return parse(payload, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the point of this wrapper
+            name = args[0] if args else kwargs.get("name", parse.__name__)
+            return [Unusable(reason=f"RAS parser failed: {type(exc).__name__}: {exc}", cite=Citation(file=name))]
+
+    return guarded
+
+
+@_never_raises
 def parse_ras(data: bytes, name: str) -> list[Event]:
     """A captured RAS reply (text or JSON) -> ``[RasReport]`` or ``[Unusable]``.
 
@@ -104,13 +131,6 @@ def parse_ras(data: bytes, name: str) -> list[Event]:
     report holds what survived, the note what was lost.  Never raises.
     """
     cite = Citation(file=name)
-    try:
-        return _parse_ras(data, name, cite)
-    except Exception as exc:  # noqa: BLE001 - a bad capture must not stop the watchdog
-        return [Unusable(reason=f"RAS parser failed: {type(exc).__name__}: {exc}", cite=cite)]
-
-
-def _parse_ras(data: bytes, name: str, cite: Citation) -> list[Event]:
     if not data or not data.strip():
         return [Unusable(reason="empty RAS capture (no report: RAS disabled, job gone, or query timed out)", cite=cite)]
     if _looks_binary(data[:4096]):
@@ -119,7 +139,7 @@ def _parse_ras(data: bytes, name: str, cite: Citation) -> list[Event]:
     # Trap: a raw socket capture starts with the handshake answers
     # ("SERVER PROTOCOL 2", "OK" for TIMEOUT / SET FORMAT); drop them.
     while (m := _PROTOCOL_LINE.match(text.lstrip())) is not None:
-        text = text.lstrip()[m.end():]
+        text = text.lstrip()[m.end() :]
     first = text.strip().splitlines()[0] if text.strip() else ""
     if first.startswith(("ERROR:", "BUSY:")):
         return [Unusable(reason=f"RAS server refused the query: {first.strip()}", cite=cite)]
@@ -134,17 +154,17 @@ def _parse_ras(data: bytes, name: str, cite: Citation) -> list[Event]:
 
 
 def _looks_binary(head: bytes) -> bool:
-    if b"\x00" in head:
-        return True
+    # A stray NUL (a C string terminator copied along) is tolerated; a high
+    # share of control or undecodable bytes is not.
     text = head.decode("utf-8", errors="replace")
     odd = sum(1 for c in text if c == "\ufffd" or (ord(c) < 32 and c not in "\r\n\t"))
     return odd > max(8, len(text) // 20)
 
 
 def _json_start(text: str) -> int | None:
-    """Where the RAS JSON document starts, or None for a text report."""
+    """Where the RAS JSON document starts, or None (text report, or JSON that is not RAS's)."""
     stripped = text.lstrip()
-    if stripped.startswith("{"):
+    if stripped.startswith("{") and _RAS_JSON_KEY.search(stripped[:65536]):
         return len(text) - len(stripped)
     # Trap: the JSON may follow text (a port that prints the text banner first).
     m = _JSON_START.search(text)
@@ -159,7 +179,13 @@ def _is_text_report(text: str) -> bool:
 # Text report
 # --------------------------------------------------------------------------
 
-_GPU = r"(?:GPU (?P<gpu>\d+)(?: \(NVML \d+\))? managed by process (?P<pid>\d+) on node (?P<host>\S*)|\[process information not found\])"
+# "GPU 2 managed by process 1710 on node 192.0.2.2"; "GPU 3 (NVML 7)" when
+# CUDA_VISIBLE_DEVICES remaps.  Trap: the node is an IP address (inet_ntop),
+# never a hostname, and may be empty for an address-less peer.
+_GPU = (
+    r"(?:GPU (?P<gpu>\d+)(?: \(NVML \d+\))? managed by process (?P<pid>\d+) on node (?P<host>\S*)"
+    r"|\[process information not found\])"
+)
 _R = {
     "version": re.compile(r"^NCCL version (\S+) compiled with CUDA"),
     "row": re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+(?:-\d+)?)\s+(\d+)\s+(\d+)\s+([A-Z]+)\s+([A-Z,]+)\s*$"),
@@ -174,7 +200,9 @@ _R = {
     "phase": re.compile(r"^(Initialization|Asynchronous) errors? on \d+ ranks?$"),
     "missing": re.compile(r"^Missing communicator data from \d+ ranks?$"),
     "rank": re.compile(rf"^Rank (?P<rank>\d+) -- {_GPU}$"),
-    "rank_ops": re.compile(rf"^Rank (?P<rank>\d+) has (?:launched up to operation (?P<value>\d+)|not launched any operations) -- {_GPU}$"),
+    "rank_ops": re.compile(
+        rf"^Rank (?P<rank>\d+) has (?:launched up to operation (?P<value>\d+)|not launched any operations) -- {_GPU}$"
+    ),
     "rank_status": re.compile(rf"^Rank (?P<rank>\d+) has status (?P<status>\w+)(?: -- {_GPU})?$"),
     "rank_error": re.compile(rf"^Rank (?P<rank>\d+) reported (?P<error>.+?) -- {_GPU}$"),
     "rank_list": re.compile(r"^The (missing|unknown) ranks?: ([\d,]+)$"),  # 2.24/2.25 only
@@ -199,11 +227,14 @@ class _TextState:
     comms: dict[str, _CommAcc] = field(default_factory=dict)
     job: str | None = None  # current job-level block
     comm: _CommAcc | None = None  # current communicator block
-    ctx: tuple[str, object] | None = None  # what a bare "Rank r -- GPU ..." line belongs to
+    op: str = "Collective"  # from "ranks have different <op> operation counts"
+    phase: str = "unknown phase"  # from "Initialization|Asynchronous error(s) on N rank(s)"
+    group: tuple[str, object] | None = None  # what a bare "Rank r -- GPU ..." line belongs to
     job_messages: list[str] = field(default_factory=list)
     dead: set[tuple[str, int]] = field(default_factory=set)
 
 
+@_never_raises
 def parse_ras_text(text: str, name: str = "ras.txt") -> list[Event]:
     """A RAS text report -> ``[RasReport(format="text")]`` (+ a note when cut short).
 
@@ -218,13 +249,21 @@ def parse_ras_text(text: str, name: str = "ras.txt") -> list[Event]:
         _scan_line(state, line.rstrip())
     if not state.rows and not state.comms and not state.no_comms:
         got = f"NCCL {state.version} " if state.version else ""
-        return [Unusable(reason=f"RAS {got}text report has no communicator table (truncated or not a STATUS reply)",
-                         cite=cite)]
+        return [
+            Unusable(
+                reason=f"RAS {got}text report has no communicator table (truncated or not a STATUS reply)", cite=cite
+            )
+        ]
     report = RasReport(format="text", nccl_version=state.version, communicators=_text_comms(state), cite=cite)
     if state.saw_warnings:
         return [report]
-    return [report, Unusable(reason="RAS text report ends before its Warnings section (truncated): "
-                                    "MISMATCH details may be missing", cite=cite)]
+    return [
+        report,
+        Unusable(
+            reason="RAS text report ends before its Warnings section (truncated): MISMATCH details may be missing",
+            cite=cite,
+        ),
+    ]
 
 
 def _scan_line(state: _TextState, line: str) -> None:
@@ -240,17 +279,17 @@ def _scan_line(state: _TextState, line: str) -> None:
         state.no_comms = True
     elif line.startswith(("Errors", "Warnings")):
         state.saw_warnings |= line.startswith("Warnings")
-        state.job, state.comm, state.ctx = None, None, None
+        state.job, state.comm = None, None
     elif m := _R["comm"].match(line):
         label = f"#{m.group(1)}-{m.group(2)}"
         acc = state.comms.setdefault(label, _CommAcc(label=label))
         acc.comm_hash = normalize_comm_hash(m.group(3))
         if m.group(4) not in acc.kinds:
             acc.kinds.append(m.group(4))
-        state.job, state.comm = None, acc
-        state.ctx = ("missing", None) if m.group(4) == "INCOMPLETE" else None
+        state.job, state.comm, state.op, state.phase = None, acc, "Collective", "unknown phase"
+        state.group = ("status", MISSING) if m.group(4) == "INCOMPLETE" else None
     elif m := _R["job"].match(line):
-        state.job, state.comm, state.ctx = m.group(1), None, None
+        state.job, state.comm = m.group(1), None
     elif m := _R["row"].match(line):
         state.rows.append(m.groups())
 
@@ -270,53 +309,35 @@ def _scan_detail(state: _TextState, line: str) -> None:
     acc = state.comm
     acc.messages.append(line)
     if m := _R["diff_ops"].match(line):
-        op = m.group(1)
-        state.ctx = ("ops", "Collective" if op == "collective" else op)  # 2.24/2.25 sum all types
-    elif _R["diff_status"].match(line):
-        state.ctx = ("status", None)
-    elif (m := _R["group_ops"].match(line)) and state.ctx and state.ctx[0] in ("ops", "ops_value"):
-        state.ctx = ("ops_value", (_ctx_op(state.ctx), int(m.group(2) or 0)))
-    elif m := _R["group_status"].match(line):
-        state.ctx = ("status_value", m.group(2))
+        state.op = "Collective" if m.group(1) == "collective" else m.group(1)  # 2.24/2.25: all types summed
+        state.group = None
     elif m := _R["phase"].match(line):
-        state.ctx = ("phase", m.group(1).lower())
-    elif (m := _R["group_error"].match(line)) and state.ctx and state.ctx[0] in ("phase", "error"):
-        state.ctx = ("error", (_ctx_phase(state.ctx), m.group(2)))
+        state.phase, state.group = m.group(1).lower(), None
+    elif m := _R["group_ops"].match(line):
+        state.group = ("counts", {state.op: int(m.group(2) or 0)})
+    elif m := _R["group_status"].match(line):
+        state.group = ("status", m.group(2))
+    elif m := _R["group_error"].match(line):
+        state.group = ("status", f"ERROR: {m.group(2)} ({state.phase})")
     elif _R["missing"].match(line):
-        state.ctx = ("missing", None)
+        state.group = ("status", MISSING)
+    elif _R["diff_status"].match(line):
+        state.group = None
     else:
         _scan_rank_line(state, acc, line)
 
 
-def _ctx_op(ctx: tuple[str, object]) -> str:
-    return ctx[1] if ctx[0] == "ops" else ctx[1][0]  # type: ignore[index]
-
-
-def _ctx_phase(ctx: tuple[str, object]) -> str:
-    return ctx[1] if ctx[0] == "phase" else ctx[1][0]  # type: ignore[index]
-
-
 def _scan_rank_line(state: _TextState, acc: _CommAcc, line: str) -> None:
-    ctx = state.ctx or ("", None)
+    """``Rank r ...`` lines: a single-rank group carries its value, a bare one takes the group's."""
     if m := _R["rank_ops"].match(line):
-        op = _ctx_op(ctx) if ctx[0] in ("ops", "ops_value") else "Collective"
-        _put_rank(acc, m, counts={op: int(m.group("value") or 0)})
+        _put_rank(acc, m, counts={state.op: int(m.group("value") or 0)})
     elif m := _R["rank_status"].match(line):
         _put_rank(acc, m, status=m.group("status"))
     elif m := _R["rank_error"].match(line):
-        _put_rank(acc, m, status=f"ERROR: {m.group('error')} ({_ctx_phase(ctx) if ctx[0] in ('phase', 'error') else 'unknown phase'})")
+        _put_rank(acc, m, status=f"ERROR: {m.group('error')} ({state.phase})")
     elif m := _R["rank"].match(line):
-        kind, value = ctx
-        if kind == "ops_value":
-            _put_rank(acc, m, counts={value[0]: value[1]})
-        elif kind == "status_value":
-            _put_rank(acc, m, status=value)
-        elif kind == "error":
-            _put_rank(acc, m, status=f"ERROR: {value[1]} ({value[0]})")
-        elif kind == "missing":
-            _put_rank(acc, m, status=MISSING)
-        else:
-            _put_rank(acc, m)
+        kind, value = state.group or ("", None)
+        _put_rank(acc, m, **{kind: value} if kind else {})
     elif m := _R["rank_list"].match(line):
         status = MISSING if m.group(1) == "missing" else "UNKNOWN"
         for rank in m.group(2).split(","):
@@ -326,12 +347,19 @@ def _scan_rank_line(state: _TextState, acc: _CommAcc, line: str) -> None:
 
 def _put_rank(acc: _CommAcc, m: re.Match, **facts) -> None:
     gpu, pid, host = m.groupdict().get("gpu"), m.groupdict().get("pid"), m.groupdict().get("host")
-    _merge_rank(acc.ranks, int(m.group("rank")), host=host or None, pid=int(pid) if pid else None,
-                cuda_dev=int(gpu) if gpu else None, **facts)
+    _merge_rank(
+        acc.ranks,
+        int(m.group("rank")),
+        host=host or None,
+        pid=int(pid) if pid else None,
+        cuda_dev=int(gpu) if gpu else None,
+        **facts,
+    )
 
 
-def _merge_rank(ranks: dict[int, dict], rank: int, *, status: str | None = None,
-                counts: dict[str, int] | None = None, **ident) -> None:
+def _merge_rank(
+    ranks: dict[int, dict], rank: int, *, status: str | None = None, counts: dict[str, int] | None = None, **ident
+) -> None:
     """Merge what one section says about a rank into what others said."""
     rec = ranks.setdefault(rank, {"rank": rank, "collective_counts": {}})
     for key, value in ident.items():
@@ -366,8 +394,11 @@ def _text_comms(state: _TextState) -> list[RasCommunicator]:
             if rec.get("status") == MISSING and (rec.get("host"), rec.get("pid")) in state.dead:
                 rec["status"] = DEAD
         ranks = [RasRank(**rec) for _, rec in sorted(acc.ranks.items())]
-        comms.append(RasCommunicator(comm_hash=acc.comm_hash, label=label, nranks=nranks, status=status,
-                                     ranks=ranks, messages=messages))
+        comms.append(
+            RasCommunicator(
+                comm_hash=acc.comm_hash, label=label, nranks=nranks, status=status, ranks=ranks, messages=messages
+            )
+        )
     return _attach_job_messages(comms, state.job_messages)
 
 
@@ -396,13 +427,15 @@ def _attach_job_messages(comms: list[RasCommunicator], job: list[str]) -> list[R
 # --------------------------------------------------------------------------
 
 
+@_never_raises
 def parse_ras_json(obj: object, name: str = "ras.json") -> list[Event]:
     """A decoded RAS JSON document -> ``[RasReport(format="json")]``.
 
     Failure modes: not a RAS STATUS document (e.g. a MONITOR event) ->
-    ``[Unusable]``; a communicator or rank record of the wrong shape is
-    skipped, with an ``Unusable`` note.  Fewer records than the counts NCCL
-    announced (``ranks_count``...) marks the communicator ``PARTIAL``.
+    ``[Unusable]``; a communicator of the wrong shape is skipped and noted in
+    an ``Unusable``; a rank record without a rank number is ignored.  Fewer
+    records than NCCL announced (``ranks_count``...) marks the communicator
+    ``PARTIAL``.  Never raises.
     """
     cite = Citation(file=name)
     if not isinstance(obj, dict) or not isinstance(obj.get("communicators"), list):
@@ -417,15 +450,21 @@ def parse_ras_json(obj: object, name: str = "ras.json") -> list[Event]:
     job = []
     ras = obj.get("ras") if isinstance(obj.get("ras"), dict) else {}
     if _int(ras.get("timeouts_count")):
-        job.append(f"TIMEOUT: Encountered {ras['timeouts_count']} communication timeout(s) while gathering "
-                   "communicator data")
+        job.append(
+            f"TIMEOUT: Encountered {ras['timeouts_count']} communication timeout(s) while gathering communicator data"
+        )
     version = obj.get("nccl_version") if isinstance(obj.get("nccl_version"), str) else None
-    events: list[Event] = [RasReport(format="json", nccl_version=version,
-                                     communicators=_attach_job_messages(comms, job), cite=cite)]
+    events: list[Event] = [
+        RasReport(format="json", nccl_version=version, communicators=_attach_job_messages(comms, job), cite=cite)
+    ]
     announced = _int(obj.get("communicators_count"))
     if skipped or (announced is not None and announced > len(comms)):
-        events.append(Unusable(reason=f"RAS JSON: {len(comms)} of {announced or len(comms) + skipped} "
-                                      "communicators readable", cite=cite))
+        events.append(
+            Unusable(
+                reason=f"RAS JSON: {len(comms)} of {announced or len(comms) + skipped} communicators readable",
+                cite=cite,
+            )
+        )
     return events
 
 
@@ -435,8 +474,8 @@ def _int(value: object) -> int | None:
 
 def _json_comm(raw: dict) -> RasCommunicator | None:
     """One JSON communicator; status computed as NCCL's text report would."""
-    present = [r for r in raw.get("ranks") or [] if isinstance(r, dict) and _int(r.get("rank")) is not None]
-    absent = [r for r in raw.get("missing_ranks") or [] if isinstance(r, dict) and _int(r.get("rank")) is not None]
+    present = _records(raw.get("ranks"))
+    absent = _records(raw.get("missing_ranks"))
     if not present and not absent and "hash" not in raw:
         return None
     ranks = [_json_rank(r) for r in present] + [_json_missing_rank(r) for r in absent]
@@ -450,7 +489,9 @@ def _json_comm(raw: dict) -> RasCommunicator | None:
         errors.add("MISMATCH")
         messages.append("Communicator ranks have different status")
     for op in dict.fromkeys(op for r in ranks for op in r.collective_counts):
-        if len({r.collective_counts.get(op) for r in ranks if r.collective_counts}) > 1:
+        # Trap: compare only ranks that report the op; a record cut short by a
+        # truncated document lacks some keys, which is not a mismatch.
+        if len({r.collective_counts[op] for r in ranks if op in r.collective_counts}) > 1:
             errors.add("MISMATCH")
             messages.append(f"Communicator ranks have different {op} operation counts")
     for r in ranks:
@@ -462,19 +503,34 @@ def _json_comm(raw: dict) -> RasCommunicator | None:
     if partial:
         status = "PARTIAL" if status == "OK" else f"{status},PARTIAL"
         messages.append(partial)
-    return RasCommunicator(comm_hash=normalize_comm_hash(raw.get("hash")), nranks=_int(raw.get("size")),
-                           status=status, ranks=sorted(ranks, key=lambda r: r.rank), messages=messages)
+    return RasCommunicator(
+        comm_hash=normalize_comm_hash(raw.get("hash")),
+        nranks=_int(raw.get("size")),
+        status=status,
+        ranks=sorted(ranks, key=lambda r: r.rank),
+        messages=messages,
+    )
+
+
+def _records(value: object) -> list[dict]:
+    """The rank records of a ``ranks`` / ``missing_ranks`` value of any shape."""
+    items = value if isinstance(value, list) else []
+    return [r for r in items if isinstance(r, dict) and _int(r.get("rank")) is not None]
 
 
 def _partial(raw: dict, present: list, absent: list) -> str | None:
+    """Why a JSON communicator is incomplete, or None."""
+    if not isinstance(raw.get("ranks"), list):
+        return "RAS JSON communicator without a rank list"
     want_present, want_absent = _int(raw.get("ranks_count")), _int(raw.get("missing_ranks_count"))
-    if want_present is None and want_absent is None and present:
+    short = (want_present or 0) > len(present) or (want_absent or 0) > len(absent)
+    if not short and not raw.get(_SALVAGED):
         return None
-    if (want_present or 0) <= len(present) and (want_absent or 0) <= len(absent) and "hash" in raw:
-        return None
-    return (f"RAS JSON cut short: {len(present)} of {want_present if want_present is not None else '?'} rank "
-            f"records and {len(absent)} of {want_absent if want_absent is not None else '?'} missing-rank records "
-            "survived; absent ranks are unknown, not missing")
+    return (
+        f"RAS JSON cut short: {len(present)} of {want_present if want_present is not None else '?'} rank "
+        f"records and {len(absent)} of {want_absent if want_absent is not None else '?'} missing-rank records "
+        "survived; ranks not listed are unknown, not missing"
+    )
 
 
 def _lifecycle(status: object) -> str:
@@ -495,8 +551,8 @@ def _json_rank(raw: dict) -> RasRank:
         if code not in (None, 0, 7):  # 7 = ncclInProgress
             word = f"ERROR: {_NCCL_ERRORS.get(code, 'Unexpected error')} ({phase})"
     counts = raw.get("collective_counts") if isinstance(raw.get("collective_counts"), dict) else {}
-    return RasRank(rank=raw["rank"], status=word, collective_counts={k: v for k, v in counts.items() if _int(v) is not None},
-                   **_json_ident(raw))
+    counts = {op: n for op, n in counts.items() if isinstance(op, str) and _int(n) is not None}
+    return RasRank(rank=raw["rank"], status=word, collective_counts=counts, **_json_ident(raw))
 
 
 def _json_missing_rank(raw: dict) -> RasRank:
@@ -510,8 +566,11 @@ def _json_missing_rank(raw: dict) -> RasRank:
 def _json_ident(raw: dict) -> dict:
     host = raw.get("host")
     pid, cuda = _int(raw.get("pid")), _int(raw.get("cuda_dev"))
-    return {"host": host if isinstance(host, str) and host not in ("", "unknown") else None,
-            "pid": pid if pid is not None and pid >= 0 else None, "cuda_dev": cuda}
+    return {
+        "host": host if isinstance(host, str) and host not in ("", "unknown") else None,
+        "pid": pid if pid is not None and pid >= 0 else None,
+        "cuda_dev": cuda,
+    }
 
 
 # --------------------------------------------------------------------------
@@ -527,14 +586,16 @@ def _parse_json_text(text: str, start: int, name: str, cite: Citation) -> list[E
         return parse_ras_json(obj, name)
     except ValueError:
         pass
-    repaired, fixes = _repair_json(body)
-    try:
-        events = parse_ras_json(json.loads(repaired), name)
-        if isinstance(events[0], RasReport):
-            note = f"{MALFORMED_JSON_REASON}; repaired ({', '.join(fixes) or 'no change'})"
-            return events + [Unusable(reason=note, cite=cite)]
-    except ValueError:
-        pass
+    events, fixes = _parse_repaired(body, name)
+    # Trap: a repair that kept no communicator must not pass for an empty,
+    # healthy report; fall through to salvage instead.
+    if events and isinstance(events[0], RasReport) and events[0].communicators:
+        if _TRUNCATED in fixes:
+            # The document was cut inside its last communicator: say so there.
+            *rest, last = events[0].communicators
+            events[0] = events[0].model_copy(update={"communicators": rest + [_mark_partial(last)]})
+        note = f"{MALFORMED_JSON_REASON}; repaired ({', '.join(dict.fromkeys(fixes)) or 'no change'})"
+        return events + [Unusable(reason=note, cite=cite)]
     salvaged = _salvage_json(body)
     if salvaged["communicators"]:
         events = parse_ras_json(salvaged, name)
@@ -546,17 +607,44 @@ def _parse_json_text(text: str, start: int, name: str, cite: Citation) -> list[E
     return [Unusable(reason=MALFORMED_JSON_REASON, cite=cite)]
 
 
+def _parse_repaired(body: str, name: str) -> tuple[list[Event], list[str]]:
+    """``parse_ras_json`` of the repaired document, or ``[]`` when no repair loads.
+
+    Trap: a closer that does not match can be a stray one or stand for missing
+    ones; try "close what is open" first, then (only if that met such a
+    closer) "drop the stray".
+    """
+    fixes: list[str] = []
+    for mode in ("close", "drop"):
+        repaired, fixes = _repair_json(body, mode)
+        try:
+            return parse_ras_json(json.loads(repaired), name), fixes
+        except ValueError:
+            if not any("bracket" in f or "stray" in f for f in fixes):
+                break  # "drop" would produce the same text
+    return [], fixes
+
+
 _TRAILING_COMMA = re.compile(r",(\s*[\]}])")
 _MISSING_COMMA = re.compile(r"([}\]])(\s*)(?=[{\[\"])")
 _CLOSER = {"{": "}", "[": "]"}
+_TRUNCATED = "closed a truncated document"
 
 
-def _repair_json(body: str) -> tuple[str, list[str]]:
+def _mark_partial(comm: RasCommunicator) -> RasCommunicator:
+    if "PARTIAL" in comm.status:
+        return comm
+    status = "PARTIAL" if comm.status == "OK" else f"{comm.status},PARTIAL"
+    note = "RAS JSON cut short inside this communicator: its last rank record may be incomplete"
+    return comm.model_copy(update={"status": status, "messages": comm.messages + [note]})
+
+
+def _repair_json(body: str, mode: str = "close") -> tuple[str, list[str]]:
     """Lenient fixes for the breakages seen in RAS JSON; returns (text, what was done).
 
     Trailing commas, missing commas between records, stray or missing closing
     brackets, and truncation (cut back to the last complete value, then close
-    what is open).
+    what is open).  Anything after the top-level object is dropped.
     """
     fixes = []
     text, n = _TRAILING_COMMA.subn(r"\1", body)
@@ -565,47 +653,38 @@ def _repair_json(body: str) -> tuple[str, list[str]]:
     text, n = _MISSING_COMMA.subn(r"\1,\2", text)
     if n:
         fixes.append(f"inserted {n} missing comma(s)")
-    out, stack, cut, in_str, esc = [], [], 0, False, False
-    for ch in text:
-        if in_str:
-            in_str, esc = (ch != '"' or esc), (ch == "\\" and not esc)
-        elif ch == '"':
-            in_str = True
-        elif ch in "{[":
-            stack.append(ch)
-        elif ch in "}]":
-            if ch not in (_CLOSER.get(s) for s in stack):
+    out, stack, done, cut = [], [], 0, 0  # cut: end of the last complete value
+    for tok in _TOKEN.finditer(text):
+        ch = tok.group()
+        if ch[0] == '"' and tok.group(1) is None:
+            break  # an unterminated string: the document was cut inside it
+        out.append(text[done : tok.start()])
+        done = tok.end()
+        if ch in "}]":
+            if ch not in (_CLOSER[b] for b in stack) or (mode == "drop" and _CLOSER[stack[-1]] != ch):
                 fixes.append(f"dropped a stray '{ch}'")
                 continue
             while _CLOSER[stack[-1]] != ch:  # bad nesting: close what was left open
                 out.append(_CLOSER[stack.pop()])
                 fixes.append("closed a bracket left open")
             stack.pop()
-        out.append(ch)
-        if not in_str and ch in "{[}],":
-            cut = len(out)
-        if not stack and ch == "}":
-            break
-    if stack or in_str:
-        kept = "".join(out[:cut]).rstrip().rstrip(",")
-        return kept + "".join(_CLOSER[c] for c in reversed(_open_brackets(kept))), fixes + ["closed a truncated document"]
-    return "".join(out), fixes
-
-
-def _open_brackets(text: str) -> list[str]:
-    stack, in_str, esc = [], False, False
-    for ch in text:
-        if in_str:
-            in_str, esc = (ch != '"' or esc), (ch == "\\" and not esc)
-        elif ch == '"':
-            in_str = True
         elif ch in "{[":
             stack.append(ch)
-        elif ch in "}]" and stack:
-            stack.pop()
-    return stack
+        out.append(ch)
+        if ch in "{[}],":
+            cut = len(out)
+        if not stack:
+            return "".join(out), fixes
+    # Every bracket token is a cut point, so the stack at the cut is the stack now.
+    kept = "".join(out[:cut]).rstrip().rstrip(",")
+    return kept + "".join(_CLOSER[b] for b in reversed(stack)), fixes + [_TRUNCATED]
 
 
+# A string (group 1 is None when the document ends inside it) or a structural character.
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*(")?|[{}\[\],]')
+
+
+_SALVAGED = "__salvaged__"  # marks a communicator rebuilt from loose rank records
 _RANK_OBJ = re.compile(r'\{\s*"rank"\s*:')
 _COMM_HASH = re.compile(r'"hash"\s*:\s*"(0x[0-9a-fA-F]+)"')
 _MISSING_LIST = re.compile(r'"missing_ranks"\s*:\s*\[')
@@ -618,23 +697,38 @@ def _salvage_json(body: str) -> dict:
     A record goes to the communicator whose ``"hash"`` precedes it, and into
     ``missing_ranks`` when a ``"missing_ranks": [`` lies between the two.
     """
-    decoder, comms = json.JSONDecoder(), {}
+    comms: dict[str | None, dict] = {}
     hashes = [(m.start(), m.group(1)) for m in _COMM_HASH.finditer(body)]
     missing_at = [m.start() for m in _MISSING_LIST.finditer(body)]
     for m in _RANK_OBJ.finditer(body):
-        try:
-            record, _ = decoder.raw_decode(_TRAILING_COMMA.sub(r"\1", body[m.start():m.start() + 4096]))
-        except ValueError:
+        record = _decode_record(body, m.start())
+        if record is None:
             continue
-        owner = max(((pos, h) for pos, h in hashes if pos < m.start()), default=(-1, None))
-        comm = comms.setdefault(owner[1], {"hash": owner[1], "ranks": [], "missing_ranks": []})
-        in_missing = any(owner[0] < pos < m.start() for pos in missing_at)
+        i = bisect.bisect_left(hashes, (m.start(), "")) - 1
+        owner_at, owner = hashes[i] if i >= 0 else (-1, None)
+        comm = comms.setdefault(owner, {"hash": owner, "ranks": [], "missing_ranks": [], _SALVAGED: True})
+        j = bisect.bisect_left(missing_at, m.start()) - 1
+        in_missing = j >= 0 and missing_at[j] > owner_at
         comm["missing_ranks" if in_missing else "ranks"].append(record)
     version = _VERSION.search(body)
-    for comm in comms.values():
+    for comm in comms.values():  # records before any "hash": a communicator without one
         if comm["hash"] is None:
             del comm["hash"]
     return {"nccl_version": version.group(1) if version else None, "communicators": list(comms.values())}
+
+
+def _decode_record(body: str, at: int) -> dict | None:
+    """The JSON object starting at ``at``, tolerating comma slips inside it."""
+    decoder = json.JSONDecoder()
+    chunk = body[at : at + 4096]  # a rank record is ~500 bytes
+    try:
+        record, _ = decoder.raw_decode(chunk)
+    except ValueError:
+        try:
+            record, _ = decoder.raw_decode(_MISSING_COMMA.sub(r"\1,\2", _TRAILING_COMMA.sub(r"\1", chunk)))
+        except ValueError:
+            return None
+    return record if isinstance(record, dict) else None
 
 
 # --------------------------------------------------------------------------
@@ -691,8 +785,9 @@ def _message_groups(messages: list[str]) -> tuple[dict[str, dict[int, int]], dic
     return ops, statuses
 
 
-def _flag_minority(reasons: dict[int, list[str]], values: dict[int, object], groups: dict, what: str,
-                   *, numeric: bool) -> None:
+def _flag_minority(
+    reasons: dict[int, list[str]], values: dict[int, object], groups: dict, what: str, *, numeric: bool
+) -> None:
     """Add a reason for each named rank whose value is not the strict majority's."""
     tally = dict(groups)
     for value in values.values():
