@@ -22,11 +22,11 @@ mutable objects.
 from __future__ import annotations
 
 import zlib
+from array import array
 from dataclasses import dataclass, field
 from typing import Literal
 
 from .types import (
-    P2P_OPS,
     Citation,
     CommEnd,
     CommInit,
@@ -51,21 +51,29 @@ from .types import (
 )
 
 DEFAULT_WINDOW = 2048
-_MASK = (1 << 64) - 1
 _MAX_NOTES = 200
 
 Source = Literal["nccl_log", "flight_recorder"]
 
 
+_SIG_HASHES: dict[OpSig, int] = {}
+
+
 def sig_hash(sig: OpSig) -> int:
-    """A hash of a signature that is the same in every process and run."""
-    return zlib.crc32(repr(tuple(sig)).encode())
+    """A hash of a signature that is the same in every process and run (unlike ``hash``)."""
+    value = _SIG_HASHES.get(sig)
+    if value is None:
+        if len(_SIG_HASHES) > 100_000:  # sizes that never repeat must not grow memory
+            _SIG_HASHES.clear()
+        value = _SIG_HASHES[sig] = zlib.crc32(repr(tuple(sig)).encode())
+    return value
 
 
 def fold(digest: int, sigs: list[OpSig] | tuple[OpSig, ...]) -> int:
-    for sig in sigs:
-        digest = (digest * 1000003 + sig_hash(sig)) & _MASK
-    return digest
+    """Chain ``sigs`` into ``digest``: order-sensitive, computed in C by crc32."""
+    hashes = _SIG_HASHES
+    values = array("I", [hashes.get(s) or sig_hash(s) for s in sigs])
+    return zlib.crc32(values.tobytes(), digest)
 
 
 @dataclass
@@ -226,17 +234,14 @@ class JobState:
             slot = (event.proc, event.comm_ptr)
             self._unknown_ops[slot] = self._unknown_ops.get(slot, 0) + len(event.sigs)
             return
-        coll = [s for s in event.sigs if s.op not in P2P_OPS]
-        if len(coll) != len(event.sigs):
-            for sig in event.sigs:
-                if sig.op in P2P_OPS:
-                    logs = seq.sent if sig.op == "Send" else seq.received
-                    log = logs.get(sig.root)  # type: ignore[arg-type]
-                    if log is None:
-                        log = logs[sig.root] = PeerLog()  # type: ignore[index]
-                    log.count += 1
-                    log.sigs.append(sig)
-        seq.coll.extend(coll)
+        for sig in event.p2p:
+            logs = seq.sent if sig.op == "Send" else seq.received
+            log = logs.get(sig.root)  # type: ignore[arg-type]
+            if log is None:
+                log = logs[sig.root] = PeerLog()  # type: ignore[index]
+            log.count += 1
+            log.sigs.append(sig)
+        seq.coll.extend(event.sigs)
         seq.trim(self.window)
 
     def _on_end(self, event: CommEnd) -> None:

@@ -190,14 +190,19 @@ class LocalPeerClosed(Event):
 
 
 class OpBatch(Event):
-    """Operations one process enqueued on one communicator, in order."""
+    """Operations one process enqueued on one communicator, in order.
+
+    Collectives and point-to-point come apart: ranks align collectives by
+    position and match p2p pairwise, so their relative order is not needed.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     proc: ProcKey
     comm_ptr: str
     file: str
-    sigs: list[OpSig]
+    sigs: list[OpSig]  # collectives
+    p2p: list[OpSig]  # Send and Recv; the peer is in ``root``
 
 
 # --------------------------------------------------------------------------

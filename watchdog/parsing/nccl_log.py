@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from itertools import compress
+from operator import not_
 
 from ..types import (
     Citation,
@@ -49,21 +51,41 @@ _PROC = rb"([^:\s\[\]]+):(\d+):\d+ \[\d+\] (?:\S+:\d+ (?:\([^)]*\) )?)?NCCL "
 # distinct signature.
 _OP_RE = re.compile(
     rb"\n" + _PREFIX + rb"([^:\s\[\]]+:\d+):\d+ \[\d+\] NCCL INFO (\w+): opCount \S+ sendbuff \S+ recvbuff \S+ "
-    rb"(count \d+ datatype \d+ op \d+ root -?\d+) comm (\S+)"
+    rb"(count \d+ datatype \d+ op \d+ root -?\d+ comm \S+)"
 )
+# When every line of a segment starts with the same "host:pid:" (one
+# process per file, the normal NCCL_DEBUG_FILE case) a pattern that starts
+# with a literal is twice as fast: the regex engine skips to it.
+_OP_FAST_RE = re.compile(
+    rb"INFO (\w+): opCount [^ ]+ sendbuff [^ ]+ recvbuff [^ ]+ (count \d+ datatype \d+ op \d+ root -?\d+ comm [^ \n]+)"
+)
+_PROC_ANY_RE = re.compile(rb"([^:\s\[\]]+:\d+):\d+ \[\d+\] ")
+
+
+def _single_process(body: bytes, start: int, stop: int) -> bytes | None:
+    """The "host:pid" of every NCCL line in body[start:stop], or None if there are several.
+
+    Counted, not anchored at line starts: timestamps and tee prefixes do not
+    matter.  A segment with lines of no process at all (the empty line NCCL
+    prints before a WARN, another program's output) takes the general path.
+    """
+    first = _PROC_ANY_RE.search(body, start, stop)
+    if first is None:
+        return None
+    same = body.count(first[1] + b":", start, stop)
+    return first[1] if same == body.count(b"\n", start, stop) else None
+
+
+_P2P = frozenset({b"Send", b"Recv"})
 _LINE_HEAD_RE = re.compile(_PREFIX + _PROC + rb"(INFO|WARN) ?(.*)$", re.S)
 
-_MARKERS = (
-    b"NCCL WARN",
-    b"Init START",
-    b"Init COMPLETE",
-    b"Destroy COMPLETE",
-    b"Abort START",
-    b"Abort COMPLETE",
-    b"NCCL version",
-    b" localRanks ",
-    b"Connection closed by localRank",
-)
+# Each is a full scan of the buffer (fast, in C), so the list is short and
+# the markers broad: "- " is in every Init/Destroy/Abort line (and in no
+# operation line), "localRank" in the topology and "Connection closed" lines.
+# Lines they catch that matter not are dropped by ``_rare``.
+_MARKERS = (b"- ", b"NCCL WARN", b"localRank")
+# The version line is a process's first: looked for until one is seen.
+_VERSION_MARKER = b"NCCL version"
 
 _INIT_RE = re.compile(
     r"(?:(?P<fn>\w+) )?comm (?P<comm>\S+) rank (?P<rank>\d+) nranks (?P<nranks>\d+)"
@@ -97,75 +119,95 @@ class NcclLogParser:
         self.name = name
         self.lines_seen = 0
         self.garbled = 0  # operation records (": opCount ") that did not parse
-        self._carry = b""
-        self._sigs: dict[tuple[bytes, bytes], OpSig] = {}
+        self.version_seen = False
+        self._carry = b"\n"
+        self._sigs = _SigTable()
 
     def feed(self, data: bytes, final: bool = False) -> list[Event]:
         """Parse the complete lines in ``carry + data``; keep the partial rest."""
-        buf = self._carry + data
-        end = len(buf) if final else buf.rfind(b"\n") + 1
-        self._carry = b"" if final else buf[end:]
-        if end <= 0:
+        # The carry always starts with the previous line's "\n", so every
+        # line, the first included, starts at a "\n" the patterns anchor on.
+        body = self._carry + data
+        last_newline = body.rfind(b"\n")
+        if final:
+            stop = len(body) - 1 if body.endswith(b"\n") else len(body)
+            self._carry = b"\n"
+        else:
+            stop = last_newline
+            self._carry = body[last_newline:]
+        if stop <= 0:
             return []
-        # A leading newline lets every pattern anchor on "\n".
-        body = b"\n" + buf[:end]
         events: list[Event] = []
         start = 0
-        for pos, line_start, line_end in self._rare_lines(body):
+        line_no, counted_to = self.lines_seen, 0
+        for line_start, line_end in self._rare_lines(body, stop):
             self._ops(body, start, line_start, events)
-            event = self._rare(body[line_start + 1 : line_end], self.lines_seen + body.count(b"\n", 0, line_start) + 1)
+            line_no += body.count(b"\n", counted_to, line_start + 1)
+            counted_to = line_start + 1
+            event = self._rare(body[line_start + 1 : line_end], line_no)
             if event is not None:
                 events.append(event)
+                self.version_seen = self.version_seen or isinstance(event, NcclVersion)
             start = line_end
-        self._ops(body, start, len(body), events)
-        self.lines_seen += body.count(b"\n") - 1 + (0 if body.endswith(b"\n") else 1)
+        self._ops(body, start, stop, events)
+        self.lines_seen += body.count(b"\n", 0, stop)
         return events
 
     # -- operations ------------------------------------------------------
 
     def _ops(self, body: bytes, start: int, stop: int, out: list[Event]) -> None:
+        """Operations of the lines in body[start:stop] (``start`` is a line's "\n")."""
         if stop <= start:
             return
-        segment = body[start:stop]
-        found = _OP_RE.findall(segment)
-        expected = segment.count(b": opCount ")
-        self.garbled += expected - len(found)
+        single = _single_process(body, start, stop)
+        found = (_OP_FAST_RE if single else _OP_RE).findall(body, start, stop)
+        self.garbled += body.count(b": opCount ", start, stop) - len(found)
         if not found:
             return
-        sigs = self._sigs
-        batches: dict[tuple[bytes, bytes], list[OpSig]] = {}
-        for proc, op, fields, comm in found:
-            sig = sigs.get((op, fields))
-            if sig is None:
-                sig = sigs[(op, fields)] = _make_sig(op, fields)
-            batch = batches.get((proc, comm))
-            if batch is None:
-                batch = batches[(proc, comm)] = []
-            batch.append(sig)
-        for (proc, comm), batch in batches.items():
+        # Column-wise with map/compress: the per-operation work stays in C.
+        if single:
+            ops, tails = zip(*found)
+            procs: tuple[bytes, ...] = (single,)
+        else:
+            procs, ops, tails = zip(*found)
+        sigs, comms, is_p2p = zip(*map(self._sigs.__getitem__, zip(ops, tails)))
+        single_proc = len(set(procs)) == 1
+        keys = comms if single_proc else list(zip(procs, comms))
+        distinct = dict.fromkeys(keys)  # first-appearance order
+        for key in distinct:
+            if len(distinct) == 1:
+                mine, mine_p2p = sigs, is_p2p
+            else:
+                chosen = list(map(key.__eq__, keys))
+                mine, mine_p2p = list(compress(sigs, chosen)), list(compress(is_p2p, chosen))
+            proc, comm = (procs[0], key) if single_proc else key
             host, _, pid = proc.decode(errors="replace").rpartition(":")
             out.append(
                 OpBatch.model_construct(
-                    proc=ProcKey(host, int(pid)), comm_ptr=comm.decode(errors="replace"), file=self.name, sigs=batch
+                    proc=ProcKey(host, int(pid)),
+                    comm_ptr=comm.decode(errors="replace"),
+                    file=self.name,
+                    sigs=list(compress(mine, map(not_, mine_p2p))),
+                    p2p=list(compress(mine, mine_p2p)),
                 )
             )
 
     # -- rare lines ------------------------------------------------------
 
-    @staticmethod
-    def _rare_lines(body: bytes) -> list[tuple[int, int, int]]:
-        """Positions of lines holding a rare marker: (hit, line start, line end)."""
-        hits: dict[int, tuple[int, int, int]] = {}
-        for marker in _MARKERS:
-            pos = body.find(marker)
+    def _rare_lines(self, body: bytes, stop: int) -> list[tuple[int, int]]:
+        """(line start, line end) of the lines in body[:stop] holding a rare marker."""
+        hits: dict[int, int] = {}
+        markers = _MARKERS if self.version_seen else (*_MARKERS, _VERSION_MARKER)
+        for marker in markers:
+            pos = body.find(marker, 0, stop)
             while pos != -1:
                 line_start = body.rfind(b"\n", 0, pos)
-                line_end = body.find(b"\n", pos)
+                line_end = body.find(b"\n", pos, stop)
                 if line_end == -1:
-                    line_end = len(body)
-                hits.setdefault(line_start, (pos, line_start, line_end))
-                pos = body.find(marker, line_end)
-        return [hits[k] for k in sorted(hits)]
+                    line_end = stop
+                hits[line_start] = line_end
+                pos = body.find(marker, line_end, stop)
+        return sorted(hits.items())
 
     def _rare(self, raw: bytes, line_no: int) -> Event | None:
         head = _LINE_HEAD_RE.match(raw)
@@ -178,6 +220,20 @@ class NcclLogParser:
         if level == b"WARN":
             return _warning(proc, rest, cite)
         return _info_event(proc, rest, cite)
+
+
+class _SigTable(dict[tuple[bytes, bytes], tuple[OpSig, bytes, bool]]):
+    """(op, "count .. comm ..") -> (signature, comm, is p2p), interned.
+
+    A training job has a few hundred distinct keys, so one dict lookup per
+    line replaces all per-line parsing.
+    """
+
+    def __missing__(self, key: tuple[bytes, bytes]) -> tuple[OpSig, bytes, bool]:
+        op, tail = key
+        fields, _, comm = tail.rpartition(b" comm ")
+        value = self[key] = (_make_sig(op, fields), comm, op in _P2P)
+        return value
 
 
 def _make_sig(op: bytes, fields: bytes) -> OpSig:
@@ -270,6 +326,7 @@ def iter_op_lines(data: bytes) -> Iterator[tuple[int, ProcKey, str, OpSig]]:
     for m in _OP_RE.finditer(body):
         line += body.count(b"\n", last, m.start() + 1)
         last = m.start() + 1
-        proc, op, fields, comm = m.groups()
+        proc, op, tail = m.groups()
+        fields, _, comm = tail.rpartition(b" comm ")
         host, _, pid = proc.decode(errors="replace").rpartition(":")
         yield line, ProcKey(host, int(pid)), comm.decode(errors="replace"), _make_sig(op, fields)

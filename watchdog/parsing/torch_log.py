@@ -28,7 +28,7 @@ _FAILURE_RE = re.compile(
     r"\s*exitcode\s*:\s*(?P<code>-?\d+)(?: \(pid: (?P<pid>\d+)\))?",
     re.M,
 )
-_MARKERS = ("Watchdog caught collective operation timeout", "ChildFailedError", "Root Cause (first observed failure)")
+_MARKERS = ("Watchdog caught collective operation timeout", "ChildFailedError")
 
 
 def looks_like_torch_log(head: bytes) -> bool:
