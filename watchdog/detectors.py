@@ -513,12 +513,25 @@ def decide(snapshot: Snapshot) -> Finding:
         for f in findings[1:]
         if f.verdict in HANG_VERDICTS
     ]
-    best = replace(best, evidence=best.evidence + tuple(corroborating[:8]))
+    best = replace(best, evidence=best.evidence + tuple(corroborating[:8]), missing=best.missing + _missing_ranks(snapshot))
     if best.verdict == Verdict.rank_behind:
         best = _upgrade_to_dead(snapshot, best)
     if best.verdict == Verdict.stuck_in_collective and not best.culprits:
         best = _lead_from_signatures(snapshot, best)
     return _with_job_evidence(snapshot, best)
+
+
+def _missing_ranks(snapshot: Snapshot) -> tuple[str, ...]:
+    """Ranks a communicator has but no input showed: their side is unknown."""
+    missing = []
+    for comm in snapshot.comms:
+        seen = {r.comm_rank for r in comm.ranks}
+        absent = [r for r in range(comm.nranks) if r not in seen]
+        if absent:
+            what = "no log" if comm.source == "nccl_log" else "no dump"
+            ranks = ", ".join(map(str, absent[:16])) + (" ..." if len(absent) > 16 else "")
+            missing.append(f"{comm.label}: {what} for rank {ranks} (of {comm.nranks}); a culprit may hide there")
+    return tuple(missing)
 
 
 def _dead_ranks(snapshot: Snapshot) -> dict[int, Evidence]:

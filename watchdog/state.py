@@ -285,6 +285,13 @@ class JobState:
 
     def finish(self) -> None:
         """Say what was seen but could not be used (call once input is complete)."""
+        jobs = self.jobs()
+        if len(jobs) > 1:
+            described = "; ".join(f"job {i + 1}: " + ", ".join(sorted(keys))[:200] for i, keys in enumerate(jobs))
+            self._note(
+                f"logs of {len(jobs)} jobs found (no process shares a communicator across them): {described}. "
+                "The verdict is the most severe; analyze each job's files separately for details"
+            )
         for (proc, ptr), count in self._unknown_ops.items():
             self._note(
                 f"{count} operations of {proc.host}:{proc.pid} on communicator {ptr} skipped: "
@@ -316,6 +323,30 @@ class JobState:
         self.gpus += other.gpus
         for note in other.notes:
             self._note(note)
+
+    def jobs(self) -> list[set[str]]:
+        """NCCL communicators grouped into jobs: two are one job when a process is in both."""
+        parent: dict[str, str] = {}
+
+        def root(key: str) -> str:
+            while parent.setdefault(key, key) != key:
+                key = parent[key]
+            return key
+
+        owner: dict[ProcKey, str] = {}
+        for key, comm in self.comms.items():
+            if comm.source != "nccl_log":
+                continue
+            root(key)
+            for seq in comm.ranks.values():
+                if seq.proc in owner:
+                    parent[root(key)] = root(owner[seq.proc])
+                elif seq.proc is not None:
+                    owner[seq.proc] = key
+        groups: dict[str, set[str]] = {}
+        for key in parent:
+            groups.setdefault(root(key), set()).add(key)
+        return list(groups.values())
 
     def global_ranks(self) -> dict[ProcKey, int]:
         """A process's global rank is its rank in the largest communicator it belongs to."""
