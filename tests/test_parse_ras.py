@@ -11,6 +11,8 @@ with NCCL's own printf formats from NVIDIA/nccl src/ras/client_support.cc:
 - *.json: jsonWriteHeader ... jsonWriteFooter at 2.29.2 (JSON exists since 2.28.7).
 - malformed_*.json: mismatch_4rank.json truncated, with a trailing comma and
   a missing one, and behind a text banner, as NCCL 2.28.9 was seen to break it.
+- real-2.28.9-h200x2/: real replies (NCCL 2.28.9, 2 x H200) copied from the
+  first tools/capture run; they match the formats above byte for byte.
 """
 
 from __future__ import annotations
@@ -189,8 +191,8 @@ class TestTextStatusAndTies:
         outliers = ras_outliers(c)
         assert set(outliers) == {0, 1}
         assert outliers[0] == (
-            "AllGather launched up to 15; no majority (1 at 15, 1 at 16); "
-            "AllReduce launched up to 47; no majority (1 at 47, 1 at 48)"
+            "AllGather launched up to 15, lowest; no majority (1 at 15, 1 at 16); "
+            "AllReduce launched up to 47, lowest; no majority (1 at 47, 1 at 48)"
         )
 
 
@@ -439,18 +441,59 @@ class TestHelpers:
 
 
 # --------------------------------------------------------------------------
-# Real captures (tools/capture on GPU machines), when present
+# Real captures (tools/capture on GPU machines)
 # --------------------------------------------------------------------------
 
-REAL = sorted(CAPTURES.glob("*/*/ras/ras.txt")) + sorted(CAPTURES.glob("*/*/ras/ras.json"))
+REAL_SAMPLES = RAS / "real-2.28.9-h200x2"  # copied from the first tools/capture run, see TestRealSamples
+CAPTURED = sorted(CAPTURES.glob("*/*/ras/ras.txt")) + sorted(CAPTURES.glob("*/*/ras/ras.json"))
 
 
-@pytest.mark.skipif(not REAL, reason="no real RAS captures under tests/fixtures/captures yet")
-class TestRealCaptures:
-    @pytest.mark.parametrize("path", REAL, ids=lambda p: str(p.relative_to(CAPTURES)))
+class TestRealSamples:
+    """NCCL 2.28.9 on 2 x H200, tools/capture scenarios "skip" (rank 1 skips the
+    collectives of step 15 and goes on) and "python_stuck" (rank 1 sleeps in
+    Python at step 15); text and JSON queried back to back, VERBOSE STATUS."""
+
+    @pytest.mark.parametrize("case", ["skip", "python_stuck"])
+    def test_text_and_json_agree(self, case):
+        text = only_report(f"{REAL_SAMPLES.name}/{case}.txt")
+        js = only_report(f"{REAL_SAMPLES.name}/{case}.json")
+        assert text.nccl_version == js.nccl_version == "2.28.9"
+        [t], [j] = text.communicators, js.communicators
+        assert (t.comm_hash, t.status, t.nranks) == (j.comm_hash, j.status, j.nranks)
+        assert ras_outliers(t) == ras_outliers(j)
+
+    def test_skip_rank_1_is_ahead_in_allreduce(self):
+        [c] = only_report(f"{REAL_SAMPLES.name}/skip.txt").communicators
+        assert ras_outliers(c) == {
+            0: "AllReduce launched up to 47, lowest; no majority (1 at 47, 1 at 49)",
+            1: "AllReduce launched up to 49, highest; no majority (1 at 47, 1 at 49)",
+        }
+
+    def test_python_stuck_rank_1_is_behind_in_three_collectives(self):
+        [c] = only_report(f"{REAL_SAMPLES.name}/python_stuck.json").communicators
+        assert {op: n for op, n in c.ranks[1].collective_counts.items() if n} == {
+            "Broadcast": 19,
+            "AllGather": 16,
+            "AllReduce": 46,
+        }
+        assert ras_outliers(c)[1].count(", lowest;") == 3
+
+
+@pytest.mark.skipif(not CAPTURED, reason="no RAS captures under tests/fixtures/captures yet")
+class TestCaptures:
+    @pytest.mark.parametrize("path", CAPTURED, ids=lambda p: str(p.relative_to(CAPTURES)))
     def test_parses_without_raising_and_names_a_version(self, path: Path):
         events = parse_ras(path.read_bytes(), str(path))
         assert events
         for report in (e for e in events if isinstance(e, RasReport)):
             assert report.nccl_version and report.nccl_version.startswith("2.")
             assert report.communicators
+
+    @pytest.mark.parametrize("case", sorted({p.parent for p in CAPTURED}), ids=lambda p: str(p.relative_to(CAPTURES)))
+    def test_text_and_json_name_the_same_communicators(self, case: Path):
+        pair = [parse_ras((case / n).read_bytes(), n) for n in ("ras.txt", "ras.json") if (case / n).exists()]
+        if len(pair) < 2 or any(notes(events) for events in pair):
+            pytest.skip("needs both reports, complete")
+        text, js = (report_of(events).communicators for events in pair)
+        assert len(text) == len(js)
+        assert {c.comm_hash for c in text if c.comm_hash} <= {c.comm_hash for c in js}

@@ -2,7 +2,7 @@
 
 NCCL's RAS thread answers ``STATUS`` / ``VERBOSE STATUS`` on 127.0.0.1:28028;
 the formats below are those printed by ``src/ras/client_support.cc``
-(read at 2.29.2 and 2.32.3, plus a 2.24-era copy; 2.28.x was not available):
+(read at 2.29.2 and 2.32.3, plus a 2.24-era copy; real 2.28.9 replies match):
 
 Text::
 
@@ -746,9 +746,9 @@ def ras_outliers(comm: RasCommunicator) -> dict[int, str]:
     Majorities come from the named ranks plus the text report's group
     sentences (``3 ranks have launched up to operation 47``), whose members
     NCCL does not name.  With no strict majority (e.g. 2 ranks, 47 vs 48),
-    every rank with a known value is returned with "no majority" in its
-    reason: RAS alone cannot tell which side is wrong.  Ranks absent from a
-    cut-short JSON are not reported.
+    every rank with a known value is returned with "no majority" (and
+    "lowest"/"highest") in its reason: RAS alone cannot tell which side is
+    wrong.  Ranks absent from a cut-short JSON are not reported.
     """
     reasons: dict[int, list[str]] = {}
     for r in comm.ranks:
@@ -795,13 +795,18 @@ def _flag_minority(
             tally[value] = tally.get(value, 0) + 1
     if len(tally) < 2:
         return
-    ranked = sorted(tally.items(), key=lambda kv: -kv[1])
+    ranked = sorted(tally.items(), key=lambda kv: (-kv[1], kv[0]))  # values of one call share a type
     (top, top_n), total = ranked[0], sum(tally.values())
     tie = ranked[1][1] == top_n
     spread = ", ".join(f"{n} at {v}" for v, n in ranked)
     for rank, value in values.items():
         if tie:
-            reasons.setdefault(rank, []).append(f"{what} {value}; no majority ({spread})")
+            # Trap: lowest is not "the culprit": a rank stuck in Python launches
+            # fewer, but one that skipped a collective launches more.
+            side = ""
+            if numeric and value in (min(tally), max(tally)):  # type: ignore[type-var]
+                side = ", lowest" if value == min(tally) else ", highest"  # type: ignore[type-var]
+            reasons.setdefault(rank, []).append(f"{what} {value}{side}; no majority ({spread})")
         elif value != top:
             gap = ""
             if numeric:

@@ -15,7 +15,8 @@ Host and pid values are invented (192.0.2.0/24 is a documentation range);
 nccl-2.28.9-2gpu mismatch run.  The ``malformed_*`` files break
 ``mismatch_4rank.json`` in the ways NCCL 2.28.9 was reported to (truncated,
 trailing comma / bad nesting) and the way a port printing its text banner
-first does; the exact 2.28.9 defect is not known.
+first does; the exact 2.28.9 defect is not known.  ``real-2.28.9-h200x2/``
+holds real replies and is not generated.
 """
 
 # ruff: noqa: UP031 - printf formatting on purpose: these are NCCL's own format strings
