@@ -24,7 +24,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from itertools import compress
-from operator import not_
 
 from ..types import (
     Citation,
@@ -121,7 +120,7 @@ class NcclLogParser:
         self.garbled = 0  # operation records (": opCount ") that did not parse
         self.version_seen = False
         self._carry = b"\n"
-        self._sigs = _SigTable()
+        self._interners: dict[bytes | None, _Interner] = {}
 
     def feed(self, data: bytes, final: bool = False) -> list[Event]:
         """Parse the complete lines in ``carry + data``; keep the partial rest."""
@@ -164,33 +163,31 @@ class NcclLogParser:
         self.garbled += body.count(b": opCount ", start, stop) - len(found)
         if not found:
             return
-        # Column-wise with map/compress: the per-operation work stays in C.
-        if single:
-            ops, tails = zip(*found)
-            procs: tuple[bytes, ...] = (single,)
-        else:
-            procs, ops, tails = zip(*found)
-        sigs, comms, is_p2p = zip(*map(self._sigs.__getitem__, zip(ops, tails)))
-        single_proc = len(set(procs)) == 1
-        keys = comms if single_proc else list(zip(procs, comms))
-        distinct = dict.fromkeys(keys)  # first-appearance order
-        for key in distinct:
-            if len(distinct) == 1:
-                mine, mine_p2p = sigs, is_p2p
-            else:
-                chosen = list(map(key.__eq__, keys))
-                mine, mine_p2p = list(compress(sigs, chosen)), list(compress(is_p2p, chosen))
-            proc, comm = (procs[0], key) if single_proc else key
+        # Column-wise: one dict lookup per line interns it, then map and
+        # compress split the ids by (process, communicator, kind), all in C.
+        interner = self._interner(single)
+        ids = list(map(interner.__getitem__, found))
+        sigs = list(map(interner.sigs.__getitem__, ids))
+        buckets = list(map(interner.buckets.__getitem__, ids))
+        present = dict.fromkeys(buckets)  # first-appearance order
+        batches: dict[tuple[bytes, bytes], tuple[list[OpSig], list[OpSig]]] = {}
+        for bucket in present:
+            proc, comm, is_p2p = interner.bucket_keys[bucket]
+            mine = sigs if len(present) == 1 else list(compress(sigs, map(bucket.__eq__, buckets)))
+            batches.setdefault((proc, comm), ([], []))[is_p2p].extend(mine)
+        for (proc, comm), (coll, p2p) in batches.items():
             host, _, pid = proc.decode(errors="replace").rpartition(":")
             out.append(
                 OpBatch.model_construct(
-                    proc=ProcKey(host, int(pid)),
-                    comm_ptr=comm.decode(errors="replace"),
-                    file=self.name,
-                    sigs=list(compress(mine, map(not_, mine_p2p))),
-                    p2p=list(compress(mine, mine_p2p)),
+                    proc=ProcKey(host, int(pid)), comm_ptr=comm.decode(errors="replace"), file=self.name, sigs=coll, p2p=p2p
                 )
             )
+
+    def _interner(self, single: bytes | None) -> _Interner:
+        table = self._interners.get(single)
+        if table is None or len(table) > _MAX_INTERNED:
+            table = self._interners[single] = _Interner(single)
+        return table
 
     # -- rare lines ------------------------------------------------------
 
@@ -222,18 +219,37 @@ class NcclLogParser:
         return _info_event(proc, rest, cite)
 
 
-class _SigTable(dict[tuple[bytes, bytes], tuple[OpSig, bytes, bool]]):
-    """(op, "count .. comm ..") -> (signature, comm, is p2p), interned.
+_MAX_INTERNED = 100_000  # distinct (op, sizes, comm) keys before a table starts over
 
-    A training job has a few hundred distinct keys, so one dict lookup per
-    line replaces all per-line parsing.
+
+class _Interner(dict[tuple[bytes, ...], int]):
+    """Operation line fields -> a small id; ids index ``sigs`` and ``buckets``.
+
+    Keys are ``(op, "count .. comm ..")`` for a single-process segment (the
+    process is the table's) or ``(proc, op, tail)``.  A training job has a
+    few hundred distinct keys, so one lookup per line replaces all per-line
+    parsing.  A bucket is one (process, communicator, is p2p) stream.
     """
 
-    def __missing__(self, key: tuple[bytes, bytes]) -> tuple[OpSig, bytes, bool]:
-        op, tail = key
+    def __init__(self, proc: bytes | None) -> None:
+        super().__init__()
+        self.proc = proc
+        self.sigs: list[OpSig] = []
+        self.buckets: list[int] = []
+        self.bucket_keys: list[tuple[bytes, bytes, bool]] = []
+        self._bucket_of: dict[tuple[bytes, bytes, bool], int] = {}
+
+    def __missing__(self, key: tuple[bytes, ...]) -> int:
+        proc, op, tail = key if len(key) == 3 else (self.proc, *key)
         fields, _, comm = tail.rpartition(b" comm ")
-        value = self[key] = (_make_sig(op, fields), comm, op in _P2P)
-        return value
+        bucket_key = (proc, comm, op in _P2P)
+        bucket = self._bucket_of.setdefault(bucket_key, len(self.bucket_keys))
+        if bucket == len(self.bucket_keys):
+            self.bucket_keys.append(bucket_key)
+        index = self[key] = len(self.sigs)
+        self.sigs.append(_make_sig(op, fields))
+        self.buckets.append(bucket)
+        return index
 
 
 def _make_sig(op: bytes, fields: bytes) -> OpSig:
