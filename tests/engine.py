@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from conftest import NOW
 
-from watchdog.detectors import Finding, decide
+from watchdog.detectors import Finding
 from watchdog.parsing.nccl_log import NcclLogParser
 from watchdog.snapshot import Snapshot, take_snapshot
 from watchdog.state import JobState
 from watchdog.types import Event
+from watchdog.verdict import decide
 
 
 def state_of(logs: dict[str, str], window: int = 2048, extra: list[Event] = ()) -> JobState:

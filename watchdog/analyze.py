@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from .detectors import Finding, OpRef, decide
+from .detectors import Finding, OpRef
 from .parsing import SNIFF_BYTES, NcclLogParser, sniff
 from .parsing.nccl_log import iter_op_lines
 from .parsing.torch_log import looks_like_torch_log, parse_torch_log
@@ -25,6 +25,7 @@ from .report import InputFile, Report, build_report
 from .snapshot import take_snapshot
 from .state import DEFAULT_WINDOW, JobState
 from .types import P2P_OPS
+from .verdict import decide
 
 CHUNK_BYTES = 8 << 20
 

@@ -11,24 +11,18 @@ Per communicator, in this order (the first that fires wins):
    says whether the last completed (``stuck_in_collective`` / ``no_hang``);
    NCCL's log only says when the job shut its communicators down.
 
-``decide`` then picks the most telling communicator and lets job-wide
-evidence sharpen it: a rank that died (torchrun's failure summary, peers'
-"Connection closed by localRank") turns ``rank_behind`` into
-``process_dead``; GPU signatures and stacks name the lead rank of a
-``stuck_in_collective`` when sequences cannot; a RAS report stands in when
-there is nothing else.
+``verdict.decide`` then weighs the communicators against each other and
+against job-wide evidence.
 """
 
 from __future__ import annotations
 
-import signal
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
-from .snapshot import CommView, PeerView, RankView, Snapshot
+from .snapshot import CommView, PeerView, RankView
 from .types import Citation, OpSig, OpState, ProcKey
 
 MAX_PERIOD = 512  # longest repeating pattern (ops per training step) looked for
@@ -108,12 +102,12 @@ class Finding:
 # --------------------------------------------------------------------------
 
 
-def _rank_id(rank: RankView) -> int:
+def rank_id(rank: RankView) -> int:
     return rank.global_rank if rank.global_rank is not None else rank.comm_rank
 
 
-def _names(ranks: Sequence[RankView]) -> str:
-    ids = sorted(_rank_id(r) for r in ranks)
+def names(ranks: Sequence[RankView]) -> str:
+    ids = sorted(rank_id(r) for r in ranks)
     return ("rank " if len(ids) == 1 else "ranks ") + ", ".join(map(str, ids))
 
 
@@ -135,7 +129,7 @@ def _rows(comm: CommView, status: Callable[[RankView], tuple[str, str]]) -> tupl
         text, detail = status(rank)
         rows.append(
             RankRow(
-                rank=_rank_id(rank),
+                rank=rank_id(rank),
                 host=rank.proc.host if rank.proc else None,
                 pid=rank.proc.pid if rank.proc else None,
                 issued=rank.total,
@@ -225,10 +219,10 @@ def _mismatch(
         good_sig = None
         how = "the ranks split evenly and no repeating pattern tells which side is right"
     culprits = [r for s, members in groups.items() if s != good_sig for r in members]
-    culprit_ids = tuple(sorted(_rank_id(r) for r in culprits)) if good_sig is not None else ()
+    culprit_ids = tuple(sorted(rank_id(r) for r in culprits)) if good_sig is not None else ()
     good = groups.get(good_sig, []) if good_sig is not None else []
     evidence = [
-        _op_evidence(comm, members[0], position, f"{_names(members)} issued {sig.describe() if sig else '?'} as collective #{position + 1}")
+        _op_evidence(comm, members[0], position, f"{names(members)} issued {sig.describe() if sig else '?'} as collective #{position + 1}")
         for sig, members in groups.items()
     ]
     skew_note = ""
@@ -244,8 +238,8 @@ def _mismatch(
     operation = (good_sig or culprit_sig or OpSig("?", None, None, None, None)).describe()
     if culprit_ids:
         summary = (
-            f"{_names(culprits)} issued {culprit_sig.describe() if culprit_sig else '?'} as collective #{position + 1} "
-            f"on {comm.label}, where {_names(good)} issued {operation}."
+            f"{names(culprits)} issued {culprit_sig.describe() if culprit_sig else '?'} as collective #{position + 1} "
+            f"on {comm.label}, where {names(good)} issued {operation}."
         )
     else:
         summary = f"Ranks issued different operations as collective #{position + 1} on {comm.label}."
@@ -283,15 +277,15 @@ def _behind(comm: CommView, ranks: list[RankView]) -> Finding | None:
     others_behind = [r for r in ranks if low < r.total < top]
     ended = [r for r in culprits if r.end is not None]
     summary = (
-        f"{_names(culprits)} never entered collective #{low + 1} ({operation}) on {comm.label}: "
-        f"{'they' if len(culprits) > 1 else 'it'} issued {low} collectives, {_names([ahead])} issued {top}."
+        f"{names(culprits)} never entered collective #{low + 1} ({operation}) on {comm.label}: "
+        f"{'they' if len(culprits) > 1 else 'it'} issued {low} collectives, {names([ahead])} issued {top}."
     )
     reason = "Sequences agree up to there; the others wait in that collective for the ranks that never issued it."
     if ended:
-        reason += f" {_names(ended)} shut the communicator down ({ended[0].end}) first."
+        reason += f" {names(ended)} shut the communicator down ({ended[0].end}) first."
     if others_behind:
-        reason += f" {_names(others_behind)} are also behind, probably waiting on the culprit elsewhere."
-    evidence = [_op_evidence(comm, ahead, low, f"{_names([ahead])} issued {operation} as collective #{low + 1}")]
+        reason += f" {names(others_behind)} are also behind, probably waiting on the culprit elsewhere."
+    evidence = [_op_evidence(comm, ahead, low, f"{names([ahead])} issued {operation} as collective #{low + 1}")]
     for r in culprits:
         last = r.at(low - 1)
         fact = f"{r.name}'s last collective is #{low}" + (f" ({last.describe()})" if last else "")
@@ -301,7 +295,7 @@ def _behind(comm: CommView, ranks: list[RankView]) -> Finding | None:
         verdict=Verdict.rank_behind,
         summary=summary,
         reason=reason,
-        culprits=tuple(sorted(_rank_id(r) for r in culprits)),
+        culprits=tuple(sorted(rank_id(r) for r in culprits)),
         comm_key=comm.key,
         comm_label=comm.label,
         source=comm.source,
@@ -352,7 +346,7 @@ def _compare_pair(comm: CommView, sender: RankView, receiver: RankView, sends: P
                     f"send count={s.count} dtype={s.dtype}, recv count={r.count} dtype={r.dtype}."
                 ),
                 reason="A send and its matching recv must agree on size and type.",
-                culprits=tuple(sorted({_rank_id(sender), _rank_id(receiver)})),
+                culprits=tuple(sorted({rank_id(sender), rank_id(receiver)})),
                 comm_key=comm.key,
                 comm_label=comm.label,
                 source=comm.source,
@@ -390,7 +384,7 @@ def _p2p_behind(
             f"{waiter.name} waits in its matching {theirs}."
         ),
         reason="Point-to-point operations are matched pairwise; the rank that has not posted its side is at fault.",
-        culprits=(_rank_id(culprit),),
+        culprits=(rank_id(culprit),),
         comm_key=comm.key,
         comm_label=comm.label,
         source=comm.source,
@@ -428,7 +422,7 @@ def check_completion(comm: CommView) -> Finding:
         return Finding(
             verdict=Verdict.stuck_in_collective,
             summary=(
-                f"Every rank issued the same {total} collectives on {comm.label}, and {_names(aborted)} aborted it: "
+                f"Every rank issued the same {total} collectives on {comm.label}, and {names(aborted)} aborted it: "
                 "an operation did not complete (PyTorch's watchdog aborts on timeout)."
             ),
             reason="Sequences agree; nothing in NCCL's log names a lead rank.",
@@ -473,7 +467,7 @@ def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding
         _op_evidence(comm, r, position, f"{r.name}: collective #{position + 1} is {states[r.comm_rank] or 'absent'}") for r in ranks
     ]
     reason = (
-        f"{_names(lead)} never started the collective its peers are running (Flight Recorder: scheduled vs started)."
+        f"{names(lead)} never started the collective its peers are running (Flight Recorder: scheduled vs started)."
         if lead
         else "Every rank enqueued it and none finished; Flight Recorder does not say who is late."
     )
@@ -481,7 +475,7 @@ def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding
         verdict=Verdict.stuck_in_collective,
         summary=f"Collective #{position + 1} ({sig.describe() if sig else '?'}) on {comm.label} was issued by every rank and never completed.",
         reason=reason,
-        culprits=tuple(sorted(_rank_id(r) for r in lead)),
+        culprits=tuple(sorted(rank_id(r) for r in lead)),
         comm_key=comm.key,
         comm_label=comm.label,
         source=comm.source,
@@ -495,197 +489,3 @@ def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding
 
 def analyze_comm(comm: CommView) -> Finding:
     return check_collectives(comm) or check_point_to_point(comm) or check_completion(comm)
-
-
-# --------------------------------------------------------------------------
-# the job
-# --------------------------------------------------------------------------
-
-
-def decide(snapshot: Snapshot) -> Finding:
-    findings = [analyze_comm(c) for c in snapshot.comms if c.ranks]
-    if not findings:
-        return _without_sequences(snapshot)
-    findings.sort(key=lambda f: (PRIORITY[f.verdict], f.source == "nccl_log", bool(f.culprits)), reverse=True)
-    best = findings[0]
-    corroborating = [
-        Evidence(f.source or "?", f"{f.comm_label}: {f.verdict.value}, culprits {list(f.culprits)} — {f.summary}")
-        for f in findings[1:]
-        if f.verdict in HANG_VERDICTS
-    ]
-    best = replace(best, evidence=best.evidence + tuple(corroborating[:8]), missing=best.missing + _missing_ranks(snapshot))
-    if best.verdict == Verdict.rank_behind:
-        best = _upgrade_to_dead(snapshot, best)
-    if best.verdict == Verdict.stuck_in_collective and not best.culprits:
-        best = _lead_from_signatures(snapshot, best)
-    return _with_job_evidence(snapshot, best)
-
-
-def _missing_ranks(snapshot: Snapshot) -> tuple[str, ...]:
-    """Ranks a communicator has but no input showed: their side is unknown."""
-    missing = []
-    for comm in snapshot.comms:
-        seen = {r.comm_rank for r in comm.ranks}
-        absent = [r for r in range(comm.nranks) if r not in seen]
-        if absent:
-            what = "no log" if comm.source == "nccl_log" else "no dump"
-            ranks = ", ".join(map(str, absent[:16])) + (" ..." if len(absent) > 16 else "")
-            missing.append(f"{comm.label}: {what} for rank {ranks} (of {comm.nranks}); a culprit may hide there")
-    return tuple(missing)
-
-
-def _dead_ranks(snapshot: Snapshot) -> dict[int, Evidence]:
-    """Ranks that died on their own: torchrun's summary (not its teardown SIGTERM), peers' logs."""
-    timed_out = {t.rank for t in snapshot.timeouts}
-    dead: dict[int, Evidence] = {}
-    for failure in snapshot.failures:
-        if failure.exitcode == -signal.SIGTERM or failure.rank in timed_out:
-            continue  # torchrun's teardown of healthy ranks, or PyTorch's abort after a timeout
-        if failure.root_cause or failure.exitcode != 0:
-            dead.setdefault(
-                failure.rank,
-                Evidence("torchrun", f"rank {failure.rank} exited with code {failure.exitcode} (pid {failure.pid})", failure.cite),
-            )
-    for closed in snapshot.peer_closed:
-        for comm in snapshot.comms:
-            comm_rank = comm.local_ranks.get((closed.proc.host, closed.local_rank))
-            rank = next((r for r in comm.ranks if r.comm_rank == comm_rank), None)
-            if rank is not None and rank.end is None:
-                dead.setdefault(
-                    _rank_id(rank),
-                    Evidence("nccl_log", f"a peer's NCCL proxy saw {rank.name}'s connection close (local rank {closed.local_rank})", closed.cite),
-                )
-    return dead
-
-
-def _upgrade_to_dead(snapshot: Snapshot, finding: Finding) -> Finding:
-    dead = _dead_ranks(snapshot)
-    if not finding.culprits or not all(r in dead for r in finding.culprits):
-        return finding
-    names = ", ".join(map(str, finding.culprits))
-    return replace(
-        finding,
-        verdict=Verdict.process_dead,
-        summary=f"Rank {names} died: " + finding.summary,
-        reason="The rank's process ended without shutting down NCCL, so its peers wait forever. " + finding.reason,
-        evidence=tuple(dead[r] for r in finding.culprits) + finding.evidence,
-    )
-
-
-def gpu_signature(util_pct: float | None, sm_util_pct: float | None) -> str:
-    """Name what a GPU is doing from NVML (see NCCL-FACTS.md, measured on H200)."""
-    if util_pct is None:
-        return "unknown"
-    if util_pct < 5:
-        return "idle"
-    if sm_util_pct is None:
-        return "kernel resident"
-    if sm_util_pct >= 5:
-        return "multi-block kernel (NCCL spin)"
-    return "1-block kernel"
-
-
-def _rank_signatures(snapshot: Snapshot) -> dict[int, tuple[str, Citation]]:
-    """Latest GPU signature per global rank, through the pid a GPU reports."""
-    rank_of_pid = {proc.pid: rank for proc, rank in snapshot.global_ranks.items()}
-    signatures: dict[int, tuple[str, Citation]] = {}
-    for snap in snapshot.gpus:
-        for gpu in snap.gpus:
-            sm = gpu.gpm.sm_util_pct if gpu.gpm else None
-            for process in gpu.processes:
-                rank = rank_of_pid.get(process.pid)
-                if rank is not None:
-                    signatures[rank] = (gpu_signature(gpu.util_gpu_pct, sm), snap.cite)
-    return signatures
-
-
-def _lead_from_signatures(snapshot: Snapshot, finding: Finding) -> Finding:
-    signatures = _rank_signatures(snapshot)
-    if len(signatures) < 2:
-        return finding
-    counts = Counter(sig for sig, _ in signatures.values())
-    (common, n_common), *rest = counts.most_common()
-    if not rest or n_common == rest[0][1]:
-        return finding
-    odd = sorted(r for r, (sig, _) in signatures.items() if sig != common)
-    cite = next(iter(signatures.values()))[1]
-    facts = tuple(
-        Evidence("nvml", f"rank {r}: GPU {sig}", c) for r, (sig, c) in sorted(signatures.items())
-    )
-    return replace(
-        finding,
-        culprits=tuple(odd),
-        reason=(
-            f"Every rank issued the same operations; the GPU of rank {', '.join(map(str, odd))} is doing something "
-            f"else ({signatures[odd[0]][0]}) while the others show '{common}': it is the lead."
-        ),
-        evidence=finding.evidence + facts,
-        missing=tuple(m for m in finding.missing if "which rank" not in m),
-    )
-    del cite
-
-
-def _with_job_evidence(snapshot: Snapshot, finding: Finding) -> Finding:
-    extra: list[Evidence] = []
-    for timeout in snapshot.timeouts[:8]:
-        extra.append(
-            Evidence(
-                "pytorch",
-                f"rank {timeout.rank}: PyTorch watchdog timed out in {timeout.op} (SeqNum {timeout.seq}) after {timeout.ran_ms} ms",
-                timeout.cite,
-            )
-        )
-    for warning in [w for w in snapshot.warnings if w.category != "other"][:8]:
-        extra.append(Evidence("nccl_log", f"NCCL WARN ({warning.category}): {warning.message[:200]}", warning.cite))
-    for report in snapshot.ras:
-        for comm in report.communicators:
-            if comm.status.upper() != "OK":
-                text = "; ".join(comm.messages[:3])
-                extra.append(Evidence("ras", f"RAS {comm.label or comm.comm_hash}: {comm.status}. {text}", report.cite))
-    return replace(finding, evidence=finding.evidence + tuple(extra))
-
-
-def _without_sequences(snapshot: Snapshot) -> Finding:
-    """No NCCL log and no Flight Recorder dump: RAS, torchrun or nothing."""
-    dead = _dead_ranks(snapshot)
-    if dead:
-        ranks = tuple(sorted(dead))
-        return Finding(
-            verdict=Verdict.process_dead,
-            summary=f"Rank {', '.join(map(str, ranks))} exited on its own; torchrun tore the job down.",
-            reason="torchrun's failure summary names it; no NCCL log or Flight Recorder dump was given to say more.",
-            culprits=ranks,
-            evidence=tuple(dead.values()),
-            missing=("NCCL logs or Flight Recorder dumps",),
-        )
-    for report in snapshot.ras:
-        for comm in report.communicators:
-            finding = _from_ras(report, comm)
-            if finding is not None:
-                return finding
-    return Finding(
-        verdict=Verdict.inconclusive,
-        summary="Nothing to align: no NCCL log, Flight Recorder dump or RAS report with operation counts was found.",
-        missing=("NCCL debug files (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL)", "Flight Recorder dumps", "an NCCL RAS report"),
-    )
-
-
-def _from_ras(report, comm) -> Finding | None:  # type: ignore[no-untyped-def]
-    from .parsing.ras import ras_outliers
-
-    outliers = ras_outliers(comm)
-    if not outliers:
-        return None
-    ranks = tuple(sorted(outliers))
-    return Finding(
-        verdict=Verdict.collective_mismatch if comm.status.upper() == "MISMATCH" else Verdict.rank_behind,
-        summary=f"NCCL RAS reports {comm.status} on communicator {comm.comm_hash or comm.label}: "
-        + "; ".join(f"rank {r}: {why}" for r, why in sorted(outliers.items())),
-        reason="RAS counts each rank's launched collectives; these ranks differ from the majority.",
-        culprits=ranks,
-        comm_key=comm.comm_hash,
-        comm_label=comm.label or comm.comm_hash,
-        source="ras",
-        evidence=tuple(Evidence("ras", m, report.cite) for m in comm.messages[:6]),
-        missing=("NCCL logs or Flight Recorder dumps, to name the operation and its position",),
-    )

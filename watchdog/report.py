@@ -7,8 +7,9 @@ import datetime as dt
 from pydantic import BaseModel, Field
 
 from . import __version__
-from .detectors import Finding, Verdict, gpu_signature
+from .detectors import Finding, Verdict
 from .snapshot import Snapshot
+from .verdict import gpu_signature
 
 EXIT_NO_HANG = 0
 EXIT_HANG = 1
@@ -174,5 +175,5 @@ def _table(rows: list[RankRow]) -> list[str]:
     ]
     keep = [i for i in range(len(header)) if i < 5 or any(c[i] != "-" for c in cells)]
     widths = {i: min(48, max(len(header[i]), *(len(c[i]) for c in cells))) for i in keep}
-    fmt = lambda row: "  " + "  ".join(row[i][: widths[i]].ljust(widths[i]) for i in keep).rstrip()  # noqa: E731
+    fmt = lambda row: "  " + "  ".join(row[i][: widths[i]].ljust(widths[i]) for i in keep).rstrip()
     return [fmt(header)] + [fmt(c) for c in cells]

@@ -51,4 +51,4 @@ def sniff(head: bytes) -> list[Format]:
     return [fmt for fmt in TEXT if fmt.looks_like(head)]
 
 
-__all__ = ["EXCLUSIVE", "TEXT", "Format", "NcclLogParser", "SNIFF_BYTES", "sniff"]
+__all__ = ["EXCLUSIVE", "SNIFF_BYTES", "TEXT", "Format", "NcclLogParser", "sniff"]

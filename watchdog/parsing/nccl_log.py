@@ -76,7 +76,7 @@ def _single_process(body: bytes, start: int, stop: int) -> bytes | None:
 
 
 _P2P = frozenset({b"Send", b"Recv"})
-_LINE_HEAD_RE = re.compile(_PREFIX + _PROC + rb"(INFO|WARN) ?(.*)$", re.S)
+_LINE_HEAD_RE = re.compile(_PREFIX + _PROC + rb"(INFO|WARN) ?(.*)$", re.DOTALL)
 
 # Each is a full scan of the buffer (fast, in C), so the list is short and
 # the markers broad: "- " is in every Init/Destroy/Abort line (and in no

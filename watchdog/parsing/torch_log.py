@@ -26,7 +26,7 @@ _FAILURE_RE = re.compile(
     r"\s*host\s*:\s*(?P<host>\S+)\s*\n"
     r"\s*rank\s*:\s*(?P<rank>\d+)(?: \(local_rank: (?P<lrank>\d+)\))?\s*\n"
     r"\s*exitcode\s*:\s*(?P<code>-?\d+)(?: \(pid: (?P<pid>\d+)\))?",
-    re.M,
+    re.MULTILINE,
 )
 _MARKERS = ("Watchdog caught collective operation timeout", "ChildFailedError")
 

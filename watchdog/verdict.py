@@ -1,0 +1,205 @@
+"""The job's verdict: weigh every communicator's finding and job-wide evidence.
+
+``decide`` picks the most telling communicator finding (``detectors``), then
+lets evidence from outside the sequences sharpen it: a rank that died
+(torchrun's failure summary, a peer's "Connection closed by localRank") turns
+``rank_behind`` into ``process_dead``; GPU signatures name the lead rank of a
+``stuck_in_collective`` when sequences cannot; a RAS report stands in when
+there is nothing else.  Pure: a ``Snapshot`` in, a ``Finding`` out.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+from dataclasses import replace
+
+from .detectors import HANG_VERDICTS, PRIORITY, Evidence, Finding, Verdict, analyze_comm, rank_id
+from .parsing.ras import ras_outliers
+from .snapshot import Snapshot
+from .types import Citation, RasCommunicator, RasReport
+
+
+def decide(snapshot: Snapshot) -> Finding:
+    findings = [analyze_comm(c) for c in snapshot.comms if c.ranks]
+    if not findings:
+        return _without_sequences(snapshot)
+    findings.sort(key=lambda f: (PRIORITY[f.verdict], f.source == "nccl_log", bool(f.culprits)), reverse=True)
+    best = findings[0]
+    corroborating = [
+        Evidence(f.source or "?", f"{f.comm_label}: {f.verdict.value}, culprits {list(f.culprits)} — {f.summary}")
+        for f in findings[1:]
+        if f.verdict in HANG_VERDICTS
+    ]
+    best = replace(best, evidence=best.evidence + tuple(corroborating[:8]), missing=best.missing + _missing_ranks(snapshot))
+    if best.verdict == Verdict.rank_behind:
+        best = _upgrade_to_dead(snapshot, best)
+    if best.verdict == Verdict.stuck_in_collective and not best.culprits:
+        best = _lead_from_signatures(snapshot, best)
+    return _with_job_evidence(snapshot, best)
+
+
+def _missing_ranks(snapshot: Snapshot) -> tuple[str, ...]:
+    """Ranks a communicator has but no input showed: their side is unknown."""
+    missing = []
+    for comm in snapshot.comms:
+        seen = {r.comm_rank for r in comm.ranks}
+        absent = [r for r in range(comm.nranks) if r not in seen]
+        if absent:
+            what = "no log" if comm.source == "nccl_log" else "no dump"
+            ranks = ", ".join(map(str, absent[:16])) + (" ..." if len(absent) > 16 else "")
+            missing.append(f"{comm.label}: {what} for rank {ranks} (of {comm.nranks}); a culprit may hide there")
+    return tuple(missing)
+
+
+def _dead_ranks(snapshot: Snapshot) -> dict[int, Evidence]:
+    """Ranks that died on their own: torchrun's summary (not its teardown SIGTERM), peers' logs."""
+    timed_out = {t.rank for t in snapshot.timeouts}
+    dead: dict[int, Evidence] = {}
+    for failure in snapshot.failures:
+        if failure.exitcode == -signal.SIGTERM or failure.rank in timed_out:
+            continue  # torchrun's teardown of healthy ranks, or PyTorch's abort after a timeout
+        if failure.root_cause or failure.exitcode != 0:
+            dead.setdefault(
+                failure.rank,
+                Evidence("torchrun", f"rank {failure.rank} exited with code {failure.exitcode} (pid {failure.pid})", failure.cite),
+            )
+    for closed in snapshot.peer_closed:
+        for comm in snapshot.comms:
+            comm_rank = comm.local_ranks.get((closed.proc.host, closed.local_rank))
+            rank = next((r for r in comm.ranks if r.comm_rank == comm_rank), None)
+            if rank is not None and rank.end is None:
+                dead.setdefault(
+                    rank_id(rank),
+                    Evidence("nccl_log", f"a peer's NCCL proxy saw {rank.name}'s connection close (local rank {closed.local_rank})", closed.cite),
+                )
+    return dead
+
+
+def _upgrade_to_dead(snapshot: Snapshot, finding: Finding) -> Finding:
+    dead = _dead_ranks(snapshot)
+    if not finding.culprits or not all(r in dead for r in finding.culprits):
+        return finding
+    names = ", ".join(map(str, finding.culprits))
+    return replace(
+        finding,
+        verdict=Verdict.process_dead,
+        summary=f"Rank {names} died: " + finding.summary,
+        reason="The rank's process ended without shutting down NCCL, so its peers wait forever. " + finding.reason,
+        evidence=tuple(dead[r] for r in finding.culprits) + finding.evidence,
+    )
+
+
+def gpu_signature(util_pct: float | None, sm_util_pct: float | None) -> str:
+    """Name what a GPU is doing from NVML (see NCCL-FACTS.md, measured on H200)."""
+    if util_pct is None:
+        return "unknown"
+    if util_pct < 5:
+        return "idle"
+    if sm_util_pct is None:
+        return "kernel resident"
+    if sm_util_pct >= 5:
+        return "multi-block kernel (NCCL spin)"
+    return "1-block kernel"
+
+
+def _rank_signatures(snapshot: Snapshot) -> dict[int, tuple[str, Citation]]:
+    """Latest GPU signature per global rank, through the pid a GPU reports."""
+    rank_of_pid = {proc.pid: rank for proc, rank in snapshot.global_ranks.items()}
+    signatures: dict[int, tuple[str, Citation]] = {}
+    for snap in snapshot.gpus:
+        for gpu in snap.gpus:
+            sm = gpu.gpm.sm_util_pct if gpu.gpm else None
+            for process in gpu.processes:
+                rank = rank_of_pid.get(process.pid)
+                if rank is not None:
+                    signatures[rank] = (gpu_signature(gpu.util_gpu_pct, sm), snap.cite)
+    return signatures
+
+
+def _lead_from_signatures(snapshot: Snapshot, finding: Finding) -> Finding:
+    signatures = _rank_signatures(snapshot)
+    if len(signatures) < 2:
+        return finding
+    counts = Counter(sig for sig, _ in signatures.values())
+    (common, n_common), *rest = counts.most_common()
+    if not rest or n_common == rest[0][1]:
+        return finding
+    odd = sorted(r for r, (sig, _) in signatures.items() if sig != common)
+    facts = tuple(
+        Evidence("nvml", f"rank {r}: GPU {sig}", c) for r, (sig, c) in sorted(signatures.items())
+    )
+    return replace(
+        finding,
+        culprits=tuple(odd),
+        reason=(
+            f"Every rank issued the same operations; the GPU of rank {', '.join(map(str, odd))} is doing something "
+            f"else ({signatures[odd[0]][0]}) while the others show '{common}': it is the lead."
+        ),
+        evidence=finding.evidence + facts,
+        missing=tuple(m for m in finding.missing if "which rank" not in m),
+    )
+
+
+def _with_job_evidence(snapshot: Snapshot, finding: Finding) -> Finding:
+    extra: list[Evidence] = []
+    for timeout in snapshot.timeouts[:8]:
+        extra.append(
+            Evidence(
+                "pytorch",
+                f"rank {timeout.rank}: PyTorch watchdog timed out in {timeout.op} (SeqNum {timeout.seq}) after {timeout.ran_ms} ms",
+                timeout.cite,
+            )
+        )
+    for warning in [w for w in snapshot.warnings if w.category != "other"][:8]:
+        extra.append(Evidence("nccl_log", f"NCCL WARN ({warning.category}): {warning.message[:200]}", warning.cite))
+    for report in snapshot.ras:
+        for comm in report.communicators:
+            if comm.status.upper() != "OK":
+                text = "; ".join(comm.messages[:3])
+                extra.append(Evidence("ras", f"RAS {comm.label or comm.comm_hash}: {comm.status}. {text}", report.cite))
+    return replace(finding, evidence=finding.evidence + tuple(extra))
+
+
+def _without_sequences(snapshot: Snapshot) -> Finding:
+    """No NCCL log and no Flight Recorder dump: RAS, torchrun or nothing."""
+    dead = _dead_ranks(snapshot)
+    if dead:
+        ranks = tuple(sorted(dead))
+        return Finding(
+            verdict=Verdict.process_dead,
+            summary=f"Rank {', '.join(map(str, ranks))} exited on its own; torchrun tore the job down.",
+            reason="torchrun's failure summary names it; no NCCL log or Flight Recorder dump was given to say more.",
+            culprits=ranks,
+            evidence=tuple(dead.values()),
+            missing=("NCCL logs or Flight Recorder dumps",),
+        )
+    for report in snapshot.ras:
+        for comm in report.communicators:
+            finding = _from_ras(report, comm)
+            if finding is not None:
+                return finding
+    return Finding(
+        verdict=Verdict.inconclusive,
+        summary="Nothing to align: no NCCL log, Flight Recorder dump or RAS report with operation counts was found.",
+        missing=("NCCL debug files (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL)", "Flight Recorder dumps", "an NCCL RAS report"),
+    )
+
+
+def _from_ras(report: RasReport, comm: RasCommunicator) -> Finding | None:
+    outliers = ras_outliers(comm)
+    if not outliers:
+        return None
+    ranks = tuple(sorted(outliers))
+    return Finding(
+        verdict=Verdict.collective_mismatch if comm.status.upper() == "MISMATCH" else Verdict.rank_behind,
+        summary=f"NCCL RAS reports {comm.status} on communicator {comm.comm_hash or comm.label}: "
+        + "; ".join(f"rank {r}: {why}" for r, why in sorted(outliers.items())),
+        reason="RAS counts each rank's launched collectives; these ranks differ from the majority.",
+        culprits=ranks,
+        comm_key=comm.comm_hash,
+        comm_label=comm.label or comm.comm_hash,
+        source="ras",
+        evidence=tuple(Evidence("ras", m, report.cite) for m in comm.messages[:6]),
+        missing=("NCCL logs or Flight Recorder dumps, to name the operation and its position",),
+    )
