@@ -141,6 +141,11 @@ def _rows(comm: CommView, status: Callable[[RankView], tuple[str, str]]) -> tupl
     return tuple(sorted(rows, key=lambda r: r.rank))
 
 
+def _comm_finding(comm: CommView, verdict: Verdict, **fields: object) -> Finding:
+    """A finding about one communicator: it names the communicator and the source."""
+    return Finding(verdict=verdict, comm_key=comm.key, comm_label=comm.label, source=comm.source, **fields)  # type: ignore[arg-type]
+
+
 def predict_next(history: Sequence[OpSig]) -> OpSig | None:
     """The operation the job's repeating pattern expects next, if it has one.
 
@@ -244,14 +249,12 @@ def _mismatch(
     else:
         summary = f"Ranks issued different operations as collective #{position + 1} on {comm.label}."
     status_of = {r.comm_rank: ("diverged" if r in culprits else "waiting") for r in ranks}
-    return Finding(
-        verdict=Verdict.collective_mismatch,
+    return _comm_finding(
+        comm,
+        Verdict.collective_mismatch,
         summary=summary,
         reason=f"Culprit because {how}.{skew_note}",
         culprits=culprit_ids,
-        comm_key=comm.key,
-        comm_label=comm.label,
-        source=comm.source,
         position=position + 1,
         operation=operation,
         evidence=tuple(evidence),
@@ -291,14 +294,12 @@ def _behind(comm: CommView, ranks: list[RankView]) -> Finding | None:
         fact = f"{r.name}'s last collective is #{low}" + (f" ({last.describe()})" if last else "")
         evidence.append(_op_evidence(comm, r, low - 1, fact) if low else Evidence(comm.source, f"{r.name} issued no collective"))
     evidence += [Evidence(comm.source, f"{r.name} ended the communicator ({r.end})", r.end_cite) for r in ended]
-    return Finding(
-        verdict=Verdict.rank_behind,
+    return _comm_finding(
+        comm,
+        Verdict.rank_behind,
         summary=summary,
         reason=reason,
         culprits=tuple(sorted(rank_id(r) for r in culprits)),
-        comm_key=comm.key,
-        comm_label=comm.label,
-        source=comm.source,
         position=low + 1,
         operation=operation,
         evidence=tuple(evidence),
@@ -339,17 +340,15 @@ def _compare_pair(comm: CommView, sender: RankView, receiver: RankView, sends: P
     for index in range(first, last):
         s, r = sends.sigs[index - sends.base], recvs.sigs[index - recvs.base]
         if (s.count, s.dtype) != (r.count, r.dtype):
-            return Finding(
-                verdict=Verdict.collective_mismatch,
+            return _comm_finding(
+                comm,
+                Verdict.collective_mismatch,
                 summary=(
                     f"Point-to-point #{index + 1} from {sender.name} to {receiver.name} on {comm.label} does not match: "
                     f"send count={s.count} dtype={s.dtype}, recv count={r.count} dtype={r.dtype}."
                 ),
                 reason="A send and its matching recv must agree on size and type.",
                 culprits=tuple(sorted({rank_id(sender), rank_id(receiver)})),
-                comm_key=comm.key,
-                comm_label=comm.label,
-                source=comm.source,
                 operation=s.describe(),
                 evidence=(
                     _p2p_evidence(comm, sender, "Send", receiver.comm_rank, index, f"{sender.name} send #{index + 1}: {s.describe()}"),
@@ -377,17 +376,15 @@ def _p2p_behind(
 ) -> Finding:
     theirs = "Recv" if missing_kind == "Send" else "Send"
     direction = "to" if missing_kind == "Send" else "from"
-    return Finding(
-        verdict=Verdict.rank_behind,
+    return _comm_finding(
+        comm,
+        Verdict.rank_behind,
         summary=(
             f"{culprit.name} never posted {missing_kind} #{index + 1} {direction} {waiter.name} on {comm.label}; "
             f"{waiter.name} waits in its matching {theirs}."
         ),
         reason="Point-to-point operations are matched pairwise; the rank that has not posted its side is at fault.",
         culprits=(rank_id(culprit),),
-        comm_key=comm.key,
-        comm_label=comm.label,
-        source=comm.source,
         operation=sig.describe() if sig else None,
         evidence=(
             _p2p_evidence(
@@ -406,12 +403,10 @@ def check_completion(comm: CommView) -> Finding:
     ranks = list(comm.ranks)
     total = max((r.total for r in ranks), default=0)
     if ranks and all(r.end == "destroy" for r in ranks):
-        return Finding(
-            verdict=Verdict.no_hang,
+        return _comm_finding(
+            comm,
+            Verdict.no_hang,
             summary=f"Every rank issued the same {total} collectives on {comm.label} and destroyed it cleanly.",
-            comm_key=comm.key,
-            comm_label=comm.label,
-            source=comm.source,
             evidence=tuple(Evidence(comm.source, f"{r.name} destroyed the communicator", r.end_cite) for r in ranks[:4]),
             rows=_rows(comm, lambda r: ("ok", "destroyed")),
         )
@@ -419,28 +414,24 @@ def check_completion(comm: CommView) -> Finding:
         return _fr_completion(comm, ranks, total)
     aborted = [r for r in ranks if r.end == "abort"]
     if aborted:
-        return Finding(
-            verdict=Verdict.stuck_in_collective,
+        return _comm_finding(
+            comm,
+            Verdict.stuck_in_collective,
             summary=(
                 f"Every rank issued the same {total} collectives on {comm.label}, and {names(aborted)} aborted it: "
                 "an operation did not complete (PyTorch's watchdog aborts on timeout)."
             ),
             reason="Sequences agree; nothing in NCCL's log names a lead rank.",
-            comm_key=comm.key,
-            comm_label=comm.label,
-            source=comm.source,
             position=total or None,
             operation=(ranks[0].at(total - 1).describe() if total and ranks[0].at(total - 1) else None),
             evidence=tuple(Evidence(comm.source, f"{r.name} aborted the communicator", r.end_cite) for r in aborted),
             missing=("which rank stalled first: add Flight Recorder dumps, py-spy stacks or NVML samples",),
         )
-    return Finding(
-        verdict=Verdict.inconclusive,
+    return _comm_finding(
+        comm,
+        Verdict.inconclusive,
         summary=f"Every rank issued the same {total} collectives on {comm.label}; the log does not say whether the last completed.",
         reason="NCCL logs an operation when it is enqueued, never when it completes, and no rank shut the communicator down.",
-        comm_key=comm.key,
-        comm_label=comm.label,
-        source=comm.source,
         missing=("completion state: a Flight Recorder dump, or the live watchdog's timing",),
         rows=_rows(comm, lambda r: ("?", "no end line")),
     )
@@ -449,12 +440,10 @@ def check_completion(comm: CommView) -> Finding:
 def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding:
     pending = [r for r in ranks if r.completed is not None and r.completed < r.total]
     if not pending:
-        return Finding(
-            verdict=Verdict.no_hang,
+        return _comm_finding(
+            comm,
+            Verdict.no_hang,
             summary=f"Flight Recorder shows all {total} collectives on {comm.label} completed on every rank: nothing is pending.",
-            comm_key=comm.key,
-            comm_label=comm.label,
-            source=comm.source,
             rows=_rows(comm, lambda r: ("ok", "all completed")),
         )
     position = min(r.completed or 0 for r in pending)
@@ -471,14 +460,12 @@ def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding
         if lead
         else "Every rank enqueued it and none finished; Flight Recorder does not say who is late."
     )
-    return Finding(
-        verdict=Verdict.stuck_in_collective,
+    return _comm_finding(
+        comm,
+        Verdict.stuck_in_collective,
         summary=f"Collective #{position + 1} ({sig.describe() if sig else '?'}) on {comm.label} was issued by every rank and never completed.",
         reason=reason,
         culprits=tuple(sorted(rank_id(r) for r in lead)),
-        comm_key=comm.key,
-        comm_label=comm.label,
-        source=comm.source,
         position=position + 1,
         operation=sig.describe() if sig else None,
         evidence=tuple(evidence),
