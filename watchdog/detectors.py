@@ -451,6 +451,12 @@ def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding
     not_started = [r for r in ranks if states[r.comm_rank] == OpState.scheduled]
     started = [r for r in ranks if states[r.comm_rank] in (OpState.started, OpState.completed)]
     lead = not_started if started and not_started else []
+    silent = [r for r in range(comm.nranks) if r not in {x.comm_rank for x in ranks}]
+    if silent and len(pending) == len(ranks):
+        # Dumps are written by a background thread, so a rank stuck in Python
+        # still answers; one that cannot is stopped or dead, and every rank
+        # that answered is waiting.
+        return _silent_ranks(comm, ranks, silent, position)
     sig = pending[0].at(position)
     evidence = [
         _op_evidence(comm, r, position, f"{r.name}: collective #{position + 1} is {states[r.comm_rank] or 'absent'}") for r in ranks
@@ -471,6 +477,26 @@ def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding
         evidence=tuple(evidence),
         missing=() if lead else ("which rank is late: 'started' states need TORCH_NCCL_ENABLE_TIMING=1; or add NVML samples / stacks",),
         rows=_rows(comm, lambda r: (str(states[r.comm_rank] or "?"), f"completed {r.completed}")),
+    )
+
+
+def _silent_ranks(comm: CommView, ranks: list[RankView], silent: list[int], position: int) -> Finding:
+    sig = ranks[0].at(position)
+    members = comm.members
+    culprits = tuple(members[r] if r < len(members) else r for r in silent)
+    return _comm_finding(
+        comm,
+        Verdict.stuck_in_collective,
+        summary=(
+            f"Every rank that answered waits in collective #{position + 1} ({sig.describe() if sig else '?'}) on {comm.label}; "
+            f"rank {', '.join(map(str, culprits))} left no Flight Recorder dump."
+        ),
+        reason="A rank stuck in Python still dumps (a background thread writes it); one that cannot is stopped or dead.",
+        culprits=culprits,
+        position=position + 1,
+        operation=sig.describe() if sig else None,
+        evidence=tuple(_op_evidence(comm, r, position, f"{r.name}: collective #{position + 1} is {r.state_at(position)}") for r in ranks),
+        missing=(f"Flight Recorder dumps of rank {', '.join(map(str, culprits))}",),
     )
 
 

@@ -87,6 +87,7 @@ class CommView:
     nranks: int
     ranks: tuple[RankView, ...]  # ordered by comm rank
     local_ranks: Mapping[tuple[str, int], int]
+    members: tuple[int, ...]  # global rank of each comm rank, when known
     cites: tuple[Citation, ...]
 
     def by_comm_rank(self) -> Mapping[int, RankView]:
@@ -153,6 +154,7 @@ def _comm(comm: Communicator, global_ranks: Mapping[ProcKey, int]) -> CommView:
         nranks=comm.nranks,
         ranks=tuple(ranks),
         local_ranks=MappingProxyType(dict(comm.local_ranks)),
+        members=tuple(comm.members),
         cites=tuple(comm.cites),
     )
 

@@ -135,6 +135,7 @@ class Communicator:
     label: str  # what a human recognises: "commId 0x67..", "pg 0 (default_pg)"
     ranks: dict[int, RankSeq] = field(default_factory=dict)  # comm rank -> sequence
     local_ranks: dict[tuple[str, int], int] = field(default_factory=dict)  # (host, localRank) -> comm rank
+    members: list[int] = field(default_factory=list)  # global rank of each comm rank, when known (Flight Recorder)
     cites: list[Citation] = field(default_factory=list)  # init lines, dump files
 
 
@@ -270,7 +271,9 @@ class JobState:
             comm = self.comms.get(key)
             if comm is None:
                 nranks = len(members) if members else 0
-                comm = self.comms[key] = Communicator(key=key, source="flight_recorder", nranks=nranks, label=label)
+                comm = self.comms[key] = Communicator(
+                    key=key, source="flight_recorder", nranks=nranks, label=label, members=list(members)
+                )
             comm.cites.append(dump.cite)
             if comm_rank in comm.ranks:
                 self._note(f"{label}: two Flight Recorder dumps for rank {dump.rank}; keeping {dump.cite.file}")

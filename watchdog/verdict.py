@@ -117,18 +117,29 @@ def _rank_signatures(snapshot: Snapshot) -> dict[int, tuple[str, Citation]]:
     return signatures
 
 
+NCCL_SPIN = "multi-block kernel (NCCL spin)"
+
+
 def _lead_from_signatures(snapshot: Snapshot, finding: Finding) -> Finding:
+    """The rank whose GPU does something else than its peers' is the lead.
+
+    A majority decides; with an even split (always, with two ranks) the ranks
+    not spinning in a many-channel NCCL kernel are the lead: their peers wait
+    for them inside the collective.
+    """
     signatures = _rank_signatures(snapshot)
     if len(signatures) < 2:
         return finding
     counts = Counter(sig for sig, _ in signatures.values())
     (common, n_common), *rest = counts.most_common()
-    if not rest or n_common == rest[0][1]:
+    if not rest:
         return finding
+    if n_common == rest[0][1]:
+        if NCCL_SPIN not in counts:
+            return finding
+        common = NCCL_SPIN
     odd = sorted(r for r, (sig, _) in signatures.items() if sig != common)
-    facts = tuple(
-        Evidence("nvml", f"rank {r}: GPU {sig}", c) for r, (sig, c) in sorted(signatures.items())
-    )
+    facts = tuple(Evidence("nvml", f"rank {r}: GPU {sig}", c) for r, (sig, c) in sorted(signatures.items()))
     return replace(
         finding,
         culprits=tuple(odd),
