@@ -24,6 +24,11 @@ def decide(snapshot: Snapshot) -> Finding:
     findings = [analyze_comm(c) for c in snapshot.comms if c.ranks]
     if not findings:
         return _without_sequences(snapshot)
+    logs = [f for f in findings if f.source == "nccl_log"]
+    if logs and all(f.verdict == Verdict.no_hang for f in logs):
+        # NCCL logs run to the job's end; dumps are snapshots of a moment,
+        # and ranks of a running job are always at slightly different points.
+        findings = logs
     findings.sort(key=lambda f: (PRIORITY[f.verdict], f.source == "nccl_log", bool(f.culprits)), reverse=True)
     best = findings[0]
     corroborating = [
