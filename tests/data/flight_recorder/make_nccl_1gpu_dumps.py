@@ -5,8 +5,10 @@ One rank cannot make p2p entries; the 2-GPU shared fixture has them.
 """
 import os
 import pickle
-import torch, torch.distributed as dist
+
+import torch
 import torch._C._distributed_c10d as c
+import torch.distributed as dist
 
 out = os.environ["OUT"]
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
