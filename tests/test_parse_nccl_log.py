@@ -55,8 +55,9 @@ class TestRealLog:
         path = shared("nccl-2.28.9-2gpu", "mismatch", "nccl", "nccl.vm.714.log")
         data = path.read_bytes()
         found = list(iter_op_lines(data))
-        line, proc, comm, sig = found[0]
-        assert data.split(b"\n")[line - 1].startswith(b"vm:714:714 [0] NCCL INFO AllGather: opCount 0")
+        line, text, proc, comm, sig = found[0]
+        assert data.split(b"\n")[line - 1].decode() == text
+        assert text.startswith("vm:714:714 [0] NCCL INFO AllGather: opCount 0")
         assert (proc, comm, sig.op) == (("vm", 714), "0x18564c40", "AllGather")
 
 

@@ -76,7 +76,8 @@ def _stream_nccl_log(state: JobState, handle: BinaryIO, name: str, torch_log_too
     parser = NcclLogParser(name)
     torch_markers = False
     while chunk := handle.read(CHUNK_BYTES):
-        torch_markers = torch_markers or looks_like_torch_log(chunk)
+        if torch_log_too and not torch_markers:
+            torch_markers = looks_like_torch_log(chunk)
         for event in parser.feed(chunk):
             state.apply(event)
     for event in parser.feed(b"", final=True):
@@ -84,7 +85,7 @@ def _stream_nccl_log(state: JobState, handle: BinaryIO, name: str, torch_log_too
     notes = []
     if parser.garbled:
         notes.append(f"{parser.garbled} garbled operation line(s) skipped (interleaved or cut writes)")
-    if torch_markers and torch_log_too:
+    if torch_markers:
         handle.seek(0)
         for event in parse_torch_log(handle.read(), name):
             state.apply(event)
@@ -105,7 +106,7 @@ def resolve_citations(finding: Finding) -> dict[int, tuple[str, str | None]]:
             continue
         counters: dict[tuple, int] = {}
         targets = {(r.proc, r.comm_ptr, r.kind, r.peer, r.ordinal): i for i, r in refs}
-        for line, proc, comm_ptr, sig in iter_op_lines(data):
+        for line, text, proc, comm_ptr, sig in iter_op_lines(data):
             kind = sig.op if sig.op in P2P_OPS else "coll"
             peer = sig.root if kind != "coll" else None
             key = (proc, comm_ptr, kind, peer)
@@ -113,18 +114,10 @@ def resolve_citations(finding: Finding) -> dict[int, tuple[str, str | None]]:
             counters[key] = ordinal + 1
             index = targets.pop((*key, ordinal), None)
             if index is not None:
-                resolved[index] = (f"{file}:{line}", _line_text(data, line))
+                resolved[index] = (f"{file}:{line}", text)
                 if not targets:
                     break
     return resolved
-
-
-def _line_text(data: bytes, line: int) -> str:
-    start = 0
-    for _ in range(line - 1):
-        start = data.index(b"\n", start) + 1
-    end = data.find(b"\n", start)
-    return data[start : end if end != -1 else None].decode(errors="replace")[:400]
 
 
 def analyze_paths(paths: Iterable[str], window: int = DEFAULT_WINDOW, now: float | None = None) -> Report:

@@ -233,7 +233,7 @@ class JobState:
         seq = self._live.get((event.proc, event.comm_ptr))
         if seq is None:
             slot = (event.proc, event.comm_ptr)
-            self._unknown_ops[slot] = self._unknown_ops.get(slot, 0) + len(event.sigs)
+            self._unknown_ops[slot] = self._unknown_ops.get(slot, 0) + len(event.sigs) + len(event.p2p)
             return
         for sig in event.p2p:
             logs = seq.sent if sig.op == "Send" else seq.received

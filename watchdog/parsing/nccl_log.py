@@ -334,8 +334,8 @@ def looks_like_nccl_log(head: bytes) -> bool:
     return b" NCCL INFO " in head or b" NCCL WARN " in head
 
 
-def iter_op_lines(data: bytes) -> Iterator[tuple[int, ProcKey, str, OpSig]]:
-    """Every operation line with its 1-based line number (slow path, for citations)."""
+def iter_op_lines(data: bytes) -> Iterator[tuple[int, str, ProcKey, str, OpSig]]:
+    """Every operation line: 1-based number, text, process, comm (slow path, for citations)."""
     body = b"\n" + data
     line = 0
     last = 0
@@ -345,4 +345,6 @@ def iter_op_lines(data: bytes) -> Iterator[tuple[int, ProcKey, str, OpSig]]:
         proc, op, tail = m.groups()
         fields, _, comm = tail.rpartition(b" comm ")
         host, _, pid = proc.decode(errors="replace").rpartition(":")
-        yield line, ProcKey(host, int(pid)), comm.decode(errors="replace"), _make_sig(op, fields)
+        end = body.find(b"\n", last)
+        text = body[last : end if end != -1 else None].decode(errors="replace")[:400]
+        yield line, text, ProcKey(host, int(pid)), comm.decode(errors="replace"), _make_sig(op, fields)
