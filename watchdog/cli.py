@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
-from .report import EXIT_HANG, EXIT_INCONCLUSIVE, EXIT_NO_HANG
+from .report import EXIT_HANG, EXIT_INCONCLUSIVE, EXIT_KILLED_ON_HANG, EXIT_NO_HANG
 from .state import DEFAULT_WINDOW
 
 ANALYZE_HELP = f"""\
@@ -80,10 +80,154 @@ def run_analyze(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+WRAP_HELP = f"""\
+Run a torchrun job exactly as torchrun would (same output, exit code and
+signals) with a watchdog beside it.  When a collective stops making progress
+it names the rank at fault and why within seconds, prints the verdict here,
+and writes a root-cause bundle (report.json, report.md, py-spy stacks of
+every rank, Flight Recorder dumps, NCCL log tails, /proc, NVML, RAS,
+InfiniBand counters) to --bundle-dir.  No change to the training code: the
+heartbeat comes from torch's optimizer step hook (or call ncclwatch.beat(step)).
+
+usage:
+  ncclwatch [OPTIONS] torchrun [TORCHRUN ARGS...]
+  ncclwatch [OPTIONS] python -m torch.distributed.run [ARGS...]
+  ncclwatch demo [--fault FAULT] [OPTIONS]     a CPU job that hangs on purpose
+  ncclwatch analyze PATH...                    the verdict from files a job left
+
+verdicts (live):
+  collective_mismatch  ranks issued different operations at the same position
+  rank_behind          some ranks never entered the collective the others wait in
+  process_dead         a rank exited while its peers wait
+  process_stopped      a rank is stopped (state T: SIGSTOP, a debugger)
+  gpu_compute_hang     a rank's GPU runs a non-NCCL kernel that never ends while peers spin in NCCL
+  stuck_in_collective  every rank entered it and it never completed
+  progress_stalled     nothing moved for --progress-timeout and no rank is in a collective
+
+timing: the stall timeout is learned: 3 x the longest gap between progress the
+job showed in the last 15 minutes, at least --stall-timeout-floor
+(default 5 s); until the job has shown 8 gaps, --warmup-stall-timeout
+(default 300 s) covers start-up and compilation.  A pause with no rank in a
+collective (checkpoint, evaluation) is never a collective hang.
+
+every option is also an environment variable NCCLWATCH_<OPTION> and a key in
+a TOML file (--config, NCCLWATCH_CONFIG, or ./ncclwatch.toml); the command
+line wins over the environment, which wins over the file.
+
+exit status: torchrun's own; {EXIT_KILLED_ON_HANG} when --on-hang kill ended the job.
+"""
+
+SUBCOMMANDS = ("analyze", "demo")
+
+
+def add_watch_options(parser: argparse.ArgumentParser) -> None:
+    from .config import Settings
+
+    fields = Settings.model_fields
+    add = lambda flag, **kw: parser.add_argument(flag, default=None, help=fields[flag[2:].replace("-", "_")].description, **kw)
+    add("--stall-timeout", type=float, metavar="SECONDS")
+    add("--stall-timeout-floor", type=float, metavar="SECONDS")
+    add("--warmup-stall-timeout", type=float, metavar="SECONDS")
+    add("--progress-timeout", type=float, metavar="SECONDS")
+    add("--bundle-dir", metavar="DIR")
+    add("--on-hang", choices=("report", "kill"))
+    add("--run-dir", metavar="DIR")
+    parser.add_argument("--keep-run-dir", action="store_const", const=True, default=None, help=fields["keep_run_dir"].description)
+    add("--evidence-budget", type=float, metavar="SECONDS")
+    add("--pyspy", metavar="PATH")
+    add("--poll-interval", type=float, metavar="SECONDS")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with any of these settings")
+    parser.add_argument("--job-name", metavar="NAME", help="names bundles (default: the training script's name)")
+
+
+def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from .config import Settings, load_settings
+
+    cli = {name: getattr(args, name, None) for name in Settings.model_fields}
+    return load_settings(cli, args.config)
+
+
+def is_torchrun(command: Sequence[str]) -> bool:
+    if not command:
+        return False
+    program = command[0].rsplit("/", 1)[-1]
+    if program.startswith("torchrun"):
+        return True
+    modules = ("torch.distributed.run", "torch.distributed.launch")
+    return program.startswith("python") and any(command[i : i + 2] == ["-m", m] for i in range(len(command)) for m in modules)
+
+
+def job_name_of(command: Sequence[str]) -> str:
+    """The training script's name: the first argument after torchrun's options that looks like one."""
+    for arg in command[1:]:
+        if arg.endswith(".py"):
+            return arg.rsplit("/", 1)[-1].removesuffix(".py")
+    return "job"
+
+
+def run_wrapped(argv: list[str]) -> int:
+    from .config import ConfigError
+
+    parser = argparse.ArgumentParser(prog="ncclwatch", description=WRAP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"ncclwatch {__version__}")
+    add_watch_options(parser)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="torchrun and its arguments")
     args = parser.parse_args(argv)
-    if args.command == "analyze":
-        return run_analyze(args)
-    parser.print_help()
-    return EXIT_INCONCLUSIVE
+    if not args.command:
+        parser.print_help()
+        return 2
+    if not is_torchrun(args.command):
+        parser.error(
+            f"{args.command[0]!r} is not torchrun: give the torchrun command to watch, e.g. "
+            "'ncclwatch torchrun --nproc_per_node=8 train.py' (or a subcommand: analyze, demo)"
+        )
+    try:
+        settings = _settings(args)
+    except ConfigError as exc:
+        print(f"ncclwatch: {exc}", file=sys.stderr)
+        return 2
+    from launcher.run import run_job
+
+    return run_job(list(args.command), settings, args.job_name or job_name_of(args.command))
+
+
+def run_demo(argv: list[str]) -> int:
+    from .config import ConfigError
+
+    parser = argparse.ArgumentParser(
+        prog="ncclwatch demo",
+        description="Run a small gloo (CPU) job under the watchdog in which one rank misbehaves, and watch it get caught. "
+        "Faults: skip (default), extra, python_stuck, sigstop, exit, pause, uneven, none.",
+    )
+    parser.add_argument("--fault", default="skip", help="what the misbehaving rank does (see launcher/demo_job.py)")
+    parser.add_argument("--nproc", type=int, default=3, help="ranks (default 3)")
+    parser.add_argument("--steps", type=int, default=40)
+    add_watch_options(parser)
+    args = parser.parse_args(argv)
+    try:
+        settings = _settings(args)
+    except ConfigError as exc:
+        print(f"ncclwatch: {exc}", file=sys.stderr)
+        return 2
+    from pathlib import Path
+
+    from launcher import demo_job
+    from launcher.run import run_job
+
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+        "--monitor-interval=0.5", str(Path(demo_job.__file__)), f"--fault={args.fault}", f"--steps={args.steps}",
+    ]
+    print(f"ncclwatch demo: {' '.join(command)}", file=sys.stderr, flush=True)
+    return run_job(command, settings, args.job_name or f"demo-{args.fault}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] == "demo":
+        return run_demo(args_list[1:])
+    if not args_list or args_list[0] not in SUBCOMMANDS:
+        return run_wrapped(args_list)
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    return run_analyze(args)

@@ -33,17 +33,23 @@ class Verdict(StrEnum):
     collective_mismatch = "collective_mismatch"
     rank_behind = "rank_behind"
     process_dead = "process_dead"
+    process_stopped = "process_stopped"
+    gpu_compute_hang = "gpu_compute_hang"
     stuck_in_collective = "stuck_in_collective"
+    progress_stalled = "progress_stalled"
     no_hang = "no_hang"
     inconclusive = "inconclusive"
 
 
 # Higher wins when communicators disagree.
 PRIORITY = {
-    Verdict.collective_mismatch: 6,
-    Verdict.process_dead: 5,
-    Verdict.rank_behind: 4,
-    Verdict.stuck_in_collective: 3,
+    Verdict.collective_mismatch: 9,
+    Verdict.process_dead: 8,
+    Verdict.process_stopped: 7,
+    Verdict.rank_behind: 6,
+    Verdict.gpu_compute_hang: 5,
+    Verdict.stuck_in_collective: 4,
+    Verdict.progress_stalled: 3,
     Verdict.no_hang: 2,
     Verdict.inconclusive: 1,
 }

@@ -14,6 +14,7 @@ from .verdict import gpu_signature
 EXIT_NO_HANG = 0
 EXIT_HANG = 1
 EXIT_INCONCLUSIVE = 2
+EXIT_KILLED_ON_HANG = 3  # the live wrapper ended the job after a hang (--on-hang kill)
 
 
 class EvidenceItem(BaseModel):
@@ -33,6 +34,18 @@ class RankRow(BaseModel):
     detail: str = ""
     stack: str | None = None  # innermost frame of the main thread (py-spy)
     gpu: str | None = None  # GPU signature (NVML)
+    state: str | None = None  # /proc state letter (live only)
+    step: int | None = None  # last step the heartbeat reported (live only)
+    last_progress_at: str | None = None  # live only
+
+
+class EvidenceFile(BaseModel):
+    name: str
+    paths: list[str] = Field(default_factory=list)  # inside the bundle
+    rank: int | None = None
+    error: str | None = None
+    note: str | None = None
+    duration_s: float | None = None
 
 
 class InputFile(BaseModel):
@@ -58,6 +71,13 @@ class Report(BaseModel):
     inputs: list[InputFile] = Field(default_factory=list)
     nccl_versions: list[str] = Field(default_factory=list)
     analyzed_at: str
+    # The live watchdog's fields; None from ``ncclwatch analyze``.
+    job: str | None = None
+    host: str | None = None
+    hang_started_at: str | None = Field(None, description="last moment any rank made progress (ISO 8601, UTC)")
+    detected_at: str | None = None
+    stall_timeout_s: float | None = None
+    evidence_files: list[EvidenceFile] = Field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -68,7 +88,7 @@ class Report(BaseModel):
         return EXIT_HANG
 
 
-def _main_frame(snapshot: Snapshot, pid: int | None) -> str | None:
+def main_frame(snapshot: Snapshot, pid: int | None) -> str | None:
     dump = snapshot.stacks.get(pid) if pid is not None else None
     if dump is None:
         return None
@@ -79,7 +99,7 @@ def _main_frame(snapshot: Snapshot, pid: int | None) -> str | None:
     return None
 
 
-def _gpu_of(snapshot: Snapshot, pid: int | None) -> str | None:
+def gpu_of(snapshot: Snapshot, pid: int | None) -> str | None:
     if pid is None:
         return None
     for snap in reversed(snapshot.gpus):
@@ -99,8 +119,8 @@ def _rows(finding: Finding, snapshot: Snapshot) -> list[RankRow]:
     for row in rows.values():
         pid = row.pid if row.pid is not None else snapshot.pid_of(row.rank)
         row.pid = pid
-        row.stack = _main_frame(snapshot, pid)
-        row.gpu = _gpu_of(snapshot, pid)
+        row.stack = main_frame(snapshot, pid)
+        row.gpu = gpu_of(snapshot, pid)
     return [rows[k] for k in sorted(rows)]
 
 
@@ -128,19 +148,13 @@ def build_report(finding: Finding, snapshot: Snapshot, inputs: list[InputFile], 
     )
 
 
-_TITLES = {
-    Verdict.collective_mismatch: "COLLECTIVE MISMATCH",
-    Verdict.rank_behind: "RANK BEHIND",
-    Verdict.process_dead: "PROCESS DEAD",
-    Verdict.stuck_in_collective: "STUCK IN COLLECTIVE",
-    Verdict.no_hang: "NO HANG",
-    Verdict.inconclusive: "INCONCLUSIVE",
-}
+def iso(timestamp: float | None) -> str | None:
+    return dt.datetime.fromtimestamp(timestamp, dt.UTC).isoformat(timespec="milliseconds") if timestamp is not None else None
 
 
 def render_text(report: Report, max_evidence: int = 12) -> str:
     """A short human verdict: culprit, reason, operation, a per-rank table."""
-    title = _TITLES[report.verdict]
+    title = report.verdict.value.replace("_", " ").upper()
     if report.culprit_ranks:
         title += f" — culprit rank {', '.join(map(str, report.culprit_ranks))}"
     lines = [f"ncclwatch: {title}", f"  {report.summary}"]
@@ -168,12 +182,13 @@ def render_text(report: Report, max_evidence: int = 12) -> str:
 
 
 def _table(rows: list[RankRow]) -> list[str]:
-    header = ("rank", "host", "pid", "issued", "status", "detail", "stack", "gpu")
+    header = ("rank", "host", "pid", "state", "step", "issued", "status", "detail", "stack", "gpu")
+    dash = lambda value: "-" if value is None or value == "" else str(value)
     cells = [
-        (str(r.rank), r.host or "-", str(r.pid or "-"), str(r.issued if r.issued is not None else "-"), r.status or "-", r.detail or "-", r.stack or "-", r.gpu or "-")
+        tuple(map(dash, (r.rank, r.host, r.pid, r.state, r.step, r.issued, r.status, r.detail, r.stack, r.gpu)))
         for r in rows
     ]
-    keep = [i for i in range(len(header)) if i < 5 or any(c[i] != "-" for c in cells)]
+    keep = [i for i in range(len(header)) if i < 3 or any(c[i] != "-" for c in cells)]
     widths = {i: min(48, max(len(header[i]), *(len(c[i]) for c in cells))) for i in keep}
     fmt = lambda row: "  " + "  ".join(row[i][: widths[i]].ljust(widths[i]) for i in keep).rstrip()
     return [fmt(header)] + [fmt(c) for c in cells]

@@ -274,15 +274,23 @@ class JobState:
                 comm = self.comms[key] = Communicator(
                     key=key, source="flight_recorder", nranks=nranks, label=label, members=list(members)
                 )
-            comm.cites.append(dump.cite)
-            if comm_rank in comm.ranks:
+            if comm_rank in comm.ranks and comm.ranks[comm_rank].file != dump.cite.file:
                 self._note(f"{label}: two Flight Recorder dumps for rank {dump.rank}; keeping {dump.cite.file}")
+            if dump.cite not in comm.cites:  # the live watchdog re-reads the same file
+                comm.cites.append(dump.cite)
             seq = RankSeq(comm_rank=comm_rank, proc=None, file=dump.cite.file, global_rank=dump.rank)
-            _fold_fr_entries(seq, entries, dump.cite.file)
+            _fold_fr_entries(seq, entries, pg.last_completed if pg else None)
             comm.ranks[comm_rank] = seq
 
     def _on_unusable(self, event: Unusable) -> None:
         self._note(f"{event.cite}: {event.reason}")
+
+    def keep_latest(self, samples: int) -> None:
+        """Live use: GPU and RAS samples are only useful recent; keep the last few."""
+        if len(self.gpus) > samples:
+            del self.gpus[:-samples]
+        if len(self.ras) > samples:
+            del self.ras[:-samples]
 
     # -- merging and views -------------------------------------------------
 
@@ -372,10 +380,19 @@ def _fr_sig(entry: FrEntry) -> OpSig:
     return OpSig(entry.op, numel, dtype, None, entry.peer if entry.is_p2p else None)
 
 
-def _fold_fr_entries(seq: RankSeq, entries: list[FrEntry], file: str) -> None:
-    """Collectives by ``collective_seq_id``, p2p per peer; coalesced markers give p2p their state."""
+def _fold_fr_entries(seq: RankSeq, entries: list[FrEntry], last_completed: int | None) -> None:
+    """Collectives by ``collective_seq_id``, p2p per peer; coalesced markers give p2p their state.
+
+    Gloo's entries stay ``scheduled`` forever (torch 2.13) while the group's
+    ``last_completed_collective`` advances: a collective at or below it completed.
+    """
     seq.digest = None  # the ring buffer forgot what came before its first entry
     states = _effective_states(entries)
+    if last_completed is not None:
+        states = [
+            OpState.completed if not e.is_p2p and e.collective_seq_id and e.collective_seq_id <= last_completed else st
+            for e, st in zip(entries, states, strict=True)
+        ]
     completed = 0
     for entry, state in zip(entries, states, strict=True):
         if entry.op == "Coalesced":

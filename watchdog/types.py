@@ -380,3 +380,57 @@ class Unusable(Event):
 
     reason: str
     cite: Citation
+
+
+# --------------------------------------------------------------------------
+# The live job: workers, heartbeats, process state
+# --------------------------------------------------------------------------
+
+
+class WorkerSeen(Event):
+    """A torchrun worker found by the sidecar, with what its environment says."""
+
+    pid: int
+    rank: int
+    local_rank: int | None = None
+    world_size: int | None = None
+    restart_count: int = 0
+    host: str
+    at: float
+
+
+class WorkerGone(Event):
+    """A worker's process ended (its exit code belongs to torchrun, not to us)."""
+
+    pid: int
+    rank: int
+    at: float
+
+
+class Heartbeat(Event):
+    """``<run>/hb/<pid>.json`` as the injected hook wrote it (see launcher/heartbeat.py)."""
+
+    pid: int
+    rank: int
+    step: int
+    time: float  # when the worker took the step
+    restart: int = 0
+    beats: int = 0
+
+
+class ProcessState(Event):
+    """One /proc sample of a worker: state letter and counters that show activity."""
+
+    pid: int
+    rank: int
+    state: str  # R, S, D, T (stopped), t (traced), Z, X
+    cpu_seconds: float
+    io_bytes: int | None = None  # read + write bytes, when /proc/<pid>/io is readable
+    at: float
+
+
+class SourceDown(Event):
+    """A source cannot read what it watches; its detectors must not read this as healthy."""
+
+    source: str
+    reason: str

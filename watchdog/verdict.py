@@ -108,7 +108,7 @@ def gpu_signature(util_pct: float | None, sm_util_pct: float | None) -> str:
     return "1-block kernel"
 
 
-def _rank_signatures(snapshot: Snapshot) -> dict[int, tuple[str, Citation]]:
+def rank_signatures(snapshot: Snapshot) -> dict[int, tuple[str, Citation]]:
     """Latest GPU signature per global rank, through the pid a GPU reports."""
     rank_of_pid = {proc.pid: rank for proc, rank in snapshot.global_ranks.items()}
     signatures: dict[int, tuple[str, Citation]] = {}
@@ -132,7 +132,7 @@ def _lead_from_signatures(snapshot: Snapshot, finding: Finding) -> Finding:
     not spinning in a many-channel NCCL kernel are the lead: their peers wait
     for them inside the collective.
     """
-    signatures = _rank_signatures(snapshot)
+    signatures = rank_signatures(snapshot)
     if len(signatures) < 2:
         return finding
     counts = Counter(sig for sig, _ in signatures.values())

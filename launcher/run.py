@@ -1,0 +1,68 @@
+"""``ncclwatch [OPTIONS] torchrun ...``: run the job as torchrun would, with the sidecar beside it.
+
+Top to bottom: make the run folder, start torchrun with the injected
+environment (its own output, signals forwarded), start the sidecar, wait for
+torchrun, stop the sidecar (bounded), reap anything left behind, and exit
+with torchrun's status (``EXIT_KILLED_ON_HANG`` when ``--on-hang kill`` ended
+the job).  The run folder is removed after a job that ended without a hang,
+unless kept; after a hang it stays for people to inspect and its path is said.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from watchdog.bundle import report_incident
+from watchdog.classify import Decision
+from watchdog.config import Settings
+from watchdog.live import LiveView
+from watchdog.report import EXIT_KILLED_ON_HANG
+from watchdog.sidecar import Incident, RunFolders, Sidecar
+
+from .env import RunDirs, injected_env
+from .process import JobProcess, exit_status
+
+SIDECAR_STOP_S = 10.0
+log = logging.getLogger("ncclwatch")
+
+
+def run_job(command: list[str], settings: Settings, job_name: str) -> int:
+    return asyncio.run(_run(command, settings, job_name))
+
+
+async def _run(command: list[str], settings: Settings, job_name: str) -> int:
+    root = settings.run_dir or Path(tempfile.mkdtemp(prefix=f"ncclwatch-{os.getpid()}-"))
+    dirs = RunDirs.create(root)
+    job = JobProcess()
+    job.start(command, injected_env(os.environ, dirs))
+    job.forward_signals(asyncio.get_running_loop())
+    killed: list[bool] = []
+
+    async def reporter(sidecar: Sidecar, incident: Incident, decision: Decision, view: LiveView) -> None:
+        await report_incident(sidecar, incident, decision, view)
+        if settings.on_hang == "kill":
+            print("ncclwatch: --on-hang kill: ending the job", file=sys.stderr, flush=True)
+            killed.append(True)
+            job.terminate(grace_s=10.0)
+
+    sidecar = Sidecar(settings, RunFolders.under(dirs.root), job.pid, job_name, reporter, out=sys.stderr)
+    watching = asyncio.create_task(sidecar.run())
+    returncode = await job.wait()
+    sidecar.stop()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(watching, SIDECAR_STOP_S)
+    leftovers = job.reap_orphans()
+    if leftovers:
+        print(f"ncclwatch: killed {len(leftovers)} process(es) the job left behind: {leftovers}", file=sys.stderr)
+    if sidecar.incidents:
+        print(f"ncclwatch: run folder kept for inspection: {dirs.root}", file=sys.stderr)
+    elif not settings.keep_run_dir and settings.run_dir is None:
+        shutil.rmtree(dirs.root, ignore_errors=True)
+    return EXIT_KILLED_ON_HANG if killed else exit_status(returncode)

@@ -1,0 +1,174 @@
+"""What a live verdict becomes: a report, a one-screen verdict, and the root-cause bundle.
+
+Order matters at 3 AM: the verdict goes to the terminal the moment it is
+decided; evidence is collected after (stale-fastest first, bounded by
+``evidence_budget``), citations are resolved to ``file:line``, and the bundle
+``<bundle-dir>/<job>-<UTC time>-<verdict>.tar.gz`` appears atomically (written
+under a dot-name, then renamed), holding ``report.json``, ``report.md`` and
+the evidence files.  A failure to collect one piece of evidence is a line in
+the report, never a missing bundle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import re
+import shutil
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .analyze import resolve_citations
+from .classify import Decision
+from .evidence import EvidenceContext, RankTarget, collect_all
+from .detectors import Finding
+from .live import LiveView
+from .report import EvidenceFile, Report, RankRow, build_report, gpu_of, iso, main_frame, render_text
+from .snapshot import Snapshot, take_snapshot
+
+if TYPE_CHECKING:
+    from .sidecar import Incident, Sidecar
+
+
+def live_report(
+    finding: Finding, snapshot: Snapshot, view: LiveView, *, job: str, host: str, started_at: float, held: str | None = None
+) -> Report:
+    report = build_report(finding, snapshot, inputs=[], cited={})
+    rows = {row.rank: row for row in report.ranks}
+    for rank in view.ranks:
+        row = rows.setdefault(rank.rank, RankRow(rank=rank.rank))
+        row.pid, row.host = rank.pid, rank.host or row.host
+        row.state = rank.state + (" (exited)" if rank.gone else "") if rank.state else ("exited" if rank.gone else None)
+        row.step = rank.step
+        row.last_progress_at = iso(rank.last_progress)
+        row.stack = main_frame(snapshot, rank.pid)
+        row.gpu = gpu_of(snapshot, rank.pid)
+    notes = list(report.notes) + list(view.down)
+    if held:
+        notes.append(held)
+    return report.model_copy(
+        update={
+            "ranks": [rows[r] for r in sorted(rows)],
+            "job": job,
+            "host": host,
+            "hang_started_at": iso(started_at),
+            "detected_at": iso(view.observed_at),
+            "stall_timeout_s": round(view.stall_timeout, 2),
+            "notes": notes,
+        }
+    )
+
+
+def terminal_text(report: Report, bundle: Path | None = None) -> str:
+    started = dt.datetime.fromisoformat(report.hang_started_at) if report.hang_started_at else None
+    detected = dt.datetime.fromisoformat(report.detected_at) if report.detected_at else None
+    lines = ["", "=" * 78, render_text(report, max_evidence=6), ""]
+    if started and detected:
+        lines.append(
+            f"  nothing moved since {started:%H:%M:%S} UTC; detected {(detected - started).total_seconds():.1f} s later "
+            f"(stall timeout {report.stall_timeout_s:g} s)"
+        )
+    lines.append(f"  bundle: {bundle}" if bundle else "  collecting evidence for the bundle ...")
+    lines.append("=" * 78)
+    return "\n".join(lines)
+
+
+def bundle_name(job: str, detected_at: float, verdict: str) -> str:
+    stamp = dt.datetime.fromtimestamp(detected_at, dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", job).strip("._") or "job"
+    return f"{safe}-{stamp}-{verdict}"
+
+
+def report_markdown(report: Report) -> str:
+    out = [f"# ncclwatch: {report.verdict.value}", "", f"**{report.summary}**", ""]
+    if report.reason:
+        out += [report.reason, ""]
+    facts = [
+        ("job", report.job),
+        ("host", report.host),
+        ("culprit ranks", ", ".join(map(str, report.culprit_ranks)) or "none named"),
+        ("operation", f"{report.operation} (#{report.position} on {report.communicator})" if report.operation else None),
+        ("hang started", report.hang_started_at),
+        ("detected", report.detected_at),
+        ("stall timeout", f"{report.stall_timeout_s:g} s" if report.stall_timeout_s else None),
+    ]
+    out += [f"- {k}: {v}" for k, v in facts if v] + [""]
+    if report.ranks:
+        out += ["## Ranks", "", "| rank | host | pid | state | step | issued | status | stack | gpu |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in report.ranks:
+            cells = (r.rank, r.host, r.pid, r.state, r.step, r.issued, r.status, r.stack, r.gpu)
+            out.append("| " + " | ".join("" if c is None else str(c).replace("|", "\\|") for c in cells) + " |")
+        out.append("")
+    if report.evidence:
+        out += ["## Evidence", ""]
+        for item in report.evidence:
+            out.append(f"- [{item.source}] {item.fact}" + (f" — `{item.cite}`" if item.cite else ""))
+            if item.text:
+                out.append(f"  `{item.text[:300]}`")
+        out.append("")
+    if report.evidence_files:
+        out += ["## Files in this bundle", ""]
+        for ev in report.evidence_files:
+            status = f"error: {ev.error}" if ev.error else ", ".join(ev.paths) or "-"
+            out.append(f"- {ev.name}: {status}" + (f" ({ev.note})" if ev.note else ""))
+        out.append("")
+    for title, items in (("Could not see", report.missing), ("Notes", report.notes)):
+        if items:
+            out += [f"## {title}", ""] + [f"- {i}" for i in items] + [""]
+    return "\n".join(out)
+
+
+async def write_bundle(report: Report, finding: Finding, staging: Path, bundle_dir: Path, collect) -> Path:  # type: ignore[no-untyped-def]
+    """Collect evidence into ``staging`` (``collect(staging)`` -> records), write the reports, pack, rename."""
+    records = await collect(staging)
+    cited = await asyncio.to_thread(resolve_citations, finding)
+    evidence = [
+        item.model_copy(update={"cite": cited[i][0], "text": cited[i][1]}) if i in cited else item
+        for i, item in enumerate(report.evidence)
+    ]
+    report = report.model_copy(
+        update={"evidence": evidence, "evidence_files": [EvidenceFile.model_validate(r, from_attributes=True) for r in records]}
+    )
+    (staging / "report.json").write_text(report.model_dump_json(indent=2))
+    (staging / "report.md").write_text(report_markdown(report))
+    bundle_dir.mkdir(parents=True, exist_ok=True)
+    final = bundle_dir / f"{staging.name.lstrip('.')}.tar.gz"
+    partial = bundle_dir / f".{final.name}.partial"
+    await asyncio.to_thread(_pack, staging, partial, final.name.removesuffix(".tar.gz"))
+    os.replace(partial, final)
+    shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def _pack(folder: Path, target: Path, top: str) -> None:
+    with tarfile.open(target, "w:gz", compresslevel=6) as tar:
+        tar.add(folder, arcname=top)
+
+
+async def report_incident(sidecar: Sidecar, incident: Incident, decision: Decision, view: LiveView) -> None:
+    """Say the verdict now; then collect evidence and write the bundle."""
+    snapshot = take_snapshot(sidecar.live.state, observed_at=view.observed_at)
+    report = live_report(
+        decision.finding, snapshot, view, job=sidecar.job_name, host=sidecar.host, started_at=incident.started_at, held=decision.held
+    )
+    incident.report = report
+    print(terminal_text(report), file=sys.stderr, flush=True)
+    settings = sidecar.settings
+    staging = settings.bundle_dir / ("." + bundle_name(sidecar.job_name, view.observed_at, report.verdict.value))
+    staging.mkdir(parents=True, exist_ok=True)
+    targets = tuple(RankTarget(rank=r.rank, pid=r.pid, local_rank=None, host=r.host or sidecar.host) for r in view.ranks if not r.gone)
+
+    async def collect(folder: Path) -> list:  # type: ignore[type-arg]
+        context = EvidenceContext(
+            out_dir=folder, run_dir=sidecar.folders.root, ranks=targets, pyspy=settings.pyspy,
+            ras_port=settings.ras_port, worker_logs={}, budget_s=settings.evidence_budget,
+        )
+        return await collect_all(context)
+
+    began = time.monotonic()
+    incident.bundle = await write_bundle(report, decision.finding, staging, settings.bundle_dir, collect)
+    print(f"ncclwatch: bundle written in {time.monotonic() - began:.1f} s: {incident.bundle}", file=sys.stderr, flush=True)

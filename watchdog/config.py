@@ -1,0 +1,114 @@
+"""The watchdog's settings: one flat object, units in the help, every error names its setting.
+
+Precedence, highest first: command line, ``NCCLWATCH_*`` environment
+variables, a TOML file (``--config FILE``, ``NCCLWATCH_CONFIG``, or
+``./ncclwatch.toml`` when it exists), the defaults below.  Unknown keys in the
+file are rejected, so a typo never silently keeps a default.
+
+Errors: ``ConfigError`` (a ``ValueError``) with one line per bad setting,
+each naming where the value came from and the expected form.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+ENV_PREFIX = "NCCLWATCH_"
+DEFAULT_CONFIG_FILE = Path("ncclwatch.toml")
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the message is ready for the user."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+
+    stall_timeout: float | None = Field(
+        None,
+        gt=0,
+        description="seconds a collective may make no progress before it is a hang; "
+        "unset: learned from the job (3 x its longest recent gap between progress, at least stall_timeout_floor)",
+    )
+    stall_timeout_floor: float = Field(5.0, gt=0, description="seconds; the learned stall timeout is never shorter")
+    warmup_stall_timeout: float = Field(
+        300.0, gt=0, description="seconds; stall timeout until the job has shown 8 gaps between progress (start-up, compile)"
+    )
+    progress_timeout: float = Field(
+        1800.0,
+        gt=0,
+        description="seconds with no progress and no rank inside a collective (checkpoint, evaluation) before a "
+        "progress_stalled report",
+    )
+    bundle_dir: Path = Field(Path("ncclwatch-bundles"), description="where root-cause bundles are written")
+    on_hang: Literal["report", "kill"] = Field(
+        "report", description="report: capture, alert, leave the job running; kill: capture, then end the job, exit non-zero"
+    )
+    run_dir: Path | None = Field(None, description="folder for NCCL debug files, heartbeats, dumps (default: a temp folder)")
+    keep_run_dir: bool = Field(False, description="keep the run folder after a job that ended without a hang")
+    poll_interval: float = Field(0.25, gt=0, le=10, description="seconds between reads of logs, heartbeats and /proc")
+    evidence_budget: float = Field(30.0, gt=0, description="seconds all evidence collection may take")
+    pyspy: str | None = Field(None, description="path to py-spy (default: PATH, then next to the Python interpreter)")
+    ras_port: int = Field(28028, ge=1, le=65535, description="NCCL RAS port on 127.0.0.1")
+
+    @field_validator("bundle_dir", "run_dir")
+    @classmethod
+    def _expand(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml = _toml_file.get("path")
+        sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+        if toml is not None:
+            sources += (TomlConfigSettingsSource(settings_cls, toml_file=toml),)
+        return sources
+
+
+# The TOML path is chosen per load; pydantic-settings asks for sources on the class.
+_toml_file: dict[str, Path | None] = {"path": None}
+
+
+def load_settings(cli: Mapping[str, Any], config_file: str | None = None, environ: Mapping[str, str] = os.environ) -> Settings:
+    """Settings from the command line (``cli``: only options the user gave), env, file, defaults."""
+    path = Path(config_file or environ.get(f"{ENV_PREFIX}CONFIG") or DEFAULT_CONFIG_FILE)
+    explicit = bool(config_file or environ.get(f"{ENV_PREFIX}CONFIG"))
+    if explicit and not path.is_file():
+        raise ConfigError(f"config file {path}: not found (from {'--config' if config_file else ENV_PREFIX + 'CONFIG'})")
+    _toml_file["path"] = path if path.is_file() else None
+    try:
+        return Settings(**{k: v for k, v in cli.items() if v is not None})
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, path if path.is_file() else None)) from None
+    except ValueError as exc:  # a TOML syntax error
+        raise ConfigError(f"config file {path}: {exc}") from None
+    finally:
+        _toml_file["path"] = None
+
+
+def _explain(exc: ValidationError, toml: Path | None) -> str:
+    lines = []
+    for error in exc.errors():
+        name = str(error["loc"][0]) if error["loc"] else "?"
+        option = "--" + name.replace("_", "-")
+        where = f"{option} / {ENV_PREFIX}{name.upper()}" + (f" / {name} in {toml}" if toml else "")
+        if error["type"] == "extra_forbidden":
+            lines.append(f"unknown setting {name!r} ({'in ' + str(toml) if toml else 'environment'}); see ncclwatch --help")
+            continue
+        field = Settings.model_fields.get(name)
+        expected = f" — {field.description}" if field and field.description else ""
+        lines.append(f"{where}: {error['msg']} (got {error.get('input')!r}){expected}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)

@@ -1,0 +1,209 @@
+"""The node's sidecar: sources -> one consumer -> stall check -> probe -> verdict -> report.
+
+Lifecycle, top to bottom: ``run`` starts one supervised task per source
+(a source that raises is restarted with backoff and reported down), then
+loops: fold queued events into the ``LiveJob``, and every poll check whether
+nothing has moved for the stall timeout.  A stall opens an ``Incident``; the
+probe asks every rank for a Flight Recorder dump, takes non-blocking py-spy
+stacks and an NVML sample, in parallel, and ``classify`` turns it all into a
+decision.  A hang is reported once per incident (terminal verdict at once,
+then evidence into a bundle); progress closes the incident.  ``stop`` (the
+job ended) finishes within a bound and cancels what is left.
+
+Nothing here raises out of ``run`` for bad input: a broken source is a
+``SourceDown``; a broken probe is a missing piece of evidence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from .classify import Decision, classify
+from .config import Settings
+from .live import LiveJob, LiveView
+from .parsing.pyspy import parse_pyspy
+from .report import Report
+from .snapshot import take_snapshot
+from .sources.files import HeartbeatSource, NcclFileSource
+from .sources.flight_recorder import read_dump, request_dumps
+from .sources.gpus import NvmlSource, RasSource, gpu_snapshot
+from .sources.workers import WorkerSource
+from .types import Event, SourceDown
+
+log = logging.getLogger("ncclwatch")
+
+REPROBE_S = 5.0  # while a stall is held (a pause, a busy rank), look again this often
+STOP_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class RunFolders:
+    """The job's run folder as the launcher laid it out (launcher/env.py)."""
+
+    root: Path
+    nccl: Path
+    fr: Path
+    hb: Path
+
+    @classmethod
+    def under(cls, root: Path) -> RunFolders:
+        return cls(root, root / "nccl", root / "fr", root / "hb")
+
+
+@dataclass
+class Incident:
+    started_at: float  # the last moment anything moved
+    opened_at: float
+    last_probe: float = 0.0
+    held: str | None = None
+    decision: Decision | None = None
+    report: Report | None = None
+    bundle: Path | None = None
+
+
+Reporter = Callable[["Sidecar", Incident, Decision, LiveView], Awaitable[None]]
+
+
+@dataclass
+class Sidecar:
+    settings: Settings
+    folders: RunFolders
+    torchrun_pid: int
+    job_name: str
+    reporter: Reporter
+    out: TextIO | None = None
+    host: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
+    clock: Callable[[], float] = time.time
+
+    def __post_init__(self) -> None:
+        self.live = LiveJob(self.settings, started_at=self.clock())
+        self.queue: asyncio.Queue[tuple[Event, float]] = asyncio.Queue()
+        poll = self.settings.poll_interval
+        self.sources = [
+            WorkerSource(self.torchrun_pid, interval=poll, host=self.host),
+            NcclFileSource(self.folders.nccl, interval=poll),
+            HeartbeatSource(self.folders.hb, interval=poll),
+            NvmlSource(),
+            RasSource(self.settings.ras_port),
+        ]
+        self.incident: Incident | None = None
+        self.incidents: list[Incident] = []  # every incident that was reported
+        self._stopping = asyncio.Event()
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(self._supervise(s), name=f"source:{s.name}") for s in self.sources]
+        try:
+            while not self._stopping.is_set():
+                self._drain()
+                await self._tick()
+                try:
+                    await asyncio.wait_for(self._stopping.wait(), self.settings.poll_interval)
+                except TimeoutError:
+                    pass
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._drain()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def emit(self, event: Event) -> None:
+        self.queue.put_nowait((event, self.clock()))
+
+    async def _supervise(self, source) -> None:  # type: ignore[no-untyped-def]
+        backoff = 1.0
+        while True:
+            try:
+                await source.run(self.emit)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # one broken source must not stop the others
+                log.exception("source %s failed", source.name)
+                self.emit(SourceDown(source=source.name, reason=f"{type(exc).__name__}: {exc}"))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+
+    def _drain(self) -> None:
+        while not self.queue.empty():
+            event, at = self.queue.get_nowait()
+            self.live.apply(event, at)
+
+    # -- detection ---------------------------------------------------------
+
+    async def _tick(self) -> None:
+        now = self.clock()
+        view = self.live.view(now)
+        incident = self.incident
+        if incident is not None and view.last_progress > incident.started_at:
+            self._say(f"job progressing again ({view.stalled_for:.1f} s since the last progress)" if incident.report else None)
+            self.incident = None
+            incident = None
+        if not view.ranks or all(r.gone for r in view.ranks):
+            return
+        if view.stalled_for < view.stall_timeout:
+            return
+        if incident is None:
+            incident = self.incident = Incident(started_at=view.last_progress, opened_at=now)
+        if incident.report is not None or now - incident.last_probe < REPROBE_S:
+            return
+        incident.last_probe = now
+        await self.probe(view)
+        view = self.live.view(self.clock())
+        snapshot = take_snapshot(self.live.state, observed_at=view.observed_at)
+        decision = classify(snapshot, view, self.settings)
+        incident.decision = decision
+        if decision.page:
+            self.incidents.append(incident)
+            await self.reporter(self, incident, decision, view)
+        elif decision.held != incident.held:
+            incident.held = decision.held
+            self._say(f"nothing has moved for {view.stalled_for:.0f} s; not a collective hang yet: {decision.held}")
+
+    async def probe(self, view: LiveView) -> None:
+        """Fresh evidence for the verdict, gathered in parallel: dumps, stacks, GPUs."""
+        ranks = {r.rank: r.pid for r in view.ranks if not r.gone}
+        dumps, stacks, gpus = await asyncio.gather(
+            request_dumps(self.folders.fr, ranks),
+            asyncio.gather(*(self._stack(pid) for pid in ranks.values())),
+            gpu_snapshot(),
+            return_exceptions=True,
+        )
+        now = self.clock()
+        if isinstance(dumps, tuple):
+            fresh, errors = dumps
+            for path in fresh.values():
+                for event in read_dump(path):
+                    self.live.apply(event, now)
+            for rank, error in errors.items():
+                log.info("rank %s: no Flight Recorder dump: %s", rank, error)
+        if isinstance(stacks, list):
+            for events in stacks:
+                for event in events:
+                    self.live.apply(event, now)
+        if gpus is not None and not isinstance(gpus, BaseException):
+            self.live.apply(gpus, now)
+
+    async def _stack(self, pid: int) -> list[Event]:
+        from .probes.pyspy import pyspy_dump
+
+        data, error = await pyspy_dump(pid, native=False, timeout_s=5.0, pyspy=self.settings.pyspy)
+        if data is None:
+            log.info("py-spy on pid %s: %s", pid, error)
+            return []
+        return parse_pyspy(data, f"py-spy pid {pid} (live)")
+
+    def _say(self, text: str | None) -> None:
+        if text and self.out is not None:
+            print(f"ncclwatch: {text}", file=self.out, flush=True)

@@ -1,0 +1,147 @@
+"""The job's workers: found under torchrun, ranked from their environment, sampled in /proc.
+
+torchrun starts one process per local rank with ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE`` and ``TORCHELASTIC_RESTART_COUNT`` in its environment.  The
+worker of a rank is the shallowest descendant of torchrun carrying that
+``RANK``: data-loader workers and compile subprocesses inherit the variable
+but sit deeper.  An elastic restart replaces every worker: new pids, a higher
+restart count; the old ones are reported gone.
+
+Process state comes from psutil (``/proc/<pid>/stat``): ``T`` stopped
+(SIGSTOP), ``t`` traced, ``Z`` zombie, ``D`` disk sleep; CPU seconds and I/O
+bytes tell a busy rank from an idle one.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+
+import psutil
+
+from ..types import ProcessState, WorkerGone, WorkerSeen
+from . import DownOnce, Emit, PollingSource
+
+# psutil's status names -> the /proc state letters people know.
+STATE_LETTERS = {
+    psutil.STATUS_RUNNING: "R",
+    psutil.STATUS_SLEEPING: "S",
+    psutil.STATUS_DISK_SLEEP: "D",
+    psutil.STATUS_STOPPED: "T",
+    psutil.STATUS_TRACING_STOP: "t",
+    psutil.STATUS_ZOMBIE: "Z",
+    psutil.STATUS_DEAD: "X",
+    psutil.STATUS_IDLE: "I",
+}
+
+
+@dataclass
+class _Worker:
+    process: psutil.Process
+    rank: int
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+class WorkerSource(PollingSource):
+    """Finds torchrun's workers, follows restarts, samples their state every ``sample_every`` s."""
+
+    name = "workers"
+
+    def __init__(self, torchrun_pid: int, interval: float = 0.25, sample_every: float = 0.5, host: str | None = None) -> None:
+        self.torchrun_pid = torchrun_pid
+        self.interval = interval
+        self.sample_every = sample_every
+        self.host = host or socket.gethostname().split(".")[0]
+        self._workers: dict[int, _Worker] = {}
+        self._ignored: set[int] = set()
+        self._last_sample = 0.0
+        self._down = DownOnce(self.name)
+
+    def poll(self, emit: Emit) -> None:
+        now = time.time()
+        try:
+            root = psutil.Process(self.torchrun_pid)
+            descendants = root.children(recursive=True)
+        except psutil.Error as exc:
+            self._down(emit, f"torchrun (pid {self.torchrun_pid}) is gone: {exc}")
+            descendants = []
+        self._discover(descendants, emit, now)
+        self._forget_gone(emit, now)
+        if now - self._last_sample >= self.sample_every:
+            self._last_sample = now
+            for pid, worker in self._workers.items():
+                state = sample(worker.process, worker.rank)
+                if state is not None:
+                    emit(state)
+
+    def _discover(self, descendants: list[psutil.Process], emit: Emit, now: float) -> None:
+        candidates: dict[int, tuple[psutil.Process, dict[str, str], int]] = {}
+        for process in descendants:
+            if process.pid in self._workers or process.pid in self._ignored:
+                continue
+            try:
+                environ = process.environ()
+                ppid = process.ppid()
+            except psutil.Error:
+                continue  # just exited, or not ours to read; tried again next poll
+            if _int(environ.get("RANK")) is not None:
+                candidates[process.pid] = (process, environ, ppid)
+        self._ignored &= {p.pid for p in descendants}  # pids get reused
+        ranked = set(self._workers) | self._ignored | set(candidates)
+        for pid, (process, environ, ppid) in sorted(candidates.items()):
+            if ppid in ranked:
+                self._ignored.add(pid)  # a child of a worker (data loader, compile): same RANK, not a rank
+                continue
+            rank = _int(environ.get("RANK"))
+            assert rank is not None
+            self._workers[pid] = _Worker(process, rank)
+            emit(
+                WorkerSeen(
+                    pid=pid,
+                    rank=rank,
+                    local_rank=_int(environ.get("LOCAL_RANK")),
+                    world_size=_int(environ.get("WORLD_SIZE")),
+                    restart_count=_int(environ.get("TORCHELASTIC_RESTART_COUNT")) or 0,
+                    host=self.host,
+                    at=now,
+                )
+            )
+
+    def _forget_gone(self, emit: Emit, now: float) -> None:
+        for pid, worker in list(self._workers.items()):
+            try:
+                gone = worker.process.status() == psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                gone = True
+            if gone:
+                del self._workers[pid]
+                emit(WorkerGone(pid=pid, rank=worker.rank, at=now))
+
+
+def sample(process: psutil.Process, rank: int) -> ProcessState | None:
+    try:
+        with process.oneshot():
+            status = process.status()
+            times = process.cpu_times()
+            try:
+                io = process.io_counters()
+                io_bytes = io.read_bytes + io.write_bytes
+            except (psutil.AccessDenied, AttributeError):
+                io_bytes = None
+    except psutil.Error:
+        return None
+    return ProcessState(
+        pid=process.pid,
+        rank=rank,
+        state=STATE_LETTERS.get(status, "?"),
+        cpu_seconds=times.user + times.system,
+        io_bytes=io_bytes,
+        at=time.time(),
+    )
