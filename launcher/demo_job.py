@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
     fault_rank = args.fault_rank if args.fault_rank >= 0 else world - 1
-    faulty = rank == fault_rank or args.fault == "pause"
+    faulty = args.fault not in ("none", "uneven") and (rank == fault_rank or args.fault == "pause")
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)).to(device)

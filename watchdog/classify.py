@@ -59,7 +59,12 @@ def classify(snapshot: Snapshot, view: LiveView, settings: Settings) -> Decision
     finding = _with_where(finding, where)
     busy = _busy(finding.culprits, view) if finding.verdict == Verdict.rank_behind else []
     if busy and view.stalled_for < settings.progress_timeout:
-        return Decision(finding, page=False, held=f"rank {', '.join(map(str, busy))} is busy (CPU or I/O moving): waiting for the progress timeout")
+        return Decision(
+            finding,
+            page=False,
+            held=f"rank {', '.join(map(str, busy))} keeps its peers waiting but is busy (CPU or I/O moving: a checkpoint?); "
+            f"reported after {settings.progress_timeout:.0f} s without progress",
+        )
     return Decision(finding, page=finding.verdict in HANG_VERDICTS)
 
 
@@ -77,6 +82,7 @@ def _stopped(view: LiveView, finding: Finding) -> Finding | None:
         reason="A stopped process runs nothing, so its peers wait forever; send SIGCONT, or find who stopped it. "
         + (f"Engine: {finding.summary}" if finding.verdict in HANG_VERDICTS else ""),
         evidence=tuple(Evidence("procfs", f"rank {r.rank}: pid {r.pid} in state T") for r in stopped) + finding.evidence,
+        missing=tuple(m for m in finding.missing if "which rank" not in m),
     )
 
 
@@ -154,7 +160,12 @@ def _pause(finding: Finding, view: LiveView, settings: Settings, where: Mapping[
     )
     if view.stalled_for >= settings.progress_timeout:
         return Decision(paused, page=True)
-    return Decision(paused, page=False, held=f"no rank in a collective: a pause; reported after {settings.progress_timeout:.0f} s")
+    return Decision(
+        paused,
+        page=False,
+        held=f"no rank is inside a collective (a pause: checkpoint, evaluation?); progress_stalled is reported after "
+        f"{settings.progress_timeout:.0f} s without progress",
+    )
 
 
 def _busy(culprits: tuple[int, ...], view: LiveView) -> list[int]:

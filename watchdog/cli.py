@@ -137,6 +137,7 @@ def add_watch_options(parser: argparse.ArgumentParser) -> None:
     add("--pyspy", metavar="PATH")
     add("--poll-interval", type=float, metavar="SECONDS")
     parser.add_argument("--config", metavar="FILE", help="TOML file with any of these settings")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the watchdog's reasoning to stderr")
     parser.add_argument("--job-name", metavar="NAME", help="names bundles (default: the training script's name)")
 
 
@@ -145,6 +146,12 @@ def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     cli = {name: getattr(args, name, None) for name in Settings.model_fields}
     return load_settings(cli, args.config)
+
+
+def _logging(verbose: bool) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="ncclwatch %(asctime)s %(message)s")
 
 
 def is_torchrun(command: Sequence[str]) -> bool:
@@ -188,6 +195,7 @@ def run_wrapped(argv: list[str]) -> int:
         return 2
     from launcher.run import run_job
 
+    _logging(args.verbose)
     return run_job(list(args.command), settings, args.job_name or job_name_of(args.command))
 
 
@@ -219,6 +227,7 @@ def run_demo(argv: list[str]) -> int:
         "--monitor-interval=0.5", str(Path(demo_job.__file__)), f"--fault={args.fault}", f"--steps={args.steps}",
     ]
     print(f"ncclwatch demo: {' '.join(command)}", file=sys.stderr, flush=True)
+    _logging(args.verbose)
     return run_job(command, settings, args.job_name or f"demo-{args.fault}")
 
 

@@ -156,6 +156,7 @@ class Sidecar:
             return
         if incident is None:
             incident = self.incident = Incident(started_at=view.last_progress, opened_at=now)
+            log.info("stall: nothing moved for %.1f s (stall timeout %.1f s, learned gap %s)", view.stalled_for, view.stall_timeout, view.learned_gap)
         if incident.report is not None or now - incident.last_probe < REPROBE_S:
             return
         incident.last_probe = now
@@ -164,18 +165,21 @@ class Sidecar:
         snapshot = take_snapshot(self.live.state, observed_at=view.observed_at)
         decision = classify(snapshot, view, self.settings)
         incident.decision = decision
+        log.info("probe: %s culprits %s page=%s held=%s", decision.finding.verdict, decision.finding.culprits, decision.page, decision.held)
         if decision.page:
             self.incidents.append(incident)
             await self.reporter(self, incident, decision, view)
         elif decision.held != incident.held:
             incident.held = decision.held
-            self._say(f"nothing has moved for {view.stalled_for:.0f} s; not a collective hang yet: {decision.held}")
+            self._say(f"nothing has moved for {view.stalled_for:.0f} s, not paging: {decision.held}")
 
     async def probe(self, view: LiveView) -> None:
         """Fresh evidence for the verdict, gathered in parallel: dumps, stacks, GPUs."""
         ranks = {r.rank: r.pid for r in view.ranks if not r.gone}
+        # A stopped rank cannot answer; waiting for its dump would only delay the verdict.
+        answering = {rank: pid for rank, pid in ranks.items() if rank not in {r.rank for r in view.ranks if r.state == "T"}}
         dumps, stacks, gpus = await asyncio.gather(
-            request_dumps(self.folders.fr, ranks),
+            request_dumps(self.folders.fr, answering),
             asyncio.gather(*(self._stack(pid) for pid in ranks.values())),
             gpu_snapshot(),
             return_exceptions=True,

@@ -2,7 +2,9 @@
 
 py-spy shows Python frames only; a collective entered from Python shows as a
 frame of ``torch/distributed/distributed_c10d.py`` (``all_reduce``,
-``barrier``...), a wait on an async op as ``wait``/``synchronize``.  DDP's
+``barrier``...).  ``torch.cuda.synchronize`` is a wait on the GPU: a
+collective only if Flight Recorder says one is pending (a long eval kernel
+is not a hang), so it is its own kind.  DDP's
 gradient all-reduces run inside autograd, so a rank stuck in one shows
 ``backward``: reported as such, and counted as "in a collective" only with
 Flight Recorder's word for it.  Pure functions.
@@ -15,13 +17,13 @@ from dataclasses import dataclass
 from .types import StackDump, ThreadStack
 
 _C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")
-_WAITS = {"wait", "synchronize", "_wait", "wait_stream"}
+_GPU_WAITS = {"synchronize", "wait_stream", "wait_event"}
 _BACKWARD = ("_engine_run_backward", "backward")
 
 
 @dataclass(frozen=True)
 class Whereabouts:
-    kind: str  # "collective", "backward", "python", "unknown"
+    kind: str  # "collective", "gpu_wait", "backward", "python", "unknown"
     frame: str | None  # the frame that says so, innermost relevant first
 
 
@@ -38,8 +40,8 @@ def whereabouts(dump: StackDump | None) -> Whereabouts:
         name, _, location = frame.partition(" (")
         if any(f in location for f in _C10D_FILES) and not name.startswith("_") and name != "wrapper":
             return Whereabouts("collective", frame)
-        if name in _WAITS and ("torch" in location or "distributed" in location):
-            return Whereabouts("collective", frame)
+        if name in _GPU_WAITS and "torch" in location:
+            return Whereabouts("gpu_wait", frame)
     for frame in thread.frames:
         if frame.partition(" (")[0] in _BACKWARD and "torch" in frame:
             return Whereabouts("backward", frame)

@@ -1,0 +1,156 @@
+"""End to end on CPU: real torchrun, real gloo ranks, real py-spy, the real wrapper.
+
+Each test runs ``ncclwatch ... torchrun --standalone --nproc_per_node=3
+launcher/demo_job.py --fault F`` and checks what a user would: the exit
+code, the verdict on the terminal, the bundle's report, and that no worker
+outlives the wrapper.  ``--on-hang kill`` ends a hung job after its bundle;
+one test leaves it running (``report``) and stops it with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import launcher.demo_job as demo_job
+from launcher.process import exit_status
+
+pytest.importorskip("torch")
+
+NPROC = 3
+TIMEOUT_S = 150
+
+
+def wrapper_command(tmp_path: Path, fault: str, *options: str, job_args: tuple[str, ...] = ()) -> list[str]:
+    return [
+        sys.executable, "-m", "watchdog", "--bundle-dir", str(tmp_path / "bundles"), "--run-dir", str(tmp_path / "run"),
+        *options,
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}", "--monitor-interval=0.2",
+        demo_job.__file__, f"--fault={fault}", "--fault-step=8", "--step-time=0.05", "--steps=30", *job_args,
+    ]  # fmt: skip
+
+
+def job_processes(run_dir: Path) -> list[psutil.Process]:
+    """Every process of the job, found by the run folder the wrapper gave it."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("NCCLWATCH_RUN_DIR") == str(run_dir):
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+def run_wrapper(tmp_path: Path, fault: str, *options: str, job_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    try:
+        done = subprocess.run(
+            wrapper_command(tmp_path, fault, *options, job_args=job_args),
+            capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
+        )  # fmt: skip
+    finally:
+        leftovers = job_processes(tmp_path / "run")
+        for process in leftovers:
+            process.kill()
+    assert not leftovers, f"processes outlived the wrapper: {leftovers}"
+    return done
+
+
+def only_report(tmp_path: Path) -> dict:
+    bundles = sorted((tmp_path / "bundles").glob("*.tar.gz"))
+    assert len(bundles) == 1, f"expected one bundle, found {bundles}"
+    with tarfile.open(bundles[0]) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith("/report.json"))
+        names = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
+        report = json.load(tar.extractfile(member))  # type: ignore[arg-type]
+    report["_files"] = names
+    return report
+
+
+def fault_time(tmp_path: Path) -> float:
+    marks = [json.loads(p.read_text())["time"] for p in (tmp_path / "run").glob("fault.*")]
+    return min(marks)
+
+
+@pytest.mark.parametrize(
+    ("fault", "verdict"),
+    [("skip", "collective_mismatch"), ("python_stuck", "rank_behind"), ("sigstop", "process_stopped")],
+)
+def test_hang_is_named_bundled_and_killed(tmp_path: Path, fault: str, verdict: str) -> None:
+    done = run_wrapper(tmp_path, fault, "--on-hang", "kill")
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert verdict.replace("_", " ").upper() in done.stderr
+    report = only_report(tmp_path)
+    assert report["verdict"] == verdict
+    assert report["culprit_ranks"] == [NPROC - 1]
+    assert report["hang_started_at"] and report["detected_at"]
+    assert {"report.json", "report.md", "evidence.json", f"stacks/rank{NPROC - 1}.json", "proc/rank0.txt"} <= report["_files"]
+    culprit = next(r for r in report["ranks"] if r["rank"] == NPROC - 1)
+    assert culprit["state"] == ("T" if fault == "sigstop" else "S")
+    # Hang start is the last progress, which follows the fault mark by at most a step.
+    detected = datetime.datetime.fromisoformat(report["detected_at"]).timestamp()
+    assert 0 < detected - fault_time(tmp_path) < 30
+
+
+def test_crashing_rank_keeps_torchrun_exit_code_and_no_bundle(tmp_path: Path) -> None:
+    done = run_wrapper(tmp_path, "exit")
+    bare = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}", "--monitor-interval=0.2",
+         demo_job.__file__, "--fault=exit", "--fault-step=8", "--step-time=0.05", "--steps=30", "--mark-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == exit_status(bare.returncode) != 0
+    assert not list((tmp_path / "bundles").glob("*.tar.gz"))
+
+
+def test_healthy_job_exits_zero_without_bundle_and_cleans_up(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "watchdog", "--bundle-dir", str(tmp_path / "bundles"),
+         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}", "--monitor-interval=0.2",
+         demo_job.__file__, "--fault=uneven", "--step-time=0.05", "--steps=30", "--mark-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "30 steps done" in done.stderr
+    assert not (tmp_path / "bundles").exists()
+    assert "ncclwatch:" not in done.stderr  # nothing to say about a healthy job
+
+
+def test_pause_longer_than_stall_timeout_is_not_a_collective_hang(tmp_path: Path) -> None:
+    done = run_wrapper(tmp_path, "pause", "--on-hang", "kill", "--stall-timeout", "4", job_args=("--pause-s=10",))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "not paging: no rank is inside a collective" in done.stderr
+    assert not (tmp_path / "bundles").exists()
+
+
+def test_report_mode_leaves_the_job_running_and_sigterm_ends_it(tmp_path: Path) -> None:
+    with open(tmp_path / "stderr.txt", "w") as stderr:  # a pipe nobody drains would block the wrapper
+        process = subprocess.Popen(wrapper_command(tmp_path, "python_stuck"), stderr=stderr, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline and not list((tmp_path / "bundles").glob("*.tar.gz")):
+            time.sleep(0.5)
+        assert list((tmp_path / "bundles").glob("*.tar.gz")), "no bundle"
+        assert process.poll() is None, "report mode must leave the job running"
+        assert len(job_processes(tmp_path / "run")) >= NPROC
+        process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        leftovers = job_processes(tmp_path / "run")
+        for leftover in leftovers:
+            leftover.kill()
+    assert not leftovers
+    assert returncode != 0
+    assert os.path.isdir(tmp_path / "run")  # kept for inspection after a hang
