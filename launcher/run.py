@@ -26,6 +26,7 @@ from watchdog.live import LiveView
 from watchdog.report import EXIT_KILLED_ON_HANG
 from watchdog.sidecar import Incident, RunFolders, Sidecar
 
+from .command import torchrun_log_dir
 from .env import RunDirs, injected_env
 from .process import JobProcess, exit_status
 
@@ -52,7 +53,11 @@ async def _run(command: list[str], settings: Settings, job_name: str) -> int:
             killed.append(True)
             job.terminate(grace_s=10.0)
 
-    sidecar = Sidecar(settings, RunFolders.under(dirs.root), job.pid, job_name, reporter, out=sys.stderr)
+    log_dir = torchrun_log_dir(command)
+    sidecar = Sidecar(
+        settings, RunFolders.under(dirs.root), job.pid, job_name, reporter, out=sys.stderr,
+        worker_log_dir=Path(log_dir) if log_dir else None,
+    )  # fmt: skip
     watching = asyncio.create_task(sidecar.run())
     returncode = await job.wait()
     sidecar.stop()

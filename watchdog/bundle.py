@@ -160,15 +160,31 @@ async def report_incident(sidecar: Sidecar, incident: Incident, decision: Decisi
     settings = sidecar.settings
     staging = settings.bundle_dir / ("." + bundle_name(sidecar.job_name, view.observed_at, report.verdict.value))
     staging.mkdir(parents=True, exist_ok=True)
-    targets = tuple(RankTarget(rank=r.rank, pid=r.pid, local_rank=None, host=r.host or sidecar.host) for r in view.ranks if not r.gone)
+    alive = [r for r in view.ranks if not r.gone]
+    targets = tuple(RankTarget(rank=r.rank, pid=r.pid, local_rank=r.local_rank, host=r.host or sidecar.host) for r in alive)
+    worker_logs = find_worker_logs(sidecar.worker_log_dir, {r.rank: r.local_rank for r in alive})
 
     async def collect(folder: Path) -> list:  # type: ignore[type-arg]
         context = EvidenceContext(
             out_dir=folder, run_dir=sidecar.folders.root, ranks=targets, pyspy=settings.pyspy,
-            ras_port=settings.ras_port, worker_logs={}, budget_s=settings.evidence_budget,
+            ras_port=settings.ras_port, worker_logs=worker_logs, budget_s=settings.evidence_budget,
         )
         return await collect_all(context)
 
     began = time.monotonic()
     incident.bundle = await write_bundle(report, decision.finding, staging, settings.bundle_dir, collect)
     print(f"ncclwatch: bundle written in {time.monotonic() - began:.1f} s: {incident.bundle}", file=sys.stderr, flush=True)
+
+
+def find_worker_logs(log_dir: Path | None, local_ranks: dict[int, int | None]) -> dict[int, list[Path]]:
+    """torchrun's per-worker logs: ``<log-dir>/<run id>/attempt_<n>/<local rank>/*.log``, latest attempt."""
+    if log_dir is None or not log_dir.is_dir():
+        return {}
+    found: dict[int, list[Path]] = {}
+    attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda p: p.stat().st_mtime)
+    if not attempts:
+        return {}
+    for rank, local_rank in local_ranks.items():
+        if local_rank is not None:
+            found[rank] = sorted((attempts[-1] / str(local_rank)).glob("*.log"))
+    return found

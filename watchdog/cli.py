@@ -154,24 +154,6 @@ def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="ncclwatch %(asctime)s %(message)s")
 
 
-def is_torchrun(command: Sequence[str]) -> bool:
-    if not command:
-        return False
-    program = command[0].rsplit("/", 1)[-1]
-    if program.startswith("torchrun"):
-        return True
-    modules = ("torch.distributed.run", "torch.distributed.launch")
-    return program.startswith("python") and any(command[i : i + 2] == ["-m", m] for i in range(len(command)) for m in modules)
-
-
-def job_name_of(command: Sequence[str]) -> str:
-    """The training script's name: the first argument after torchrun's options that looks like one."""
-    for arg in command[1:]:
-        if arg.endswith(".py"):
-            return arg.rsplit("/", 1)[-1].removesuffix(".py")
-    return "job"
-
-
 def run_wrapped(argv: list[str]) -> int:
     from .config import ConfigError
 
@@ -183,6 +165,8 @@ def run_wrapped(argv: list[str]) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    from launcher.command import is_torchrun, job_name_of
+
     if not is_torchrun(args.command):
         parser.error(
             f"{args.command[0]!r} is not torchrun: give the torchrun command to watch, e.g. "

@@ -69,6 +69,7 @@ class RankNow:
 
     rank: int
     pid: int
+    local_rank: int | None
     host: str | None
     state: str | None  # /proc state letter
     cpu_share: float | None  # cores used over the last few seconds
@@ -165,6 +166,7 @@ class LiveJob:
         return RankNow(
             rank=worker.rank,  # type: ignore[arg-type]  # live_workers() have one
             pid=worker.pid,
+            local_rank=worker.local_rank,
             host=worker.host,
             state=worker.proc.state if worker.proc else None,
             cpu_share=cpu,

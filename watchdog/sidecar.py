@@ -79,6 +79,7 @@ class Sidecar:
     job_name: str
     reporter: Reporter
     out: TextIO | None = None
+    worker_log_dir: Path | None = None  # torchrun's --log-dir, when the user gave one
     host: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
     clock: Callable[[], float] = time.time
 
