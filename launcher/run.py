@@ -66,6 +66,13 @@ async def _run(command: list[str], settings: Settings, job_name: str) -> int:
     leftovers = job.reap_orphans()
     if leftovers:
         print(f"ncclwatch: killed {len(leftovers)} process(es) the job left behind: {leftovers}", file=sys.stderr)
+    for incident in sidecar.incidents:
+        if incident.report is not None:
+            culprits = ", ".join(map(str, incident.report.culprit_ranks)) or "-"
+            print(
+                f"ncclwatch: {incident.report.verdict.value} (culprit rank {culprits}); bundle: {incident.bundle or 'not written'}",
+                file=sys.stderr,
+            )
     if sidecar.incidents:
         print(f"ncclwatch: run folder kept for inspection: {dirs.root}", file=sys.stderr)
     elif not settings.keep_run_dir and settings.run_dir is None:

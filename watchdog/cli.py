@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -188,14 +189,21 @@ def run_demo(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(
         prog="ncclwatch demo",
-        description="Run a small gloo (CPU) job under the watchdog in which one rank misbehaves, and watch it get caught. "
-        "Faults: skip (default), extra, python_stuck, sigstop, exit, pause, uneven, none.",
+        description="Run a small gloo (CPU) job under the watchdog in which the last rank misbehaves, and watch it get "
+        "caught, named and bundled. Unlike a real job, the demo ends the hung job after the capture (--on-hang kill) "
+        "unless told otherwise.",
     )
-    parser.add_argument("--fault", default="skip", help="what the misbehaving rank does (see launcher/demo_job.py)")
+    parser.add_argument(
+        "--fault",
+        default="skip",
+        choices=("skip", "extra", "python_stuck", "sigstop", "exit", "pause", "uneven", "none"),
+        help="what the misbehaving rank does (see launcher/demo_job.py)",
+    )
     parser.add_argument("--nproc", type=int, default=3, help="ranks (default 3)")
     parser.add_argument("--steps", type=int, default=40)
     add_watch_options(parser)
     args = parser.parse_args(argv)
+    args.on_hang = args.on_hang or os.environ.get("NCCLWATCH_ON_HANG") or "kill"
     try:
         settings = _settings(args)
     except ConfigError as exc:
