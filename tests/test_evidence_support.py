@@ -1,0 +1,160 @@
+"""Real processes and a real RAS server for the probe and evidence tests (no tests here).
+
+- ``sleepers(n)``: Python processes parked in ``sleeping_here()`` -> ``time.sleep``,
+  optionally SIGSTOPped; killed on exit whatever their state.
+- ``make_port``: one port of a fake /sys/class/infiniband tree (no IB here).
+- ``RasServer``: NCCL's side of the RAS protocol on a loopback ephemeral port,
+  answering with a canned report; the first ``silent`` connections are accepted
+  and never answered, as a SIGSTOPped rank's socket is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+from watchdog.evidence import EvidenceContext, RankTarget
+from watchdog.probes.procfs import proc_state
+
+SLEEPER = """
+import time
+def sleeping_here():
+    print("ready", flush=True)
+    time.sleep(600)
+sleeping_here()
+"""
+
+
+def wait_state(pid: int, states: str, timeout_s: float = 5.0) -> str | None:
+    deadline = time.monotonic() + timeout_s
+    while (state := proc_state(pid)) not in states and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return state
+
+
+@contextlib.contextmanager
+def sleepers(n: int, stopped: tuple[int, ...] = (), env: dict | None = None) -> Iterator[list[subprocess.Popen]]:
+    """``n`` sleeping Python processes; those at the indexes in ``stopped`` get SIGSTOP."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", SLEEPER], stdout=subprocess.PIPE, env={**os.environ, **(env or {})})
+        for _ in range(n)
+    ]
+    try:
+        for proc in procs:
+            assert proc.stdout.readline() == b"ready\n"
+            assert wait_state(proc.pid, "S") == "S"  # inside time.sleep, not still printing
+        for index in stopped:
+            os.kill(procs[index].pid, signal.SIGSTOP)
+            assert wait_state(procs[index].pid, "T") == "T"
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+
+
+def targets(procs: list[subprocess.Popen]) -> tuple[RankTarget, ...]:
+    return tuple(RankTarget(rank=i, pid=p.pid, local_rank=i, host="localhost") for i, p in enumerate(procs))
+
+
+def context(tmp_path, procs=(), **kw) -> EvidenceContext:
+    out = tmp_path / "bundle"
+    out.mkdir(exist_ok=True)
+    kw.setdefault("run_dir", None)
+    kw.setdefault("pyspy", None)
+    kw.setdefault("ranks", targets(list(procs)))
+    return EvidenceContext(out_dir=out, **kw)
+
+
+@dataclass
+class RasServer:
+    report: bytes
+    json_report: bytes | None = None  # sent after SET FORMAT json, when given
+    silent: int = 0  # accept and never answer this many connections first
+    answers: dict = field(default_factory=dict)  # command -> answer line, overriding "OK"
+    commands: list = field(default_factory=list)  # what each connection sent, one list per connection
+    half_closed: list = field(default_factory=list)  # per answered connection: did the client shut down writes?
+    port: int = 0
+
+    async def __aenter__(self) -> Self:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._held: list[asyncio.StreamWriter] = []
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for writer in self._held:
+            writer.close()
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sent: list[str] = []
+        self.commands.append(sent)
+        if len(self.commands) <= self.silent:
+            self._held.append(writer)
+            return
+        while line := await reader.readline():
+            command = line.decode().strip()
+            sent.append(command)
+            if command.endswith("STATUS"):
+                break
+            default = "SERVER PROTOCOL 2" if command.startswith("CLIENT PROTOCOL") else "OK"
+            writer.write(self.answers.get(command, default).encode() + b"\n")
+        if not (sent and sent[-1].endswith("STATUS")):
+            writer.close()  # the client gave up during the handshake
+            return
+        as_json = "SET FORMAT json" in sent and self.json_report is not None
+        writer.write(self.json_report if as_json else self.report)
+        await writer.drain()
+        with contextlib.suppress(TimeoutError):  # a client that half-closed shows as EOF here
+            await asyncio.wait_for(reader.read(1), 0.2)
+        self.half_closed.append(reader.at_eof())
+        writer.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+COUNTERS = {
+    "port_xmit_data": 1000,
+    "port_rcv_data": 2000,
+    "port_xmit_wait": 0,
+    "symbol_error": 0,
+    "link_downed": 1,
+    "port_rcv_errors": 0,
+    "VL15_dropped": 0,
+}
+HW = {"out_of_sequence": 0, "local_ack_timeout_err": 0, "rnr_nak_retry_err": 0, "np_cnp_sent": 5}
+
+
+def make_port(root: Path, dev: str = "mlx5_0", port: int = 1, **values) -> Path:
+    """One port of a fake /sys/class/infiniband tree; ``values`` override files by name."""
+    base = root / dev / "ports" / str(port)
+    files = {
+        "state": "4: ACTIVE",
+        "phys_state": "5: LinkUp",
+        "rate": "400 Gb/sec (4X NDR)",
+        **{f"counters/{k}": str(v) for k, v in COUNTERS.items()},
+        **{f"hw_counters/{k}": str(v) for k, v in HW.items()},
+    }
+    for name, value in values.items():
+        files[name.replace("__", "/")] = str(value)
+    for name, text in files.items():
+        (base / name).parent.mkdir(parents=True, exist_ok=True)
+        (base / name).write_text(text + "\n")  # sysfs values end with a newline
+    return base

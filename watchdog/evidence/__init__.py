@@ -1,0 +1,51 @@
+"""Evidence capture after a verdict: every collector writes into one bundle folder.
+
+Bundle layout (paths relative to ``ctx.out_dir``)::
+
+    evidence.json                     every record: name, paths, error, duration_s, rank, note
+    fr/nccl_trace_rank_<r>            Flight Recorder dump on demand (torch's NCCL responder)
+    fr/ncclwatch_trace_<r>            ... from ncclwatch's own responder (gloo)
+    gpu/nvml.json                     one NVML snapshot with GPM
+    ras/ras.txt, ras/ras.json         raw NCCL RAS reports (the JSON may be malformed)
+    stacks/rank<r>.json               py-spy --nonblocking
+    stacks/rank<r>.native.json        py-spy --native
+    proc/rank<r>.txt                  state, wchan, /proc status/stat/io/cmdline, thread states
+    env/rank<r>.txt                   environment, secrets redacted
+    nccl/<name>                       tails of the NCCL debug files
+    logs/rank<r>/<name>               tails of torchrun's worker logs
+    ib/counters.json                  InfiniBand counters, two reads and their deltas
+    <any of the per-rank paths>.missing   why that file is not there
+
+Collectors, each usable alone: ``collect_flight_recorder``, ``collect_nvml``,
+``collect_ras``, ``collect_stacks`` (= ``collect_python_stacks`` then
+``collect_native_stacks``), ``collect_proc``, ``collect_env``,
+``collect_nccl_logs``, ``collect_worker_logs``, ``collect_infiniband``;
+``collect_all`` runs them in order within ``ctx.budget_s``.
+"""
+
+from .base import EvidenceContext, EvidenceRecord, RankTarget
+from .collect import EVIDENCE_JSON, collect_all
+from .flight_recorder import collect_flight_recorder
+from .logs import collect_nccl_logs, collect_worker_logs
+from .node import collect_infiniband, collect_nvml, collect_ras
+from .process import collect_env, collect_proc
+from .stacks import collect_native_stacks, collect_python_stacks, collect_stacks
+
+__all__ = [
+    "EVIDENCE_JSON",
+    "EvidenceContext",
+    "EvidenceRecord",
+    "RankTarget",
+    "collect_all",
+    "collect_env",
+    "collect_flight_recorder",
+    "collect_infiniband",
+    "collect_native_stacks",
+    "collect_nccl_logs",
+    "collect_nvml",
+    "collect_proc",
+    "collect_python_stacks",
+    "collect_ras",
+    "collect_stacks",
+    "collect_worker_logs",
+]

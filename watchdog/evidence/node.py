@@ -1,0 +1,78 @@
+"""Node-wide evidence: GPUs [gpu/nvml.json], NCCL RAS [ras/ras.txt, ras/ras.json], InfiniBand [ib/counters.json]."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from ..probes.infiniband import ib_delta, read_ib_counters
+from ..probes.nvml import sample_gpus_async
+from ..probes.ras import query_ras
+from .base import EvidenceContext, EvidenceRecord, guard, record, write_file
+
+GPM_WINDOW_S = 1.0
+NVML_TIMEOUT_S = GPM_WINDOW_S + 4.0
+RAS_QUERY_S = 8.0
+RAS_SERVER_TIMEOUT_S = 5  # how long NCCL waits for unresponsive peers before it reports them
+RAS_TIMEOUT_S = 2 * RAS_QUERY_S + 1.0
+IB_INTERVAL_S = 1.0
+IB_TIMEOUT_S = IB_INTERVAL_S + 4.0
+
+
+async def collect_nvml(ctx: EvidenceContext) -> list[EvidenceRecord]:
+    async def work() -> list[EvidenceRecord]:
+        started = time.monotonic()
+        snapshot = await sample_gpus_async(GPM_WINDOW_S)
+        if snapshot is None:
+            return [record("nvml", started, error="NVML not available")]
+        rel = write_file(ctx, "gpu/nvml.json", json.dumps(snapshot, indent=1) + "\n")
+        return [record("nvml", started, [rel], note=f"{len(snapshot['gpus'])} GPUs")]
+
+    return await guard("nvml", NVML_TIMEOUT_S, work())
+
+
+async def collect_ras(ctx: EvidenceContext) -> list[EvidenceRecord]:
+    """Text first (every RAS version), then JSON (2.28.7+).
+
+    When the text query got nothing (no server, no answer even on a second
+    connection, out of time), the JSON query is not tried: it would spend the
+    same seconds for nothing.
+    """
+
+    async def work() -> list[EvidenceRecord]:
+        records: list[EvidenceRecord] = []
+        for name, rel, json_format in (("ras_text", "ras/ras.txt", False), ("ras_json", "ras/ras.json", True)):
+            started = time.monotonic()
+            if records and not records[0].paths:
+                records.append(record(name, started, error=f"skipped: the text query failed ({records[0].error})"))
+                continue
+            data, error = await query_ras(
+                ctx.ras_port, json_format=json_format, timeout_s=RAS_QUERY_S, server_timeout_s=RAS_SERVER_TIMEOUT_S
+            )
+            paths = [write_file(ctx, rel, data)] if data else []
+            records.append(record(name, started, paths, error, note="partial report" if data and error else None))
+        return records
+
+    return await guard("ras", RAS_TIMEOUT_S, work())
+
+
+async def collect_infiniband(ctx: EvidenceContext) -> list[EvidenceRecord]:
+    async def work() -> list[EvidenceRecord]:
+        started = time.monotonic()
+        before = await asyncio.to_thread(read_ib_counters, ctx.sys_infiniband)
+        if before is None:
+            return [record("infiniband", started, note="no InfiniBand devices")]
+        t0 = time.monotonic()
+        await asyncio.sleep(IB_INTERVAL_S)
+        after = await asyncio.to_thread(read_ib_counters, ctx.sys_infiniband)
+        seconds = round(time.monotonic() - t0, 4)
+        if after is None:
+            return [record("infiniband", started, error=f"{ctx.sys_infiniband} vanished between two reads")]
+        delta = ib_delta(before, after, seconds)
+        doc = {"before": before, "after": after, "delta": delta}
+        rel = write_file(ctx, "ib/counters.json", json.dumps(doc, indent=1) + "\n")
+        note = "error counters moved: " + "; ".join(delta["errors"]) if delta["errors"] else None
+        return [record("infiniband", started, [rel], note=note)]
+
+    return await guard("infiniband", IB_TIMEOUT_S, work())
