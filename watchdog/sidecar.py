@@ -32,7 +32,7 @@ from .parsing.pyspy import parse_pyspy
 from .report import Report
 from .snapshot import take_snapshot
 from .sources.files import HeartbeatSource, NcclFileSource
-from .sources.flight_recorder import read_dump, request_dumps
+from .sources.flight_recorder import prime, read_dump, request_dumps
 from .sources.gpus import NvmlSource, RasSource, gpu_snapshot
 from .sources.workers import WorkerSource
 from .types import Event, SourceDown
@@ -97,6 +97,7 @@ class Sidecar:
         self.incident: Incident | None = None
         self.incidents: list[Incident] = []  # every incident that was reported
         self._stopping = asyncio.Event()
+        self._primed: set[int] = set()  # worker pids whose Flight Recorder was primed
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -154,6 +155,7 @@ class Sidecar:
         if not view.ranks or all(r.gone for r in view.ranks):
             return
         if view.stalled_for < view.stall_timeout:
+            self._prime(view)
             return
         if incident is None:
             incident = self.incident = Incident(started_at=view.last_progress, opened_at=now)
@@ -173,6 +175,14 @@ class Sidecar:
         elif decision.held != incident.held:
             incident.held = decision.held
             self._say(f"nothing has moved for {view.stalled_for:.0f} s, not paging: {decision.held}")
+
+    def _prime(self, view: LiveView) -> None:
+        """Once the job runs steadily, ask each rank for one dump: the first is slow (seconds), later ones fast."""
+        ranks = {r.rank: r.pid for r in view.ranks if not r.gone}
+        if view.learned_gap is None or self._primed >= set(ranks.values()):
+            return
+        self._primed |= set(ranks.values())
+        log.info("primed Flight Recorder of %d rank(s)", prime(self.folders.fr, ranks))
 
     async def probe(self, view: LiveView) -> None:
         """Fresh evidence for the verdict, gathered in parallel: dumps, stacks, GPUs."""

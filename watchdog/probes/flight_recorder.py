@@ -1,0 +1,79 @@
+"""Flight Recorder's on-demand doors: a FIFO per rank, a dump file per rank.
+
+Two responders listen on FIFOs in ``run_dir/fr``:
+
+- torch's, for NCCL process groups (``TORCH_NCCL_DEBUG_INFO_PIPE_FILE=run_dir/fr/pipe_``):
+  ``pipe_<rank>.pipe`` -> ``nccl_trace_rank_<rank>`` (``TORCH_FR_DUMP_TEMP_FILE`` prefix);
+- ncclwatch's own, for gloo (launcher/inject/sitecustomize.py):
+  ``ncclwatch_pipe.<pid>`` -> ``ncclwatch_trace_<rank>``.
+
+One byte written to the FIFO (``O_WRONLY|O_NONBLOCK``: never block on a rank
+that does not read) makes the rank dump and run on.  A rank's first dump
+took 4.2-4.7 s on H200 (torch 2.11 symbolises C++ stack traces once), later
+ones <= 1 s: the sidecar primes every rank once the job runs, so a hang finds
+the fast path.  A stopped rank cannot answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import stat
+import time
+from pathlib import Path
+
+FR_WAIT_S = 10.0
+POLL_S = 0.1
+
+
+def fr_files(fr_dir: Path, rank: int, pid: int) -> tuple[Path, Path]:
+    """(FIFO, dump) of a rank: torch's when its FIFO exists, else ncclwatch's."""
+    torch_pipe = fr_dir / f"pipe_{rank}.pipe"
+    if torch_pipe.exists():
+        return torch_pipe, fr_dir / f"nccl_trace_rank_{rank}"
+    return fr_dir / f"ncclwatch_pipe.{pid}", fr_dir / f"ncclwatch_trace_{rank}"
+
+
+def signature(path: Path) -> tuple[int, int, int] | None:
+    """Changes whenever the file is rewritten; mtime alone can tie at coarse timestamp granularity."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size) if st.st_size > 0 else None
+
+
+def trigger(pipe: Path) -> str | None:
+    try:
+        if not stat.S_ISFIFO(pipe.stat().st_mode):
+            return f"{pipe.name} is not a FIFO: not written to"
+        fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return f"no Flight Recorder pipe {pipe.name} in {pipe.parent}"
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            return f"nobody reads {pipe.name} (ENXIO): the rank is not listening"
+        return f"cannot open {pipe.name}: {exc.strerror}"
+    try:
+        os.write(fd, b"1")
+    except OSError as exc:  # EAGAIN: 64 KiB of earlier triggers unread, the reader is stuck
+        return f"cannot write to {pipe.name}: {exc.strerror}"
+    finally:
+        os.close(fd)
+    return None
+
+
+async def wait_for_new(dump: Path, before: tuple | None, wait_s: float = FR_WAIT_S) -> tuple[str | None, str | None]:
+    """(error, note): done once the dump changed and then held still for one poll."""
+    deadline = time.monotonic() + wait_s
+    last = before
+    while time.monotonic() < deadline:
+        await asyncio.sleep(POLL_S)
+        now = signature(dump)
+        if now is not None and now != before and now == last:
+            return None, None
+        last = now
+    if last is not None and last != before:
+        return None, f"the dump was still changing after {wait_s:g} s: may be incomplete"
+    return f"no new dump within {wait_s:g} s of the trigger", None
