@@ -1,0 +1,237 @@
+"""Injected by ``ncclwatch torchrun`` into every Python process of the job (via PYTHONPATH).
+
+Python imports ``sitecustomize`` at start-up, so this runs in torchrun and in
+each worker before the user's code.  It acts only in a torchrun worker
+(``NCCLWATCH_RUN_DIR`` and ``RANK`` set, and not a process started by a
+worker, see below), and there it:
+
+1. registers torch's global optimizer step post hook, so every
+   ``optimizer.step()`` beats (``launcher/heartbeat.py``) with no change to the
+   user's code.  torch is not imported here: it takes seconds and the job may
+   not use it.  A ``sys.meta_path`` finder waits for ``torch.optim.optimizer``
+   to be imported by the job, lets the import run, then registers the hook;
+2. starts a Flight Recorder responder: a daemon thread reading the FIFO
+   ``<run_dir>/fr/ncclwatch_pipe.<pid>``.  Any write to it makes this process
+   dump ``torch._C._distributed_c10d._dump_fr_trace()`` (every backend's
+   recorder, gloo included; NCCL ranks also have torch's own pipe from
+   ``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``) to ``<run_dir>/fr/ncclwatch_trace_<rank>``
+   (tmp file + ``os.replace``; the rank is the name's trailing digits, as the
+   parser reads it).  A writer should open the FIFO with
+   ``O_WRONLY|O_NONBLOCK``: ENXIO then means no responder is alive.
+
+A worker's own children inherit ``RANK`` and ``NCCLWATCH_RUN_DIR`` (spawned
+DataLoader workers, inductor compile workers): a responder there would
+overwrite the rank's dump with an empty one.  So the worker records its pid in
+``NCCLWATCH_WORKER_PID`` and a process seeing someone else's pid there does
+nothing.
+
+Then it runs the next ``sitecustomize`` on ``sys.path`` (the user's or the
+environment's), as Python would have without us.
+
+It must never break the job: our part is inside one broad ``try`` and prints
+nothing; the chained module runs outside it, so its own errors reach Python's
+``site`` exactly as they would without us.
+"""
+
+import os
+import sys
+
+
+def _load_heartbeat():
+    """Our ``launcher.heartbeat`` module, shared with ``ncclwatch.beat`` when possible.
+
+    ``launcher`` is a common name: import it only if the package on
+    ``sys.path`` is ours (same folder), else load the file privately, so
+    that a user's own ``launcher`` package is never imported by us.
+    """
+    import importlib.util
+
+    ours = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    spec = importlib.util.find_spec("launcher")
+    if spec is not None and spec.origin and os.path.dirname(os.path.realpath(spec.origin)) == ours:
+        import launcher.heartbeat
+
+        return launcher.heartbeat
+    spec = importlib.util.spec_from_file_location("_ncclwatch_heartbeat", os.path.join(ours, "heartbeat.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _register_step_hook(optimizer_module):
+    """Called right after ``torch.optim.optimizer`` has run."""
+    import itertools
+
+    beat = _load_heartbeat().beat
+    steps = itertools.count(1)
+
+    def on_step(optimizer, args, kwargs):
+        # Counts optimizer steps of this process: with two optimizers, two per iteration.
+        beat(next(steps))
+
+    optimizer_module.register_optimizer_step_post_hook(on_step)
+
+
+class _RealLoader:
+    """Wraps a module's loader to run ``after(module)`` once the module has executed."""
+
+    def __init__(self, loader, after):
+        self._loader = loader
+        self._after = after
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        # Put the real loader back first: nothing after this import (inspect,
+        # importlib.reload, pickle by reference) should ever see the wrapper.
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        try:
+            self._after(module)
+        except Exception:  # noqa: BLE001, S110 - the job's import must succeed whatever we do
+            pass
+
+
+class _AfterImport:
+    """One-shot ``sys.meta_path`` finder for ``name``: the normal finders find it, we wrap the loader.
+
+    On every other import it costs one string comparison; it removes itself
+    on first use, so a failed hook is never retried in a loop.
+    """
+
+    def __init__(self, name, after):
+        self._name = name
+        self._after = after
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self._name:
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            return None
+        import importlib.util
+
+        # With ourselves removed this is exactly the spec the import would
+        # have used; the parent package is already being imported.
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _RealLoader(spec.loader, self._after)
+        return spec
+
+
+def _dump_fr(fr_dir, rank):
+    c10d = sys.modules.get("torch._C._distributed_c10d")
+    dump = getattr(c10d, "_dump_fr_trace", None)
+    if dump is None:
+        return  # torch (with distributed) not imported yet: no process group to dump
+    data = dump()
+    final = os.path.join(fr_dir, f"ncclwatch_trace_{rank}")
+    tmp = os.path.join(fr_dir, f".ncclwatch_trace_{rank}.tmp")
+    with open(tmp, "wb") as out:
+        out.write(data)
+    os.replace(tmp, final)
+
+
+def _serve_fr(fd, fr_dir, rank):
+    """Dump once per read: bytes that arrive together ask for one snapshot."""
+    try:
+        while os.read(fd, 4096):
+            try:
+                _dump_fr(fr_dir, rank)
+            except Exception:  # noqa: BLE001, S110 - a failed dump must not end the responder
+                pass
+    except Exception:  # noqa: BLE001, S110 - an uncaught error would print a traceback into the job's stderr
+        pass
+
+
+def _start_fr_responder(run_dir, rank):
+    import atexit
+    import threading
+
+    fr_dir = os.path.join(run_dir, "fr")
+    pid = os.getpid()
+    fifo = os.path.join(fr_dir, f"ncclwatch_pipe.{pid}")
+    try:
+        os.unlink(fifo)  # left by an earlier process with this pid
+    except FileNotFoundError:
+        pass
+    os.mkfifo(fifo, 0o600)
+    # O_RDWR (Linux) rather than a blocking O_RDONLY open: the FIFO then always
+    # has a reader while we live, so a writer's O_NONBLOCK open never fails
+    # in the gap between one writer's EOF and our reopening, and read()
+    # never returns EOF.  It does not block, so the thread starts at once.
+    fd = os.open(fifo, os.O_RDWR)
+
+    def remove():
+        # atexit hooks are inherited across fork: only the owner removes it.
+        if os.getpid() == pid:
+            try:
+                os.unlink(fifo)
+            except OSError:
+                pass
+
+    def close_in_child():
+        # A forked child inherits the descriptor but not the thread: close it,
+        # or the FIFO would keep a reader after this process died.  Guarded:
+        # Python prints any error raised here into the child's stderr.
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+    atexit.register(remove)
+    os.register_at_fork(after_in_child=close_in_child)
+    threading.Thread(target=_serve_fr, args=(fd, fr_dir, rank), name="ncclwatch-fr", daemon=True).start()
+
+
+def _setup():
+    env = os.environ
+    run_dir = env.get("NCCLWATCH_RUN_DIR")
+    rank = env.get("RANK")
+    if not run_dir or rank is None or not rank.isdigit():
+        return
+    owner = env.get("NCCLWATCH_WORKER_PID")
+    if owner is not None and owner != str(os.getpid()):
+        return
+    env["NCCLWATCH_WORKER_PID"] = str(os.getpid())
+    sys.meta_path.insert(0, _AfterImport("torch.optim.optimizer", _register_step_hook))
+    _start_fr_responder(run_dir, int(rank))
+
+
+def _next_sitecustomize():
+    """The spec of the ``sitecustomize`` Python would have found after this folder, or None."""
+    import importlib.machinery
+
+    here = os.path.dirname(os.path.realpath(__file__))
+    for index, entry in enumerate(sys.path):
+        if os.path.realpath(entry or os.curdir) == here:
+            return importlib.machinery.PathFinder.find_spec("sitecustomize", sys.path[index + 1:])
+    return None
+
+
+try:
+    _setup()
+except Exception:  # noqa: BLE001, S110 - never break the job; the watchdog just sees less
+    pass
+
+try:
+    _next = _next_sitecustomize()
+except Exception:  # noqa: BLE001 - a broken sys.path entry: run as if there were no next one
+    _next = None
+
+if _next is not None and _next.loader is not None:
+    import importlib.util
+
+    _module = importlib.util.module_from_spec(_next)
+    # The user's module takes the name, as if it had been imported directly;
+    # our functions keep their globals alive through their references.
+    sys.modules["sitecustomize"] = _module
+    _next.loader.exec_module(_module)

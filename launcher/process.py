@@ -1,0 +1,255 @@
+"""Run torchrun as a child so the job behaves as it would under torchrun alone.
+
+The process tree ``ncclwatch torchrun ...`` makes::
+
+    ncclwatch (this process; child subreaper)
+    └── torchrun          own process group (pgid = its pid), our session
+        ├── worker rank 0 own session (torchrun starts workers with start_new_session)
+        └── worker rank 1 own session
+
+Traps this module handles, each seen on torch 2.13:
+
+* Workers are not in torchrun's process group: torchrun's ``Popen`` uses
+  ``start_new_session=True``.  ``killpg(torchrun)`` reaches torchrun only, and a
+  terminal's Ctrl-C never reaches workers directly under plain torchrun
+  either; torchrun forwards SIGINT/SIGTERM/SIGHUP/SIGQUIT to them itself.
+* torchrun in its own group no longer gets the terminal's signals (they go
+  to the foreground group, ours), so ``forward_signals`` passes them on.
+  The workers' sessions have no controlling terminal, so a worker reading
+  stdin (``breakpoint()``) works as under plain torchrun.
+* A SIGKILLed torchrun leaves its workers running (no parent-death signal).
+  As a child subreaper we inherit such orphans instead of init, so
+  ``reap_orphans`` can find them by walking our own descendants.
+* torchrun exits 1 whatever code a worker failed with (a worker exiting 3
+  gives 1) and 1 on SIGTERM; only a signal that kills torchrun itself gives a
+  negative ``returncode``, which ``exit_status`` maps to 128+N as a shell does.
+
+The job's processes are told from the caller's own helpers by process group:
+everything the job starts is outside ours (torchrun's group, the workers'
+sessions), so a helper the sidecar starts (py-spy) is never reaped as long as
+it stays in our process group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+_POLL_S = 0.05
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants reparent to this process instead of init (Linux 3.4+).
+
+    False where ``prctl`` is missing or refuses; ``reap_orphans`` then still
+    finds torchrun's process group, but not workers orphaned by a dead torchrun.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def exit_status(returncode: int) -> int:
+    """The status a shell reports for a child with this ``Popen.returncode`` (-N -> 128+N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class JobProcess:
+    """torchrun (or any launcher command) as our child; see the module docstring.
+
+    Use from an asyncio loop: ``start``, ``forward_signals(loop)``, ``await
+    wait()``, then ``reap_orphans()``.
+    """
+
+    def __init__(self) -> None:
+        self._popen: subprocess.Popen[bytes] | None = None
+        self.subreaper = False
+
+    def start(self, argv: list[str], env: dict[str, str]) -> int:
+        """Spawn ``argv`` with ``env`` in its own process group; return its pid.
+
+        stdin, stdout, stderr and the working folder are ours, unchanged.
+        Raises ``OSError`` (``FileNotFoundError`` for a missing command) as
+        ``subprocess.Popen`` does.
+        """
+        if self._popen is not None:
+            raise RuntimeError("JobProcess already started")
+        self.subreaper = become_subreaper()
+        # process_group=0: setpgid(0, 0) in the child before exec, so the
+        # group exists before torchrun can start anything.
+        self._popen = subprocess.Popen(argv, env=env, process_group=0)
+        return self._popen.pid
+
+    @property
+    def pid(self) -> int:
+        return self._started().pid
+
+    @property
+    def returncode(self) -> int | None:
+        """``Popen.returncode``: None while running, -N if killed by signal N."""
+        return self._started().poll()
+
+    def _started(self) -> subprocess.Popen[bytes]:
+        if self._popen is None:
+            raise RuntimeError("JobProcess not started")
+        return self._popen
+
+    async def wait(self) -> int:
+        """Wait for torchrun without blocking the loop; its ``returncode`` (Python semantics).
+
+        Uses a pidfd (Linux 5.3+) so the loop wakes when torchrun exits; on
+        older kernels it polls every 50 ms.  No thread: a thread blocked in
+        ``waitpid`` would hold up ``asyncio.run``'s executor shutdown.
+        """
+        popen = self._started()
+        if popen.poll() is not None:
+            return popen.returncode
+        pidfd_open = getattr(os, "pidfd_open", None)
+        try:
+            pidfd = pidfd_open(popen.pid) if pidfd_open else None
+        except OSError:
+            pidfd = None
+        if pidfd is None:
+            while popen.poll() is None:
+                await asyncio.sleep(_POLL_S)
+            return popen.returncode
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+        try:
+            await exited
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        return popen.wait()
+
+    def forward_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Pass SIGINT, SIGTERM, SIGHUP and SIGQUIT on to torchrun, which passes them to workers."""
+        for sig in FORWARDED_SIGNALS:
+            loop.add_signal_handler(sig, self.send_signal, sig)
+
+    def send_signal(self, sig: int) -> None:
+        """Signal torchrun if it still runs (never a reaped, possibly reused pid)."""
+        popen = self._started()
+        if popen.poll() is None:
+            try:
+                os.kill(popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def children(self) -> list[int]:
+        """torchrun's direct children, i.e. the workers of the current restart; [] once torchrun is gone."""
+        try:
+            return [child.pid for child in psutil.Process(self.pid).children()]
+        except psutil.Error:
+            return []
+
+    def terminate(self, grace_s: float) -> None:
+        """SIGTERM torchrun now; after ``grace_s``, SIGKILL whatever of the job is left.
+
+        Returns at once (the SIGKILL is scheduled on the running loop), so the
+        caller keeps awaiting ``wait()``.  The SIGKILL covers torchrun's group
+        and every descendant outside our group: workers (own sessions) that a
+        stuck torchrun would never kill.
+        """
+        self.send_signal(signal.SIGTERM)
+        asyncio.get_running_loop().call_later(grace_s, self._kill_leftovers)
+
+    def _kill_leftovers(self) -> None:
+        _send(self._leftovers(), signal.SIGKILL)
+
+    def reap_orphans(self, grace_s: float = 5.0) -> list[int]:
+        """After torchrun has exited: SIGTERM what is left of the job, SIGKILL it after ``grace_s``.
+
+        Left over are our descendants outside our process group (workers a
+        SIGKILLed torchrun orphaned, daemons they double-forked, which the
+        subreaper made ours) and members of torchrun's group.  Zombies among
+        them are reaped, not counted.  Returns the pids signalled, sorted.
+        Blocks up to ``grace_s`` + 1 s: call it at shutdown, or through
+        ``asyncio.to_thread``.  Call it after ``wait()``: torchrun itself,
+        if still running, counts as left over.
+        """
+        procs = [proc for proc in self._leftovers() if not _exited(proc)]
+        _send(procs, signal.SIGTERM)
+        alive = _wait_exited(procs, grace_s)
+        _send(alive, signal.SIGKILL)
+        _wait_exited(alive, 1.0)
+        # Children of the processes just killed were reparented to us in the
+        # meantime, some already dead: reap those zombies too.
+        for proc in self._leftovers():
+            _exited(proc)
+        return sorted(proc.pid for proc in procs)
+
+    def _leftovers(self) -> list[psutil.Process]:
+        """The job's processes still present (zombies included, so waiting reaps them)."""
+        me, ours, group = os.getpid(), os.getpgrp(), self.pid
+        found: dict[int, psutil.Process] = {}
+        try:
+            descendants = psutil.Process(me).children(recursive=True)
+        except psutil.Error:
+            descendants = []
+        for proc in descendants:
+            if _pgid(proc.pid) not in (ours, None):
+                found[proc.pid] = proc
+        # torchrun's group is scanned too, for when we are not a subreaper and
+        # its orphaned members are no longer our descendants.  While any of
+        # them lives the number stays their group id, and Linux hands out pids
+        # in sequence, so no unrelated group takes the number in between.
+        for proc in psutil.process_iter():
+            if proc.pid != me and proc.pid not in found and _pgid(proc.pid) == group:
+                found[proc.pid] = proc
+        return list(found.values())
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _send(procs: list[psutil.Process], sig: int) -> None:
+    for proc in procs:
+        try:
+            proc.send_signal(sig)  # psutil checks the pid still names the same process
+        except psutil.Error:
+            pass
+
+
+def _exited(proc: psutil.Process) -> bool:
+    """True once ``proc`` is gone or a zombie; a zombie child of ours is reaped on the way.
+
+    Not ``psutil.wait_procs``: for a process that is not our child it polls
+    until the pid disappears, and a zombie whose parent we just killed stays
+    until we reap it, so it would wait out the whole timeout.
+    """
+    try:
+        if proc.status() != psutil.STATUS_ZOMBIE:
+            return False
+    except psutil.NoSuchProcess:
+        return True
+    try:
+        os.waitpid(proc.pid, os.WNOHANG)
+    except ChildProcessError:
+        pass  # someone else's zombie: its parent reaps it, or we do once it is reparented
+    return True
+
+
+def _wait_exited(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait up to ``timeout_s`` for every process to exit; the ones still running."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [proc for proc in procs if not _exited(proc)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(_POLL_S)
