@@ -21,7 +21,22 @@ from watchdog.live import MIN_GAPS, LiveJob
 from watchdog.parsing.nccl_log import NcclLogParser
 from watchdog.snapshot import take_snapshot
 from watchdog.sources.files import HeartbeatSource, NcclFileSource
-from watchdog.types import Citation, Event, Heartbeat, OpBatch, ProcessState, StackDump, ThreadStack, Unusable, WorkerSeen
+from watchdog.types import (
+    Citation,
+    Event,
+    GpuGpm,
+    GpuProcess,
+    GpuSample,
+    GpuSnapshot,
+    Heartbeat,
+    OpBatch,
+    ProcessState,
+    StackDump,
+    ThreadStack,
+    Unusable,
+    WorkerGone,
+    WorkerSeen,
+)
 
 COMM = "0x5583d3a1f0e0"
 SETTINGS = Settings(stall_timeout_floor=5.0, warmup_stall_timeout=300.0, progress_timeout=600.0, poll_interval=0.25)
@@ -221,3 +236,53 @@ class TestClassify:
         waiting = "synchronize (torch/cuda/__init__.py:1083)"
         decision = decided(job, NOW + 27, [stack(100 + r, waiting) for r in range(3)])
         assert not decision.page
+
+
+class TestClassifyMore:
+    def test_rank_that_exited_while_peers_wait_is_process_dead(self) -> None:
+        job = three_ranks(NOW + 20)
+        job.apply(WorkerGone(pid=102, rank=2, at=NOW + 21), NOW + 21)
+        decision = decided(job, NOW + 27, [stack(100, IN_ALL_REDUCE), stack(101, IN_ALL_REDUCE)], behind_logs())
+        assert decision.page
+        assert decision.finding.verdict == Verdict.process_dead
+        assert decision.finding.culprits == (2,)
+
+    def test_everyone_gone_is_not_a_hang(self) -> None:
+        job = three_ranks(NOW + 20)
+        for rank in range(3):
+            job.apply(WorkerGone(pid=100 + rank, rank=rank, at=NOW + 21), NOW + 21)
+        assert decided(job, NOW + 27, []).finding.verdict != Verdict.process_dead
+
+    def test_lead_gpu_in_a_foreign_kernel_is_gpu_compute_hang(self) -> None:
+        job = three_ranks(NOW + 20)
+        logs = {f"node1.{100 + r}": L.init(r, 3, COMM, pid=100 + r) + L.steps(r, COMM, 6, pid=100 + r) for r in range(3)}
+        gpus = GpuSnapshot(
+            time=NOW + 26,
+            gpus=[
+                GpuSample(index=r, util_gpu_pct=100, gpm=GpuGpm(sm_util_pct=0.76 if r == 2 else 18.18), processes=[GpuProcess(pid=100 + r)])
+                for r in range(3)
+            ],
+            cite=Citation(file="nvml"),
+        )
+        job.apply(gpus, NOW + 26)
+        stacks = [stack(100 + r, "synchronize (torch/cuda/__init__.py:1083)") for r in range(3)]
+        decision = decided(job, NOW + 27, stacks, logs)
+        assert decision.page
+        assert decision.finding.verdict == Verdict.gpu_compute_hang
+        assert decision.finding.culprits == (2,)
+
+    def test_lead_gpu_idle_stays_stuck_in_collective(self) -> None:
+        job = three_ranks(NOW + 20)
+        logs = {f"node1.{100 + r}": L.init(r, 3, COMM, pid=100 + r) + L.steps(r, COMM, 6, pid=100 + r) for r in range(3)}
+        gpus = GpuSnapshot(
+            time=NOW + 26,
+            gpus=[
+                GpuSample(index=r, util_gpu_pct=0 if r == 2 else 100, gpm=GpuGpm(sm_util_pct=0 if r == 2 else 18.18), processes=[GpuProcess(pid=100 + r)])
+                for r in range(3)
+            ],
+            cite=Citation(file="nvml"),
+        )
+        job.apply(gpus, NOW + 26)
+        decision = decided(job, NOW + 27, [stack(100 + r, IN_ALL_REDUCE) for r in range(3)], logs)
+        assert decision.finding.verdict == Verdict.stuck_in_collective
+        assert decision.finding.culprits == (2,)

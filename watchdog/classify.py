@@ -29,7 +29,7 @@ from .detectors import HANG_VERDICTS, Evidence, Finding, Verdict
 from .live import LiveView
 from .snapshot import Snapshot
 from .stacks import Whereabouts, whereabouts
-from .verdict import NCCL_SPIN, decide, rank_signatures
+from .verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
 
 BUSY_CPU_SHARE = 0.2  # of one core, over the last few seconds
 BUSY_IO_BYTES_PER_S = 64 << 10  # a log line now and then is not a checkpoint
@@ -45,17 +45,22 @@ class Decision:
 
 def classify(snapshot: Snapshot, view: LiveView, settings: Settings) -> Decision:
     where = {r.rank: whereabouts(snapshot.stacks.get(r.pid)) for r in view.ranks}
+    rank_of_pid = {r.pid: r.rank for r in view.ranks}
+    signatures = {rank: sig for rank, (sig, _) in rank_signatures(snapshot, rank_of_pid).items()}
     finding = decide(snapshot)
     special = _stopped(view, finding) or _dead(view, finding)
     if special is not None:
         return Decision(_with_where(special, where), page=True)
-    if finding.verdict == Verdict.stuck_in_collective:
-        finding = _gpu_compute_hang(snapshot, finding) or _lead_from_stacks(finding, where, view)
-    elif finding.verdict in (Verdict.no_hang, Verdict.inconclusive):
-        in_collective = [r for r, w in where.items() if w.kind == "collective"]
+    if finding.verdict in (Verdict.no_hang, Verdict.inconclusive):
+        # A rank is inside a collective when its stack says so or its GPU spins in NCCL.
+        in_collective = sorted(r for r, w in where.items() if w.kind == "collective" or signatures.get(r) == NCCL_SPIN)
         if not in_collective:
             return _pause(finding, view, settings, where)
-        finding = _lead_from_stacks(_stuck_from_stacks(finding, in_collective), where, view)
+        finding = _stuck_from_stacks(finding, in_collective)
+    if finding.verdict == Verdict.stuck_in_collective:
+        if not finding.culprits:
+            finding = lead_from_signatures(snapshot, finding, rank_of_pid)
+        finding = _gpu_compute_hang(finding, signatures) or _lead_from_stacks(finding, where, view)
     finding = _with_where(finding, where)
     busy = _busy(finding.culprits, view) if finding.verdict == Verdict.rank_behind else []
     if busy and view.stalled_for < settings.progress_timeout:
@@ -103,10 +108,9 @@ def _dead(view: LiveView, finding: Finding) -> Finding | None:
     )
 
 
-def _gpu_compute_hang(snapshot: Snapshot, finding: Finding) -> Finding | None:
+def _gpu_compute_hang(finding: Finding, signatures: Mapping[int, str]) -> Finding | None:
     if not finding.culprits:
         return None
-    signatures = {rank: sig for rank, (sig, _) in rank_signatures(snapshot).items()}
     lead = [signatures.get(r) for r in finding.culprits]
     peers = [sig for r, sig in signatures.items() if r not in finding.culprits]
     if not peers or any(s is None or s in IDLE_SIGNATURES or s == NCCL_SPIN for s in lead) or NCCL_SPIN not in peers:
@@ -125,7 +129,8 @@ def _stuck_from_stacks(finding: Finding, in_collective: list[int]) -> Finding:
     return replace(
         finding,
         verdict=Verdict.stuck_in_collective,
-        summary=f"Nothing has moved and rank {', '.join(map(str, in_collective))} sit inside a collective. " + finding.summary,
+        summary=f"Nothing has moved and rank {', '.join(map(str, in_collective))} sit inside a collective (stacks, GPU "
+        "signatures). " + finding.summary,
         missing=finding.missing + ("which operation: NCCL debug files or Flight Recorder dumps",),
     )
 

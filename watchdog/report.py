@@ -106,7 +106,8 @@ def gpu_of(snapshot: Snapshot, pid: int | None) -> str | None:
         for gpu in snap.gpus:
             if any(p.pid == pid for p in gpu.processes):
                 sm = gpu.gpm.sm_util_pct if gpu.gpm else None
-                return f"GPU {gpu.index}: {gpu_signature(gpu.util_gpu_pct, sm)} (util {gpu.util_gpu_pct:g}%" + (
+                dram = gpu.gpm.dram_bw_util_pct if gpu.gpm else None
+                return f"GPU {gpu.index}: {gpu_signature(gpu.util_gpu_pct, sm, dram)} (util {gpu.util_gpu_pct:g}%" + (
                     f", SM {sm:g}%)" if sm is not None else ")"
                 )
     return None

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import signal
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import replace
 
 from .detectors import HANG_VERDICTS, PRIORITY, Evidence, Finding, Verdict, analyze_comm, rank_id
 from .parsing.ras import ras_outliers
 from .snapshot import Snapshot
 from .types import Citation, RasCommunicator, RasReport
+
+
+NCCL_SPIN = "multi-block kernel (NCCL spin)"
 
 
 def decide(snapshot: Snapshot) -> Finding:
@@ -40,7 +44,7 @@ def decide(snapshot: Snapshot) -> Finding:
     if best.verdict == Verdict.rank_behind:
         best = _upgrade_to_dead(snapshot, best)
     if best.verdict == Verdict.stuck_in_collective and not best.culprits:
-        best = _lead_from_signatures(snapshot, best)
+        best = lead_from_signatures(snapshot, best)
     return _with_job_evidence(snapshot, best)
 
 
@@ -95,44 +99,50 @@ def _upgrade_to_dead(snapshot: Snapshot, finding: Finding) -> Finding:
     )
 
 
-def gpu_signature(util_pct: float | None, sm_util_pct: float | None) -> str:
-    """Name what a GPU is doing from NVML (see NCCL-FACTS.md, measured on H200)."""
+def gpu_signature(util_pct: float | None, sm_util_pct: float | None, dram_bw_pct: float | None = None) -> str:
+    """Name what a GPU is doing from NVML (see NCCL-FACTS.md, measured on H200).
+
+    NCCL's spin is a few blocks per channel (18 % of SMs with 24 channels on
+    H200) moving no memory; a real compute kernel fills the SMs or moves
+    DRAM, so a GPU busy with an evaluation is not mistaken for a collective.
+    """
     if util_pct is None:
         return "unknown"
     if util_pct < 5:
         return "idle"
     if sm_util_pct is None:
         return "kernel resident"
-    if sm_util_pct >= 5:
-        return "multi-block kernel (NCCL spin)"
-    return "1-block kernel"
+    if sm_util_pct < 5:
+        return "1-block kernel"
+    if sm_util_pct >= 60 or (dram_bw_pct is not None and dram_bw_pct >= 5):
+        return "compute kernel"
+    return NCCL_SPIN
 
 
-def rank_signatures(snapshot: Snapshot) -> dict[int, tuple[str, Citation]]:
-    """Latest GPU signature per global rank, through the pid a GPU reports."""
-    rank_of_pid = {proc.pid: rank for proc, rank in snapshot.global_ranks.items()}
+def rank_signatures(snapshot: Snapshot, rank_of_pid: Mapping[int, int] | None = None) -> dict[int, tuple[str, Citation]]:
+    """Latest GPU signature per global rank, through the pid a GPU reports (NCCL's ranks unless given)."""
+    if rank_of_pid is None:
+        rank_of_pid = {proc.pid: rank for proc, rank in snapshot.global_ranks.items()}
     signatures: dict[int, tuple[str, Citation]] = {}
     for snap in snapshot.gpus:
         for gpu in snap.gpus:
             sm = gpu.gpm.sm_util_pct if gpu.gpm else None
+            dram = gpu.gpm.dram_bw_util_pct if gpu.gpm else None
             for process in gpu.processes:
                 rank = rank_of_pid.get(process.pid)
                 if rank is not None:
-                    signatures[rank] = (gpu_signature(gpu.util_gpu_pct, sm), snap.cite)
+                    signatures[rank] = (gpu_signature(gpu.util_gpu_pct, sm, dram), snap.cite)
     return signatures
 
 
-NCCL_SPIN = "multi-block kernel (NCCL spin)"
-
-
-def _lead_from_signatures(snapshot: Snapshot, finding: Finding) -> Finding:
+def lead_from_signatures(snapshot: Snapshot, finding: Finding, rank_of_pid: Mapping[int, int] | None = None) -> Finding:
     """The rank whose GPU does something else than its peers' is the lead.
 
     A majority decides; with an even split (always, with two ranks) the ranks
     not spinning in a many-channel NCCL kernel are the lead: their peers wait
     for them inside the collective.
     """
-    signatures = rank_signatures(snapshot)
+    signatures = rank_signatures(snapshot, rank_of_pid)
     if len(signatures) < 2:
         return finding
     counts = Counter(sig for sig, _ in signatures.values())
