@@ -27,12 +27,17 @@ evidence; the only merges are ``NCCL_DEBUG_SUBSYS`` and ``PYTHONPATH``.
 ``NCCL_DEBUG_FILE=<nccl>/%h.%p``
     One file per process; NCCL expands only ``%h`` and ``%p`` (no rank), the
     sidecar learns ranks from the init lines.
-``TORCH_FR_BUFFER_SIZE=2000``, ``TORCH_NCCL_TRACE_BUFFER_SIZE=2000``
-    Flight Recorder on with the default depth even on torch < 2.11, where it
-    is off unless sized.  Both names (new, old), set only if neither is.
-``TORCH_FR_DUMP_TEMP_FILE``, ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` = ``<fr>/nccl_trace_rank_``
+``TORCH_FR_BUFFER_SIZE=2000``
+    Flight Recorder on with the default depth even where it is off unless
+    sized.  Set only if neither it nor its old name
+    ``TORCH_NCCL_TRACE_BUFFER_SIZE`` is.  Only the new name: with both, torch
+    2.13 prints a deprecation warning in every rank, which would change the
+    job's output.  A torch too old to know the new names needs the old ones
+    set by the user.
+``TORCH_FR_DUMP_TEMP_FILE=<fr>/nccl_trace_rank_``
     Where torch writes a dump: the file is this prefix plus the global rank.
-    Both names, set only if neither is, so a user's own location still wins.
+    Set only if neither it nor ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` is, so a
+    user's own location still wins.
 ``TORCH_NCCL_DEBUG_INFO_PIPE_FILE=<fr>/pipe_``
     Each NCCL rank makes the FIFO ``<prefix><rank>.pipe``; a byte written to
     it makes that rank dump while it keeps running (the sidecar's trigger).
@@ -54,33 +59,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from watchdog.runfolder import RunDirs
+
 _SUBSYS_WANTED = ("INIT", "COLL", "DESTROY")
 _FR_SIZE_NAMES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 _FR_FILE_NAMES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-
-
-@dataclass(frozen=True)
-class RunDirs:
-    """The folders of one run; ``create`` makes them."""
-
-    root: Path
-    nccl: Path
-    fr: Path
-    hb: Path
-
-    @classmethod
-    def create(cls, root: Path) -> RunDirs:
-        """Make ``root`` and its sub-folders (mode 0o700, less the umask).
-
-        An existing folder keeps its mode: it is the user's, and changing a
-        folder we did not make would surprise them.
-        """
-        root = Path(root)
-        dirs = cls(root=root, nccl=root / "nccl", fr=root / "fr", hb=root / "hb")
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for sub in (dirs.nccl, dirs.fr, dirs.hb):
-            sub.mkdir(mode=0o700, exist_ok=True)
-        return dirs
 
 
 def inject_dir() -> Path:
@@ -121,9 +104,9 @@ def injected_env(user_env: Mapping[str, str], dirs: RunDirs) -> dict[str, str]:
     # The new and old names are one setting: if the user gave either, torch
     # already has their value and a second one from us could contradict it.
     if not any(name in user_env for name in _FR_SIZE_NAMES):
-        env.update(dict.fromkeys(_FR_SIZE_NAMES, "2000"))
+        env[_FR_SIZE_NAMES[0]] = "2000"
     if not any(name in user_env for name in _FR_FILE_NAMES):
-        env.update(dict.fromkeys(_FR_FILE_NAMES, f"{dirs.fr}/nccl_trace_rank_"))
+        env[_FR_FILE_NAMES[0]] = f"{dirs.fr}/nccl_trace_rank_"
     env["NCCLWATCH_RUN_DIR"] = str(dirs.root)
     old_path = user_env.get("PYTHONPATH")
     env["PYTHONPATH"] = f"{inject_dir()}:{old_path}" if old_path else str(inject_dir())

@@ -24,7 +24,7 @@ from watchdog.classify import Decision
 from watchdog.config import Settings
 from watchdog.live import LiveView
 from watchdog.report import EXIT_KILLED_ON_HANG
-from watchdog.sidecar import Incident, RunFolders, Sidecar
+from watchdog.sidecar import Incident, Sidecar
 
 from .command import torchrun_log_dir
 from .env import RunDirs, injected_env
@@ -55,7 +55,7 @@ async def _run(command: list[str], settings: Settings, job_name: str) -> int:
 
     log_dir = torchrun_log_dir(command)
     sidecar = Sidecar(
-        settings, RunFolders.under(dirs.root), job.pid, job_name, reporter, out=sys.stderr,
+        settings, dirs, job.pid, job_name, reporter, out=sys.stderr,
         worker_log_dir=Path(log_dir) if log_dir else None,
     )  # fmt: skip
     watching = asyncio.create_task(sidecar.run())

@@ -36,7 +36,7 @@ def wrapper_command(tmp_path: Path, fault: str, *options: str, job_args: tuple[s
         sys.executable, "-m", "watchdog", "--bundle-dir", str(tmp_path / "bundles"), "--run-dir", str(tmp_path / "run"),
         *options,
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}", "--monitor-interval=0.2",
-        demo_job.__file__, f"--fault={fault}", "--fault-step=8", "--step-time=0.05", "--steps=30", *job_args,
+        demo_job.__file__, f"--fault={fault}", "--fault-step=10", "--step-time=0.05", "--steps=30", *job_args,
     ]  # fmt: skip
 
 
@@ -106,7 +106,7 @@ def test_crashing_rank_keeps_torchrun_exit_code_and_no_bundle(tmp_path: Path) ->
     done = run_wrapper(tmp_path, "exit")
     bare = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}", "--monitor-interval=0.2",
-         demo_job.__file__, "--fault=exit", "--fault-step=8", "--step-time=0.05", "--steps=30", "--mark-dir", str(tmp_path)],
+         demo_job.__file__, "--fault=exit", "--fault-step=10", "--step-time=0.05", "--steps=30", "--mark-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=TIMEOUT_S,
     )  # fmt: skip
     assert done.returncode == exit_status(bare.returncode) != 0

@@ -17,7 +17,7 @@ from conftest import NOW
 from watchdog.classify import classify
 from watchdog.config import Settings
 from watchdog.detectors import Verdict
-from watchdog.live import MIN_GAPS, LiveJob
+from watchdog.live import MIN_PROGRESS, LiveJob
 from watchdog.parsing.nccl_log import NcclLogParser
 from watchdog.snapshot import take_snapshot
 from watchdog.sources.files import HeartbeatSource, NcclFileSource
@@ -114,9 +114,9 @@ class TestStallTimeout:
     def test_warmup_timeout_until_the_job_shows_its_rhythm(self) -> None:
         job = LiveJob(SETTINGS, started_at=NOW)
         worker(job, 10, 0, NOW)
-        beats(job, 10, 0, [NOW + i for i in range(MIN_GAPS)])  # MIN_GAPS - 1 gaps
+        beats(job, 10, 0, [NOW + i for i in range(MIN_PROGRESS)])  # MIN_PROGRESS - 1 gaps
         assert job.stall_timeout(NOW + 10) == SETTINGS.warmup_stall_timeout
-        beats(job, 10, 0, [NOW + MIN_GAPS], first_step=MIN_GAPS)
+        beats(job, 10, 0, [NOW + MIN_PROGRESS], first_step=MIN_PROGRESS)
         assert job.stall_timeout(NOW + 10) == SETTINGS.stall_timeout_floor
 
     def test_slow_job_gets_a_longer_timeout(self) -> None:

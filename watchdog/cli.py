@@ -107,7 +107,7 @@ verdicts (live):
 
 timing: the stall timeout is learned: 3 x the longest gap between progress the
 job showed in the last 15 minutes, at least --stall-timeout-floor
-(default 5 s); until the job has shown 8 gaps, --warmup-stall-timeout
+(default 5 s); until the job has shown 8 steps, --warmup-stall-timeout
 (default 300 s) covers start-up and compilation.  A pause with no rank in a
 collective (checkpoint, evaluation) is never a collective hang.
 

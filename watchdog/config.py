@@ -38,7 +38,7 @@ class Settings(BaseSettings):
     )
     stall_timeout_floor: float = Field(5.0, gt=0, description="seconds; the learned stall timeout is never shorter")
     warmup_stall_timeout: float = Field(
-        300.0, gt=0, description="seconds; stall timeout until the job has shown 8 gaps between progress (start-up, compile)"
+        300.0, gt=0, description="seconds; stall timeout until the job has made 8 steps of progress (start-up, compile)"
     )
     progress_timeout: float = Field(
         1800.0,

@@ -21,7 +21,7 @@ from .config import Settings
 from .state import DEFAULT_WINDOW, JobState
 from .types import Event, Heartbeat, OpBatch, ProcessState, SourceDown, WorkerGone, WorkerSeen
 
-MIN_GAPS = 8  # gaps a job must show before its own timing is trusted
+MIN_PROGRESS = 8  # steps (or NCCL operation batches) the job must show before its own timing is trusted
 GAP_MEMORY_S = 900.0  # a gap older than this no longer widens the timeout
 STALL_MULTIPLIER = 3.0
 SAMPLES_KEPT = 8  # /proc samples per worker (0.5 s apart: CPU and I/O rates over ~4 s)
@@ -39,6 +39,7 @@ class WorkerLive:
     last_progress: float | None = None
     step: int | None = None
     ops: int = 0
+    advances: int = 0  # progress seen since the first: steps moved, NCCL batches
     gaps: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=256))  # (when, gap seconds)
     samples: deque[ProcessState] = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
 
@@ -57,9 +58,10 @@ class WorkerLive:
         io = (last.io_bytes - first.io_bytes) / seconds if last.io_bytes is not None and first.io_bytes is not None else None
         return (last.cpu_seconds - first.cpu_seconds) / seconds, io
 
-    def progressed(self, at: float) -> None:
+    def progressed(self, at: float, advances: int = 1) -> None:
         if self.last_progress is not None and at > self.last_progress:
             self.gaps.append((at, at - self.last_progress))
+            self.advances += advances
         self.last_progress = max(at, self.last_progress or at)
 
 
@@ -119,9 +121,11 @@ class LiveJob:
         elif isinstance(event, Heartbeat):
             worker = self.worker(event.pid)
             if worker.step != event.step:
+                # Several steps can pass between two reads of the file (it is written at most every 0.1 s).
+                moved = event.step - worker.step if worker.step is not None and event.step > worker.step else 1
                 worker.step = event.step
                 # The hook's own clock, not our poll: gaps are then the job's, not the poll interval's.
-                worker.progressed(min(event.time, now))
+                worker.progressed(min(event.time, now), moved)
                 self.signals.add("heartbeat")
         elif isinstance(event, WorkerSeen):
             worker = self.worker(event.pid)
@@ -142,14 +146,16 @@ class LiveJob:
         return [w for w in self.workers.values() if w.rank is not None and w.restart == current]
 
     def learned_gap(self, now: float) -> tuple[float | None, int]:
-        gaps = [g for w in self.live_workers() for when, g in w.gaps if now - when <= GAP_MEMORY_S]
-        return (max(gaps) if gaps else None), len(gaps)
+        """The longest recent gap between progress, and how much progress the job has shown."""
+        workers = self.live_workers()
+        gaps = [g for w in workers for when, g in w.gaps if now - when <= GAP_MEMORY_S]
+        return (max(gaps) if gaps else None), sum(w.advances for w in workers)
 
     def stall_timeout(self, now: float) -> float:
         if self.settings.stall_timeout is not None:
             return self.settings.stall_timeout
-        gap, count = self.learned_gap(now)
-        if gap is None or count < MIN_GAPS:
+        gap, progress = self.learned_gap(now)
+        if gap is None or progress < MIN_PROGRESS:
             return self.settings.warmup_stall_timeout
         return max(self.settings.stall_timeout_floor, STALL_MULTIPLIER * gap + 2 * self.settings.poll_interval)
 

@@ -28,6 +28,7 @@ from typing import TextIO
 from .classify import Decision, classify
 from .config import Settings
 from .live import LiveJob, LiveView
+from .runfolder import RunDirs
 from .parsing.pyspy import parse_pyspy
 from .report import Report
 from .snapshot import take_snapshot
@@ -41,20 +42,6 @@ log = logging.getLogger("ncclwatch")
 
 REPROBE_S = 5.0  # while a stall is held (a pause, a busy rank), look again this often
 STOP_GRACE_S = 5.0
-
-
-@dataclass(frozen=True)
-class RunFolders:
-    """The job's run folder as the launcher laid it out (launcher/env.py)."""
-
-    root: Path
-    nccl: Path
-    fr: Path
-    hb: Path
-
-    @classmethod
-    def under(cls, root: Path) -> RunFolders:
-        return cls(root, root / "nccl", root / "fr", root / "hb")
 
 
 @dataclass
@@ -74,7 +61,7 @@ Reporter = Callable[["Sidecar", Incident, Decision, LiveView], Awaitable[None]]
 @dataclass
 class Sidecar:
     settings: Settings
-    folders: RunFolders
+    folders: RunDirs
     torchrun_pid: int
     job_name: str
     reporter: Reporter
