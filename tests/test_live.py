@@ -238,6 +238,20 @@ class TestClassify:
         assert not decision.page
 
 
+def same_logs() -> dict[str, str]:
+    """Every rank issued the same six steps (pids 100-102)."""
+    return {f"node1.{100 + r}": L.init(r, 3, COMM, pid=100 + r) + L.steps(r, COMM, 6, pid=100 + r) for r in range(3)}
+
+
+def gpus_at(at: float, util_and_sm: list[tuple[float, float]]) -> GpuSnapshot:
+    """One NVML sample: GPU r runs pid 100 + r with the given GPU-Util and GPM SM util."""
+    gpus = [
+        GpuSample(index=r, util_gpu_pct=util, gpm=GpuGpm(sm_util_pct=sm), processes=[GpuProcess(pid=100 + r)])
+        for r, (util, sm) in enumerate(util_and_sm)
+    ]
+    return GpuSnapshot(time=at, gpus=gpus, cite=Citation(file="nvml"))
+
+
 class TestClassifyMore:
     def test_rank_that_exited_while_peers_wait_is_process_dead(self) -> None:
         job = three_ranks(NOW + 20)
@@ -255,34 +269,16 @@ class TestClassifyMore:
 
     def test_lead_gpu_in_a_foreign_kernel_is_gpu_compute_hang(self) -> None:
         job = three_ranks(NOW + 20)
-        logs = {f"node1.{100 + r}": L.init(r, 3, COMM, pid=100 + r) + L.steps(r, COMM, 6, pid=100 + r) for r in range(3)}
-        gpus = GpuSnapshot(
-            time=NOW + 26,
-            gpus=[
-                GpuSample(index=r, util_gpu_pct=100, gpm=GpuGpm(sm_util_pct=0.76 if r == 2 else 18.18), processes=[GpuProcess(pid=100 + r)])
-                for r in range(3)
-            ],
-            cite=Citation(file="nvml"),
-        )
-        job.apply(gpus, NOW + 26)
+        job.apply(gpus_at(NOW + 26, [(100, 18.18), (100, 18.18), (100, 0.76)]), NOW + 26)
         stacks = [stack(100 + r, "synchronize (torch/cuda/__init__.py:1083)") for r in range(3)]
-        decision = decided(job, NOW + 27, stacks, logs)
+        decision = decided(job, NOW + 27, stacks, same_logs())
         assert decision.page
         assert decision.finding.verdict == Verdict.gpu_compute_hang
         assert decision.finding.culprits == (2,)
 
     def test_lead_gpu_idle_stays_stuck_in_collective(self) -> None:
         job = three_ranks(NOW + 20)
-        logs = {f"node1.{100 + r}": L.init(r, 3, COMM, pid=100 + r) + L.steps(r, COMM, 6, pid=100 + r) for r in range(3)}
-        gpus = GpuSnapshot(
-            time=NOW + 26,
-            gpus=[
-                GpuSample(index=r, util_gpu_pct=0 if r == 2 else 100, gpm=GpuGpm(sm_util_pct=0 if r == 2 else 18.18), processes=[GpuProcess(pid=100 + r)])
-                for r in range(3)
-            ],
-            cite=Citation(file="nvml"),
-        )
-        job.apply(gpus, NOW + 26)
-        decision = decided(job, NOW + 27, [stack(100 + r, IN_ALL_REDUCE) for r in range(3)], logs)
+        job.apply(gpus_at(NOW + 26, [(100, 18.18), (100, 18.18), (0, 0)]), NOW + 26)
+        decision = decided(job, NOW + 27, [stack(100 + r, IN_ALL_REDUCE) for r in range(3)], same_logs())
         assert decision.finding.verdict == Verdict.stuck_in_collective
         assert decision.finding.culprits == (2,)
