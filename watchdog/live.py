@@ -38,6 +38,7 @@ class WorkerLive:
     gone_at: float | None = None
     last_progress: float | None = None
     step: int | None = None
+    beat_at: float | None = None  # when the step of the latest heartbeat was taken
     ops: int = 0
     advances: int = 0  # progress seen since the first: steps moved, NCCL batches
     gaps: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=256))  # (when, gap seconds)
@@ -123,7 +124,7 @@ class LiveJob:
             if worker.step != event.step:
                 # Several steps can pass between two reads of the file (it is written at most every 0.1 s).
                 moved = event.step - worker.step if worker.step is not None and event.step > worker.step else 1
-                worker.step = event.step
+                worker.step, worker.beat_at = event.step, event.time
                 # The hook's own clock, not our poll: gaps are then the job's, not the poll interval's.
                 worker.progressed(min(event.time, now), moved)
                 self.signals.add("heartbeat")

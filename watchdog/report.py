@@ -39,6 +39,15 @@ class RankRow(BaseModel):
     last_progress_at: str | None = None  # live only
 
 
+class TimelineRow(BaseModel):
+    """One rank's last operations on the verdict's communicator (for the timeline picture)."""
+
+    rank: int
+    first_position: int  # 1-based sequence number of ops[0]
+    ops: list[str]
+    states: list[str | None] = Field(default_factory=list)  # Flight Recorder's, when known
+
+
 class EvidenceFile(BaseModel):
     name: str
     paths: list[str] = Field(default_factory=list)  # inside the bundle
@@ -65,6 +74,7 @@ class Report(BaseModel):
     summary: str
     reason: str = ""
     ranks: list[RankRow] = Field(default_factory=list)
+    timeline: list[TimelineRow] = Field(default_factory=list)
     evidence: list[EvidenceItem] = Field(default_factory=list)
     missing: list[str] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
@@ -125,6 +135,28 @@ def _rows(finding: Finding, snapshot: Snapshot) -> list[RankRow]:
     return [rows[k] for k in sorted(rows)]
 
 
+TIMELINE_OPS = 8
+
+
+def _timeline(finding: Finding, snapshot: Snapshot) -> list[TimelineRow]:
+    comm = next((c for c in snapshot.comms if c.key == finding.comm_key), None)
+    if comm is None:
+        return []
+    rows = []
+    for rank in comm.ranks:
+        start = max(rank.base, rank.total - TIMELINE_OPS)
+        positions = range(start, rank.total)
+        rows.append(
+            TimelineRow(
+                rank=rank.global_rank if rank.global_rank is not None else rank.comm_rank,
+                first_position=start + 1,
+                ops=[sig.describe() for p in positions if (sig := rank.at(p)) is not None],
+                states=[(state.value if (state := rank.state_at(p)) else None) for p in positions],
+            )
+        )
+    return sorted(rows, key=lambda r: r.rank)
+
+
 def build_report(finding: Finding, snapshot: Snapshot, inputs: list[InputFile], cited: dict[int, tuple[str, str | None]]) -> Report:
     """``cited`` maps an evidence index to its resolved "file:line" and line text."""
     evidence = []
@@ -140,6 +172,7 @@ def build_report(finding: Finding, snapshot: Snapshot, inputs: list[InputFile], 
         summary=finding.summary,
         reason=finding.reason,
         ranks=_rows(finding, snapshot),
+        timeline=_timeline(finding, snapshot),
         evidence=evidence,
         missing=list(finding.missing),
         notes=list(snapshot.notes),

@@ -27,6 +27,7 @@ from typing import TextIO
 
 from .classify import Decision, classify
 from .config import Settings
+from .health import Health, health_of
 from .live import LiveJob, LiveView
 from .runfolder import RunDirs
 from .parsing.pyspy import parse_pyspy
@@ -205,6 +206,21 @@ class Sidecar:
             log.info("py-spy on pid %s: %s", pid, error)
             return []
         return parse_pyspy(data, f"py-spy pid {pid} (live)")
+
+    def health(self) -> Health:
+        """Now, for metrics and the status API."""
+        incident = self.incident
+        decision = incident.decision if incident else None
+        return health_of(
+            self.live,
+            self.clock(),
+            job=self.job_name,
+            host=self.host,
+            verdict=decision.finding.verdict.value if decision else None,
+            culprits=decision.finding.culprits if decision else (),
+            hang=bool(incident and incident.report),
+            bundles_written=sum(1 for i in self.incidents if i.bundle is not None),
+        )
 
     def _say(self, text: str | None) -> None:
         if text and self.out is not None:

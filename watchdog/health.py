@@ -1,0 +1,85 @@
+"""The job's health right now, as plain values: what metrics and the status API read.
+
+Built from the sidecar's ``LiveJob`` and its open incident at scrape time
+(no copy is kept), so a scrape always sees the latest state and costs only
+this walk over ranks and communicators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .live import LiveJob
+
+
+@dataclass(frozen=True)
+class RankHealth:
+    rank: int
+    pid: int
+    host: str | None
+    state: str | None  # /proc state letter
+    step: int | None
+    heartbeat_age_s: float | None  # since the step of the latest heartbeat was taken
+    progress_age_s: float | None  # since any progress (heartbeat step or NCCL operation)
+
+
+@dataclass(frozen=True)
+class CommPosition:
+    communicator: str  # a human label: "commId 0x67..", "process group 0 (default_pg)"
+    rank: int  # global rank
+    position: int  # operations issued so far (the last one's 1-based sequence number)
+
+
+@dataclass(frozen=True)
+class Health:
+    observed_at: float
+    job: str
+    host: str
+    ranks: tuple[RankHealth, ...]
+    positions: tuple[CommPosition, ...]
+    stalled_for_s: float
+    stall_timeout_s: float
+    hang: bool  # an incident was reported and nothing has moved since
+    verdict: str | None  # of the open incident, reported or held
+    culprits: tuple[int, ...]
+    sources_down: tuple[str, ...]
+    bundles_written: int
+    probe_bandwidth_bytes_per_s: float | None = None  # the bus-bandwidth probe (not run yet: None)
+
+
+def health_of(live: LiveJob, now: float, *, job: str, host: str, verdict: str | None, culprits: tuple[int, ...], hang: bool,
+              bundles_written: int) -> Health:  # fmt: skip
+    view = live.view(now)
+    workers = {w.pid: w for w in live.live_workers()}
+    ranks = tuple(
+        RankHealth(
+            rank=r.rank,
+            pid=r.pid,
+            host=r.host,
+            state=r.state,
+            step=r.step,
+            heartbeat_age_s=now - workers[r.pid].beat_at if workers[r.pid].beat_at is not None else None,
+            progress_age_s=now - r.last_progress if r.last_progress is not None else None,
+        )
+        for r in view.ranks
+    )
+    global_ranks = live.state.global_ranks()
+    positions = []
+    for comm in live.state.comms.values():
+        for comm_rank, seq in comm.ranks.items():
+            rank = seq.global_rank if seq.global_rank is not None else global_ranks.get(seq.proc, comm_rank) if seq.proc else comm_rank
+            positions.append(CommPosition(comm.label, rank, seq.total))
+    return Health(
+        observed_at=now,
+        job=job,
+        host=host,
+        ranks=ranks,
+        positions=tuple(positions),
+        stalled_for_s=view.stalled_for,
+        stall_timeout_s=view.stall_timeout,
+        hang=hang,
+        verdict=verdict,
+        culprits=culprits,
+        sources_down=view.down,
+        bundles_written=bundles_written,
+    )
