@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 ENV_PREFIX = "NCCLWATCH_"
@@ -57,7 +57,43 @@ class Settings(BaseSettings):
     pyspy: str | None = Field(None, description="path to py-spy (default: PATH, then next to the Python interpreter)")
     ras_port: int = Field(28028, ge=1, le=65535, description="NCCL RAS port on 127.0.0.1")
 
-    @field_validator("bundle_dir", "run_dir")
+    # Operations: server, alerts, metrics.
+    listen: str | None = Field(
+        None, description="HOST:PORT for the bundle API, page and /metrics (serve: default 127.0.0.1:9464; a job: off unless set)"
+    )
+    api_token: SecretStr | None = Field(None, description="bearer token the API and page require (or --token-file)")
+    token_file: Path | None = Field(None, description="file holding the bearer token (first line)")
+    public_url: str | None = Field(None, description="base URL alerts link bundles with, e.g. http://node1:9464")
+    pagerduty_routing_key: SecretStr | None = Field(None, description="PagerDuty Events API v2 routing key (integration key)")
+    pagerduty_url: str = Field("https://events.pagerduty.com/v2/enqueue", description="PagerDuty Events API v2 endpoint")
+    slack_webhook_url: SecretStr | None = Field(None, description="Slack incoming webhook URL")
+    webhook_url: str | None = Field(None, description="generic JSON webhook, signed with HMAC-SHA256 when webhook_secret is set")
+    webhook_secret: SecretStr | None = Field(None, description="HMAC-SHA256 key for the generic webhook's signature")
+    spool_dir: Path | None = Field(None, description="undelivered alerts wait here across restarts (default: <bundle_dir>/.spool)")
+    metrics_textfile: Path | None = Field(None, description="also write metrics to this file for node_exporter's textfile collector")
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:9464")
+        return value
+
+    def token(self) -> str | None:
+        """The API token: api_token, else the first line of token_file."""
+        if self.api_token is not None:
+            return self.api_token.get_secret_value() or None
+        if self.token_file is not None:
+            try:
+                return self.token_file.read_text().splitlines()[0].strip() or None
+            except (OSError, IndexError) as exc:
+                raise ConfigError(f"--token-file {self.token_file}: cannot read a token ({exc})") from None
+        return None
+
+    @field_validator("bundle_dir", "run_dir", "token_file", "spool_dir", "metrics_textfile")
     @classmethod
     def _expand(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None
