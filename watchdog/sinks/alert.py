@@ -1,0 +1,140 @@
+"""The alert: what every sink sends, built once from a report so all sinks say the same thing.
+
+One hang is one incident everywhere: ``dedup_key_for`` derives the key from
+the job and the moment the hang began, never from the host, so that when
+several nodes' sidecars report the same hang they page once (PagerDuty folds
+triggers with one ``dedup_key`` into one alert; the dispatcher drops repeats).
+
+Failure mode guarded here: a summary longer than PagerDuty's 1024 characters
+gets the whole event rejected with a 400, which is never retried; so the
+summary is truncated by the model itself, whatever built it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import os
+import platform
+import re
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+if TYPE_CHECKING:  # the report pulls in the whole engine; an alert needs only its fields
+    from ..report import Report
+
+SUMMARY_MAX = 1024  # PagerDuty's limit on payload.summary
+JOB_IN_KEY_MAX = 64  # keeps the key under PagerDuty's 255 characters with room to spare
+_UNSAFE = re.compile(r"[^A-Za-z0-9_]+")
+
+
+class Alert(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    action: Literal["trigger", "resolve"]
+    dedup_key: str
+    job: str
+    host: str
+    verdict: str | None = None
+    culprit_ranks: list[int] = []
+    communicator: str | None = None
+    operation: str | None = None
+    position: int | None = None
+    summary: str
+    reason: str = ""
+    bundle_id: str | None = None
+    bundle_url: str | None = None
+    detected_at: str | None = None
+    slurm_job_id: str | None = None
+    created_at: float
+    report: dict | None = None  # the full report JSON, for the generic webhook
+
+    @field_validator("summary")
+    @classmethod
+    def _fit(cls, value: str) -> str:
+        return value if len(value) <= SUMMARY_MAX else value[: SUMMARY_MAX - 1] + "…"
+
+
+def _slug(value: str) -> str:
+    return _UNSAFE.sub("_", value).strip("_") or "x"
+
+
+def _instant(value: str) -> str:
+    """One spelling per instant, so "…+00:00" and "…Z" from two writers give one key."""
+    try:
+        parsed = dt.datetime.fromisoformat(value)
+    except ValueError:
+        return value
+    if parsed.tzinfo is not None:
+        parsed = parsed.astimezone(dt.UTC)
+    return parsed.isoformat(timespec="milliseconds")
+
+
+def dedup_key_for(job: str, hang_started_at: str | None, slurm_job_id: str | None) -> str:
+    """``ncclwatch-hang-<job>[-slurm<id>]-<12 hex>``: same job and hang, same key; no host.
+
+    The readable part is for people scanning PagerDuty; the digest covers the
+    exact inputs, so two jobs whose names slug alike still get two keys.
+    ``[A-Za-z0-9_-]`` only: the dispatcher uses the key in spool file names.
+    """
+    started = _instant(hang_started_at) if hang_started_at else ""
+    digest = hashlib.sha256(f"{job}\0{slurm_job_id or ''}\0{started}".encode()).hexdigest()[:12]
+    slurm = f"-slurm{_slug(slurm_job_id)}" if slurm_job_id else ""
+    return f"ncclwatch-hang-{_slug(job)[:JOB_IN_KEY_MAX]}{slurm}-{digest}"
+
+
+def _headline(verdict: str, culprits: list[int], job: str, host: str) -> str:
+    if not culprits:
+        who = ""
+    elif len(culprits) == 1:
+        who = f"rank {culprits[0]} "
+    else:
+        who = f"ranks {', '.join(map(str, culprits))} "
+    return f"ncclwatch: {who}{verdict} in {job} on {host}"
+
+
+def trigger_from_report(
+    report: Report, *, bundle_id: str | None, bundle_url: str | None, environ: Mapping[str, str] = os.environ
+) -> Alert:
+    """The page for a verdict; labelled with ``SLURM_JOB_ID`` when the job runs under Slurm."""
+    job = report.job or "unknown-job"  # ``ncclwatch analyze`` reports carry no job
+    host = report.host or platform.node()
+    slurm_job_id = environ.get("SLURM_JOB_ID") or None
+    verdict = str(report.verdict)
+    return Alert(
+        action="trigger",
+        dedup_key=dedup_key_for(job, report.hang_started_at, slurm_job_id),
+        job=job,
+        host=host,
+        verdict=verdict,
+        culprit_ranks=list(report.culprit_ranks),
+        communicator=report.communicator,
+        operation=report.operation,
+        position=report.position,
+        summary=f"{_headline(verdict, report.culprit_ranks, job, host)}: {report.summary}",
+        reason=report.reason,
+        bundle_id=bundle_id,
+        bundle_url=bundle_url,
+        detected_at=report.detected_at,
+        slurm_job_id=slurm_job_id,
+        created_at=time.time(),
+        report=report.model_dump(mode="json"),
+    )
+
+
+def resolve_for(trigger: Alert, why: str) -> Alert:
+    """Close the incident ``trigger`` opened (same key); the full report stays with the trigger."""
+    # model_validate, not model_copy: the copy would skip the summary's truncation.
+    return Alert.model_validate(
+        trigger.model_dump()
+        | {
+            "action": "resolve",
+            "summary": f"ncclwatch: resolved in {trigger.job} on {trigger.host}: {why}",
+            "reason": why,
+            "created_at": time.time(),
+            "report": None,
+        }
+    )
