@@ -42,6 +42,7 @@ from .types import Event, SourceDown
 log = logging.getLogger("ncclwatch")
 
 REPROBE_S = 5.0  # while a stall is held (a pause, a busy rank), look again this often
+CONFIRM_S = 1.0  # a hang verdict is paged only if a second look this much later sees nothing move
 STOP_GRACE_S = 5.0
 
 
@@ -50,7 +51,10 @@ class Incident:
     started_at: float  # the last moment anything moved
     opened_at: float
     last_probe: float = 0.0
+    next_probe: float = 0.0
     held: str | None = None
+    candidate: Decision | None = None  # a hang verdict waiting for its confirming look
+    positions: dict[int, int] | None = None  # collectives each rank had issued at the last look (Flight Recorder)
     decision: Decision | None = None
     report: Report | None = None
     bundle: Path | None = None
@@ -148,21 +152,50 @@ class Sidecar:
         if incident is None:
             incident = self.incident = Incident(started_at=view.last_progress, opened_at=now)
             log.info("stall: nothing moved for %.1f s (stall timeout %.1f s, learned gap %s)", view.stalled_for, view.stall_timeout, view.learned_gap)
-        if incident.report is not None or now - incident.last_probe < REPROBE_S:
+        if incident.report is not None or now < incident.next_probe:
             return
-        incident.last_probe = now
-        await self.probe(view)
+        confirming = incident.candidate is not None
+        incident.last_probe, incident.next_probe = now, now + REPROBE_S
+        await self.probe(view, with_gpus=not confirming)
         view = self.live.view(self.clock())
+        if self._moved(incident, view):
+            return
         snapshot = take_snapshot(self.live.state, observed_at=view.observed_at)
         decision = classify(snapshot, view, self.settings)
         incident.decision = decision
         log.info("probe: %s culprits %s page=%s held=%s", decision.finding.verdict, decision.finding.culprits, decision.page, decision.held)
-        if decision.page:
+        if decision.page and not confirming:
+            # Ranks leaving a pause enter their next collective a moment apart: one look
+            # can catch that instant.  A hang is what a second look still sees.
+            incident.candidate, incident.next_probe = decision, now + CONFIRM_S
+        elif decision.page:
             self.incidents.append(incident)
             await self.reporter(self, incident, decision, view)
-        elif decision.held != incident.held:
-            incident.held = decision.held
-            self._say(f"nothing has moved for {view.stalled_for:.0f} s, not paging: {decision.held}")
+        else:
+            incident.candidate = None
+            if decision.held != incident.held:
+                incident.held = decision.held
+                self._say(f"nothing has moved for {view.stalled_for:.0f} s, not paging: {decision.held}")
+
+    def _moved(self, incident: Incident, view: LiveView) -> bool:
+        """Did any rank issue a collective since the last look (Flight Recorder)?  That is progress."""
+        positions: dict[int, int] = {}
+        for comm in self.live.state.comms.values():
+            if comm.source == "flight_recorder":
+                for seq in comm.ranks.values():
+                    rank = seq.global_rank if seq.global_rank is not None else seq.comm_rank
+                    positions[rank] = positions.get(rank, 0) + seq.total
+        before, incident.positions = incident.positions, positions
+        moved = [r for r, n in positions.items() if before is not None and n > before.get(r, n)]
+        if not moved:
+            return False
+        log.info("ranks %s issued collectives since the last look: progress, not a hang", moved)
+        now = self.clock()
+        for worker in self.live.live_workers():
+            if worker.rank in moved:
+                worker.progressed(now)
+        self.incident = None
+        return True
 
     def _prime(self, view: LiveView) -> None:
         """Once the job runs steadily, ask each rank for one dump: the first is slow (seconds), later ones fast."""
@@ -172,15 +205,15 @@ class Sidecar:
         self._primed |= set(ranks.values())
         log.info("primed Flight Recorder of %d rank(s)", prime(self.folders.fr, ranks))
 
-    async def probe(self, view: LiveView) -> None:
-        """Fresh evidence for the verdict, gathered in parallel: dumps, stacks, GPUs."""
+    async def probe(self, view: LiveView, with_gpus: bool = True) -> None:
+        """Fresh evidence for the verdict, gathered in parallel: dumps, stacks, GPUs (the confirming look skips NVML)."""
         ranks = {r.rank: r.pid for r in view.ranks if not r.gone}
         # A stopped rank cannot answer; waiting for its dump would only delay the verdict.
         answering = {rank: pid for rank, pid in ranks.items() if rank not in {r.rank for r in view.ranks if r.state == "T"}}
         dumps, stacks, gpus = await asyncio.gather(
             request_dumps(self.folders.fr, answering),
             asyncio.gather(*(self._stack(pid) for pid in ranks.values())),
-            gpu_snapshot(),
+            gpu_snapshot() if with_gpus else _nothing(),
             return_exceptions=True,
         )
         now = self.clock()
@@ -225,3 +258,7 @@ class Sidecar:
     def _say(self, text: str | None) -> None:
         if text and self.out is not None:
             print(f"ncclwatch: {text}", file=self.out, flush=True)
+
+
+async def _nothing() -> None:
+    return None
