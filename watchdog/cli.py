@@ -95,6 +95,7 @@ usage:
   ncclwatch [OPTIONS] python -m torch.distributed.run [ARGS...]
   ncclwatch demo [--fault FAULT] [OPTIONS]     a CPU job that hangs on purpose
   ncclwatch analyze PATH...                    the verdict from files a job left
+  ncclwatch serve [--bundle-dir DIR]           the bundles' page, API and /metrics
 
 verdicts (live):
   collective_mismatch  ranks issued different operations at the same position
@@ -118,7 +119,7 @@ line wins over the environment, which wins over the file.
 exit status: torchrun's own; {EXIT_KILLED_ON_HANG} when --on-hang kill ended the job.
 """
 
-SUBCOMMANDS = ("analyze", "demo")
+SUBCOMMANDS = ("analyze", "demo", "serve")
 
 
 def add_watch_options(parser: argparse.ArgumentParser) -> None:
@@ -227,6 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "demo":
         return run_demo(args_list[1:])
+    if args_list and args_list[0] == "serve":
+        from .serve import run_serve
+
+        return run_serve(args_list[1:])
     if not args_list or args_list[0] not in SUBCOMMANDS:
         return run_wrapped(args_list)
     parser = build_parser()

@@ -1,0 +1,136 @@
+"""``ncclwatch serve``: the bundle API, page and /metrics over a bundle folder, until SIGTERM or Ctrl-C.
+
+Lifecycle, top to bottom: settings (CLI > ``NCCLWATCH_*`` env > TOML) ->
+start listening -> print the URL -> wait for SIGTERM/SIGINT (the handler only
+sets an event) -> stop, bounded (requests in flight get 3 s, all of it 10 s).
+
+Exit status: 0 after SIGTERM/SIGINT; 2 for a bad setting or an address that
+cannot be listened on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+DEFAULT_LISTEN = "127.0.0.1:9464"
+
+SERVE_HELP = f"""\
+Serve the root-cause bundles of a folder (--bundle-dir, where the watchdog
+writes them) to people and to tools:
+
+  /                          a page listing every bundle, newest first
+  /bundles/<id>              one bundle: verdict, summary, culprit, operation,
+                             a timeline picture (each rank's last operations
+                             side by side, the culprit's row and the position
+                             where they diverge marked), the per-rank table,
+                             the evidence and the files in the bundle
+  /api/bundles               the list as JSON (id, job, verdict, culprit_ranks,
+                             created, size, error)
+  /api/bundles/<id>          the bundle itself (tar.gz)
+  /api/bundles/<id>/report   its report.json
+  /metrics                   Prometheus metrics (ncclwatch_bundles{{verdict}})
+  /healthz                   "ok"
+
+auth: bundles hold stack traces and environments, so the API and the page
+require a bearer token and refuse (401) when none is configured.  Set it in
+NCCLWATCH_API_TOKEN or give --token-file FILE (its first line); there is no
+--token option, so the token never shows in ps.  Tools send
+"Authorization: Bearer <token>".  In a browser open /?token=<token> once:
+the server sets an HttpOnly, SameSite=Strict cookie (12 hours) and shows
+the address without the token.  /healthz is always open; /metrics is open
+(it carries job names, ranks, pids, hosts and verdicts, never evidence)
+unless --metrics-token.
+
+Listening beyond 127.0.0.1 serves plain HTTP: put it behind TLS (a reverse
+proxy, an SSH tunnel) on networks you do not trust.
+
+every option is also an environment variable NCCLWATCH_<OPTION> and a key in
+a TOML file (--config, NCCLWATCH_CONFIG, or ./ncclwatch.toml); the command
+line wins over the environment, which wins over the file.
+
+examples:
+  export NCCLWATCH_API_TOKEN=$(openssl rand -hex 16)
+  ncclwatch serve --bundle-dir /shared/ncclwatch-bundles --listen 0.0.0.0:9464
+  curl -H "Authorization: Bearer $NCCLWATCH_API_TOKEN" http://node1:9464/api/bundles
+  curl -H "Authorization: Bearer $NCCLWATCH_API_TOKEN" http://node1:9464/api/bundles/<id>/report | jq .culprit_ranks
+  curl -OJ -H "Authorization: Bearer $NCCLWATCH_API_TOKEN" http://node1:9464/api/bundles/<id>
+  curl http://node1:9464/metrics
+  browser: http://node1:9464/?token=<token>
+
+exit status: 0 after SIGTERM or Ctrl-C; 2 for a bad setting or an address in use.
+(default address: {DEFAULT_LISTEN})
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .config import Settings
+
+    fields = Settings.model_fields
+    parser = argparse.ArgumentParser(
+        prog="ncclwatch serve", description=SERVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--bundle-dir", metavar="DIR", help=fields["bundle_dir"].description)
+    parser.add_argument("--listen", metavar="HOST:PORT", help=f"address to serve on (default {DEFAULT_LISTEN}; port 0 picks one)")
+    parser.add_argument("--token-file", metavar="FILE", help=fields["token_file"].description)
+    parser.add_argument("--metrics-token", action="store_true", help="/metrics requires the token too (default: open)")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with any of these settings")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log each request (never its query string)")
+    return parser
+
+
+def run_serve(argv: Sequence[str]) -> int:
+    from .config import ConfigError, load_settings
+
+    args = build_parser().parse_args(list(argv))
+    try:
+        settings = load_settings(
+            {"bundle_dir": args.bundle_dir, "listen": args.listen, "token_file": args.token_file}, args.config
+        )
+        token = settings.token()
+    except ConfigError as exc:
+        print(f"ncclwatch serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="ncclwatch %(asctime)s %(message)s")
+    listen = settings.listen or DEFAULT_LISTEN
+    return asyncio.run(
+        serve(settings.bundle_dir, listen, token, metrics_open=not args.metrics_token, public_url=settings.public_url)
+    )
+
+
+async def serve(bundle_dir: Path, listen: str, token: str | None, *, metrics_open: bool, public_url: str | None) -> int:
+    from prometheus_client import CollectorRegistry
+
+    from .server import BundleCollector, BundleIndex, make_app, start_server, stop_server
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(BundleCollector(BundleIndex(bundle_dir)))
+    app = make_app(bundle_dir, token=token, registry=registry, metrics_open=metrics_open)
+    try:
+        runner, bound = await start_server(app, listen)
+    except OSError as exc:
+        print(f"ncclwatch serve: cannot listen on {listen}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(f"ncclwatch serve: http://{bound}/ (bundles in {bundle_dir})", flush=True)
+    if public_url:
+        print(f"ncclwatch serve: public URL {public_url}", flush=True)
+    if token is None:
+        print(
+            "ncclwatch serve: no token configured: the page and the API answer 401 until NCCLWATCH_API_TOKEN or "
+            "--token-file is set (/healthz and /metrics still answer)",
+            file=sys.stderr,
+            flush=True,
+        )
+    await stop.wait()
+    print("ncclwatch serve: stopping", file=sys.stderr, flush=True)
+    await stop_server(runner)
+    return 0

@@ -1,0 +1,1 @@
+"""The bundle page: HTML rendering (``page``) and its two templates (page.html, style.css)."""
