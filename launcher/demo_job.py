@@ -16,6 +16,7 @@ At ``--fault-step``, rank ``--fault-rank`` (default: the last) misbehaves:
   spin_kernel   a GPU kernel that spins ~10 minutes before the step's all_reduce (NCCL; CPU: a sleep)
   exit          dies with exit code 3
   pause         EVERY rank sleeps ``--pause-s`` outside collectives (a checkpoint), then goes on
+  straggle      sleeps ``--pause-s`` in Python while the others wait, then goes on (a hang that resolves)
   uneven        healthy, but rank-dependent step times and every 10th step 4x longer
 
 Before misbehaving, the rank writes ``<mark dir>/fault.<rank>`` = JSON
@@ -33,7 +34,7 @@ import signal
 import sys
 import time
 
-FAULTS = ("none", "skip", "extra", "python_stuck", "sigstop", "spin_kernel", "exit", "pause", "uneven")
+FAULTS = ("none", "skip", "extra", "python_stuck", "sigstop", "spin_kernel", "exit", "pause", "straggle", "uneven")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif args.fault == "exit":
                 os._exit(3)
-            elif args.fault == "pause":
+            elif args.fault in ("pause", "straggle"):
                 time.sleep(args.pause_s)
             elif args.fault == "spin_kernel":
                 if backend == "nccl":

@@ -19,12 +19,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+import aiohttp
+
 from watchdog.bundle import report_incident
 from watchdog.classify import Decision
 from watchdog.config import Settings
 from watchdog.live import LiveView
 from watchdog.report import EXIT_KILLED_ON_HANG
 from watchdog.sidecar import Incident, Sidecar
+from watchdog.sinks.delivery import Dispatcher, sinks_from_settings, spool_dir_for
 
 from .command import torchrun_log_dir
 from .env import RunDirs, injected_env
@@ -39,6 +42,39 @@ def run_job(command: list[str], settings: Settings, job_name: str) -> int:
 
 
 async def _run(command: list[str], settings: Settings, job_name: str) -> int:
+    async with Alerts(settings) as alerts:
+        return await _watch(command, settings, job_name, alerts)
+
+
+class Alerts:
+    """The alert dispatcher for the job's lifetime: spooled deliveries are drained (bounded) at the end."""
+
+    DRAIN_S = 15.0
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.session: aiohttp.ClientSession | None = None
+        self.dispatcher: Dispatcher | None = None
+
+    async def __aenter__(self) -> Alerts:
+        self.session = aiohttp.ClientSession()
+        sinks = sinks_from_settings(self.settings, self.session)
+        if sinks:
+            self.dispatcher = Dispatcher(sinks, spool_dir_for(self.settings))
+            await self.dispatcher.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.dispatcher is not None:
+            if not await self.dispatcher.drain(self.DRAIN_S):
+                print(f"ncclwatch: some alerts are not delivered yet; they wait in {spool_dir_for(self.settings)} "
+                      "and go out on the next run", file=sys.stderr)  # fmt: skip
+            await self.dispatcher.close()
+        if self.session is not None:
+            await self.session.close()
+
+
+async def _watch(command: list[str], settings: Settings, job_name: str, alerts: Alerts) -> int:
     root = settings.run_dir or Path(tempfile.mkdtemp(prefix=f"ncclwatch-{os.getpid()}-"))
     dirs = RunDirs.create(root)
     job = JobProcess()
@@ -56,7 +92,7 @@ async def _run(command: list[str], settings: Settings, job_name: str) -> int:
     log_dir = torchrun_log_dir(command)
     sidecar = Sidecar(
         settings, dirs, job.pid, job_name, reporter, out=sys.stderr,
-        worker_log_dir=Path(log_dir) if log_dir else None,
+        worker_log_dir=Path(log_dir) if log_dir else None, dispatcher=alerts.dispatcher,
     )  # fmt: skip
     watching = asyncio.create_task(sidecar.run())
     returncode = await job.wait()
@@ -66,6 +102,9 @@ async def _run(command: list[str], settings: Settings, job_name: str) -> int:
     leftovers = job.reap_orphans()
     if leftovers:
         print(f"ncclwatch: killed {len(leftovers)} process(es) the job left behind: {leftovers}", file=sys.stderr)
+    if returncode == 0 and not killed:
+        for incident in sidecar.incidents:
+            sidecar.resolve(incident, "the job ended cleanly")
     for incident in sidecar.incidents:
         if incident.report is not None:
             culprits = ", ".join(map(str, incident.report.culprit_ranks)) or "-"

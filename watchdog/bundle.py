@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 import os
 import re
 import shutil
@@ -32,6 +33,8 @@ from .snapshot import Snapshot, take_snapshot
 
 if TYPE_CHECKING:
     from .sidecar import Incident, Sidecar
+
+log = logging.getLogger("ncclwatch")
 
 
 def live_report(
@@ -122,8 +125,11 @@ def report_markdown(report: Report) -> str:
     return "\n".join(out)
 
 
-async def write_bundle(report: Report, finding: Finding, staging: Path, bundle_dir: Path, collect) -> Path:  # type: ignore[no-untyped-def]
-    """Collect evidence into ``staging`` (``collect(staging)`` -> records), write the reports, pack, rename."""
+async def write_bundle(report: Report, finding: Finding, staging: Path, bundle_dir: Path, collect) -> tuple[Path, Report]:  # type: ignore[no-untyped-def]
+    """Collect evidence into ``staging`` (``collect(staging)`` -> records), write the reports, pack, rename.
+
+    Returns the bundle and the final report (citations resolved, evidence files listed).
+    """
     records = await collect(staging)
     cited = await asyncio.to_thread(resolve_citations, finding)
     evidence = [
@@ -141,7 +147,7 @@ async def write_bundle(report: Report, finding: Finding, staging: Path, bundle_d
     await asyncio.to_thread(_pack, staging, partial, final.name.removesuffix(".tar.gz"))
     os.replace(partial, final)
     shutil.rmtree(staging, ignore_errors=True)
-    return final
+    return final, report
 
 
 def _pack(folder: Path, target: Path, top: str) -> None:
@@ -172,8 +178,13 @@ async def report_incident(sidecar: Sidecar, incident: Incident, decision: Decisi
         return await collect_all(context)
 
     began = time.monotonic()
-    incident.bundle = await write_bundle(report, decision.finding, staging, settings.bundle_dir, collect)
-    print(f"ncclwatch: bundle written in {time.monotonic() - began:.1f} s: {incident.bundle}", file=sys.stderr, flush=True)
+    try:
+        incident.bundle, incident.report = await write_bundle(report, decision.finding, staging, settings.bundle_dir, collect)
+        print(f"ncclwatch: bundle written in {time.monotonic() - began:.1f} s: {incident.bundle}", file=sys.stderr, flush=True)
+    except Exception as exc:  # the page must go out even when the bundle cannot be written (disk full...)
+        log.exception("bundle failed")
+        print(f"ncclwatch: could not write the bundle ({type(exc).__name__}: {exc}); paging without it", file=sys.stderr)
+    sidecar.alert(incident)
 
 
 def find_worker_logs(log_dir: Path | None, local_ranks: dict[int, int | None]) -> dict[int, list[Path]]:

@@ -30,6 +30,8 @@ from .config import Settings
 from .health import Health, health_of
 from .live import LiveJob, LiveView
 from .runfolder import RunDirs
+from .sinks.alert import Alert, resolve_for, trigger_from_report
+from .sinks.delivery import Dispatcher
 from .parsing.pyspy import parse_pyspy
 from .report import Report
 from .snapshot import take_snapshot
@@ -58,6 +60,7 @@ class Incident:
     decision: Decision | None = None
     report: Report | None = None
     bundle: Path | None = None
+    alert: Alert | None = None  # the trigger sent for it, so that progress can resolve it
 
 
 Reporter = Callable[["Sidecar", Incident, Decision, LiveView], Awaitable[None]]
@@ -72,6 +75,8 @@ class Sidecar:
     reporter: Reporter
     out: TextIO | None = None
     worker_log_dir: Path | None = None  # torchrun's --log-dir, when the user gave one
+    dispatcher: Dispatcher | None = None  # alerts (PagerDuty, Slack, webhooks); None: none configured
+    bundle_base_url: str | None = None  # where the bundle API is reachable, for links in alerts
     host: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
     clock: Callable[[], float] = time.time
 
@@ -142,6 +147,7 @@ class Sidecar:
         incident = self.incident
         if incident is not None and view.last_progress > incident.started_at:
             self._say(f"job progressing again ({view.stalled_for:.1f} s since the last progress)" if incident.report else None)
+            self.resolve(incident, "the job is making progress again")
             self.incident = None
             incident = None
         if not view.ranks or all(r.gone for r in view.ranks):
@@ -239,6 +245,23 @@ class Sidecar:
             log.info("py-spy on pid %s: %s", pid, error)
             return []
         return parse_pyspy(data, f"py-spy pid {pid} (live)")
+
+    def alert(self, incident: Incident) -> None:
+        """Page for a reported incident (delivery is retried and spooled by the dispatcher)."""
+        if self.dispatcher is None or incident.report is None:
+            return
+        bundle_id = incident.bundle.name.removesuffix(".tar.gz") if incident.bundle else None
+        if bundle_id and self.bundle_base_url:
+            url = f"{self.bundle_base_url.rstrip('/')}/bundles/{bundle_id}"
+        else:
+            url = incident.bundle.resolve().as_uri() if incident.bundle else None
+        incident.alert = trigger_from_report(incident.report, bundle_id=bundle_id, bundle_url=url)
+        self.dispatcher.submit(incident.alert)
+
+    def resolve(self, incident: Incident, why: str) -> None:
+        if self.dispatcher is not None and incident.alert is not None:
+            self.dispatcher.submit(resolve_for(incident.alert, why))
+            incident.alert = None
 
     def health(self) -> Health:
         """Now, for metrics and the status API."""
