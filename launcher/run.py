@@ -20,13 +20,17 @@ import tempfile
 from pathlib import Path
 
 import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from watchdog.bundle import report_incident
 from watchdog.classify import Decision
 from watchdog.config import Settings
 from watchdog.live import LiveView
 from watchdog.report import EXIT_KILLED_ON_HANG
+from watchdog.server import make_app, start_server, stop_server
 from watchdog.sidecar import Incident, Sidecar
+from watchdog.sinks.metrics import HealthCollector, TextfileWriter
 from watchdog.sinks.delivery import Dispatcher, sinks_from_settings, spool_dir_for
 
 from .command import torchrun_log_dir
@@ -74,6 +78,25 @@ class Alerts:
             await self.session.close()
 
 
+async def _operations(sidecar: Sidecar, settings: Settings, tasks: list) -> web.AppRunner | None:  # type: ignore[type-arg]
+    """The job's metrics (server and/or textfile) and bundle API, when configured."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(HealthCollector(sidecar.health))
+    if settings.metrics_textfile is not None:
+        tasks.append(asyncio.create_task(TextfileWriter().run(registry, settings.metrics_textfile), name="metrics:textfile"))
+    if settings.listen is None:
+        return None
+    app = make_app(settings.bundle_dir, token=settings.token(), registry=registry, health=sidecar.health)
+    try:
+        runner, bound = await start_server(app, settings.listen)
+    except OSError as exc:
+        print(f"ncclwatch: cannot serve on {settings.listen} ({exc.strerror or exc}); the job runs without it", file=sys.stderr)
+        return None
+    sidecar.bundle_base_url = settings.public_url or f"http://{bound}"
+    print(f"ncclwatch: bundles, status and metrics on http://{bound}/", file=sys.stderr, flush=True)
+    return runner
+
+
 async def _watch(command: list[str], settings: Settings, job_name: str, alerts: Alerts) -> int:
     root = settings.run_dir or Path(tempfile.mkdtemp(prefix=f"ncclwatch-{os.getpid()}-"))
     dirs = RunDirs.create(root)
@@ -90,15 +113,22 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
             job.terminate(grace_s=10.0)
 
     log_dir = torchrun_log_dir(command)
+    ops: list[asyncio.Task] = []  # type: ignore[type-arg]
     sidecar = Sidecar(
         settings, dirs, job.pid, job_name, reporter, out=sys.stderr,
         worker_log_dir=Path(log_dir) if log_dir else None, dispatcher=alerts.dispatcher,
     )  # fmt: skip
+    runner = await _operations(sidecar, settings, ops)
     watching = asyncio.create_task(sidecar.run())
     returncode = await job.wait()
     sidecar.stop()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(watching, SIDECAR_STOP_S)
+    for task in ops:
+        task.cancel()
+    await asyncio.gather(*ops, return_exceptions=True)
+    if runner is not None:
+        await stop_server(runner)
     leftovers = job.reap_orphans()
     if leftovers:
         print(f"ncclwatch: killed {len(leftovers)} process(es) the job left behind: {leftovers}", file=sys.stderr)

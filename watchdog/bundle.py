@@ -3,7 +3,7 @@
 Order matters at 3 AM: the verdict goes to the terminal the moment it is
 decided; evidence is collected after (stale-fastest first, bounded by
 ``evidence_budget``), citations are resolved to ``file:line``, and the bundle
-``<bundle-dir>/<job>-<UTC time>-<verdict>.tar.gz`` appears atomically (written
+``<bundle-dir>/<job>-<host>-<UTC time>-<verdict>.tar.gz`` appears atomically (written
 under a dot-name, then renamed), holding ``report.json``, ``report.md`` and
 the evidence files.  A failure to collect one piece of evidence is a line in
 the report, never a missing bundle.
@@ -80,10 +80,11 @@ def terminal_text(report: Report, bundle: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-def bundle_name(job: str, detected_at: float, verdict: str) -> str:
+def bundle_name(job: str, host: str, detected_at: float, verdict: str) -> str:
+    """``<job>-<host>-<UTC time>-<verdict>``: the host keeps two nodes' bundles apart on shared storage."""
     stamp = dt.datetime.fromtimestamp(detected_at, dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", job).strip("._") or "job"
-    return f"{safe}-{stamp}-{verdict}"
+    safe = lambda text: re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("._") or "x"  # noqa: E731
+    return f"{safe(job)}-{safe(host)}-{stamp}-{verdict}"
 
 
 def report_markdown(report: Report) -> str:
@@ -164,7 +165,7 @@ async def report_incident(sidecar: Sidecar, incident: Incident, decision: Decisi
     incident.report = report
     print(terminal_text(report), file=sys.stderr, flush=True)
     settings = sidecar.settings
-    staging = settings.bundle_dir / ("." + bundle_name(sidecar.job_name, view.observed_at, report.verdict.value))
+    staging = settings.bundle_dir / ("." + bundle_name(sidecar.job_name, sidecar.host, view.observed_at, report.verdict.value))
     staging.mkdir(parents=True, exist_ok=True)
     alive = [r for r in view.ranks if not r.gone]
     targets = tuple(RankTarget(rank=r.rank, pid=r.pid, local_rank=r.local_rank, host=r.host or sidecar.host) for r in alive)

@@ -72,6 +72,13 @@ class Settings(BaseSettings):
     spool_dir: Path | None = Field(None, description="undelivered alerts wait here across restarts (default: <bundle_dir>/.spool)")
     metrics_textfile: Path | None = Field(None, description="also write metrics to this file for node_exporter's textfile collector")
 
+    @field_validator("metrics_textfile")
+    @classmethod
+    def _prom_suffix(cls, value: Path | None) -> Path | None:
+        if value is not None and value.suffix != ".prom":
+            raise ValueError("must end in .prom (node_exporter's textfile collector reads only *.prom files)")
+        return value
+
     @field_validator("listen")
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:

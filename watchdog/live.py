@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .config import Settings
 from .state import DEFAULT_WINDOW, JobState
-from .types import Event, Heartbeat, OpBatch, ProcessState, SourceDown, WorkerGone, WorkerSeen
+from .types import Event, Heartbeat, OpBatch, ProcessState, SourceDown, SourceUp, WorkerGone, WorkerSeen
 
 MIN_PROGRESS = 8  # steps (or NCCL operation batches) the job must show before its own timing is trusted
 GAP_MEMORY_S = 900.0  # a gap older than this no longer widens the timeout
@@ -138,6 +138,8 @@ class LiveJob:
             self.worker(event.pid).samples.append(event)
         elif isinstance(event, SourceDown):
             self.down[event.source] = event.reason
+        elif isinstance(event, SourceUp):
+            self.down.pop(event.source, None)
         self.state.apply(event)
         self.state.keep_latest(4)
 

@@ -106,6 +106,7 @@ def run_serve(argv: Sequence[str]) -> int:
 async def serve(bundle_dir: Path, listen: str, token: str | None, *, metrics_open: bool, public_url: str | None) -> int:
     from prometheus_client import CollectorRegistry
 
+    from .sdnotify import systemd_lifecycle
     from .server import BundleCollector, BundleIndex, make_app, start_server, stop_server
 
     stop = asyncio.Event()
@@ -130,7 +131,8 @@ async def serve(bundle_dir: Path, listen: str, token: str | None, *, metrics_ope
             file=sys.stderr,
             flush=True,
         )
-    await stop.wait()
+    # Type=notify: READY=1 once bound, watchdog pings while serving, STOPPING=1 on the way out.
+    await systemd_lifecycle(stop, status_text=f"serving http://{bound}/")
     print("ncclwatch serve: stopping", file=sys.stderr, flush=True)
     await stop_server(runner)
     return 0

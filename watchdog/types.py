@@ -434,3 +434,9 @@ class SourceDown(Event):
 
     source: str
     reason: str
+
+
+class SourceUp(Event):
+    """A source that was down reads again."""
+
+    source: str

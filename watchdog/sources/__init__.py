@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from ..types import Event, SourceDown
+from ..types import Event, SourceDown, SourceUp
 
 Emit = Callable[[Event], None]
 
@@ -40,4 +40,6 @@ class DownOnce:
     def __call__(self, emit: Emit, reason: str | None) -> None:
         if reason is not None and reason != self.reason:
             emit(SourceDown(source=self.source, reason=reason))
+        elif reason is None and self.reason is not None:
+            emit(SourceUp(source=self.source))
         self.reason = reason
