@@ -46,6 +46,9 @@ evidence; the only merges are ``NCCL_DEBUG_SUBSYS`` and ``PYTHONPATH``.
 ``TORCH_NCCL_ENABLE_TIMING=1``
     CUDA start events, so Flight Recorder entries reach state ``started``:
     the rank whose collective started while others are only scheduled leads.
+``NCCLWATCH_WRAPPER_PID=<pid>`` (when given)
+    The wrapper, which the worker names its allowed tracer (Yama
+    ``PR_SET_PTRACER``) so py-spy can read it under ``ptrace_scope=1``.
 ``NCCLWATCH_RUN_DIR=<root>``
     Tells the injected ``sitecustomize`` and ``ncclwatch.beat`` where to write.
 ``PYTHONPATH=<inject_dir>[:<user's value>]``
@@ -56,7 +59,6 @@ evidence; the only merges are ``NCCL_DEBUG_SUBSYS`` and ``PYTHONPATH``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from watchdog.runfolder import RunDirs
@@ -85,7 +87,7 @@ def _extend_subsys(value: str | None) -> str:
     return ",".join(names + [want for want in _SUBSYS_WANTED if want not in upper])
 
 
-def injected_env(user_env: Mapping[str, str], dirs: RunDirs) -> dict[str, str]:
+def injected_env(user_env: Mapping[str, str], dirs: RunDirs, *, wrapper_pid: int | None = None) -> dict[str, str]:
     """The whole environment for torchrun: ``user_env`` plus what we add (see the module docstring).
 
     Pure: reads nothing but its arguments.
@@ -108,6 +110,8 @@ def injected_env(user_env: Mapping[str, str], dirs: RunDirs) -> dict[str, str]:
     if not any(name in user_env for name in _FR_FILE_NAMES):
         env[_FR_FILE_NAMES[0]] = f"{dirs.fr}/nccl_trace_rank_"
     env["NCCLWATCH_RUN_DIR"] = str(dirs.root)
+    if wrapper_pid is not None:
+        env["NCCLWATCH_WRAPPER_PID"] = str(wrapper_pid)
     old_path = user_env.get("PYTHONPATH")
     env["PYTHONPATH"] = f"{inject_dir()}:{old_path}" if old_path else str(inject_dir())
     return env

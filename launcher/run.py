@@ -101,7 +101,7 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     root = settings.run_dir or Path(tempfile.mkdtemp(prefix=f"ncclwatch-{os.getpid()}-"))
     dirs = RunDirs.create(root)
     job = JobProcess()
-    job.start(command, injected_env(os.environ, dirs))
+    job.start(command, injected_env(os.environ, dirs, wrapper_pid=os.getpid()))
     job.forward_signals(asyncio.get_running_loop())
     killed: list[bool] = []
 

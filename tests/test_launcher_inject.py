@@ -407,3 +407,8 @@ def test_fr_responder_dumps_a_rank_blocked_in_gloo(dirs: RunDirs, tmp_path: Path
     assert sorted(b["rank"] for b in heartbeats(dirs)) == [0, 1]
     assert list(dirs.fr.glob("ncclwatch_pipe.*")) == []  # removed at exit
     assert pickle.loads(dump.read_bytes())["version"]
+
+
+def test_wrapper_is_named_allowed_tracer_when_given(dirs: RunDirs) -> None:
+    assert injected_env({}, dirs, wrapper_pid=4321)["NCCLWATCH_WRAPPER_PID"] == "4321"
+    assert "NCCLWATCH_WRAPPER_PID" not in injected_env({}, dirs)

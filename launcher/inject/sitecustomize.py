@@ -10,7 +10,9 @@ worker, see below), and there it:
    user's code.  torch is not imported here: it takes seconds and the job may
    not use it.  A ``sys.meta_path`` finder waits for ``torch.optim.optimizer``
    to be imported by the job, lets the import run, then registers the hook;
-2. starts a Flight Recorder responder: a daemon thread reading the FIFO
+2. names the wrapper an allowed tracer (``PR_SET_PTRACER``), so its py-spy
+   can read this process under Yama's ``ptrace_scope=1``;
+3. starts a Flight Recorder responder: a daemon thread reading the FIFO
    ``<run_dir>/fr/ncclwatch_pipe.<pid>``.  Any write to it makes this process
    dump ``torch._C._distributed_c10d._dump_fr_trace()`` (every backend's
    recorder, gloo included; NCCL ranks also have torch's own pipe from
@@ -202,8 +204,25 @@ def _setup():
     if owner is not None and owner != str(os.getpid()):
         return
     env["NCCLWATCH_WORKER_PID"] = str(os.getpid())
+    _allow_watchdog_ptrace(env.get("NCCLWATCH_WRAPPER_PID"))
     sys.meta_path.insert(0, _AfterImport("torch.optim.optimizer", _register_step_hook))
     _start_fr_responder(run_dir, int(rank))
+
+
+def _allow_watchdog_ptrace(wrapper_pid):
+    """Let the wrapper's py-spy read this process under Yama ``ptrace_scope=1`` (Ubuntu's default).
+
+    Yama lets a process trace only its descendants: py-spy is the wrapper's
+    child, not an ancestor of this worker.  ``PR_SET_PTRACER`` names the
+    wrapper as an allowed tracer, which covers its descendants too.  Without
+    Yama the call fails harmlessly (EINVAL); as root it is not needed.
+    """
+    if not wrapper_pid or not wrapper_pid.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_ptracer = 0x59616D61  # "Yama"
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_ptracer, int(wrapper_pid), 0, 0, 0)
 
 
 def _next_sitecustomize():
