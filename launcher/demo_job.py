@@ -47,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pause-s", type=float, default=20.0, help="length of the 'pause' fault")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     parser.add_argument("--numel", type=int, default=1 << 16, help="elements of the per-step all_reduce")
+    parser.add_argument(
+        "--crash-attempts", type=int, default=0,
+        help="the faulty rank first crashes (exit 3 at step 3) in this many attempts, so torchrun --max-restarts restarts the job",
+    )  # fmt: skip
     parser.add_argument("--mark-dir", default=os.environ.get("NCCLWATCH_RUN_DIR", "."), help="where fault.<rank> goes")
     return parser.parse_args(argv)
 
@@ -71,9 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    timeout = datetime.timedelta(minutes=30)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart:
+        # torchrun keeps its store across restarts; gloo (torch 2.13) would read the dead
+        # attempt's addresses from it, so each attempt gets its own key prefix.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout=timeout)
+        prefixed = dist.PrefixStore(f"ncclwatch-demo-attempt{restart}", store)
+        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     fault_rank = args.fault_rank if args.fault_rank >= 0 else world - 1
     faulty = args.fault not in ("none", "uneven") and (rank == fault_rank or args.fault == "pause")
+    crash = rank == fault_rank and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < args.crash_attempts
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)).to(device)
@@ -96,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(step_time)
 
         skip = False
+        if crash and step == 3:
+            print(f"[demo] rank {rank}: crashing to make torchrun restart the job", file=sys.stderr, flush=True)
+            os._exit(3)
         if faulty and step == args.fault_step:
             mark(args.mark_dir, args.fault, rank, step)
             if args.fault == "skip":

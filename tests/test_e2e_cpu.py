@@ -102,6 +102,22 @@ def test_hang_is_named_bundled_and_killed(tmp_path: Path, fault: str, verdict: s
     assert 0 < detected - fault_time(tmp_path) < 30
 
 
+def test_elastic_restart_is_followed_and_the_new_attempt_judged(tmp_path: Path) -> None:
+    command = wrapper_command(tmp_path, "python_stuck", "--on-hang", "kill", job_args=("--crash-attempts=1",))
+    command.insert(command.index("--standalone"), "--max-restarts=1")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
+    leftovers = job_processes(tmp_path / "run")
+    for process in leftovers:
+        process.kill()
+    assert not leftovers
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "crashing to make torchrun restart" in done.stderr
+    report = only_report(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("rank_behind", [NPROC - 1])
+    pids = sorted(r["pid"] for r in report["ranks"])
+    assert len(pids) == NPROC and all(r["state"] == "S" for r in report["ranks"])
+
+
 def test_crashing_rank_keeps_torchrun_exit_code_and_no_bundle(tmp_path: Path) -> None:
     done = run_wrapper(tmp_path, "exit")
     bare = subprocess.run(
