@@ -176,7 +176,10 @@ class Sidecar:
             incident.candidate, incident.next_probe = decision, now + CONFIRM_S
         elif decision.page:
             self.incidents.append(incident)
-            await self.reporter(self, incident, decision, view)
+            try:
+                await self.reporter(self, incident, decision, view)
+            except Exception:  # a broken sink must not end the watch: the job may hang again
+                log.exception("reporting the hang failed")
         else:
             incident.candidate = None
             if decision.held != incident.held:
