@@ -116,6 +116,15 @@ every option is also an environment variable NCCLWATCH_<OPTION> and a key in
 a TOML file (--config, NCCLWATCH_CONFIG, or ./ncclwatch.toml); the command
 line wins over the environment, which wins over the file.
 
+alerts (environment or TOML): NCCLWATCH_PAGERDUTY_ROUTING_KEY, NCCLWATCH_SLACK_WEBHOOK_URL,
+NCCLWATCH_WEBHOOK_URL with NCCLWATCH_WEBHOOK_SECRET; one page per hang, resolved when
+the job moves again or ends cleanly; undelivered alerts wait in <bundle-dir>/.spool.
+
+examples:
+  ncclwatch torchrun --nproc_per_node=8 train.py
+  ncclwatch --on-hang kill --bundle-dir /shared/bundles torchrun --nnodes=4 ... train.py
+  NCCLWATCH_API_TOKEN=... ncclwatch --listen 0.0.0.0:9464 torchrun ...   # page, API, /metrics
+
 exit status: torchrun's own; {EXIT_KILLED_ON_HANG} when --on-hang kill ended the job.
 """
 
