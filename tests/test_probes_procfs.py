@@ -113,7 +113,7 @@ class TestReaders:
             deadline = time.monotonic() + 5
             while (threads := read_threads(os.getpid())) and time.monotonic() < deadline:
                 waiter = next(t for t in threads if t.tid == worker.native_id)
-                if waiter.state == "S":  # once it has reached stop.wait()
+                if waiter.state == "S" and waiter.wchan:  # once it sleeps in stop.wait(); wchan reads 0 in transit
                     break
             assert {t.tid for t in threads} >= {os.getpid(), worker.native_id}
             assert waiter.state == "S" and waiter.wchan
