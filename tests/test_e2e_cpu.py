@@ -170,3 +170,19 @@ def test_report_mode_leaves_the_job_running_and_sigterm_ends_it(tmp_path: Path) 
     assert not leftovers
     assert returncode != 0
     assert os.path.isdir(tmp_path / "run")  # kept for inspection after a hang
+
+
+def test_readme_demo_catches_names_and_bundles(tmp_path: Path) -> None:
+    """The README's main command: ``ncclwatch demo`` (the default fault: the last rank skips a collective)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "watchdog", "demo", "--bundle-dir", str(tmp_path / "bundles"), "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
+    )  # fmt: skip
+    leftovers = job_processes(tmp_path / "run")
+    for process in leftovers:
+        process.kill()
+    assert not leftovers
+    assert done.returncode == 3, done.stderr[-3000:]  # the demo ends the hung job after the capture
+    assert "COLLECTIVE MISMATCH — culprit rank 2" in done.stderr
+    report = only_report(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("collective_mismatch", [2])
