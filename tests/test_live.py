@@ -282,3 +282,19 @@ class TestClassifyMore:
         decision = decided(job, NOW + 27, [stack(100 + r, IN_ALL_REDUCE) for r in range(3)], same_logs())
         assert decision.finding.verdict == Verdict.stuck_in_collective
         assert decision.finding.culprits == (2,)
+
+
+def test_gloo_dump_completion_comes_from_the_group_status() -> None:
+    """gloo's entries stay 'scheduled' (torch 2.13); pg_status.last_completed_collective says what finished."""
+    from watchdog.parsing.flight_recorder import parse_flight_recorder
+    from watchdog.state import JobState
+
+    path = Path(__file__).parent / "data" / "flight_recorder" / "torch2.13_gloo_pickle_rank_0"
+    dump = parse_flight_recorder(path.read_bytes(), "ncclwatch_trace_0")[0]
+    assert all(e.state.value == "scheduled" for e in dump.entries)
+    state = JobState()
+    state.apply(dump)
+    assert {key: (seq.total, seq.completed) for key, c in state.comms.items() for seq in c.ranks.values()} == {
+        "fr:0": (6, 6),
+        "fr:1": (1, 1),
+    }
