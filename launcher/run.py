@@ -30,8 +30,8 @@ from watchdog.live import LiveView
 from watchdog.report import EXIT_KILLED_ON_HANG
 from watchdog.server import make_app, start_server, stop_server
 from watchdog.sidecar import Incident, Sidecar
-from watchdog.sinks.metrics import HealthCollector, TextfileWriter
 from watchdog.sinks.delivery import Dispatcher, sinks_from_settings, spool_dir_for
+from watchdog.sinks.metrics import HealthCollector, TextfileWriter
 
 from .command import torchrun_log_dir
 from .env import RunDirs, injected_env

@@ -7,6 +7,7 @@ CI) and ``tests/fixtures/captures`` (made by ``tools/capture`` on H200s).
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -36,3 +37,12 @@ def write(tmp_path: Path):
         return path
 
     return _write
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    """Poll ``predicate`` every 50 ms; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)

@@ -10,6 +10,7 @@ rank's heartbeat age in it.  SIGTERM then ends the job.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -50,7 +51,7 @@ def test_sidecar_serves_bundles_and_metrics_during_a_hang(tmp_path: Path) -> Non
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "--monitor-interval=0.2",
         demo_job.__file__, "--fault=skip", "--fault-step=10", "--step-time=0.05", "--steps=30", "--mark-dir", str(tmp_path),
     ]  # fmt: skip
-    env = {**__import__("os").environ, "NCCLWATCH_API_TOKEN": TOKEN}
+    env = {**os.environ, "NCCLWATCH_API_TOKEN": TOKEN}
     with open(tmp_path / "stderr.txt", "w") as stderr:
         process = subprocess.Popen(command, stderr=stderr, cwd=tmp_path, env=env)
     base = f"http://127.0.0.1:{port}"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO
+from conftest import REPO, wait_for
 
 from launcher.env import RunDirs, inject_dir, injected_env
 from watchdog.parsing.flight_recorder import parse_flight_recorder
@@ -356,14 +356,6 @@ if rank == 1:  # rank 0 waits inside the next all_reduce until the test says go
 dist.all_reduce(torch.ones(8))
 dist.destroy_process_group()
 """
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def kill_tree(job: subprocess.Popen) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO
+from conftest import REPO, wait_for
 
 from launcher.process import exit_status
 
@@ -82,14 +82,6 @@ if mode == "fail" and rank == "1":
     sys.exit(3)
 time.sleep(120)
 """
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def gone(pid: int) -> bool:

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 
 from .analyze import resolve_citations
 from .classify import Decision
-from .evidence import EvidenceContext, RankTarget, collect_all
 from .detectors import Finding
+from .evidence import EvidenceContext, RankTarget, collect_all
 from .live import LiveView
-from .report import EvidenceFile, Report, RankRow, build_report, gpu_of, iso, main_frame, render_text
+from .report import EvidenceFile, RankRow, Report, build_report, gpu_of, iso, main_frame, render_text
 from .snapshot import Snapshot, take_snapshot
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def terminal_text(report: Report, bundle: Path | None = None) -> str:
 def bundle_name(job: str, host: str, detected_at: float, verdict: str) -> str:
     """``<job>-<host>-<UTC time>-<verdict>``: the host keeps two nodes' bundles apart on shared storage."""
     stamp = dt.datetime.fromtimestamp(detected_at, dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    safe = lambda text: re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("._") or "x"  # noqa: E731
+    safe = lambda text: re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("._") or "x"
     return f"{safe(job)}-{safe(host)}-{stamp}-{verdict}"
 
 

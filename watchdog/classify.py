@@ -60,7 +60,7 @@ def classify(snapshot: Snapshot, view: LiveView, settings: Settings) -> Decision
     if finding.verdict == Verdict.stuck_in_collective:
         if not finding.culprits:
             finding = lead_from_signatures(snapshot, finding, rank_of_pid)
-        finding = _gpu_compute_hang(finding, signatures) or _lead_from_stacks(finding, where, view)
+        finding = _gpu_compute_hang(finding, signatures) or _lead_from_stacks(finding, where)
     finding = _with_where(finding, where)
     busy = _busy(finding.culprits, view) if finding.verdict == Verdict.rank_behind else []
     if busy and view.stalled_for < settings.progress_timeout:
@@ -135,7 +135,7 @@ def _stuck_from_stacks(finding: Finding, in_collective: list[int]) -> Finding:
     )
 
 
-def _lead_from_stacks(finding: Finding, where: Mapping[int, Whereabouts], view: LiveView) -> Finding:
+def _lead_from_stacks(finding: Finding, where: Mapping[int, Whereabouts]) -> Finding:
     """Sequences agree and nothing else names the lead: the rank outside the collective is it."""
     if finding.culprits:
         return finding

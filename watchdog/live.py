@@ -155,9 +155,11 @@ class LiveJob:
         return (max(gaps) if gaps else None), sum(w.advances for w in workers)
 
     def stall_timeout(self, now: float) -> float:
+        return self._timeout(*self.learned_gap(now))
+
+    def _timeout(self, gap: float | None, progress: int) -> float:
         if self.settings.stall_timeout is not None:
             return self.settings.stall_timeout
-        gap, progress = self.learned_gap(now)
         if gap is None or progress < MIN_PROGRESS:
             return self.settings.warmup_stall_timeout
         return max(self.settings.stall_timeout_floor, STALL_MULTIPLIER * gap + 2 * self.settings.poll_interval)
@@ -187,13 +189,13 @@ class LiveJob:
         )
 
     def view(self, now: float) -> LiveView:
-        gap, _ = self.learned_gap(now)
+        gap, progress = self.learned_gap(now)
         ranks = tuple(self._rank_now(w) for w in sorted(self.live_workers(), key=lambda w: w.rank or 0))
         return LiveView(
             observed_at=now,
             ranks=ranks,
             last_progress=self.last_progress(),
-            stall_timeout=self.stall_timeout(now),
+            stall_timeout=self._timeout(gap, progress),
             learned_gap=gap,
             signals=frozenset(self.signals),
             down=tuple(f"{k}: {v}" for k, v in sorted(self.down.items())),

@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 from . import __version__
 from .detectors import Finding, Verdict
 from .snapshot import Snapshot
+from .stacks import main_thread
 from .verdict import gpu_signature
 
 EXIT_NO_HANG = 0
@@ -100,13 +101,8 @@ class Report(BaseModel):
 
 def main_frame(snapshot: Snapshot, pid: int | None) -> str | None:
     dump = snapshot.stacks.get(pid) if pid is not None else None
-    if dump is None:
-        return None
-    threads = sorted(dump.threads, key=lambda t: (t.name != "MainThread", not t.active))
-    for thread in threads:
-        if thread.frames:
-            return thread.frames[0]
-    return None
+    thread = main_thread(dump) if dump is not None else None
+    return thread.frames[0] if thread is not None and thread.frames else None
 
 
 def gpu_of(snapshot: Snapshot, pid: int | None) -> str | None:

@@ -29,11 +29,11 @@ from .classify import Decision, classify
 from .config import Settings
 from .health import Health, health_of
 from .live import LiveJob, LiveView
+from .parsing.pyspy import parse_pyspy
+from .report import Report
 from .runfolder import RunDirs
 from .sinks.alert import Alert, resolve_for, trigger_from_report
 from .sinks.delivery import Dispatcher
-from .parsing.pyspy import parse_pyspy
-from .report import Report
 from .snapshot import take_snapshot
 from .sources.files import HeartbeatSource, NcclFileSource
 from .sources.flight_recorder import prime, read_dump, request_dumps
@@ -222,7 +222,7 @@ class Sidecar:
         dumps, stacks, gpus = await asyncio.gather(
             request_dumps(self.folders.fr, answering),
             asyncio.gather(*(self._stack(pid) for pid in ranks.values())),
-            gpu_snapshot() if with_gpus else _nothing(),
+            gpu_snapshot() if with_gpus else asyncio.sleep(0),  # the confirming look reuses the sample
             return_exceptions=True,
         )
         now = self.clock()
@@ -284,7 +284,3 @@ class Sidecar:
     def _say(self, text: str | None) -> None:
         if text and self.out is not None:
             print(f"ncclwatch: {text}", file=self.out, flush=True)
-
-
-async def _nothing() -> None:
-    return None

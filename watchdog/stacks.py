@@ -28,7 +28,8 @@ class Whereabouts:
 
 
 def main_thread(dump: StackDump) -> ThreadStack | None:
-    threads = sorted(dump.threads, key=lambda t: (t.name != "MainThread", not t.frames))
+    """The thread that runs the training loop: MainThread, else one with frames, the active first."""
+    threads = sorted(dump.threads, key=lambda t: (t.name != "MainThread", not t.frames, not t.active))
     return threads[0] if threads else None
 
 

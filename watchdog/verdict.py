@@ -20,7 +20,6 @@ from .parsing.ras import ras_outliers
 from .snapshot import Snapshot
 from .types import Citation, RasCommunicator, RasReport
 
-
 NCCL_SPIN = "multi-block kernel (NCCL spin)"
 
 

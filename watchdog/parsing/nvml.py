@@ -24,12 +24,13 @@ def parse_nvml(data: bytes, name: str) -> list[Event]:
     except ValueError as exc:
         return [Unusable(reason=f"NVML snapshot is not valid JSON ({exc})", cite=Citation(file=name))]
     snapshots = doc if isinstance(doc, list) else [doc]
-    events: list[Event] = []
-    for index, snap in enumerate(snapshots):
-        cite = Citation(file=name, entry=f"[{index}]")
-        try:
-            gpus = [GpuSample.model_validate(g) for g in snap["gpus"]]
-            events.append(GpuSnapshot(time=float(snap["time"]), gpus=gpus, cite=cite))
-        except (KeyError, TypeError, ValueError, ValidationError) as exc:
-            events.append(Unusable(reason=f"malformed NVML snapshot: {exc}", cite=cite))
-    return events
+    return [snapshot_from_doc(snap, Citation(file=name, entry=f"[{index}]")) for index, snap in enumerate(snapshots)]
+
+
+def snapshot_from_doc(snap: object, cite: Citation) -> Event:
+    """One decoded snapshot (the sidecar's live sample, or one from a file) -> ``GpuSnapshot`` or ``Unusable``."""
+    try:
+        gpus = [GpuSample.model_validate(g) for g in snap["gpus"]]  # type: ignore[index]
+        return GpuSnapshot(time=float(snap["time"]), gpus=gpus, cite=cite)  # type: ignore[index]
+    except (KeyError, TypeError, ValueError, ValidationError) as exc:
+        return Unusable(reason=f"malformed NVML snapshot: {exc}", cite=cite)

@@ -10,11 +10,10 @@ the probe does not wait on it.
 from __future__ import annotations
 
 import asyncio
-import json
 
-from ..parsing.nvml import parse_nvml
+from ..parsing.nvml import snapshot_from_doc
 from ..parsing.ras import parse_ras
-from ..types import GpuSnapshot, SourceDown
+from ..types import Citation, GpuSnapshot, SourceDown
 from . import Emit
 
 NVML_EVERY_S = 5.0
@@ -28,10 +27,8 @@ async def gpu_snapshot() -> GpuSnapshot | None:
     sample = await sample_gpus_async()
     if sample is None:
         return None
-
-
-    events = parse_nvml(json.dumps(sample).encode(), "nvml (live)")
-    return next((e for e in events if isinstance(e, GpuSnapshot)), None)
+    snapshot = snapshot_from_doc(sample, Citation(file="nvml (live)"))
+    return snapshot if isinstance(snapshot, GpuSnapshot) else None
 
 
 class NvmlSource:

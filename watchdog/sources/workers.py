@@ -76,7 +76,7 @@ class WorkerSource(PollingSource):
         self._forget_gone(emit, now)
         if now - self._last_sample >= self.sample_every:
             self._last_sample = now
-            for pid, worker in self._workers.items():
+            for worker in self._workers.values():
                 state = sample(worker.process, worker.rank)
                 if state is not None:
                     emit(state)
