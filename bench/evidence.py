@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from watchdog.evidence import EvidenceContext, RankTarget, collect_all
+from ncclwatch.watchdog.evidence import EvidenceContext, RankTarget, collect_all
 
 SLEEPER = """
 import sys, time

@@ -80,7 +80,7 @@ def write_rank_log(path: Path, rank: int, nranks: int, lines: int) -> None:
 
 def run_analyze(folder: Path) -> tuple[float, int, dict]:
     """Wall seconds, peak RSS in KiB and the report of one analyze process on one core."""
-    cmd = [sys.executable, "-m", "watchdog", "analyze", "--json", str(folder)]
+    cmd = [sys.executable, "-m", "ncclwatch", "analyze", "--json", str(folder)]
     if hasattr(os, "sched_setaffinity"):
         cmd = ["taskset", "-c", "0", *cmd]
     start = time.perf_counter()

@@ -42,7 +42,7 @@ HEALTHY = ("none", "uneven", "pause")
 def run_once(scenario: str, args: argparse.Namespace, work: Path) -> dict:
     bundles, run_dir = work / "bundles", work / "run"
     command = [
-        sys.executable, "-m", "watchdog", "--on-hang", "kill", "--bundle-dir", str(bundles), "--run-dir", str(run_dir),
+        sys.executable, "-m", "ncclwatch", "--on-hang", "kill", "--bundle-dir", str(bundles), "--run-dir", str(run_dir),
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
         "--monitor-interval=0.2", str(DEMO), f"--fault={scenario}", f"--fault-step={args.fault_step}",
         f"--step-time={args.step_time}", f"--steps={args.steps}", f"--pause-s={args.pause_s}",

@@ -49,7 +49,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="overhead-") as work:
         for _ in range(args.repeat):
             bare.append(timed(job + ["--mark-dir", work], Path(work)))
-            wrapped.append(timed([sys.executable, "-m", "watchdog", "--bundle-dir", f"{work}/b", *job, "--mark-dir", work], Path(work)))
+            wrapped.append(timed([sys.executable, "-m", "ncclwatch", "--bundle-dir", f"{work}/b", *job, "--mark-dir", work], Path(work)))
     result = {
         "nproc": args.nproc,
         "steps": args.steps,

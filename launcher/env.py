@@ -61,7 +61,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from watchdog.runfolder import RunDirs
+from ncclwatch.watchdog.live.runfolder import RunDirs
 
 _SUBSYS_WANTED = ("INIT", "COLL", "DESTROY")
 _FR_SIZE_NAMES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")

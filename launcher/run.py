@@ -23,19 +23,19 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from watchdog.bundle import report_incident
-from watchdog.classify import Decision
-from watchdog.config import Settings
-from watchdog.live import LiveView
-from watchdog.report import EXIT_KILLED_ON_HANG
-from watchdog.server import make_app, start_server, stop_server
-from watchdog.sidecar import Incident, Sidecar
-from watchdog.sinks.delivery import Dispatcher, sinks_from_settings, spool_dir_for
-from watchdog.sinks.metrics import HealthCollector, TextfileWriter
+from ncclwatch.watchdog.live.bundle import report_incident
+from ncclwatch.watchdog.engine.classify import Decision
+from ncclwatch.watchdog.config import Settings
+from ncclwatch.watchdog.live.job import LiveView
+from ncclwatch.watchdog.engine.report import EXIT_KILLED_ON_HANG
+from ncclwatch.watchdog.server.app import make_app, start_server, stop_server
+from ncclwatch.watchdog.live.sidecar import Incident, Sidecar
+from ncclwatch.watchdog.sinks.delivery import Dispatcher, sinks_from_settings, spool_dir_for
+from ncclwatch.watchdog.sinks.metrics import HealthCollector, TextfileWriter
 
-from .command import torchrun_log_dir
-from .env import RunDirs, injected_env
-from .process import JobProcess, exit_status
+from ncclwatch.launcher.command import torchrun_log_dir
+from ncclwatch.launcher.env import RunDirs, injected_env
+from ncclwatch.launcher.process import JobProcess, exit_status
 
 SIDECAR_STOP_S = 10.0
 log = logging.getLogger("ncclwatch")

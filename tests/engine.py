@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from conftest import NOW
 
-from watchdog.detectors import Finding
-from watchdog.parsing.nccl_log import NcclLogParser
-from watchdog.snapshot import Snapshot, take_snapshot
-from watchdog.state import JobState
-from watchdog.types import Event
-from watchdog.verdict import decide
+from ncclwatch.watchdog.engine.detectors import Finding
+from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
+from ncclwatch.watchdog.engine.snapshot import Snapshot, take_snapshot
+from ncclwatch.watchdog.engine.state import JobState
+from ncclwatch.watchdog.events import Event
+from ncclwatch.watchdog.engine.verdict import decide
 
 
 def state_of(logs: dict[str, str], window: int = 2048, extra: list[Event] = ()) -> JobState:

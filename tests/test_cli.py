@@ -17,7 +17,7 @@ REPORT_KEYS = {"verdict", "culprit_ranks", "communicator", "position", "operatio
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "watchdog", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "ncclwatch", *args], capture_output=True, text=True, timeout=120)
 
 
 def analyze_json(*paths) -> tuple[dict, subprocess.CompletedProcess[str]]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from engine import snapshot_of, verdict_of
 from nccl_lines import destroy, init, op, steps
 
-from watchdog.detectors import Verdict, check_point_to_point, predict_next
-from watchdog.types import Citation, OpSig, WorkerFailure
+from ncclwatch.watchdog.engine.detectors import Verdict, check_point_to_point, predict_next
+from ncclwatch.watchdog.events import Citation, OpSig, WorkerFailure
 
 A = OpSig("AllReduce", 8, "7", "0", 0)
 B = OpSig("Broadcast", 4, "7", "0", 0)
@@ -173,8 +173,8 @@ class TestMerge:
     def test_merging_two_nodes_gives_the_same_verdict_as_one_state(self):
         from engine import state_of
 
-        from watchdog.snapshot import take_snapshot
-        from watchdog.verdict import decide
+        from ncclwatch.watchdog.engine.snapshot import take_snapshot
+        from ncclwatch.watchdog.engine.verdict import decide
 
         def body(r):
             return steps(r, f"0xc{r}", 3) + ("" if r == 3 else op(r, "AllReduce", 4195328, f"0xc{r}"))

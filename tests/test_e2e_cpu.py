@@ -22,8 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-import launcher.demo_job as demo_job
-from launcher.process import exit_status
+import ncclwatch.launcher.demo_job as demo_job
+from ncclwatch.launcher.process import exit_status
 
 pytest.importorskip("torch")
 
@@ -33,7 +33,7 @@ TIMEOUT_S = 150
 
 def wrapper_command(tmp_path: Path, fault: str, *options: str, job_args: tuple[str, ...] = ()) -> list[str]:
     return [
-        sys.executable, "-m", "watchdog", "--bundle-dir", str(tmp_path / "bundles"), "--run-dir", str(tmp_path / "run"),
+        sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"), "--run-dir", str(tmp_path / "run"),
         *options,
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}", "--monitor-interval=0.2",
         demo_job.__file__, f"--fault={fault}", "--fault-step=10", "--step-time=0.05", "--steps=30", *job_args,
@@ -131,7 +131,7 @@ def test_crashing_rank_keeps_torchrun_exit_code_and_no_bundle(tmp_path: Path) ->
 
 def test_healthy_job_exits_zero_without_bundle_and_cleans_up(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "watchdog", "--bundle-dir", str(tmp_path / "bundles"),
+        [sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"),
          sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}", "--monitor-interval=0.2",
          demo_job.__file__, "--fault=uneven", "--step-time=0.05", "--steps=30", "--mark-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
@@ -175,7 +175,7 @@ def test_report_mode_leaves_the_job_running_and_sigterm_ends_it(tmp_path: Path) 
 def test_readme_demo_catches_names_and_bundles(tmp_path: Path) -> None:
     """The README's main command: ``ncclwatch demo`` (the default fault: the last rank skips a collective)."""
     done = subprocess.run(
-        [sys.executable, "-m", "watchdog", "demo", "--bundle-dir", str(tmp_path / "bundles"), "--run-dir", str(tmp_path / "run")],
+        [sys.executable, "-m", "ncclwatch", "demo", "--bundle-dir", str(tmp_path / "bundles"), "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
     )  # fmt: skip
     leftovers = job_processes(tmp_path / "run")

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import launcher.demo_job as demo_job
+import ncclwatch.launcher.demo_job as demo_job
 
 pytest.importorskip("torch")
 TOKEN = "e2e-secret-token"
@@ -47,7 +47,7 @@ def get(url: str, token: str | None = None) -> tuple[int, bytes]:
 def test_sidecar_serves_bundles_and_metrics_during_a_hang(tmp_path: Path) -> None:
     port = free_port()
     command = [
-        sys.executable, "-m", "watchdog", "--bundle-dir", str(tmp_path / "bundles"), "--listen", f"127.0.0.1:{port}",
+        sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"), "--listen", f"127.0.0.1:{port}",
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "--monitor-interval=0.2",
         demo_job.__file__, "--fault=skip", "--fault-step=10", "--step-time=0.05", "--steps=30", "--mark-dir", str(tmp_path),
     ]  # fmt: skip

@@ -8,8 +8,8 @@ import time
 
 from test_evidence_support import RasServer, context, free_port, sleepers
 
-from watchdog.evidence import EVIDENCE_JSON, EvidenceRecord, collect_all
-from watchdog.probes.procfs import proc_state
+from ncclwatch.watchdog.evidence import EVIDENCE_JSON, EvidenceRecord, collect_all
+from ncclwatch.watchdog.probes.procfs import proc_state
 
 ALL_NAMES = {
     "proc", "flight_recorder", "nvml", "ras_text", "ras_json", "infiniband",

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from test_evidence_support import context, sleepers, wait_state
 
-from watchdog.evidence import RankTarget, collect_flight_recorder
-from watchdog.evidence import flight_recorder as fr_module
+from ncclwatch.watchdog.evidence import RankTarget, collect_flight_recorder
+from ncclwatch.watchdog.evidence import flight_recorder as fr_module
 
 RESPONDER = """
 import os, sys, time

@@ -6,8 +6,8 @@ import asyncio
 
 from test_evidence_support import context
 
-from watchdog.evidence import RankTarget, collect_nccl_logs, collect_worker_logs
-from watchdog.evidence.logs import read_tail
+from ncclwatch.watchdog.evidence import RankTarget, collect_nccl_logs, collect_worker_logs
+from ncclwatch.watchdog.evidence.logs import read_tail
 
 LINE = b"vm:732:740 [0] NCCL INFO AllReduce: opCount 0 sendbuff 0x1 recvbuff 0x2 count 4 datatype 7 op 0 root 0\n"
 

@@ -6,8 +6,8 @@ import asyncio
 
 from test_evidence_support import context, sleepers
 
-from watchdog.evidence import RankTarget, collect_env, collect_proc
-from watchdog.evidence.process import redact_env
+from ncclwatch.watchdog.evidence import RankTarget, collect_env, collect_proc
+from ncclwatch.watchdog.evidence.process import redact_env
 
 SECRETS = {
     "HF_TOKEN": "hf_abc",

@@ -8,9 +8,9 @@ import json
 import pytest
 from test_evidence_support import context, sleepers
 
-from watchdog.evidence import RankTarget, collect_stacks
-from watchdog.probes.procfs import proc_state
-from watchdog.probes.pyspy import find_pyspy
+from ncclwatch.watchdog.evidence import RankTarget, collect_stacks
+from ncclwatch.watchdog.probes.procfs import proc_state
+from ncclwatch.watchdog.probes.pyspy import find_pyspy
 
 pytestmark = pytest.mark.skipif(find_pyspy() is None, reason="py-spy is not installed")
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-from watchdog.evidence import EvidenceContext, RankTarget
-from watchdog.probes.procfs import proc_state
+from ncclwatch.watchdog.evidence import EvidenceContext, RankTarget
+from ncclwatch.watchdog.probes.procfs import proc_state
 
 SLEEPER = """
 import time

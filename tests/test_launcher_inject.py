@@ -21,8 +21,8 @@ import psutil
 import pytest
 from conftest import REPO, wait_for
 
-from launcher.env import RunDirs, inject_dir, injected_env
-from watchdog.parsing.flight_recorder import parse_flight_recorder
+from ncclwatch.launcher.env import RunDirs, inject_dir, injected_env
+from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
 
 HB_KEYS = {"pid", "rank", "local_rank", "restart", "step", "time", "beats"}
 
@@ -151,7 +151,7 @@ def test_optimizer_steps_beat_without_code_change(dirs: RunDirs) -> None:
         opt.step()
         import sys
         print("loader", type(sys.modules["torch.optim.optimizer"].__loader__).__name__)
-        print("shared", "launcher.heartbeat" in sys.modules)
+        print("shared", "ncclwatch.launcher.heartbeat" in sys.modules)
     """, worker_env(dirs))
     assert done.returncode == 0, done.stderr
     # The import hook hands the real loader back: nothing later sees ours.
@@ -177,8 +177,8 @@ def test_a_user_package_named_launcher_is_not_imported(dirs: RunDirs, tmp_path: 
         print(sorted(name for name in sys.modules if "heartbeat" in name or "launcher" in name))
     """, worker_env(dirs, PYTHONPATH=f"{inject_dir()}:{user}"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    # Ours is loaded from its file under a private name; theirs stays untouched.
-    assert done.stdout == "['_ncclwatch_heartbeat']\n"
+    # Ours is imported under its own namespace; theirs stays untouched.
+    assert done.stdout == "['ncclwatch.launcher', 'ncclwatch.launcher.heartbeat']\n"
     assert [b["step"] for b in heartbeats(dirs)] == [1]
 
 

@@ -21,11 +21,11 @@ import psutil
 import pytest
 from conftest import REPO, wait_for
 
-from launcher.process import exit_status
+from ncclwatch.launcher.process import exit_status
 
 DRIVER = """
 import asyncio, json, os, signal, sys
-from launcher.process import JobProcess, exit_status
+from ncclwatch.launcher.process import JobProcess, exit_status
 
 async def main(argv, out, grace_s):
     job = JobProcess()

@@ -14,14 +14,14 @@ from pathlib import Path
 import nccl_lines as L
 from conftest import NOW
 
-from watchdog.classify import classify
-from watchdog.config import Settings
-from watchdog.detectors import Verdict
-from watchdog.live import MIN_PROGRESS, LiveJob
-from watchdog.parsing.nccl_log import NcclLogParser
-from watchdog.snapshot import take_snapshot
-from watchdog.sources.files import HeartbeatSource, NcclFileSource
-from watchdog.types import (
+from ncclwatch.watchdog.engine.classify import classify
+from ncclwatch.watchdog.config import Settings
+from ncclwatch.watchdog.engine.detectors import Verdict
+from ncclwatch.watchdog.live.job import MIN_PROGRESS, LiveJob
+from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
+from ncclwatch.watchdog.engine.snapshot import take_snapshot
+from ncclwatch.watchdog.sources.files import HeartbeatSource, NcclFileSource
+from ncclwatch.watchdog.events import (
     Citation,
     Event,
     GpuGpm,
@@ -286,8 +286,8 @@ class TestClassifyMore:
 
 def test_gloo_dump_completion_comes_from_the_group_status() -> None:
     """gloo's entries stay 'scheduled' (torch 2.13); pg_status.last_completed_collective says what finished."""
-    from watchdog.parsing.flight_recorder import parse_flight_recorder
-    from watchdog.state import JobState
+    from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
+    from ncclwatch.watchdog.engine.state import JobState
 
     path = Path(__file__).parent / "data" / "flight_recorder" / "torch2.13_gloo_pickle_rank_0"
     dump = parse_flight_recorder(path.read_bytes(), "ncclwatch_trace_0")[0]

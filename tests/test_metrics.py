@@ -20,8 +20,8 @@ from conftest import NOW, REPO
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from watchdog.health import CommPosition, Health, RankHealth
-from watchdog.sinks.metrics import SOURCES, HealthCollector, TextfileError, TextfileWriter
+from ncclwatch.watchdog.live.health import CommPosition, Health, RankHealth
+from ncclwatch.watchdog.sinks.metrics import SOURCES, HealthCollector, TextfileError, TextfileWriter
 
 JOB = {"job_name": "train", "host": "node1"}
 DASHBOARD = REPO / "dashboards" / "ncclwatch.json"
@@ -167,9 +167,9 @@ class TestJobSeries:
             assert sample(registry, "ncclwatch_source_up", source=source) == 1, source
 
     def test_known_sources_are_the_sidecars(self, tmp_path):
-        from watchdog.config import Settings
-        from watchdog.runfolder import RunDirs
-        from watchdog.sidecar import Sidecar
+        from ncclwatch.watchdog.config import Settings
+        from ncclwatch.watchdog.live.runfolder import RunDirs
+        from ncclwatch.watchdog.live.sidecar import Sidecar
 
         async def reporter(*_):  # never called
             return None

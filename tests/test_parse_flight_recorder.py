@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from watchdog.parsing.flight_recorder import (
+from ncclwatch.watchdog.parsing.flight_recorder import (
     effective_states,
     looks_like_flight_recorder,
     parse_flight_recorder,
     parse_profiling_name,
 )
-from watchdog.types import Citation, FrDump, OpState, Unusable
+from ncclwatch.watchdog.events import Citation, FrDump, OpState, Unusable
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO.parent / "shared/fixtures/nccl-2.28.9-2gpu/mismatch_fr/fr"
@@ -581,7 +581,7 @@ class TestBadInput:
         assert not marker.exists()
 
     def test_the_unpickler_refuses_globals_on_its_own(self) -> None:
-        from watchdog.parsing.flight_recorder import _PlainUnpickler
+        from ncclwatch.watchdog.parsing.flight_recorder import _PlainUnpickler
 
         data = pickle.dumps(Boom(Path("/nonexistent/never")), protocol=2)
         with pytest.raises(pickle.UnpicklingError, match="refused global"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from conftest import DATA, shared
 from nccl_lines import init, op
 
-from watchdog.parsing.nccl_log import NcclLogParser, iter_op_lines, looks_like_nccl_log
-from watchdog.types import CommEnd, CommInit, CommTopology, LocalPeerClosed, NcclVersion, NcclWarning, OpBatch, OpSig
+from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser, iter_op_lines, looks_like_nccl_log
+from ncclwatch.watchdog.events import CommEnd, CommInit, CommTopology, LocalPeerClosed, NcclVersion, NcclWarning, OpBatch, OpSig
 
 
 def parse(data: bytes, name: str = "f.log") -> tuple[NcclLogParser, list]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import CAPTURES, DATA
 
-from watchdog.parsing.ras import (
+from ncclwatch.watchdog.parsing.ras import (
     MALFORMED_JSON_REASON,
     looks_like_ras,
     normalize_comm_hash,
@@ -31,7 +31,7 @@ from watchdog.parsing.ras import (
     parse_ras_text,
     ras_outliers,
 )
-from watchdog.types import Citation, RasCommunicator, RasRank, RasReport, Unusable
+from ncclwatch.watchdog.events import Citation, RasCommunicator, RasRank, RasReport, Unusable
 
 RAS = DATA / "ras"
 SAMPLES = sorted(p.name for p in RAS.iterdir() if p.suffix in (".txt", ".json"))

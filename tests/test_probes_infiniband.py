@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from test_evidence_support import COUNTERS, HW, make_port
 
-from watchdog.probes.infiniband import ib_delta, read_ib_counters
+from ncclwatch.watchdog.probes.infiniband import ib_delta, read_ib_counters
 
 
 def test_reads_states_and_counters(tmp_path):

@@ -11,7 +11,7 @@ import time
 import pytest
 from test_evidence_support import sleepers
 
-from watchdog.probes.procfs import (
+from ncclwatch.watchdog.probes.procfs import (
     CLK_TCK,
     parse_environ,
     parse_io,

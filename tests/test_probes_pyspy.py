@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from test_evidence_support import sleepers, wait_state
 
-from watchdog.probes.procfs import proc_state
-from watchdog.probes.pyspy import _resume_if_left_stopped, find_pyspy, pyspy_dump
+from ncclwatch.watchdog.probes.procfs import proc_state
+from ncclwatch.watchdog.probes.pyspy import _resume_if_left_stopped, find_pyspy, pyspy_dump
 
 pytestmark = pytest.mark.skipif(find_pyspy() is None, reason="py-spy is not installed")
 

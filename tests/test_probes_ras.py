@@ -12,8 +12,8 @@ import pytest
 from conftest import DATA
 from test_evidence_support import RasServer, free_port
 
-from watchdog.probes import ras
-from watchdog.probes.ras import query_ras
+from ncclwatch.watchdog.probes import ras
+from ncclwatch.watchdog.probes.ras import query_ras
 
 TEXT = (DATA / "ras" / "real-2.28.9-h200x2" / "skip.txt").read_bytes()
 JSON = (DATA / "ras" / "real-2.28.9-h200x2" / "skip.json").read_bytes()

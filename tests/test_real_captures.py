@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import CAPTURES, shared
 
-from watchdog.analyze import analyze_paths
-from watchdog.detectors import Verdict
+from ncclwatch.watchdog.analyze import analyze_paths
+from ncclwatch.watchdog.engine.detectors import Verdict
 
 V = Verdict
 

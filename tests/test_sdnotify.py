@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from watchdog import sdnotify
+from ncclwatch.watchdog.server import sdnotify
 
 
 class Receiver:

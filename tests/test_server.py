@@ -33,12 +33,12 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
-from watchdog.analyze import analyze_paths
-from watchdog.bundle import report_markdown
-from watchdog.detectors import Verdict
-from watchdog.health import Health, RankHealth
-from watchdog.report import EvidenceFile, Report
-from watchdog.server import COOKIE, BundleIndex, make_app, start_server, stop_server
+from ncclwatch.watchdog.analyze import analyze_paths
+from ncclwatch.watchdog.live.bundle import report_markdown
+from ncclwatch.watchdog.engine.detectors import Verdict
+from ncclwatch.watchdog.live.health import Health, RankHealth
+from ncclwatch.watchdog.engine.report import EvidenceFile, Report
+from ncclwatch.watchdog.server.app import COOKIE, BundleIndex, make_app, start_server, stop_server
 
 SKIP = CAPTURES / "nccl-2.28.9-h200x4" / "skip"
 TOKEN = "s3cret-token-for-tests"
@@ -267,7 +267,7 @@ class TestBundles:
         assert "No bundles yet" in live.get("/", token=TOKEN).text
 
     def test_summaries_are_cached_by_mtime_and_size(self, serve, bundle_dir, monkeypatch):
-        from watchdog import server
+        from ncclwatch.watchdog.server import app as server
 
         reads: list[Path] = []
         real = server.read_bundle
@@ -440,7 +440,7 @@ def serve_process(*args: str, env: dict[str, str] | None = None) -> tuple[subpro
     """``ncclwatch serve`` as a user starts it; returns the process and the URL it printed."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("NCCLWATCH_")} | (env or {})
     process = subprocess.Popen(
-        [sys.executable, "-m", "watchdog", "serve", "--listen", "127.0.0.1:0", *args],
+        [sys.executable, "-m", "ncclwatch", "serve", "--listen", "127.0.0.1:0", *args],
         cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     line = process.stdout.readline()  # type: ignore[union-attr]
@@ -494,12 +494,12 @@ class TestServeCommand:
             sock.bind(("127.0.0.1", 0))
             sock.listen()
             port = sock.getsockname()[1]
-            done = subprocess.run([sys.executable, "-m", "watchdog", "serve", "--bundle-dir", str(bundle_dir), "--listen",
+            done = subprocess.run([sys.executable, "-m", "ncclwatch", "serve", "--bundle-dir", str(bundle_dir), "--listen",
                                    f"127.0.0.1:{port}"], check=False, cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
         assert done.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in done.stderr
 
     def test_help_teaches_the_page_auth_and_curl(self):
-        command = [sys.executable, "-m", "watchdog", "serve", "--help"]
+        command = [sys.executable, "-m", "ncclwatch", "serve", "--help"]
         done = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0
         for word in ("timeline", "NCCLWATCH_API_TOKEN", "--token-file", "?token=", "curl -H", "--metrics-token", "127.0.0.1:9464"):

@@ -12,11 +12,11 @@ import aiohttp
 import pytest
 from test_sinks_webhooks import Receiver, Reply, alert, free_port, run
 
-from watchdog.config import Settings
-from watchdog.sinks import Delivery
-from watchdog.sinks.alert import Alert, resolve_for
-from watchdog.sinks.delivery import Dispatcher, ident_of, sinks_from_settings, spool_dir_for
-from watchdog.sinks.webhooks import WebhookSink
+from ncclwatch.watchdog.config import Settings
+from ncclwatch.watchdog.sinks import Delivery
+from ncclwatch.watchdog.sinks.alert import Alert, resolve_for
+from ncclwatch.watchdog.sinks.delivery import Dispatcher, ident_of, sinks_from_settings, spool_dir_for
+from ncclwatch.watchdog.sinks.webhooks import WebhookSink
 
 FAST = (0.01, 0.02, 0.05)
 KEY = "ncclwatch-hang-train-0123456789ab"

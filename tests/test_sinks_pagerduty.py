@@ -8,9 +8,9 @@ from pathlib import Path
 import aiohttp
 from test_sinks_webhooks import Receiver, Reply, alert, run
 
-from watchdog.sinks.alert import resolve_for
-from watchdog.sinks.delivery import Dispatcher
-from watchdog.sinks.pagerduty import DEFAULT_URL, PagerDutySink, event_for
+from ncclwatch.watchdog.sinks.alert import resolve_for
+from ncclwatch.watchdog.sinks.delivery import Dispatcher
+from ncclwatch.watchdog.sinks.pagerduty import DEFAULT_URL, PagerDutySink, event_for
 
 KEY = "R0UT1NGKEY0000000000000000000000"
 ACCEPTED = Reply(202, '{"status":"success","message":"Event processed","dedup_key":"k"}')

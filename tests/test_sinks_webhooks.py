@@ -16,8 +16,8 @@ import pytest
 from aiohttp import web
 from conftest import NOW
 
-from watchdog.sinks.alert import Alert, resolve_for
-from watchdog.sinks.webhooks import SlackSink, WebhookSink, outcome, post, retry_after_s, sign, verify_signature
+from ncclwatch.watchdog.sinks.alert import Alert, resolve_for
+from ncclwatch.watchdog.sinks.webhooks import SlackSink, WebhookSink, outcome, post, retry_after_s, sign, verify_signature
 
 SECRET = "s3cret-hmac-key"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from watchdog.config import ENV_PREFIX, Settings
+from ncclwatch.watchdog.config import ENV_PREFIX, Settings
 
 UNITS = REPO / "systemd"
 AGENT = UNITS / "ncclwatch-agent.service"
@@ -177,12 +177,12 @@ class TestAgent:
         assert one(AGENT, "LockPersonality") == "yes"
 
     def test_serve_subcommand_exists_when_written(self):
-        from watchdog import cli
+        from ncclwatch.watchdog import cli
 
         if "serve" not in getattr(cli, "SUBCOMMANDS", ()):
             pytest.skip("ncclwatch serve is not written yet")
         proc = subprocess.run(
-            [sys.executable, "-m", "watchdog", "serve", "--help"],
+            [sys.executable, "-m", "ncclwatch", "serve", "--help"],
             check=False,
             capture_output=True,
             text=True,
@@ -201,7 +201,7 @@ class TestJob:
 
     def test_wrapper_accepts_the_options_in_execstart(self):
         proc = subprocess.run(
-            [sys.executable, "-m", "watchdog", "--help"], check=False, capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "ncclwatch", "--help"], check=False, capture_output=True, text=True, timeout=60
         )
         for option in (w for w in one(JOB, "ExecStart").split() if w.startswith("--")):
             assert option in proc.stdout, option

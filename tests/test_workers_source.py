@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from watchdog.sources.workers import WorkerSource
-from watchdog.types import Event, ProcessState, WorkerGone, WorkerSeen
+from ncclwatch.watchdog.sources.workers import WorkerSource
+from ncclwatch.watchdog.events import Event, ProcessState, WorkerGone, WorkerSeen
 
 LAUNCHER = textwrap.dedent(
     """

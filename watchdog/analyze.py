@@ -17,15 +17,15 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from .detectors import Finding, OpRef
-from .parsing import SNIFF_BYTES, NcclLogParser, sniff
-from .parsing.nccl_log import iter_op_lines
-from .parsing.torch_log import looks_like_torch_log, parse_torch_log
-from .report import InputFile, Report, build_report
-from .snapshot import take_snapshot
-from .state import DEFAULT_WINDOW, JobState
-from .types import P2P_OPS
-from .verdict import decide
+from ncclwatch.watchdog.engine.detectors import Finding, OpRef
+from ncclwatch.watchdog.parsing import SNIFF_BYTES, NcclLogParser, sniff
+from ncclwatch.watchdog.parsing.nccl_log import iter_op_lines
+from ncclwatch.watchdog.parsing.torch_log import looks_like_torch_log, parse_torch_log
+from ncclwatch.watchdog.engine.report import InputFile, Report, build_report
+from ncclwatch.watchdog.engine.snapshot import take_snapshot
+from ncclwatch.watchdog.engine.state import DEFAULT_WINDOW, JobState
+from ncclwatch.watchdog.events import P2P_OPS
+from ncclwatch.watchdog.engine.verdict import decide
 
 CHUNK_BYTES = 8 << 20
 

@@ -7,9 +7,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import __version__
-from .report import EXIT_HANG, EXIT_INCONCLUSIVE, EXIT_KILLED_ON_HANG, EXIT_NO_HANG
-from .state import DEFAULT_WINDOW
+from ncclwatch.watchdog import __version__
+from ncclwatch.watchdog.engine.report import EXIT_HANG, EXIT_INCONCLUSIVE, EXIT_KILLED_ON_HANG, EXIT_NO_HANG
+from ncclwatch.watchdog.engine.state import DEFAULT_WINDOW
 
 ANALYZE_HELP = f"""\
 Say which rank a hung job is waiting on, and why, from the files it left:
@@ -64,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_analyze(args: argparse.Namespace) -> int:
-    from .analyze import analyze_paths
-    from .report import render_text
+    from ncclwatch.watchdog.analyze import analyze_paths
+    from ncclwatch.watchdog.engine.report import render_text
 
     if args.window < 16:
         print("ncclwatch analyze: --window must be at least 16", file=sys.stderr)
@@ -132,7 +132,7 @@ SUBCOMMANDS = ("analyze", "demo", "serve")
 
 
 def add_watch_options(parser: argparse.ArgumentParser) -> None:
-    from .config import Settings
+    from ncclwatch.watchdog.config import Settings
 
     fields = Settings.model_fields
     add = lambda flag, **kw: parser.add_argument(flag, default=None, help=fields[flag[2:].replace("-", "_")].description, **kw)
@@ -157,7 +157,7 @@ def add_watch_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from .config import Settings, load_settings
+    from ncclwatch.watchdog.config import Settings, load_settings
 
     cli = {name: getattr(args, name, None) for name in Settings.model_fields}
     return load_settings(cli, args.config)
@@ -170,7 +170,7 @@ def _logging(verbose: bool) -> None:
 
 
 def run_wrapped(argv: list[str]) -> int:
-    from .config import ConfigError
+    from ncclwatch.watchdog.config import ConfigError
 
     parser = argparse.ArgumentParser(prog="ncclwatch", description=WRAP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ncclwatch {__version__}")
@@ -180,7 +180,7 @@ def run_wrapped(argv: list[str]) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    from launcher.command import is_torchrun, job_name_of
+    from ncclwatch.launcher.command import is_torchrun, job_name_of
 
     if not is_torchrun(args.command):
         parser.error(
@@ -192,14 +192,14 @@ def run_wrapped(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"ncclwatch: {exc}", file=sys.stderr)
         return 2
-    from launcher.run import run_job
+    from ncclwatch.launcher.run import run_job
 
     _logging(args.verbose)
     return run_job(list(args.command), settings, args.job_name or job_name_of(args.command))
 
 
 def run_demo(argv: list[str]) -> int:
-    from .config import ConfigError
+    from ncclwatch.watchdog.config import ConfigError
 
     parser = argparse.ArgumentParser(
         prog="ncclwatch demo",
@@ -225,8 +225,8 @@ def run_demo(argv: list[str]) -> int:
         return 2
     from pathlib import Path
 
-    from launcher import demo_job
-    from launcher.run import run_job
+    from ncclwatch.launcher import demo_job
+    from ncclwatch.launcher.run import run_job
 
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
@@ -242,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args_list and args_list[0] == "demo":
         return run_demo(args_list[1:])
     if args_list and args_list[0] == "serve":
-        from .serve import run_serve
+        from ncclwatch.watchdog.server.agent import run_serve
 
         return run_serve(args_list[1:])
     if not args_list or args_list[0] not in SUBCOMMANDS:

@@ -40,20 +40,23 @@ import sys
 
 
 def _load_heartbeat():
-    """Our ``launcher.heartbeat`` module, shared with ``ncclwatch.beat`` when possible.
+    """Our ``ncclwatch.launcher.heartbeat`` module, shared with ``ncclwatch.beat`` when possible.
 
-    ``launcher`` is a common name: import it only if the package on
-    ``sys.path`` is ours (same folder), else load the file privately, so
-    that a user's own ``launcher`` package is never imported by us.
+    Import it through the package only if the package Python would import is
+    the one this file belongs to (a job may run another ncclwatch install, or
+    none); else load the file privately.
     """
     import importlib.util
 
     ours = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-    spec = importlib.util.find_spec("launcher")
+    try:
+        spec = importlib.util.find_spec("ncclwatch.launcher.heartbeat")
+    except ImportError:
+        spec = None
     if spec is not None and spec.origin and os.path.dirname(os.path.realpath(spec.origin)) == ours:
-        import launcher.heartbeat
+        import ncclwatch.launcher.heartbeat
 
-        return launcher.heartbeat
+        return ncclwatch.launcher.heartbeat
     spec = importlib.util.spec_from_file_location("_ncclwatch_heartbeat", os.path.join(ours, "heartbeat.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -23,13 +23,13 @@ Collectors, each usable alone: ``collect_flight_recorder``, ``collect_nvml``,
 ``collect_all`` runs them in order within ``ctx.budget_s``.
 """
 
-from .base import EvidenceContext, EvidenceRecord, RankTarget
-from .collect import EVIDENCE_JSON, collect_all
-from .flight_recorder import collect_flight_recorder
-from .logs import collect_nccl_logs, collect_worker_logs
-from .node import collect_infiniband, collect_nvml, collect_ras
-from .process import collect_env, collect_proc
-from .stacks import collect_native_stacks, collect_python_stacks, collect_stacks
+from ncclwatch.watchdog.evidence.base import EvidenceContext, EvidenceRecord, RankTarget
+from ncclwatch.watchdog.evidence.collect import EVIDENCE_JSON, collect_all
+from ncclwatch.watchdog.evidence.flight_recorder import collect_flight_recorder
+from ncclwatch.watchdog.evidence.logs import collect_nccl_logs, collect_worker_logs
+from ncclwatch.watchdog.evidence.node import collect_infiniband, collect_nvml, collect_ras
+from ncclwatch.watchdog.evidence.process import collect_env, collect_proc
+from ncclwatch.watchdog.evidence.stacks import collect_native_stacks, collect_python_stacks, collect_stacks
 
 __all__ = [
     "EVIDENCE_JSON",

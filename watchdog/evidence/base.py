@@ -21,9 +21,9 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel, ConfigDict
 
-from ..probes.infiniband import SYS_INFINIBAND
-from ..probes.procfs import PROC, proc_state
-from ..probes.ras import RAS_PORT
+from ncclwatch.watchdog.probes.infiniband import SYS_INFINIBAND
+from ncclwatch.watchdog.probes.procfs import PROC, proc_state
+from ncclwatch.watchdog.probes.ras import RAS_PORT
 
 log = logging.getLogger(__name__)
 

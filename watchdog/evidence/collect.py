@@ -25,12 +25,12 @@ from collections.abc import Callable, Coroutine, Iterable
 from functools import partial
 from typing import Any
 
-from .base import EvidenceContext, EvidenceRecord, record
-from .flight_recorder import collect_flight_recorder
-from .logs import collect_nccl_logs, collect_worker_logs
-from .node import collect_infiniband, collect_nvml, collect_ras
-from .process import collect_env, collect_proc
-from .stacks import collect_native_stacks, collect_python_stacks, rank_states
+from ncclwatch.watchdog.evidence.base import EvidenceContext, EvidenceRecord, record
+from ncclwatch.watchdog.evidence.flight_recorder import collect_flight_recorder
+from ncclwatch.watchdog.evidence.logs import collect_nccl_logs, collect_worker_logs
+from ncclwatch.watchdog.evidence.node import collect_infiniband, collect_nvml, collect_ras
+from ncclwatch.watchdog.evidence.process import collect_env, collect_proc
+from ncclwatch.watchdog.evidence.stacks import collect_native_stacks, collect_python_stacks, rank_states
 
 CANCEL_GRACE_S = 1.5  # for cancelled collectors to kill py-spy and SIGCONT what it stopped
 EVIDENCE_JSON = "evidence.json"

@@ -15,9 +15,9 @@ import shutil
 import time
 from pathlib import Path
 
-from ..probes.flight_recorder import FR_WAIT_S, fr_files, signature, trigger, wait_for_new
-from ..probes.procfs import STOPPED, proc_state
-from .base import EvidenceContext, EvidenceRecord, RankTarget, guard, placeholder, rank_problem, record
+from ncclwatch.watchdog.probes.flight_recorder import FR_WAIT_S, fr_files, signature, trigger, wait_for_new
+from ncclwatch.watchdog.probes.procfs import STOPPED, proc_state
+from ncclwatch.watchdog.evidence.base import EvidenceContext, EvidenceRecord, RankTarget, guard, placeholder, rank_problem, record
 
 TIMEOUT_S = FR_WAIT_S + 3.0  # the wait, plus copying dumps of a few MB
 

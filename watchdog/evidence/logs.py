@@ -12,7 +12,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from .base import EvidenceContext, EvidenceRecord, guard, record, write_file
+from ncclwatch.watchdog.evidence.base import EvidenceContext, EvidenceRecord, guard, record, write_file
 
 TIMEOUT_S = 10.0
 

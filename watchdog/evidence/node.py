@@ -6,10 +6,10 @@ import asyncio
 import json
 import time
 
-from ..probes.infiniband import ib_delta, read_ib_counters
-from ..probes.nvml import sample_gpus_async
-from ..probes.ras import query_ras
-from .base import EvidenceContext, EvidenceRecord, guard, record, write_file
+from ncclwatch.watchdog.probes.infiniband import ib_delta, read_ib_counters
+from ncclwatch.watchdog.probes.nvml import sample_gpus_async
+from ncclwatch.watchdog.probes.ras import query_ras
+from ncclwatch.watchdog.evidence.base import EvidenceContext, EvidenceRecord, guard, record, write_file
 
 GPM_WINDOW_S = 1.0
 NVML_TIMEOUT_S = GPM_WINDOW_S + 4.0

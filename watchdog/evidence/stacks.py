@@ -19,9 +19,9 @@ import asyncio
 import time
 from collections.abc import Mapping
 
-from ..probes.procfs import STOPPED, proc_state
-from ..probes.pyspy import pyspy_dump
-from .base import EvidenceContext, EvidenceRecord, RankTarget, guard, placeholder, rank_problem, record, write_file
+from ncclwatch.watchdog.probes.procfs import STOPPED, proc_state
+from ncclwatch.watchdog.probes.pyspy import pyspy_dump
+from ncclwatch.watchdog.evidence.base import EvidenceContext, EvidenceRecord, RankTarget, guard, placeholder, rank_problem, record, write_file
 
 DUMP_TIMEOUT_S = 5.0
 NATIVE_TIMEOUT_S = 8.0  # native unwinding symbolises libtorch/libnccl on first use (1-1.3 s seen on a CUDA rank)

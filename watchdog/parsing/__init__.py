@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..types import Event
-from .flight_recorder import looks_like_flight_recorder, parse_flight_recorder
-from .nccl_log import NcclLogParser, looks_like_nccl_log
-from .nvml import looks_like_nvml, parse_nvml
-from .pyspy import looks_like_pyspy, parse_pyspy
-from .ras import looks_like_ras, parse_ras
-from .torch_log import looks_like_torch_log, parse_torch_log
+from ncclwatch.watchdog.events import Event
+from ncclwatch.watchdog.parsing.flight_recorder import looks_like_flight_recorder, parse_flight_recorder
+from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser, looks_like_nccl_log
+from ncclwatch.watchdog.parsing.nvml import looks_like_nvml, parse_nvml
+from ncclwatch.watchdog.parsing.pyspy import looks_like_pyspy, parse_pyspy
+from ncclwatch.watchdog.parsing.ras import looks_like_ras, parse_ras
+from ncclwatch.watchdog.parsing.torch_log import looks_like_torch_log, parse_torch_log
 
 SNIFF_BYTES = 1 << 20  # NCCL lines can start late in a worker's stderr
 

@@ -70,7 +70,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import PurePath
 from typing import Any
 
-from ..types import (
+from ncclwatch.watchdog.events import (
     Citation,
     Event,
     FrDump,

@@ -12,7 +12,7 @@ import json
 
 from pydantic import ValidationError
 
-from ..types import Heartbeat
+from ncclwatch.watchdog.events import Heartbeat
 
 
 def parse_heartbeat(data: bytes) -> Heartbeat | None:

@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterator
 from itertools import compress
 
-from ..types import (
+from ncclwatch.watchdog.events import (
     Citation,
     CommEnd,
     CommInit,

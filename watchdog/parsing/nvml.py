@@ -11,7 +11,7 @@ import json
 
 from pydantic import ValidationError
 
-from ..types import Citation, Event, GpuSample, GpuSnapshot, Unusable
+from ncclwatch.watchdog.events import Citation, Event, GpuSample, GpuSnapshot, Unusable
 
 
 def looks_like_nvml(head: bytes) -> bool:

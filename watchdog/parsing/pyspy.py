@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from ..types import Citation, Event, StackDump, ThreadStack, Unusable
+from ncclwatch.watchdog.events import Citation, Event, StackDump, ThreadStack, Unusable
 
 
 def looks_like_pyspy(head: bytes) -> bool:

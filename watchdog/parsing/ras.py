@@ -47,7 +47,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..types import Citation, Event, RasCommunicator, RasRank, RasReport, Unusable
+from ncclwatch.watchdog.events import Citation, Event, RasCommunicator, RasRank, RasReport, Unusable
 
 MALFORMED_JSON_REASON = "malformed RAS JSON (known on NCCL 2.28.9); capture the text report too"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from ..types import Citation, Event, WatchdogTimeout, WorkerFailure
+from ncclwatch.watchdog.events import Citation, Event, WatchdogTimeout, WorkerFailure
 
 _TIMEOUT_RE = re.compile(
     r"\[Rank (?P<rank>\d+)\] Watchdog caught collective operation timeout: "

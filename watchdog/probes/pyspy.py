@@ -28,7 +28,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .procfs import STOPPED, proc_state
+from ncclwatch.watchdog.probes.procfs import STOPPED, proc_state
 
 ERROR_CHARS = 240
 

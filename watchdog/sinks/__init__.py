@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from .alert import Alert
+    from ncclwatch.watchdog.sinks.alert import Alert
 
 
 @dataclass(frozen=True)

@@ -47,13 +47,13 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from pydantic import ValidationError
 
-from . import Delivery, Sink
-from .alert import Alert
-from .pagerduty import PagerDutySink
-from .webhooks import SlackSink, WebhookSink
+from ncclwatch.watchdog.sinks import Delivery, Sink
+from ncclwatch.watchdog.sinks.alert import Alert
+from ncclwatch.watchdog.sinks.pagerduty import PagerDutySink
+from ncclwatch.watchdog.sinks.webhooks import SlackSink, WebhookSink
 
 if TYPE_CHECKING:
-    from ..config import Settings
+    from ncclwatch.watchdog.config import Settings
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..health import Health
+from ncclwatch.watchdog.live.health import Health
 
 log = logging.getLogger("ncclwatch")
 

@@ -19,9 +19,9 @@ from typing import Any
 import aiohttp
 from pydantic import SecretStr
 
-from . import Delivery
-from .alert import Alert
-from .webhooks import TIMEOUT_S, post
+from ncclwatch.watchdog.sinks import Delivery
+from ncclwatch.watchdog.sinks.alert import Alert
+from ncclwatch.watchdog.sinks.webhooks import TIMEOUT_S, post
 
 DEFAULT_URL = "https://events.pagerduty.com/v2/enqueue"
 CLIENT = "ncclwatch"

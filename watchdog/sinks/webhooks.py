@@ -34,8 +34,8 @@ from typing import Any
 import aiohttp
 from pydantic import SecretStr
 
-from . import Delivery
-from .alert import Alert
+from ncclwatch.watchdog.sinks import Delivery
+from ncclwatch.watchdog.sinks.alert import Alert
 
 TIMEOUT_S = 10.0
 DETAIL_MAX = 300  # of the receiver's answer, into logs and failed/ files

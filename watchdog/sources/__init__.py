@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from ..types import Event, SourceDown, SourceUp
+from ncclwatch.watchdog.events import Event, SourceDown, SourceUp
 
 Emit = Callable[[Event], None]
 

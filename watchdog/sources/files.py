@@ -13,10 +13,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..parsing.heartbeat import parse_heartbeat
-from ..parsing.nccl_log import NcclLogParser
-from ..types import Citation, Unusable
-from . import DownOnce, Emit, PollingSource
+from ncclwatch.watchdog.parsing.heartbeat import parse_heartbeat
+from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
+from ncclwatch.watchdog.events import Citation, Unusable
+from ncclwatch.watchdog.sources import DownOnce, Emit, PollingSource
 
 READ_LIMIT = 8 << 20  # bytes per file per poll: a burst is caught up over several polls
 

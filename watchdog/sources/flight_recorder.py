@@ -14,9 +14,9 @@ import asyncio
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..parsing.flight_recorder import parse_flight_recorder
-from ..probes.flight_recorder import fr_files, signature, trigger, wait_for_new
-from ..types import Event
+from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
+from ncclwatch.watchdog.probes.flight_recorder import fr_files, signature, trigger, wait_for_new
+from ncclwatch.watchdog.events import Event
 
 
 def prime(fr_dir: Path, ranks: Mapping[int, int]) -> int:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 
-from ..parsing.nvml import snapshot_from_doc
-from ..parsing.ras import parse_ras
-from ..types import Citation, GpuSnapshot, SourceDown
-from . import Emit
+from ncclwatch.watchdog.parsing.nvml import snapshot_from_doc
+from ncclwatch.watchdog.parsing.ras import parse_ras
+from ncclwatch.watchdog.events import Citation, GpuSnapshot, SourceDown
+from ncclwatch.watchdog.sources import Emit
 
 NVML_EVERY_S = 5.0
 RAS_EVERY_S = 30.0
@@ -22,7 +22,7 @@ RAS_EVERY_S = 30.0
 
 async def gpu_snapshot() -> GpuSnapshot | None:
     """One NVML sample with GPM over the preceding second; None without NVML."""
-    from ..probes.nvml import sample_gpus_async
+    from ncclwatch.watchdog.probes.nvml import sample_gpus_async
 
     sample = await sample_gpus_async()
     if sample is None:
@@ -51,7 +51,7 @@ class RasSource:
         self.port = port
 
     async def run(self, emit: Emit) -> None:
-        from ..probes.ras import query_ras
+        from ncclwatch.watchdog.probes.ras import query_ras
 
         while True:
             data, error = await query_ras(self.port, json_format=False, timeout_s=8.0)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import psutil
 
-from ..types import ProcessState, WorkerGone, WorkerSeen
-from . import DownOnce, Emit, PollingSource
+from ncclwatch.watchdog.events import ProcessState, WorkerGone, WorkerSeen
+from ncclwatch.watchdog.sources import DownOnce, Emit, PollingSource
 
 # psutil's status names -> the /proc state letters people know.
 STATE_LETTERS = {

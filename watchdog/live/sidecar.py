@@ -25,21 +25,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from .classify import Decision, classify
-from .config import Settings
-from .health import Health, health_of
-from .live import LiveJob, LiveView
-from .parsing.pyspy import parse_pyspy
-from .report import Report
-from .runfolder import RunDirs
-from .sinks.alert import Alert, resolve_for, trigger_from_report
-from .sinks.delivery import Dispatcher
-from .snapshot import take_snapshot
-from .sources.files import HeartbeatSource, NcclFileSource
-from .sources.flight_recorder import prime, read_dump, request_dumps
-from .sources.gpus import NvmlSource, RasSource, gpu_snapshot
-from .sources.workers import WorkerSource
-from .types import Event, SourceDown
+from ncclwatch.watchdog.engine.classify import Decision, classify
+from ncclwatch.watchdog.config import Settings
+from ncclwatch.watchdog.live.health import Health, health_of
+from ncclwatch.watchdog.live.job import LiveJob, LiveView
+from ncclwatch.watchdog.parsing.pyspy import parse_pyspy
+from ncclwatch.watchdog.engine.report import Report
+from ncclwatch.watchdog.live.runfolder import RunDirs
+from ncclwatch.watchdog.sinks.alert import Alert, resolve_for, trigger_from_report
+from ncclwatch.watchdog.sinks.delivery import Dispatcher
+from ncclwatch.watchdog.engine.snapshot import take_snapshot
+from ncclwatch.watchdog.sources.files import HeartbeatSource, NcclFileSource
+from ncclwatch.watchdog.sources.flight_recorder import prime, read_dump, request_dumps
+from ncclwatch.watchdog.sources.gpus import NvmlSource, RasSource, gpu_snapshot
+from ncclwatch.watchdog.sources.workers import WorkerSource
+from ncclwatch.watchdog.events import Event, SourceDown
 
 log = logging.getLogger("ncclwatch")
 
@@ -241,7 +241,7 @@ class Sidecar:
             self.live.apply(gpus, now)
 
     async def _stack(self, pid: int) -> list[Event]:
-        from .probes.pyspy import pyspy_dump
+        from ncclwatch.watchdog.probes.pyspy import pyspy_dump
 
         data, error = await pyspy_dump(pid, native=False, timeout_s=5.0, pyspy=self.settings.pyspy)
         if data is None:

@@ -55,7 +55,7 @@ from aiohttp.abc import AbstractAccessLogger
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from .web.page import esc, listing_body, page_html, report_body
+from ncclwatch.watchdog.server.page import esc, listing_body, page_html, report_body
 
 log = logging.getLogger("ncclwatch.server")
 

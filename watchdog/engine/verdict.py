@@ -15,10 +15,10 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
 
-from .detectors import HANG_VERDICTS, PRIORITY, Evidence, Finding, Verdict, analyze_comm, rank_id
-from .parsing.ras import ras_outliers
-from .snapshot import Snapshot
-from .types import Citation, RasCommunicator, RasReport
+from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, PRIORITY, Evidence, Finding, Verdict, analyze_comm, rank_id
+from ncclwatch.watchdog.parsing.ras import ras_outliers
+from ncclwatch.watchdog.engine.snapshot import Snapshot
+from ncclwatch.watchdog.events import Citation, RasCommunicator, RasReport
 
 NCCL_SPIN = "multi-block kernel (NCCL spin)"
 

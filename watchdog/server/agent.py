@@ -69,7 +69,7 @@ exit status: 0 after SIGTERM or Ctrl-C; 2 for a bad setting or an address in use
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import Settings
+    from ncclwatch.watchdog.config import Settings
 
     fields = Settings.model_fields
     parser = argparse.ArgumentParser(
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_serve(argv: Sequence[str]) -> int:
-    from .config import ConfigError, load_settings
+    from ncclwatch.watchdog.config import ConfigError, load_settings
 
     args = build_parser().parse_args(list(argv))
     try:
@@ -106,8 +106,8 @@ def run_serve(argv: Sequence[str]) -> int:
 async def serve(bundle_dir: Path, listen: str, token: str | None, *, metrics_open: bool, public_url: str | None) -> int:
     from prometheus_client import CollectorRegistry
 
-    from .sdnotify import systemd_lifecycle
-    from .server import BundleCollector, BundleIndex, make_app, start_server, stop_server
+    from ncclwatch.watchdog.server.sdnotify import systemd_lifecycle
+    from ncclwatch.watchdog.server.app import BundleCollector, BundleIndex, make_app, start_server, stop_server
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -23,16 +23,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .analyze import resolve_citations
-from .classify import Decision
-from .detectors import Finding
-from .evidence import EvidenceContext, RankTarget, collect_all
-from .live import LiveView
-from .report import EvidenceFile, RankRow, Report, build_report, gpu_of, iso, main_frame, render_text
-from .snapshot import Snapshot, take_snapshot
+from ncclwatch.watchdog.analyze import resolve_citations
+from ncclwatch.watchdog.engine.classify import Decision
+from ncclwatch.watchdog.engine.detectors import Finding
+from ncclwatch.watchdog.evidence import EvidenceContext, RankTarget, collect_all
+from ncclwatch.watchdog.live.job import LiveView
+from ncclwatch.watchdog.engine.report import EvidenceFile, RankRow, Report, build_report, gpu_of, iso, main_frame, render_text
+from ncclwatch.watchdog.engine.snapshot import Snapshot, take_snapshot
 
 if TYPE_CHECKING:
-    from .sidecar import Incident, Sidecar
+    from ncclwatch.watchdog.live.sidecar import Incident, Sidecar
 
 log = logging.getLogger("ncclwatch")
 

@@ -6,11 +6,11 @@ import datetime as dt
 
 from pydantic import BaseModel, Field
 
-from . import __version__
-from .detectors import Finding, Verdict
-from .snapshot import Snapshot
-from .stacks import main_thread
-from .verdict import gpu_signature
+from ncclwatch.watchdog import __version__
+from ncclwatch.watchdog.engine.detectors import Finding, Verdict
+from ncclwatch.watchdog.engine.snapshot import Snapshot
+from ncclwatch.watchdog.engine.stacks import main_thread
+from ncclwatch.watchdog.engine.verdict import gpu_signature
 
 EXIT_NO_HANG = 0
 EXIT_HANG = 1

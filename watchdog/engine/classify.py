@@ -24,12 +24,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from .config import Settings
-from .detectors import HANG_VERDICTS, Evidence, Finding, Verdict
-from .live import LiveView
-from .snapshot import Snapshot
-from .stacks import Whereabouts, whereabouts
-from .verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
+from ncclwatch.watchdog.config import Settings
+from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, Evidence, Finding, Verdict
+from ncclwatch.watchdog.live.job import LiveView
+from ncclwatch.watchdog.engine.snapshot import Snapshot
+from ncclwatch.watchdog.engine.stacks import Whereabouts, whereabouts
+from ncclwatch.watchdog.engine.verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
 
 BUSY_CPU_SHARE = 0.2  # of one core, over the last few seconds
 BUSY_IO_BYTES_PER_S = 64 << 10  # a log line now and then is not a checkpoint

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
-from .snapshot import CommView, PeerView, RankView
-from .types import Citation, OpSig, OpState, ProcKey
+from ncclwatch.watchdog.engine.snapshot import CommView, PeerView, RankView
+from ncclwatch.watchdog.events import Citation, OpSig, OpState, ProcKey
 
 MAX_PERIOD = 512  # longest repeating pattern (ops per training step) looked for
 MAX_SKEW = 16  # how far apart two ranks' sequences may be realigned

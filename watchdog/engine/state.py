@@ -26,7 +26,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .types import (
+from ncclwatch.watchdog.events import (
     Citation,
     CommEnd,
     CommInit,

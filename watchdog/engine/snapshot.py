@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-from .state import Communicator, JobState, PeerLog, RankSeq, Source, fold
-from .types import (
+from ncclwatch.watchdog.engine.state import Communicator, JobState, PeerLog, RankSeq, Source, fold
+from ncclwatch.watchdog.events import (
     Citation,
     GpuSnapshot,
     LocalPeerClosed,

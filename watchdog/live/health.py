@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .live import LiveJob
+from ncclwatch.watchdog.live.job import LiveJob
 
 
 @dataclass(frozen=True)

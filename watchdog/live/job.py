@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .config import Settings
-from .state import DEFAULT_WINDOW, JobState
-from .types import Event, Heartbeat, OpBatch, ProcessState, SourceDown, SourceUp, WorkerGone, WorkerSeen
+from ncclwatch.watchdog.config import Settings
+from ncclwatch.watchdog.engine.state import DEFAULT_WINDOW, JobState
+from ncclwatch.watchdog.events import Event, Heartbeat, OpBatch, ProcessState, SourceDown, SourceUp, WorkerGone, WorkerSeen
 
 MIN_PROGRESS = 8  # steps (or NCCL operation batches) the job must show before its own timing is trusted
 GAP_MEMORY_S = 900.0  # a gap older than this no longer widens the timeout

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .types import StackDump, ThreadStack
+from ncclwatch.watchdog.events import StackDump, ThreadStack
 
 _C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")
 _GPU_WAITS = {"synchronize", "wait_stream", "wait_event"}

@@ -1,0 +1,3 @@
+from ncclwatch.watchdog.cli import main
+
+raise SystemExit(main())

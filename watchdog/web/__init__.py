@@ -1,1 +1,0 @@
-"""The bundle page: HTML rendering (``page``) and its two templates (page.html, style.css)."""
