@@ -1,28 +1,28 @@
 """Shared paths and builders for the tests.
 
-Real captures come first: ``../shared/fixtures`` (beside the checkout, as in
-CI) and ``tests/fixtures/captures`` (made by ``tools/capture`` on H200s).
+Real captures live in the repository, so every clone runs every test:
+``tests/fixtures/nccl-2.28.9-2gpu`` (2 x H200, torch 2.11, NCCL 2.28.9) and
+``tests/fixtures/captures`` (made by ``tools/capture`` on H200s).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_FIXTURES = Path(os.environ.get("NCCLWATCH_SHARED_FIXTURES", REPO.parent / "shared" / "fixtures"))
+FIXTURES = REPO / "tests" / "fixtures"
 CAPTURES = REPO / "tests" / "fixtures" / "captures"
 DATA = REPO / "tests" / "data"
 NOW = 1_795_301_250.0
 
 
 def shared(*parts: str) -> Path:
-    path = SHARED_FIXTURES.joinpath(*parts)
-    if not path.exists():
-        pytest.skip(f"shared fixture {path} is not beside this checkout")
+    """A path in the real 2-GPU captures (once beside CI's checkout, now in tests/fixtures); missing fails."""
+    path = FIXTURES.joinpath(*parts)
+    assert path.exists(), f"fixture {path} is missing from the repository"
     return path
 
 

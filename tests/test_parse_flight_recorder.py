@@ -28,10 +28,9 @@ from ncclwatch.watchdog.parsing.flight_recorder import (
 from ncclwatch.watchdog.events import Citation, FrDump, OpState, Unusable
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURE = REPO.parent / "shared/fixtures/nccl-2.28.9-2gpu/mismatch_fr/fr"
+FIXTURE = REPO / "tests/fixtures/nccl-2.28.9-2gpu/mismatch_fr/fr"
 DATA = Path(__file__).resolve().parent / "data/flight_recorder"
 
-needs_fixture = pytest.mark.skipif(not FIXTURE.is_dir(), reason=f"shared 2-GPU fixture not found at {FIXTURE}")
 
 
 def parse(data: bytes, name: str = "nccl_trace_rank_0") -> FrDump:
@@ -58,7 +57,6 @@ def fixture(rank: int) -> bytes:
 # --------------------------------------------------------------------------
 
 
-@needs_fixture
 class TestRealTwoGpuDumps:
     def test_rank_0_header_and_group(self) -> None:
         dump = parse(fixture(0), "fr/nccl_trace_rank_0")
@@ -545,7 +543,6 @@ class TestBadInput:
         assert "empty" in unusable(b"").reason
         assert "empty" in unusable(b"  \n").reason
 
-    @needs_fixture
     def test_truncated_pickle(self) -> None:
         data = fixture(0)
         reason = unusable(data[: len(data) // 2]).reason
@@ -587,7 +584,6 @@ class TestBadInput:
         with pytest.raises(pickle.UnpicklingError, match="refused global"):
             _PlainUnpickler(io.BytesIO(data)).load()
 
-    @needs_fixture
     def test_a_corrupt_memo_index_does_not_make_the_unpickler_allocate(self) -> None:
         """One flipped byte in a LONG_BINPUT took the C unpickler 25 s and gigabytes."""
         data = bytearray(fixture(0))
@@ -646,7 +642,6 @@ class TestBadInput:
         assert "top level is a list" in unusable(b'[{"pid": 1, "frames": []}]').reason
         assert "no 'version'" in unusable(b'{"nccl_version": "2.28.9", "communicators": []}').reason
 
-    @needs_fixture
     @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pickletools on garbage STRING args
     def test_flipped_bytes_never_raise(self) -> None:
         data = bytearray(fixture(0))
