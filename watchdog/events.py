@@ -239,6 +239,9 @@ class FrEntry(Event):
     time_created_ns: int | None = None
     time_started_ns: int | None = None
     time_completed_ns: int | None = None
+    # GPU time between the kernel's start and end events (TORCH_NCCL_ENABLE_TIMING=1, completed entries);
+    # the discovered times above are when the watchdog thread noticed, up to its poll period late.
+    duration_ms: float | None = None
     timeout_ms: int | None = None
     frames: list[FrFrame] = Field(default_factory=list)
 

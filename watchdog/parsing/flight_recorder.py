@@ -407,6 +407,7 @@ def _entry(index: int, e: Mapping[Any, Any], pg_name: str) -> FrEntry:
         time_created_ns=_time_ns(e.get("time_created_ns")),
         time_started_ns=started,
         time_completed_ns=completed,
+        duration_ms=_duration_ms(e.get("duration_ms")),
         timeout_ms=_int(e.get("timeout_ms")),
         frames=_frames(e.get("frames")),
     )
@@ -590,6 +591,13 @@ def _time_ns(value: Any) -> int | None:
     """A timestamp; JSON writes 0 (pickle None) for "not discovered"."""
     number = _int(value)
     return number if number is not None and number > 0 else None
+
+
+def _duration_ms(value: Any) -> float | None:
+    """``duration_ms`` (a float, only with TORCH_NCCL_ENABLE_TIMING); absent, zero or mistyped: None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if value > 0 else None
 
 
 def _seq(value: Any) -> int | None:
