@@ -1,0 +1,127 @@
+"""Stragglers from arrival skew and heartbeats: literal rounds, then real gloo ranks whose Flight Recorder
+dumps (torch 2.13, JSON) go through the real parser.
+
+The gloo job runs two groups over the same 3 ranks: on the default group
+rank 2 sleeps 30 ms before each all-reduce (a straggler), on the second
+group nobody does (the healthy control in the same run).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ncclwatch.watchdog.engine.bandwidth import match_collectives
+from ncclwatch.watchdog.engine.perf import PerfKind
+from ncclwatch.watchdog.engine.stragglers import arrival_rounds, heartbeat_rounds, last_arrivals, stragglers
+from ncclwatch.watchdog.events import FrDump
+from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
+
+
+def rounds(n: int, late: dict[int, float], ranks: int = 4, period: float = 1.0) -> list[dict[int, float]]:
+    """``n`` rounds ``period`` apart; rank r arrives ``late.get(r, 0)`` s after the others, plus a little jitter."""
+    return [{r: i * period + late.get(r, 0.0) + 0.001 * ((i * 7 + r * 3) % 5) for r in range(ranks)} for i in range(n)]
+
+
+class TestLastArrivals:
+    def test_a_rank_last_by_a_margin_in_most_rounds_is_a_straggler(self):
+        stats = last_arrivals(rounds(20, {3: 0.2}), source="heartbeat")
+        assert stats.rounds == 20 and stats.last_counts == {3: 20}
+        (finding,) = stragglers(stats, hosts={3: "node1"})
+        assert (finding.kind, finding.ranks, finding.hosts) == (PerfKind.straggler, (3,), ("node1",))
+        assert "last in 20 of the last 20 steps" in finding.summary
+
+    def test_jitter_under_the_margin_is_not_a_lead(self):
+        stats = last_arrivals(rounds(20, {}), source="arrival")
+        assert stats.last_counts == {} and stragglers(stats) == []
+
+    def test_margin_scales_with_the_step_period(self):
+        slow_steps = rounds(20, {1: 0.05}, period=2.0)  # 50 ms late in 2 s steps: under 10% of a step
+        assert stragglers(last_arrivals(slow_steps, source="heartbeat")) == []
+        fast_steps = rounds(20, {1: 0.05}, period=0.2)
+        assert [f.ranks for f in stragglers(last_arrivals(fast_steps, source="heartbeat"))] == [(1,)]
+
+    def test_last_now_and_then_is_not_a_straggler(self):
+        mixed = rounds(10, {2: 0.3}) + rounds(10, {}) + rounds(10, {1: 0.3})
+        stats = last_arrivals(mixed, source="arrival", window=30)
+        assert stats.last_counts == {1: 10, 2: 10} and stragglers(stats) == []
+
+    def test_too_few_rounds_say_nothing(self):
+        assert stragglers(last_arrivals(rounds(5, {3: 0.2}), source="heartbeat")) == []
+
+    def test_heartbeat_rounds_keep_only_steps_every_rank_reported(self):
+        beats = {0: [(1, 10.0), (2, 11.0), (3, 12.0)], 1: [(1, 10.1), (3, 12.5)]}
+        assert heartbeat_rounds(beats) == [{0: 10.0, 1: 10.1}, {0: 12.0, 1: 12.5}]
+
+
+JOB = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch, torch.distributed as dist
+    import torch._C._distributed_c10d as c
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    quiet = dist.new_group([0, 1, 2])
+    t = torch.ones(1 << 16)
+    for step in range(15):
+        if rank == 2:
+            time.sleep(0.03)
+        dist.all_reduce(t)
+    for step in range(15):
+        dist.all_reduce(t, group=quiet)
+    with open(os.path.join(sys.argv[1], f"fr_json_{rank}"), "wb") as f:
+        f.write(c._dump_fr_trace_json())
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gloo_dumps(tmp_path_factory) -> list[FrDump]:
+    pytest.importorskip("torch")
+    out = tmp_path_factory.mktemp("fr")
+    port = _free_port()
+    procs = []
+    for rank in range(3):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "TORCH_FR_BUFFER_SIZE": "200"}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, "-c", JOB, str(out)], env=env, stderr=subprocess.PIPE))
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err.decode()[-2000:]
+    dumps = []
+    for rank in range(3):
+        name = f"fr_json_{rank}"
+        (fr,) = parse_flight_recorder((out / name).read_bytes(), name)
+        assert isinstance(fr, FrDump), fr
+        dumps.append(fr)
+    return dumps
+
+
+class TestRealGlooRanks:
+    def test_the_sleeping_rank_is_last_on_its_group_and_named(self, gloo_dumps):
+        timings = match_collectives(gloo_dumps)
+        default = [t for t in timings if t.pg == "0"]
+        assert len(default) >= 15 and all(t.nranks == 3 and t.all_arrived for t in default)
+        stats = last_arrivals(arrival_rounds(timings, pg="0"), source="arrival")
+        assert stats.last_counts.get(2, 0) >= 12, stats
+        (finding,) = stragglers(stats, hosts={0: "h", 1: "h", 2: "h"})
+        assert finding.ranks == (2,) and 20 <= finding.measured * 1e3 <= 200
+
+    def test_the_quiet_group_has_no_straggler(self, gloo_dumps):
+        timings = match_collectives(gloo_dumps)
+        quiet = next(t.pg for t in timings if t.pg != "0")
+        stats = last_arrivals(arrival_rounds(timings, pg=quiet), source="arrival")
+        assert stats.rounds == 15 and stragglers(stats) == []

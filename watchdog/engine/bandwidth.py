@@ -1,0 +1,389 @@
+"""Achieved bus bandwidth and arrival skew from Flight Recorder entries, and the slow-collective/slow-link checks.
+
+Bus bandwidth follows nccl-tests (``doc/PERFORMANCE.md``): ``algbw = S / t``
+with ``S`` the collective's size as nccl-tests counts it (the all-reduce
+buffer, the all-gather output, the reduce-scatter input, the whole
+all-to-all), and ``busbw = algbw * factor`` with the factor below, so one
+number can be compared with the hardware's link speed whatever the
+collective and the rank count.
+
+Matching: an entry of one rank is the same collective as another rank's
+when both have the same process group and ``collective_seq_id``.
+``time_created_ns`` is when each rank enqueued it (host wall clock, so
+across nodes only as good as NTP: skews under a few ms between nodes are
+noise), which gives arrival order and skew.  The time the data took is the
+shortest kernel duration among the ranks (``duration_ms``, only with
+``TORCH_NCCL_ENABLE_TIMING=1``): the early ranks' kernels include waiting
+for the last one, the last one's does not.  Without durations it is the
+first discovered completion minus the last arrival, which is up to the
+watchdog thread's poll period too long, so busbw is then a lower bound.
+Gloo entries carry neither: skew only.
+
+Failure modes: a collective seen by one rank only, with no size, or with
+an unknown dtype gives no bandwidth (``None``), never a guess; small
+collectives (``min_bytes``) are latency-bound and never judged on
+bandwidth.  The detectors need ``min_history`` comparable samples before
+they say anything, so a job's first minutes stay quiet.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind, gbps, ranks_text, where
+from ncclwatch.watchdog.events import FrDump, FrEntry, OpSig, OpState
+
+# nccl-tests' bus-bandwidth factor per collective, as a function of the rank count.
+_FACTORS = {
+    "AllReduce": lambda n: 2 * (n - 1) / n,
+    "AllGather": lambda n: (n - 1) / n,
+    "ReduceScatter": lambda n: (n - 1) / n,
+    "AlltoAll": lambda n: (n - 1) / n,
+    "Broadcast": lambda n: 1.0,
+    "Reduce": lambda n: 1.0,
+    "Send": lambda n: 1.0,
+    "Recv": lambda n: 1.0,
+}
+# Element sizes: PyTorch's ScalarType names as Flight Recorder writes them (c10::toString,
+# older dumps lower case) and NCCL's ncclDataType_t numbers as its COLL lines print them.
+_TORCH_DTYPE_BYTES = {
+    "bool": 1, "byte": 1, "char": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1, "short": 2, "half": 2, "bfloat16": 2, "int": 4, "float": 4, "long": 8,
+    "double": 8, "complexhalf": 4, "complexfloat": 8, "complexdouble": 16,
+}  # fmt: skip
+_NCCL_DTYPE_BYTES = {"0": 1, "1": 1, "2": 4, "3": 4, "4": 8, "5": 8, "6": 2, "7": 4, "8": 8, "9": 2, "10": 1, "11": 1}
+
+MIN_BYTES = 1 << 20  # below this a collective is latency-bound: its bandwidth says nothing about links
+
+
+def bus_factor(op: str, nranks: int) -> float | None:
+    """nccl-tests' factor: all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; others 1."""
+    factor = _FACTORS.get(op)
+    return None if factor is None or nranks < 1 else factor(nranks)
+
+
+def algbw(nbytes: int, seconds: float) -> float | None:
+    """Bytes per second moved by the collective as a whole; None for a zero or negative time."""
+    return nbytes / seconds if seconds > 0 else None
+
+
+def busbw(op: str, nbytes: int, nranks: int, seconds: float) -> float | None:
+    """nccl-tests' bus bandwidth in bytes/s; None for an op without a factor or a zero time."""
+    factor, alg = bus_factor(op, nranks), algbw(nbytes, seconds)
+    return None if factor is None or alg is None else alg * factor
+
+
+def element_bytes(dtype: str | None) -> int | None:
+    """Size of one element from a Flight Recorder dtype name or a NCCL datatype number; unknown: None."""
+    if dtype is None:
+        return None
+    return _NCCL_DTYPE_BYTES.get(dtype) or _TORCH_DTYPE_BYTES.get(dtype.lower().replace("torch.", ""))
+
+
+def fr_collective_bytes(entry: FrEntry) -> int | None:
+    """nccl-tests' size S of a Flight Recorder entry: the larger of its inputs and outputs, in bytes.
+
+    All-reduce, broadcast and all-to-all have equal inputs and outputs; the
+    all-gather output and the reduce-scatter input are the whole (n x per-rank).
+    """
+    sizes = [(entry.input_sizes, entry.input_dtypes), (entry.output_sizes, entry.output_dtypes)]
+    totals = []
+    for shapes, dtypes in sizes:
+        if not shapes or not dtypes:
+            continue
+        width = element_bytes(dtypes[0])
+        if width is None:
+            return None
+        totals.append(sum(_numel(shape) for shape in shapes) * width)
+    return max(totals) if totals else None
+
+
+def nccl_op_bytes(sig: OpSig, nranks: int) -> int | None:
+    """nccl-tests' size S of a NCCL COLL line: ``count`` is per rank for all-gather (sendcount),
+    reduce-scatter (recvcount) and all-to-all, the whole buffer for the others."""
+    width = element_bytes(sig.dtype)
+    if width is None or sig.count is None:
+        return None
+    per_rank = sig.op in ("AllGather", "ReduceScatter", "AlltoAll")
+    return sig.count * width * (nranks if per_rank else 1)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    out = 1
+    for dim in shape:
+        out *= dim
+    return out
+
+
+@dataclass(frozen=True)
+class CollectiveTiming:
+    """One collective as every rank that dumped it saw it."""
+
+    pg: str
+    seq: int
+    op: str
+    nranks: int  # the group's size
+    nbytes: int | None
+    arrivals: Mapping[int, int]  # global rank -> time_created_ns
+    completed: bool  # every rank that recorded it saw it complete
+    transfer_s: float | None  # how long the data took (see the module docstring)
+    started_ns: int | None  # when the last rank arrived: the data could not move before
+
+    @property
+    def all_arrived(self) -> bool:
+        return len(self.arrivals) >= self.nranks
+
+    @property
+    def last_rank(self) -> int:
+        return max(self.arrivals, key=lambda r: (self.arrivals[r], r))
+
+    @property
+    def skew_s(self) -> float:
+        """Last arrival minus first."""
+        return (max(self.arrivals.values()) - min(self.arrivals.values())) / 1e9
+
+    @property
+    def lead_s(self) -> float:
+        """By how much the last rank was last: its arrival minus the second-to-last one's."""
+        times = sorted(self.arrivals.values())
+        return (times[-1] - times[-2]) / 1e9 if len(times) > 1 else 0.0
+
+    @property
+    def busbw(self) -> float | None:
+        if self.nbytes is None or self.transfer_s is None or not self.completed:
+            return None
+        return busbw(self.op, self.nbytes, self.nranks, self.transfer_s)
+
+
+def match_collectives(dumps: Iterable[FrDump]) -> list[CollectiveTiming]:
+    """Flight Recorder dumps of several ranks -> one ``CollectiveTiming`` per (group, collective_seq_id).
+
+    Only collectives (no p2p, no coalescing markers) with a known sequence
+    number and creation time; ordered by group, then sequence.  Dumps without
+    a rank are skipped: their arrivals could not be attributed.
+    """
+    seen: dict[tuple[str, int], dict[int, FrEntry]] = defaultdict(dict)
+    sizes: dict[str, int] = {}
+    for dump in dumps:
+        if dump.rank is None:
+            continue
+        for pg, group in dump.process_groups.items():
+            if group.ranks:
+                sizes[pg] = len(group.ranks)
+        for entry in dump.entries:
+            if entry.is_p2p or entry.op == "Coalesced" or entry.collective_seq_id is None or entry.time_created_ns is None:
+                continue
+            seen[(entry.pg_id, entry.collective_seq_id)][dump.rank] = entry
+    ranks_per_pg: dict[str, set[int]] = defaultdict(set)
+    for (pg, _), by_rank in seen.items():
+        ranks_per_pg[pg].update(by_rank)
+    return [
+        _timing(pg, seq, by_rank, sizes.get(pg, len(ranks_per_pg[pg])))
+        for (pg, seq), by_rank in sorted(seen.items(), key=lambda item: (item[0][0], item[0][1]))
+    ]
+
+
+def _timing(pg: str, seq: int, by_rank: Mapping[int, FrEntry], nranks: int) -> CollectiveTiming:
+    entries = list(by_rank.values())
+    arrivals = {rank: e.time_created_ns for rank, e in by_rank.items() if e.time_created_ns is not None}
+    completed = all(e.state == OpState.completed for e in entries)
+    last_arrival = max(arrivals.values())
+    durations = [e.duration_ms for e in entries if e.duration_ms is not None]
+    done = [e.time_completed_ns for e in entries if e.time_completed_ns is not None]
+    if durations:
+        transfer = min(durations) / 1e3
+    elif done and len(arrivals) >= nranks and min(done) > last_arrival:
+        transfer = (min(done) - last_arrival) / 1e9
+    else:
+        transfer = None
+    return CollectiveTiming(
+        pg=pg,
+        seq=seq,
+        op=entries[0].op,
+        nranks=nranks,
+        nbytes=fr_collective_bytes(entries[0]),
+        arrivals=arrivals,
+        completed=completed,
+        transfer_s=transfer,
+        started_ns=last_arrival if len(arrivals) >= nranks else None,
+    )
+
+
+def size_bucket(nbytes: int) -> int:
+    """Power-of-two bucket: collectives within a factor of two are compared with each other."""
+    return max(nbytes, 1).bit_length()
+
+
+def _judged(timings: Iterable[CollectiveTiming], min_bytes: int) -> list[CollectiveTiming]:
+    return [t for t in timings if t.busbw is not None and t.nbytes is not None and t.nbytes >= min_bytes]
+
+
+def comm_bandwidth(timings: Sequence[CollectiveTiming], *, window: int = 50, min_bytes: int = MIN_BYTES) -> dict[tuple[str, str], float]:
+    """Median busbw of each (group, op) over its last ``window`` completed collectives of at least ``min_bytes``."""
+    series: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for t in _judged(timings, min_bytes):
+        series[(t.pg, t.op)].append(t.busbw)  # type: ignore[arg-type]
+    return {key: statistics.median(values[-window:]) for key, values in series.items()}
+
+
+def rank_bandwidth(timings: Sequence[CollectiveTiming], *, window: int = 50, min_bytes: int = MIN_BYTES) -> dict[int, float]:
+    """Each rank's busbw: the median over the collectives it took part in (a collective moves at its slowest link,
+    so a rank's own kernel time says how long it waited, not how fast its link is)."""
+    series: dict[int, list[float]] = defaultdict(list)
+    for t in _judged(timings, min_bytes):
+        for rank in t.arrivals:
+            series[rank].append(t.busbw)  # type: ignore[arg-type]
+    return {rank: statistics.median(values[-window:]) for rank, values in series.items()}
+
+
+# --------------------------------------------------------------------------
+# Detectors: slow against its own history, slow against its peers
+# --------------------------------------------------------------------------
+
+
+def slow_collectives(
+    timings: Sequence[CollectiveTiming],
+    *,
+    now_ns: int | None = None,
+    hosts: Mapping[int, str] = {},
+    links: Mapping[int, Sequence[str]] = {},
+    ratio: float = 0.25,
+    min_history: int = 5,
+    min_bytes: int = MIN_BYTES,
+    min_elapsed_s: float = 10.0,
+) -> list[PerfFinding]:
+    """A collective far slower than the same group's same op at about the same size did before.
+
+    Two cases.  Finished: the latest one's busbw is under ``ratio`` x the
+    median of its history.  Still running (``now_ns`` given): every rank
+    arrived, and it has run longer than ``min_elapsed_s`` and than its
+    usual time / ``ratio``.  Whether a running one still moves data (IB
+    counters, GPU) or is hung is for the caller: this says only "slow".
+    One collective is in every rank's path, so it names all the group's
+    ranks; ``slow_links`` and the IB port checks say which link.
+    """
+    groups: dict[tuple[str, str, int], list[CollectiveTiming]] = defaultdict(list)
+    for t in _judged(timings, min_bytes):
+        groups[(t.pg, t.op, size_bucket(t.nbytes))].append(t)  # type: ignore[arg-type]
+    findings: list[PerfFinding] = []
+    for (pg, op, _), series in groups.items():
+        history, latest = series[:-1][-50:], series[-1]
+        if len(history) < min_history:
+            continue
+        usual = statistics.median(t.busbw for t in history)  # type: ignore[misc]
+        if latest.busbw < ratio * usual:  # type: ignore[operator]
+            findings.append(_slow_finding(latest, latest.busbw, usual, hosts, links, running_s=None))
+    if now_ns is not None:
+        findings += _slow_running(timings, groups, now_ns, hosts, links, ratio, min_history, min_bytes, min_elapsed_s)
+    return findings
+
+
+def _slow_running(timings, groups, now_ns, hosts, links, ratio, min_history, min_bytes, min_elapsed_s) -> list[PerfFinding]:  # type: ignore[no-untyped-def]
+    findings = []
+    for t in timings:
+        if t.completed or t.started_ns is None or t.nbytes is None or t.nbytes < min_bytes:
+            continue
+        history = groups.get((t.pg, t.op, size_bucket(t.nbytes)), [])[-50:]
+        factor = bus_factor(t.op, t.nranks)
+        if len(history) < min_history or factor is None:
+            continue
+        usual = statistics.median(h.busbw for h in history)
+        elapsed = (now_ns - t.started_ns) / 1e9
+        usual_s = t.nbytes * factor / usual
+        if elapsed > max(min_elapsed_s, usual_s / ratio):
+            # The best it can have achieved so far: all of it moved just now.
+            findings.append(_slow_finding(t, t.nbytes * factor / elapsed, usual, hosts, links, running_s=elapsed))
+    return findings
+
+
+def _slow_finding(t: CollectiveTiming, measured: float, usual: float, hosts, links, running_s: float | None) -> PerfFinding:  # type: ignore[no-untyped-def]
+    ranks = tuple(sorted(t.arrivals))
+    host_names, link_names = where(ranks, hosts, links)
+    what = f"{t.op} #{t.seq} of process group {t.pg} ({_size(t.nbytes)}, {t.nranks} ranks)"
+    if running_s is None:
+        summary = f"{what} ran at {gbps(measured)} bus bandwidth, {measured / usual:.0%} of its usual {gbps(usual)}"
+    else:
+        summary = (
+            f"{what} has run for {running_s:.0f} s since the last rank arrived (at most {gbps(measured)}, "
+            f"usually {gbps(usual)}: {t.nbytes * bus_factor(t.op, t.nranks) / usual:.2f} s)"  # type: ignore[operator]
+        )
+    return PerfFinding(
+        kind=PerfKind.slow_collective,
+        key=f"slow_collective-{t.pg}-{t.op}",
+        summary=summary,
+        detail="one slow link slows every rank of the group: compare this group's InfiniBand ports' throughput and "
+        "error counters, and the transports NCCL chose (report: ib, transport)",
+        ranks=ranks,
+        hosts=host_names,
+        links=link_names,
+        communicator=t.pg,
+        measured=measured,
+        expected=usual,
+    )
+
+
+def slow_links(
+    timings: Sequence[CollectiveTiming],
+    *,
+    hosts: Mapping[int, str] = {},
+    links: Mapping[int, Sequence[str]] = {},
+    ratio: float = 0.5,
+    min_samples: int = 5,
+    min_bytes: int = MIN_BYTES,
+) -> list[PerfFinding]:
+    """Groups far slower than their peers doing the same op at the same size, localised to the ranks they share.
+
+    Data-parallel replicas, tensor-parallel groups: same op, same size, on
+    different ranks.  A group under ``ratio`` x the median of the others is
+    slow; the suspects are the ranks in every slow group and in no fast one
+    (a faulty cable slows exactly the groups whose ring crosses it).
+    Without two groups to compare, says nothing.
+    """
+    per: dict[tuple[str, int], dict[str, list[CollectiveTiming]]] = defaultdict(lambda: defaultdict(list))
+    for t in _judged(timings, min_bytes):
+        per[(t.op, size_bucket(t.nbytes))][t.pg].append(t)  # type: ignore[arg-type]
+    findings = []
+    for (op, _), by_pg in per.items():
+        medians = {pg: statistics.median(x.busbw for x in ts[-50:]) for pg, ts in by_pg.items() if len(ts) >= min_samples}
+        if len(medians) < 2:
+            continue
+        slow = {pg for pg, m in medians.items() if m < ratio * statistics.median(v for p, v in medians.items() if p != pg)}
+        if not slow:
+            continue
+        members = {pg: set().union(*(t.arrivals for t in by_pg[pg])) for pg in medians}
+        suspects = set.intersection(*(members[pg] for pg in slow)) - set().union(*(members[pg] for pg in medians if pg not in slow))
+        findings.append(_link_finding(op, sorted(suspects or set().union(*(members[pg] for pg in slow))), slow, medians, hosts, links))
+    return findings
+
+
+def _link_finding(op: str, ranks: list[int], slow: set[str], medians: Mapping[str, float], hosts, links) -> PerfFinding:  # type: ignore[no-untyped-def]
+    host_names, link_names = where(ranks, hosts, links)
+    measured = min(medians[pg] for pg in slow)
+    peers = statistics.median(v for pg, v in medians.items() if pg not in slow)
+    through = f" through {', '.join(link_names)}" if link_names else ""
+    return PerfFinding(
+        kind=PerfKind.slow_link,
+        key=f"slow_link-{','.join(map(str, ranks))}",
+        summary=f"{op} in process group(s) {', '.join(sorted(slow))} runs at {gbps(measured)}, against {gbps(peers)} "
+        f"in the others; the slow groups share {ranks_text(ranks, hosts)}{through}",
+        detail="check that node's links: InfiniBand port rate and state, error counters, cables; NCCL's transport "
+        "lines for a fallback (NET/Socket, fewer channels); ncclwatch preflight on that node",
+        ranks=tuple(ranks),
+        hosts=host_names,
+        links=link_names,
+        communicator=",".join(sorted(slow)),
+        measured=measured,
+        expected=peers,
+    )
+
+
+def _size(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "size unknown"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"

@@ -1,0 +1,138 @@
+"""Stragglers: a rank that is last, by a margin, in most of the recent rounds.
+
+A round is one moment every rank passes: a heartbeat step (when each rank
+took step N) or a collective (when each rank enqueued it, Flight
+Recorder's ``time_created_ns``).  In each round the last rank and its lead
+over the second-to-last are noted; a rank last by more than the margin in
+at least ``share`` of the last ``window`` rounds is a straggler.
+
+Which signal shows what: arrival at collectives is the primary one (a
+rank slow in its forward pass arrives late at the gradient all-reduce
+while the others wait inside it).  Heartbeats, taken after the optimizer
+step, show a straggler only where the slow part comes after the step's
+last collective or where ranks do not synchronise every step: in a
+synchronous job the all-reduce lines every rank's step end up.
+
+Failure modes: rounds some rank is missing from are skipped (a dead or
+silent rank is the hang detectors' business, not a straggler); fewer than
+``min_rounds`` complete rounds say nothing; a tie for last is no lead.
+Clocks: heartbeats and Flight Recorder use each host's wall clock, so
+across nodes a lead below NTP's error (a few ms) is not a margin.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ncclwatch.watchdog.engine.bandwidth import CollectiveTiming
+from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind, ranks_text, where
+
+Round = Mapping[int, float]  # rank -> seconds (any common origin)
+
+
+@dataclass(frozen=True)
+class LastArrivals:
+    """How often each rank was last by the margin over the rounds looked at, and by how much on average."""
+
+    source: str  # "heartbeat" or "arrival"
+    rounds: int
+    margin_s: float
+    last_counts: Mapping[int, int]
+    mean_lead_s: Mapping[int, float]  # over the rounds the rank was last by the margin
+
+    def share(self, rank: int) -> float:
+        return self.last_counts.get(rank, 0) / self.rounds if self.rounds else 0.0
+
+
+def heartbeat_rounds(beats: Mapping[int, Sequence[tuple[int, float]]]) -> list[dict[int, float]]:
+    """rank -> [(step, time)] -> one round per step every rank reported, in step order."""
+    by_step: dict[int, dict[int, float]] = defaultdict(dict)
+    for rank, series in beats.items():
+        for step, at in series:
+            by_step[step][rank] = at
+    ranks = set(beats)
+    return [by_step[step] for step in sorted(by_step) if set(by_step[step]) == ranks]
+
+
+def arrival_rounds(timings: Sequence[CollectiveTiming], pg: str | None = None) -> list[dict[int, float]]:
+    """One round per collective every rank of its group arrived at, in sequence order; ``pg``: one group only."""
+    return [
+        {rank: ns / 1e9 for rank, ns in t.arrivals.items()}
+        for t in timings
+        if t.all_arrived and (pg is None or t.pg == pg)
+    ]
+
+
+def last_arrivals(
+    rounds: Sequence[Round], *, source: str, window: int = 20, margin_s: float = 0.01, rel_margin: float = 0.1
+) -> LastArrivals:
+    """Who was last, by more than the margin, in each of the last ``window`` rounds.
+
+    The margin is the larger of ``margin_s`` and ``rel_margin`` x the median
+    time between rounds, so a lead of 10 ms counts in a job of 20 ms steps
+    and not in one of 2 s steps.
+    """
+    recent = [r for r in rounds if len(r) >= 2][-window:]
+    margin = max(margin_s, rel_margin * _period(recent))
+    counts: Counter[int] = Counter()
+    leads: dict[int, list[float]] = defaultdict(list)
+    for times in recent:
+        order = sorted(times, key=lambda r: times[r])
+        last, runner_up = order[-1], order[-2]
+        lead = times[last] - times[runner_up]
+        if lead > margin:
+            counts[last] += 1
+            leads[last].append(lead)
+    return LastArrivals(
+        source=source,
+        rounds=len(recent),
+        margin_s=margin,
+        last_counts=dict(counts),
+        mean_lead_s={rank: statistics.fmean(values) for rank, values in leads.items()},
+    )
+
+
+def _period(rounds: Sequence[Round]) -> float:
+    """Median time between consecutive rounds (by their earliest arrival); 0 with fewer than two."""
+    starts = [min(r.values()) for r in rounds]
+    gaps = [b - a for a, b in zip(starts, starts[1:]) if b > a]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def stragglers(
+    stats: LastArrivals,
+    *,
+    hosts: Mapping[int, str] = {},
+    links: Mapping[int, Sequence[str]] = {},
+    share: float = 0.6,
+    min_rounds: int = 10,
+) -> list[PerfFinding]:
+    """The ranks last by the margin in at least ``share`` of the rounds (at most one can pass 0.5)."""
+    if stats.rounds < min_rounds:
+        return []
+    findings = []
+    for rank, count in sorted(stats.last_counts.items()):
+        if count < share * stats.rounds:
+            continue
+        host_names, link_names = where([rank], hosts, links)
+        lead = stats.mean_lead_s[rank]
+        findings.append(
+            PerfFinding(
+                kind=PerfKind.straggler,
+                key=f"straggler-{rank}",
+                summary=f"{ranks_text([rank], hosts)} was last in {count} of the last {stats.rounds} "
+                f"{'steps' if stats.source == 'heartbeat' else 'collectives'}, on average {lead * 1e3:.0f} ms "
+                f"after the next rank (margin {stats.margin_s * 1e3:.0f} ms)",
+                detail="the others wait for it every step: look at that rank's data loading, CPU and GPU clocks "
+                "and throttling (NVML), and its stacks between collectives",
+                ranks=(rank,),
+                hosts=host_names,
+                links=link_names,
+                measured=lead,
+                expected=stats.margin_s,
+            )
+        )
+    return findings
