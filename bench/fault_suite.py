@@ -1,0 +1,422 @@
+#!/usr/bin/env python3
+"""Detection latency, accuracy and false pages of the live watchdog on a real training job.
+
+Each run is ``python -m ncclwatch --on-hang kill ... python -m torch.distributed.run ...
+bench/gpu_job.py --fault KIND --fault-rank R --fault-step S`` with a hard
+timeout.  Repeats move the fault between rank 0 and the last rank
+(``--fault-ranks``) and between steps (``--fault-steps``).
+
+Per run it records the expected and the reported verdict and culprit ranks
+of every wrapper, from three places: the verdict line on the wrapper's
+terminal (``ncclwatch: <VERDICT> — culprit rank R``, stamped when it
+arrived: the page), ``report.json`` in the bundle (``detected_at``) and the
+bundle's mtime; plus the webhook triggers a loopback receiver got
+(``NCCLWATCH_WEBHOOK_URL``: one page per hang, none for a healthy job).
+Latencies run from the fault's own mark (``fault.<rank>``, written by the
+job the instant it misbehaves).
+
+Healthy scenarios (none, checkpoint, straggler, pause) must end with exit 0
+and no page; a crash (sigkill, exception) on one node is torchrun's to end
+(its exit code, no page; a ``process_dead`` page naming the rank is also
+right).
+
+Multi-node mode (``--nnodes 2``): two wrappers on this machine, one rank
+each, ``--node-rank 0|1 --master-addr 127.0.0.1 --master-port P`` (static
+rendezvous) or ``--rdzv-backend c10d``; each wrapper gets its own
+``NCCL_HOSTID`` so NCCL treats them as two hosts.  A hang there is right
+when some wrapper pages the expected verdict and culprit and no wrapper
+pages another culprit.
+
+    python3 bench/fault_suite.py --device cpu --nproc 2 --scenarios skip,none      # CPU dry run
+    python3 bench/fault_suite.py --scenarios skip,syscall,sigstop --repeats 2 --budget 500
+    python3 bench/fault_suite.py --nnodes 2 --rdzv c10d --scenarios skip,sigkill --budget 500
+    python3 bench/fault_suite.py --summarize a.jsonl b.jsonl                        # one table
+
+Writes ``<out-dir>/<name>.jsonl`` (one line per run), ``<name>.md`` (the
+table) and ``<name>-logs.tar.gz`` (each wrapper's whole output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import io
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "bench" / "gpu_job.py"
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+VERDICT_LINE = re.compile(r"^ncclwatch: ([A-Z][A-Z ]+?)(?: — culprit ranks? ([\d, ]+))?\s*$")
+LOG_TAIL_BYTES = 256 << 10
+
+
+@dataclass(frozen=True)
+class Expect:
+    verdict: str | None = None  # None: no page
+    names_culprit: bool = True  # the culprit must be exactly [fault rank]
+    crash: bool = False  # torchrun ends the job with an error
+    gpu_only: bool = False
+    long: bool = False  # runs --pause-s longer
+
+
+EXPECT = {
+    "none": Expect(),
+    "skip": Expect("collective_mismatch"),
+    "dtype": Expect("collective_mismatch"),
+    "conditional": Expect("collective_mismatch"),
+    "p2p_deadlock": Expect("stuck_in_collective", names_culprit=False),
+    "syscall": Expect("rank_behind"),
+    "long_kernel": Expect("gpu_compute_hang", gpu_only=True),
+    "sigkill": Expect(crash=True),
+    "exception": Expect(crash=True),
+    "checkpoint": Expect(long=True),
+    "straggler": Expect(),
+    "pause": Expect(long=True),
+    "sigstop": Expect("process_stopped"),
+}
+HEALTHY = tuple(name for name, e in EXPECT.items() if e.verdict is None and not e.crash)
+
+
+class WebhookReceiver:
+    """A loopback JSON webhook (aiohttp, own thread): every POST is kept with its arrival time."""
+
+    def __init__(self) -> None:
+        self.posts: list[dict] = []
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self.url = ""
+
+    def start(self) -> str:
+        threading.Thread(target=self._serve, daemon=True, name="webhook").start()
+        self._ready.wait(10)
+        return self.url
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/hook", self._handle)
+        runner = web.AppRunner(app, access_log=None)
+        self._loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        port = runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}/hook"
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        try:
+            alert = json.loads(body)
+        except ValueError:
+            alert = {}
+        self.posts.append(
+            {
+                "time": time.time(),
+                "event": request.headers.get("X-Ncclwatch-Event"),
+                "id": request.headers.get("X-Ncclwatch-Id"),
+                "job": alert.get("job"),
+                "host": alert.get("host"),
+                "verdict": alert.get("verdict"),
+                "culprit_ranks": alert.get("culprit_ranks"),
+            }
+        )
+        return web.Response(text="ok")
+
+    def for_job(self, job: str) -> list[dict]:
+        return [p for p in list(self.posts) if p["job"] == job]
+
+
+class Wrapper:
+    """One ``ncclwatch ... torchrun`` process: its output stamped line by line as it arrives."""
+
+    def __init__(self, command: list[str], env: dict[str, str], cwd: Path, log: Path) -> None:
+        self.log = log
+        self.verdict_lines: list[tuple[float, str, list[int]]] = []
+        self.process = subprocess.Popen(
+            command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        with self.log.open("wb") as out:
+            for raw in self.process.stdout:  # type: ignore[union-attr]
+                arrived = time.time()
+                out.write(raw)
+                match = VERDICT_LINE.match(raw.decode(errors="replace").rstrip("\n"))
+                if match:
+                    verdict = match.group(1).strip().lower().replace(" ", "_")
+                    culprits = [int(x) for x in re.findall(r"\d+", match.group(2) or "")]
+                    self.verdict_lines.append((arrived, verdict, culprits))
+
+    def end(self) -> None:
+        """SIGTERM the wrapper (it forwards to torchrun), then SIGKILL whatever of its tree is left."""
+        try:
+            tree = [psutil.Process(self.process.pid)]
+            tree += tree[0].children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in tree:
+            try:
+                proc.kill()  # SIGKILL ends a stopped process too
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(tree, timeout=20)
+        self.process.wait()
+        self._reader.join(10)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wrapper_commands(args: argparse.Namespace, scenario: str, rank: int, step: int, work: Path, job: str) -> list[list[str]]:
+    job_args = [
+        str(JOB), f"--device={args.device}", f"--size={args.size}", f"--fault={scenario}", f"--fault-rank={rank}",
+        f"--fault-step={step}", f"--steps={step + args.steps_after}", f"--warmup-steps={min(20, step)}",
+        f"--pause-s={args.pause_s}", f"--mark-dir={work / 'marks'}", f"--result={work / 'result.json'}",
+    ]  # fmt: skip
+    commands = []
+    for node in range(args.nnodes):
+        wrapper = [
+            sys.executable, "-m", "ncclwatch", "-v", "--on-hang", "kill", "--job-name", job,
+            "--bundle-dir", str(work / f"bundles{node}"), "--run-dir", str(work / f"run{node}"),
+        ]  # fmt: skip
+        if args.stall_timeout_floor is not None:
+            wrapper += ["--stall-timeout-floor", str(args.stall_timeout_floor)]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}"]
+        if args.nnodes == 1:
+            torchrun.append("--standalone")
+        elif args.rdzv == "static":
+            torchrun += ["--nnodes=2", f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={args.port}"]
+        else:
+            torchrun += ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{args.port}", f"--rdzv-id={job}"]
+        commands.append(wrapper + args.wrapper_arg + torchrun + job_args)
+    return commands
+
+
+def run_once(args: argparse.Namespace, receiver: WebhookReceiver, scenario: str, rank: int, step: int, n: int, logs: tarfile.TarFile) -> dict:
+    expect = EXPECT[scenario]
+    job = f"bench-{scenario}-{n}-{os.getpid()}"
+    timeout = args.timeout + (args.pause_s if expect.long else 0)
+    with tempfile.TemporaryDirectory(prefix=f"fault-{scenario}-") as folder:
+        work = Path(folder)
+        (work / "marks").mkdir()
+        args.port = free_port()
+        wrappers = []
+        began = time.time()
+        for node, command in enumerate(wrapper_commands(args, scenario, rank, step, work, job)):
+            env = {**os.environ, **SAFE_ENV, "NCCLWATCH_WEBHOOK_URL": receiver.url, "PYTHONUNBUFFERED": "1"}
+            if args.nnodes > 1:
+                env["NCCL_HOSTID"] = f"node{node}"
+            wrappers.append(Wrapper(command, env, work, work / f"wrapper{node}.log"))
+        timed_out = wait_all(wrappers, began + timeout, args.peer_grace)
+        for wrapper in wrappers:
+            wrapper.end()
+        time.sleep(0.5)  # a webhook the sidecar sent just before it exited
+        marks = [json.loads(p.read_text()) for p in (work / "marks").glob("fault.*") if not p.name.endswith(".tmp")]
+        fault_at = min((m["time"] for m in marks), default=None)
+        nodes = [node_result(w, work / f"bundles{i}", fault_at) for i, w in enumerate(wrappers)]
+        result_file = work / "result.json"
+        steps_per_s = json.loads(result_file.read_text()).get("steps_per_s") if result_file.exists() else None
+        for i, wrapper in enumerate(wrappers):
+            data = wrapper.log.read_bytes()[-LOG_TAIL_BYTES:]
+            info = tarfile.TarInfo(f"{scenario}-{n}-node{i}.log")
+            info.size, info.mtime = len(data), int(time.time())
+            logs.addfile(info, io.BytesIO(data))
+    posts = receiver.for_job(job)
+    triggers = [p for p in posts if p["event"] == "trigger"]
+    record = {
+        "scenario": scenario, "repeat": n, "nnodes": args.nnodes, "rdzv": args.rdzv if args.nnodes > 1 else None,
+        "nproc_per_node": args.nproc, "device": args.device, "size": args.size, "fault_rank": rank, "fault_step": step,
+        "expected_verdict": expect.verdict, "expected_culprits": [rank] if expect.verdict and expect.names_culprit else None,
+        "fault_at": fault_at, "wall_s": round(time.time() - began, 1), "timed_out": timed_out, "nodes": nodes,
+        "webhook_triggers": len(triggers), "webhook_resolves": sum(p["event"] == "resolve" for p in posts),
+        "webhook_keys": len({p["id"] for p in triggers}), "steps_per_s": steps_per_s,
+    }  # fmt: skip
+    pages = [node for node in nodes if node["page_verdict"] or node["verdict"]]
+    record["pages"] = len(pages)
+    for key in ("page_s", "report_s", "bundle_s"):
+        values = [node[key] for node in nodes if node.get(key) is not None]
+        record[key] = min(values) if values else None
+    record["webhook_s"] = round(min(p["time"] for p in triggers) - fault_at, 2) if triggers and fault_at else None
+    record["correct"] = judge(expect, record, rank)
+    return record
+
+
+def wait_all(wrappers: list[Wrapper], deadline: float, peer_grace: float) -> bool:
+    """Wait for every wrapper; once one has ended the others get ``peer_grace`` more seconds.  True if any timed out."""
+    while time.time() < deadline:
+        ended = [w.process.poll() is not None for w in wrappers]
+        if all(ended):
+            return False
+        if any(ended):
+            deadline = min(deadline, time.time() + peer_grace)
+            peer_grace = float("inf")  # set the shorter deadline once
+        time.sleep(0.2)
+    return True
+
+
+def node_result(wrapper: Wrapper, bundles: Path, fault_at: float | None) -> dict:
+    since = lambda t: round(t - fault_at, 2) if fault_at is not None and t is not None else None  # noqa: E731
+    first_line = wrapper.verdict_lines[0] if wrapper.verdict_lines else (None, None, None)
+    node = {
+        "returncode": wrapper.process.returncode,
+        "page_verdict": first_line[1], "page_culprits": first_line[2], "page_s": since(first_line[0]),
+        "verdict_lines": len(wrapper.verdict_lines), "verdict": None, "culprit_ranks": None,
+    }  # fmt: skip
+    found = sorted(bundles.glob("*.tar.gz"))
+    node["bundles"] = len(found)
+    if found:
+        with tarfile.open(found[0]) as tar:
+            member = next(m for m in tar.getmembers() if m.name.endswith("/report.json"))
+            report = json.load(tar.extractfile(member))  # type: ignore[arg-type]
+        detected = dt.datetime.fromisoformat(report["detected_at"]).timestamp()
+        node.update(
+            verdict=report["verdict"], culprit_ranks=report["culprit_ranks"], stall_timeout_s=report.get("stall_timeout_s"),
+            hang_started_at=report.get("hang_started_at"), report_s=since(detected), bundle_s=since(found[0].stat().st_mtime),
+        )  # fmt: skip
+    if not found or node["verdict"] != node["page_verdict"]:
+        node["tail"] = wrapper.log.read_bytes()[-3000:].decode(errors="replace")
+    return node
+
+
+def judge(expect: Expect, record: dict, rank: int) -> bool:
+    nodes = record["nodes"]
+    if record["timed_out"] and not (expect.verdict and any(n["verdict"] for n in nodes)):
+        return False
+    if expect.verdict is None and not expect.crash:
+        return record["pages"] == 0 and record["webhook_triggers"] == 0 and all(n["returncode"] == 0 for n in nodes)
+    named = [n for n in nodes if n["verdict"]]
+    if expect.crash:
+        # One node: torchrun ends the job.  Across nodes the survivor hangs and should name the dead rank.
+        if any(n["culprit_ranks"] != [rank] for n in named):
+            return False
+        if record["nnodes"] == 1:
+            return (not named and nodes[0]["returncode"] not in (0, 3)) or [n["verdict"] for n in named] == ["process_dead"]
+        return True
+    culprits_ok = lambda n: not expect.names_culprit or n["culprit_ranks"] == [rank]  # noqa: E731
+    right = [n for n in named if n["verdict"] == expect.verdict and culprits_ok(n)]
+    wrong_culprit = [n for n in named if expect.names_culprit and n["culprit_ranks"] and n["culprit_ranks"] != [rank]]
+    return bool(right) and not wrong_culprit
+
+
+def percentiles(values: list[float]) -> str:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return "-"
+    p90 = values[min(len(values) - 1, int(round(0.9 * (len(values) - 1))))]
+    return f"{statistics.median(values):.1f} / {p90:.1f}"
+
+
+def summarize(records: list[dict]) -> str:
+    lines = [
+        "| scenario | nodes | runs | correct | expected | got (culprits) | page p50 / p90 (s) | report p50 / p90 (s) "
+        "| bundle p50 / p90 (s) | webhook p50 / p90 (s) | triggers | false pages | stall timeout (s) |",
+        "|" + " --- |" * 13,
+    ]
+    groups: dict[tuple, list[dict]] = {}
+    for record in records:
+        nodes = record["nnodes"] if record["nnodes"] == 1 else f"{record['nnodes']} ({record['rdzv']})"
+        groups.setdefault((record["scenario"], nodes), []).append(record)
+    for (scenario, nodes), runs in groups.items():
+        got = sorted(
+            {f"{n['verdict']} {n['culprit_ranks']}" if n["verdict"] else f"none (rc {n['returncode']})" for r in runs for n in r["nodes"]}
+        )
+        expected = runs[0]["expected_verdict"] or ("crash: torchrun's exit" if EXPECT[scenario].crash else "no page")
+        false_pages = sum(r["pages"] + r["webhook_triggers"] > 0 for r in runs) if scenario in HEALTHY else "-"
+        stall = [n.get("stall_timeout_s") for r in runs for n in r["nodes"]]
+        lines.append(
+            f"| {scenario} | {nodes} | {len(runs)} | {sum(r['correct'] for r in runs)} | {expected} | {'; '.join(got)} | "
+            f"{percentiles([r['page_s'] for r in runs])} | {percentiles([r['report_s'] for r in runs])} | "
+            f"{percentiles([r['bundle_s'] for r in runs])} | {percentiles([r['webhook_s'] for r in runs])} | "
+            f"{sum(r['webhook_triggers'] for r in runs)} | {false_pages} | {percentiles(stall)} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", default="skip,syscall,sigstop,long_kernel,none")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--size", choices=("tiny", "short", "long"), help="default: short on cuda, tiny on cpu")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per node (default 2; with --nnodes 2 use 1)")
+    parser.add_argument("--nnodes", type=int, choices=(1, 2), default=1, help="2: two wrappers on this machine")
+    parser.add_argument("--rdzv", choices=("static", "c10d"), default="static", help="rendezvous with --nnodes 2")
+    parser.add_argument("--fault-ranks", default="0,-1", help="cycled over repeats; -1 is the last rank")
+    parser.add_argument("--fault-steps", default="60,200", help="cycled over repeats")
+    parser.add_argument("--steps-after", type=int, default=150, help="steps the job runs past the fault step")
+    parser.add_argument("--pause-s", type=float, default=40.0, help="pause and checkpoint length")
+    parser.add_argument("--stall-timeout-floor", type=float, help="passed to the wrapper (its default: 5 s)")
+    parser.add_argument("--wrapper-arg", action="append", default=[], help="one more wrapper option (repeatable)")
+    parser.add_argument("--timeout", type=float, default=150.0, help="hard limit per run, seconds (+ --pause-s for pause, checkpoint)")
+    parser.add_argument("--peer-grace", type=float, default=60.0, help="multi-node: once one wrapper ended, the other's limit")
+    parser.add_argument("--budget", type=float, default=480.0, help="start no run that could end after this many seconds")
+    parser.add_argument("--out-dir", default=os.environ.get("OUT", str(ROOT / "bench" / "out")))
+    parser.add_argument("--name", default="fault", help="output file stem")
+    parser.add_argument("--summarize", nargs="+", metavar="JSONL", help="only print the table of these files")
+    args = parser.parse_args()
+    if args.summarize:
+        print(summarize([json.loads(line) for f in args.summarize for line in Path(f).read_text().splitlines() if line]))
+        return 0
+    args.size = args.size or ("short" if args.device == "cuda" else "tiny")
+    world = args.nproc * args.nnodes
+    ranks = [int(r) % world for r in args.fault_ranks.split(",")]
+    steps = [int(s) for s in args.fault_steps.split(",")]
+    scenarios = [s for s in args.scenarios.split(",") if not (EXPECT[s].gpu_only and args.device == "cpu")]
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    receiver = WebhookReceiver()
+    receiver.start()
+    records, began, skipped = [], time.monotonic(), []
+    with tarfile.open(out / f"{args.name}-logs.tar.gz", "w:gz") as logs:
+        for n in range(args.repeats):
+            for scenario in scenarios:
+                worst = args.timeout + (args.pause_s if EXPECT[scenario].long else 0) + 40
+                if time.monotonic() - began + worst > args.budget:
+                    skipped.append(f"{scenario}#{n}")
+                    continue
+                record = run_once(args, receiver, scenario, ranks[n % len(ranks)], steps[n % len(steps)], n, logs)
+                records.append(record)
+                brief = {k: v for k, v in record.items() if k != "nodes"}
+                brief["verdicts"] = [(node["verdict"], node["culprit_ranks"], node["returncode"]) for node in record["nodes"]]
+                print(json.dumps(brief), file=sys.stderr, flush=True)
+                with (out / f"{args.name}.jsonl").open("a") as handle:
+                    handle.write(json.dumps(record) + "\n")
+    table = summarize(records)
+    if skipped:
+        table += f"\n\nNot started (budget {args.budget:g} s): {', '.join(skipped)}"
+    (out / f"{args.name}.md").write_text(table + "\n")
+    print(table)
+    return 0 if records and all(r["correct"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
