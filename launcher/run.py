@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -51,9 +52,9 @@ async def _run(command: list[str], settings: Settings, job_name: str) -> int:
 
 
 class Alerts:
-    """The alert dispatcher for the job's lifetime: spooled deliveries are drained (bounded) at the end."""
+    """The alert dispatcher for the job's lifetime; after the job, undelivered alerts are retried (bounded)."""
 
-    DRAIN_S = 15.0
+    QUIET_S = 3.0  # a delivery that takes longer than this after the job is announced
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -70,12 +71,40 @@ class Alerts:
 
     async def __aexit__(self, *exc: object) -> None:
         if self.dispatcher is not None:
-            if not await self.dispatcher.drain(self.DRAIN_S):
-                print(f"ncclwatch: some alerts are not delivered yet; they wait in {spool_dir_for(self.settings)} "
-                      "and go out on the next run", file=sys.stderr)  # fmt: skip
+            await self._deliver_before_exit(self.dispatcher)
             await self.dispatcher.close()
         if self.session is not None:
             await self.session.close()
+
+    async def _deliver_before_exit(self, dispatcher: Dispatcher) -> None:
+        """Retry for ``alert_drain_timeout`` s, saying so; Ctrl-C or SIGTERM stops the wait, never the alerts.
+
+        Whatever is left stays in the spool (under a file lock only while this
+        process sends it), where ``ncclwatch serve`` on the node delivers it.
+        """
+        budget = self.settings.alert_drain_timeout
+        if await dispatcher.drain(min(self.QUIET_S, budget)):
+            return
+        spool = spool_dir_for(self.settings)
+        if budget > self.QUIET_S:
+            print(f"ncclwatch: {dispatcher.pending()} alert(s) not delivered yet (the receiver does not answer); "
+                  f"retrying for up to {budget:g} s (--alert-drain-timeout); Ctrl-C stops waiting", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            drained = asyncio.create_task(dispatcher.drain(budget - self.QUIET_S))
+            stopped = asyncio.create_task(stop.wait())
+            await asyncio.wait({drained, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if drained.done() and drained.result():
+                print("ncclwatch: alerts delivered", file=sys.stderr, flush=True)
+                return
+            drained.cancel()
+        print(f"ncclwatch: {dispatcher.pending()} alert(s) still not delivered; they wait in {spool}: "
+              "`ncclwatch serve` on this node (the systemd agent) sends them as soon as the receiver answers, "
+              "else the next job here does", file=sys.stderr, flush=True)  # fmt: skip
 
 
 async def _operations(sidecar: Sidecar, settings: Settings, tasks: list) -> web.AppRunner | None:  # type: ignore[type-arg]

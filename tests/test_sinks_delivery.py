@@ -168,7 +168,9 @@ class TestRestart:
     def test_crash_leftovers_are_cleaned_without_a_resend(self, tmp_path: Path):
         sink_dir = tmp_path / "webhook"
         sink_dir.mkdir()
-        (sink_dir / f".00000000000000000009.trigger.{KEY}.json.tmp").write_text('{"action": "tri')
+        leftover = sink_dir / f".00000000000000000009.trigger.{KEY}.json.tmp"
+        leftover.write_text('{"action": "tri')
+        os.utime(leftover, (0, 0))  # a minute old or more: no process is still writing it
         delivered = sink_dir / f"00000000000000000003.trigger.{KEY}.json"
         delivered.write_text(alert().model_dump_json())
         (tmp_path / "sent").mkdir()

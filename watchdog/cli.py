@@ -145,6 +145,7 @@ def add_watch_options(parser: argparse.ArgumentParser) -> None:
     add("--run-dir", metavar="DIR")
     parser.add_argument("--keep-run-dir", action="store_const", const=True, default=None, help=fields["keep_run_dir"].description)
     add("--evidence-budget", type=float, metavar="SECONDS")
+    add("--alert-drain-timeout", type=float, metavar="SECONDS")
     add("--pyspy", metavar="PATH")
     add("--poll-interval", type=float, metavar="SECONDS")
     add("--listen", metavar="HOST:PORT")

@@ -70,6 +70,15 @@ class Settings(BaseSettings):
     webhook_url: str | None = Field(None, description="generic JSON webhook, signed with HMAC-SHA256 when webhook_secret is set")
     webhook_secret: SecretStr | None = Field(None, description="HMAC-SHA256 key for the generic webhook's signature")
     spool_dir: Path | None = Field(None, description="undelivered alerts wait here across restarts (default: <bundle_dir>/.spool)")
+    alert_drain_timeout: float = Field(
+        120.0,
+        ge=0,
+        description="seconds the wrapper keeps retrying undelivered alerts after the job ends; then they wait in the "
+        "spool for the node agent (ncclwatch serve) or the next run",
+    )
+    alert_retry_interval: float = Field(
+        10.0, gt=0, le=3600, description="seconds between ncclwatch serve's looks at the alert spool and retries of a send"
+    )
     metrics_textfile: Path | None = Field(None, description="also write metrics to this file for node_exporter's textfile collector")
 
     @field_validator("metrics_textfile")

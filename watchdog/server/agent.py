@@ -1,8 +1,17 @@
 """``ncclwatch serve``: the bundle API, page and /metrics over a bundle folder, until SIGTERM or Ctrl-C.
 
 Lifecycle, top to bottom: settings (CLI > ``NCCLWATCH_*`` env > TOML) ->
-start listening -> print the URL -> wait for SIGTERM/SIGINT (the handler only
-sets an event) -> stop, bounded (requests in flight get 3 s, all of it 10 s).
+start listening -> start the alert courier -> print the URL -> wait for
+SIGTERM/SIGINT (the handler only sets an event) -> stop, bounded (requests in
+flight get 3 s, all of it 10 s).
+
+The alert courier: with alerts configured (the same ``NCCLWATCH_*`` settings
+as the jobs), the agent delivers what the node's jobs could not (their
+receiver was down when they ended) from the spool (``spool_dir``, default
+``<bundle_dir>/.spool``), looking every ``alert_retry_interval`` seconds and
+retrying no slower than that.  It shares the spool with running jobs through
+file locks (``sinks.delivery``), so an alert goes out once.  A page must not
+wait for the next job on the node.
 
 Exit status: 0 after SIGTERM/SIGINT; 2 for a bad setting or an address that
 cannot be listened on.
@@ -12,11 +21,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from ncclwatch.watchdog.sinks.delivery import spool_dir_for
+
+if TYPE_CHECKING:
+    from ncclwatch.watchdog.config import Settings
+    from ncclwatch.watchdog.sinks.delivery import Dispatcher
 
 DEFAULT_LISTEN = "127.0.0.1:9464"
 
@@ -63,6 +81,11 @@ examples:
   curl http://node1:9464/metrics
   browser: http://node1:9464/?token=<token>
 
+alerts: with NCCLWATCH_PAGERDUTY_ROUTING_KEY, NCCLWATCH_SLACK_WEBHOOK_URL or
+NCCLWATCH_WEBHOOK_URL set (as for the jobs), serve delivers the alerts the
+node's jobs left undelivered in <bundle-dir>/.spool (NCCLWATCH_SPOOL_DIR),
+looking every NCCLWATCH_ALERT_RETRY_INTERVAL seconds (default 10).
+
 exit status: 0 after SIGTERM or Ctrl-C; 2 for a bad setting or an address in use.
 (default address: {DEFAULT_LISTEN})
 """
@@ -98,17 +121,37 @@ def run_serve(argv: Sequence[str]) -> int:
         return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="ncclwatch %(asctime)s %(message)s")
     listen = settings.listen or DEFAULT_LISTEN
-    return asyncio.run(
-        serve(settings.bundle_dir, listen, token, metrics_open=not args.metrics_token, public_url=settings.public_url)
-    )
+    return asyncio.run(serve(settings, listen, token, metrics_open=not args.metrics_token))
 
 
-async def serve(bundle_dir: Path, listen: str, token: str | None, *, metrics_open: bool, public_url: str | None) -> int:
+@contextlib.asynccontextmanager
+async def alert_courier(settings: Settings) -> AsyncIterator[Dispatcher | None]:
+    """Deliver the node's spooled alerts while the agent runs; None when no alert sink is configured."""
+    from ncclwatch.watchdog.sinks.delivery import BACKOFF_S, Dispatcher, sinks_from_settings, spool_dir_for
+
+    async with aiohttp.ClientSession() as session:
+        sinks = sinks_from_settings(settings, session)
+        if not sinks:
+            yield None
+            return
+        every = settings.alert_retry_interval
+        dispatcher = Dispatcher(
+            sinks, spool_dir_for(settings), rescan_s=every, backoff_s=[min(step, every) for step in BACKOFF_S]
+        )
+        await dispatcher.start()
+        try:
+            yield dispatcher
+        finally:
+            await dispatcher.close()
+
+
+async def serve(settings: Settings, listen: str, token: str | None, *, metrics_open: bool) -> int:
     from prometheus_client import CollectorRegistry
 
     from ncclwatch.watchdog.server.sdnotify import systemd_lifecycle
     from ncclwatch.watchdog.server.app import BundleCollector, BundleIndex, make_app, start_server, stop_server
 
+    bundle_dir, public_url = settings.bundle_dir, settings.public_url
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -131,8 +174,12 @@ async def serve(bundle_dir: Path, listen: str, token: str | None, *, metrics_ope
             file=sys.stderr,
             flush=True,
         )
-    # Type=notify: READY=1 once bound, watchdog pings while serving, STOPPING=1 on the way out.
-    await systemd_lifecycle(stop, status_text=f"serving http://{bound}/")
+    async with alert_courier(settings) as courier:
+        if courier is not None:
+            print(f"ncclwatch serve: delivering spooled alerts from {spool_dir_for(settings)} "
+                  f"(every {settings.alert_retry_interval:g} s)", flush=True)  # fmt: skip
+        # Type=notify: READY=1 once bound, watchdog pings while serving, STOPPING=1 on the way out.
+        await systemd_lifecycle(stop, status_text=f"serving http://{bound}/")
     print("ncclwatch serve: stopping", file=sys.stderr, flush=True)
     await stop_server(runner)
     return 0
