@@ -48,6 +48,17 @@ any unexpected exception become one ``Unusable`` with a sentence saying
 why.  A field of the wrong type inside an otherwise sound dump becomes
 ``None``/empty rather than failing the file.
 
+Bounded work and memory, on any input (a pickle's memo lets a few bytes
+stand for a reference to an object already built, so a 4 MB file can
+describe two million entries).  Refused with a sentence, before the cost is
+paid: a pickle over ``MAX_PICKLE_BYTES`` or with more than
+``MAX_PICKLE_OPCODES`` opcodes (counted while they are checked, nothing
+built); JSON over ``MAX_JSON_BYTES``; more than ``MAX_ENTRIES`` entries (a
+real buffer holds ``TORCH_FR_BUFFER_SIZE`` of them, 2000 by default); and a
+dump whose tree, each shared object counted once per reference and long
+strings by their length, exceeds ``MAX_TREE_COST`` (``_check_tree``).  A
+real 2000-entry dump costs a tenth of each bound.
+
 Security: dumps come from user files and are never given to plain
 ``pickle.loads``.  Their opcodes are walked first (``_check_opcodes``): any
 opcode that imports or calls (``GLOBAL``, ``REDUCE``...) refuses the file, as
@@ -83,6 +94,14 @@ from ncclwatch.watchdog.events import (
 
 OLDEST_VERSION = (1, 4)
 NEWEST_KNOWN_VERSION = (2, 10)
+
+# Bounds (module docstring).  The real 2-GPU dump: 132 entries, 35 KB, 13,600 opcodes, tree cost ~20,000.
+MAX_PICKLE_BYTES = 32 << 20
+MAX_JSON_BYTES = 8 << 20  # JSON has no memo, but each "[]," is a 64-byte object: 8 MB is ~150 MB built
+MAX_PICKLE_OPCODES = 2_000_000  # an object built per opcode is ~64 bytes: ~130 MB at most
+MAX_ENTRIES = 20_000
+MAX_TREE_COST = 2_000_000
+_STRING_COST_CHARS = 16  # a string costs 1 + len // 16: parsing copies names, so shared long strings count
 
 _SNIFF_LIMIT = 64 * 1024
 _TOP_KEYS = (b"version", b"entries", b"pg_config")
@@ -233,8 +252,10 @@ def _load(data: bytes) -> dict[Any, Any]:
     if not data.strip():
         raise _DumpError("empty file: no Flight Recorder dump in it")
     if data[0] == 0x80:
+        _refuse_larger(data, MAX_PICKLE_BYTES, "pickle")
         raw = _load_pickle(data)
     elif data.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] in (b"{", b"["):
+        _refuse_larger(data, MAX_JSON_BYTES, "JSON")
         raw = _load_json(data)
     else:
         raise _DumpError("not a Flight Recorder dump: neither a pickle nor JSON")
@@ -248,6 +269,14 @@ def _load(data: bytes) -> dict[Any, Any]:
     if not any(key in raw for key in ("version", "entries", "pg_config")):
         raise _DumpError("not a Flight Recorder dump: no 'version', 'entries' or 'pg_config' key")
     return raw
+
+
+def _refuse_larger(data: bytes, limit: int, kind: str) -> None:
+    if len(data) > limit:
+        raise _DumpError(
+            f"refused: a {len(data) / 1e6:.1f} MB Flight Recorder {kind}, over the {limit >> 20} MiB a real dump "
+            "stays under (a full 2000-entry buffer with stacks is a few MB); not read, to bound memory"
+        )
 
 
 def _load_pickle(data: bytes) -> Any:
@@ -278,7 +307,12 @@ def _check_opcodes(data: bytes) -> None:
     """
     limit = len(data)
     try:
-        for opcode, arg, _ in pickletools.genops(io.BytesIO(data)):
+        for count, (opcode, arg, _) in enumerate(pickletools.genops(io.BytesIO(data))):
+            if count >= MAX_PICKLE_OPCODES:
+                raise _DumpError(
+                    f"refused: more than {MAX_PICKLE_OPCODES:,} pickle opcodes, far beyond a real Flight Recorder "
+                    "dump (about 100 per entry); not unpickled, to bound memory and time"
+                )
             if opcode.name in _CODE_OPCODES:
                 what = f"{opcode.name} {arg}" if arg is not None else opcode.name
                 raise _DumpError(
@@ -298,6 +332,37 @@ def _load_json(data: bytes) -> Any:
         return json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise _DumpError(f"truncated or corrupt JSON ({err})") from None
+
+
+def _check_tree(raw: Any) -> None:
+    """``_DumpError`` when reading the dump would touch more than ``MAX_TREE_COST`` values.
+
+    Walks what the build below will read, as a tree: an object the memo
+    shares is counted once per reference, the way the build would convert it
+    each time (2000 entries sharing one list of 250,000 frames would make 500
+    million frames).  The walk stops as soon as the budget is spent, so its
+    own cost is bounded too; a cycle just spends the budget.
+    """
+    stack = [raw]
+    cost = 0
+    while stack:
+        node = stack.pop()
+        cost += 1
+        if isinstance(node, str):
+            cost += len(node) // _STRING_COST_CHARS
+        elif isinstance(node, Mapping):
+            cost += 2 * len(node)
+            if cost <= MAX_TREE_COST:
+                stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            cost += len(node)
+            if cost <= MAX_TREE_COST:
+                stack.extend(node)
+        if cost > MAX_TREE_COST:
+            raise _DumpError(
+                f"refused: reading this dump means more than {MAX_TREE_COST:,} values (shared objects counted once "
+                "per use), far beyond a real Flight Recorder dump; crafted or corrupt, not read"
+            )
 
 
 def _check_version(raw: Mapping[Any, Any]) -> str:
@@ -331,6 +396,12 @@ def _build_dump(raw: Mapping[Any, Any], name: str, cite: Citation) -> FrDump:
     raw_entries = raw.get("entries", [])  # absent: JSON with none, includeCollectives=False
     if not isinstance(raw_entries, list):
         raise _DumpError(f"'entries' is a {type(raw_entries).__name__}, not a list")
+    if len(raw_entries) > MAX_ENTRIES:
+        raise _DumpError(
+            f"refused: {len(raw_entries):,} entries, more than the {MAX_ENTRIES:,} this reader takes (a real "
+            "Flight Recorder buffer holds TORCH_FR_BUFFER_SIZE entries, 2000 by default); crafted or corrupt"
+        )
+    _check_tree(raw)
     entries: list[FrEntry] = []
     uid_to_name: dict[str, str] = {}
     descs: dict[str, str] = {}
