@@ -67,7 +67,8 @@ def test_infiniband_counters_and_a_moving_error_counter(tmp_path):
     assert (rec.error, rec.paths) == (None, ["ib/counters.json"])
     assert rec.note == "error counters moved: mlx5_0/1 symbol_error +7"
     doc = json.loads((ctx.out_dir / "ib/counters.json").read_text())
-    assert set(doc) == {"before", "after", "delta"}
+    assert set(doc) == {"before", "after", "delta", "hca_gpus", "findings"}
+    assert [f["key"].split("-")[1] for f in doc["findings"]] == ["errors"]
     port = doc["delta"]["ports"]["mlx5_0/1"]
     assert port["xmit_bytes"] == 4_000_000 and 0.9 < doc["delta"]["seconds"] < 1.5
 

@@ -1,12 +1,22 @@
-"""Node-wide evidence: GPUs [gpu/nvml.json], NCCL RAS [ras/ras.txt, ras/ras.json], InfiniBand [ib/counters.json]."""
+"""Node-wide evidence: GPUs [gpu/nvml.json], NCCL RAS [ras/ras.txt, ras/ras.json], InfiniBand [ib/counters.json].
+
+``ib/counters.json`` holds two readings a second apart, their delta, the
+HCA-to-GPU map (``hca_gpu_map``, from the PCI tree of the sysfs the
+InfiniBand folder belongs to) and the port findings (a port slower than
+its siblings, error counters that rose).  A port that is down is named only
+when NCCL is known to use it, which the bundle does not know: the live
+sidecar checks that with the transport facts.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 
-from ncclwatch.watchdog.probes.infiniband import ib_delta, read_ib_counters
+from ncclwatch.watchdog.engine.links import ib_port_findings
+from ncclwatch.watchdog.probes.infiniband import hca_gpu_map, ib_delta, read_ib_counters
 from ncclwatch.watchdog.probes.nvml import sample_gpus_async
 from ncclwatch.watchdog.probes.ras import query_ras
 from ncclwatch.watchdog.evidence.base import EvidenceContext, EvidenceRecord, guard, record, write_file
@@ -70,9 +80,14 @@ async def collect_infiniband(ctx: EvidenceContext) -> list[EvidenceRecord]:
         if after is None:
             return [record("infiniband", started, error=f"{ctx.sys_infiniband} vanished between two reads")]
         delta = ib_delta(before, after, seconds)
-        doc = {"before": before, "after": after, "delta": delta}
+        # /sys/class/infiniband -> /sys: the PCI tree the HCAs' device links point into.
+        hcas = await asyncio.to_thread(hca_gpu_map, ctx.sys_infiniband.parent.parent)
+        findings = [f.to_dict() for f in ib_port_findings(socket.gethostname(), after, delta)]
+        doc = {"before": before, "after": after, "delta": delta, "hca_gpus": hcas, "findings": findings}
         rel = write_file(ctx, "ib/counters.json", json.dumps(doc, indent=1) + "\n")
-        note = "error counters moved: " + "; ".join(delta["errors"]) if delta["errors"] else None
+        slow = [f["summary"] for f in findings if f["key"].startswith("ib_port-rate-")]
+        notes = (["error counters moved: " + "; ".join(delta["errors"])] if delta["errors"] else []) + slow
+        note = "; ".join(notes) or None
         return [record("infiniband", started, [rel], note=note)]
 
     return await guard("infiniband", IB_TIMEOUT_S, work())
