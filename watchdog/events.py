@@ -309,6 +309,7 @@ class WatchdogTimeout(Event):
     numel_out: int | None = None
     timeout_ms: int | None = None
     ran_ms: int | None = None
+    pg: str | None = None  # from a "[PG ID n PG GUID g(name) Rank r]" prefix, when the line has one
     cite: Citation
 
 
@@ -443,3 +444,104 @@ class SourceUp(Event):
     """A source that was down reads again."""
 
     source: str
+
+
+# --------------------------------------------------------------------------
+# Partial evidence: what a user holds after a hang (issue 16)
+# --------------------------------------------------------------------------
+
+
+class PgStatus(Event):
+    """Where one rank's process group stood, as PyTorch's watchdog printed it.
+
+    ``kind``: ``failure`` (``failure detected by watchdog at work sequence id:
+    s PG status: last enqueued work: e, last completed work: c``), ``timeout``
+    (the older ``Timeout at NCCL work: s, last enqueued NCCL work: e, ...``)
+    or ``dump_signal`` (``Received a dump signal due to a collective timeout
+    from rank k ... Last enqueued NCCL work: e, last completed NCCL work: c``:
+    printed by ranks that did not time out themselves, so it places them).
+    """
+
+    rank: int
+    pg: str | None = None  # the group's GUID (or id in older prefixes); None: the line names none
+    pg_desc: str | None = None  # "default_pg", ...
+    kind: Literal["failure", "timeout", "dump_signal"]
+    seq: int | None = None  # the work that failed; None for dump_signal
+    last_enqueued: int | None = None
+    last_started: int | None = None
+    last_completed: int | None = None
+    signal_from: str | None = None  # "rank 7", "this local rank"
+    cite: Citation
+
+
+class CollectiveFingerprint(Event):
+    """One side of a ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` mismatch report.
+
+    ``self_report``: the rank described itself ("Rank r is running ..."),
+    which is authoritative; the other side ("but Rank i is running ...") is
+    decoded from a gathered tensor and is garbage when the two fingerprints
+    differ in size (seen on torch 2.13: ``SequenceNumber=0OpType=SCATTER``).
+    """
+
+    rank: int
+    reported_by: int
+    self_report: bool
+    seq: int | None = None
+    op: str
+    shapes: str | None = None
+    dtypes: str | None = None
+    cite: Citation
+
+
+class NetworkError(Event):
+    """A network or peer failure line (NCCL WARN, or NCCL's error inside PyTorch's exception).
+
+    ``kind``: ``ib_completion`` (``NET/IB : Got completion from peer ... with
+    error|status``), ``connection_closed`` (``Connection closed by remote
+    peer``, ``Connection reset by peer``), ``remote_error`` (``ncclRemoteError``,
+    ``remote process exited or there was a network error``), ``system_error``
+    (``ncclSystemError``), ``socket`` (other socket failures).
+    """
+
+    kind: Literal["ib_completion", "connection_closed", "remote_error", "system_error", "socket"]
+    rank: int | None = None  # the reporting rank, when the line or its prefix says
+    proc: ProcKey | None = None  # the reporting process, from an NCCL line prefix
+    peer: str | None = None  # "10.0.0.2<45678>" or "node-3<12345>"
+    device: str | None = None  # "mlx5_0"
+    status: int | None = None  # ibv_wc_status number
+    status_name: str | None = None  # "IBV_WC_RETRY_EXC_ERR"
+    meaning: str | None = None
+    cite: Citation
+
+    @property
+    def peer_host(self) -> str | None:
+        return self.peer.split("<", 1)[0] if self.peer else None
+
+
+class RankLog(Event):
+    """Lines of one rank were found in an input: its log is held (a combined file or one per rank)."""
+
+    rank: int
+    file: str
+    how: str  # "[rankN]: prefix", "file name", ...
+    lines: int | None = None
+
+
+class OrphanOps(Event):
+    """NCCL operation lines of a communicator whose Init line is not in the input.
+
+    Without Init there is no rank and no communicator identity, so these are
+    kept apart from the aligned sequences: per process and communicator
+    address, the count and the last few operations with their ``opCount``
+    (hex, 0 forever on single-node jobs from NCCL 2.27.3).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    proc: ProcKey
+    comm_ptr: str
+    file: str
+    rank: int | None = None  # from a "[rankN]:" prefix or the file name
+    nranks: int | None = None  # "[nranks=N]" on the line (2.19+)
+    count: int
+    last: list[tuple[int, OpSig, int]]  # (opCount, signature, 1-based line), oldest first

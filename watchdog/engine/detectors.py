@@ -37,6 +37,7 @@ class Verdict(StrEnum):
     gpu_compute_hang = "gpu_compute_hang"
     stuck_in_collective = "stuck_in_collective"
     progress_stalled = "progress_stalled"
+    network_error = "network_error"  # a link failed (InfiniBand completion error): offline, from partial evidence
     no_hang = "no_hang"
     inconclusive = "inconclusive"
 
@@ -46,6 +47,7 @@ PRIORITY = {
     Verdict.collective_mismatch: 9,
     Verdict.process_dead: 8,
     Verdict.process_stopped: 7,
+    Verdict.network_error: 7,
     Verdict.rank_behind: 6,
     Verdict.gpu_compute_hang: 5,
     Verdict.stuck_in_collective: 4,

@@ -15,6 +15,7 @@ from typing import Literal
 from ncclwatch.watchdog.engine.state import Communicator, JobState, PeerLog, RankSeq, Source, fold
 from ncclwatch.watchdog.events import (
     Citation,
+    Event,
     GpuSnapshot,
     LocalPeerClosed,
     NcclWarning,
@@ -108,6 +109,7 @@ class Snapshot:
     stacks: Mapping[int, StackDump]
     gpus: tuple[GpuSnapshot, ...]
     notes: tuple[str, ...]
+    partial: tuple[Event, ...] = ()  # PgStatus, CollectiveFingerprint, NetworkError, RankLog, OrphanOps
 
     def pid_of(self, global_rank: int) -> int | None:
         for proc, rank in self.global_ranks.items():
@@ -174,4 +176,5 @@ def take_snapshot(state: JobState, observed_at: float) -> Snapshot:
         stacks=MappingProxyType(dict(state.stacks)),
         gpus=tuple(state.gpus),
         notes=tuple(state.notes),
+        partial=tuple(state.partial),
     )

@@ -30,6 +30,7 @@ from ncclwatch.watchdog.events import (
     Citation,
     CommEnd,
     CommInit,
+    CollectiveFingerprint,
     CommTopology,
     Event,
     FrDump,
@@ -38,11 +39,15 @@ from ncclwatch.watchdog.events import (
     LocalPeerClosed,
     NcclVersion,
     NcclWarning,
+    NetworkError,
     Op,
     OpBatch,
     OpSig,
     OpState,
+    OrphanOps,
+    PgStatus,
     ProcKey,
+    RankLog,
     RasReport,
     StackDump,
     Unusable,
@@ -52,6 +57,7 @@ from ncclwatch.watchdog.events import (
 
 DEFAULT_WINDOW = 2048
 _MAX_NOTES = 200
+_MAX_PARTIAL = 4000  # partial-evidence events kept (each is one diagnostic line, deduplicated)
 
 Source = Literal["nccl_log", "flight_recorder"]
 
@@ -165,6 +171,8 @@ class JobState:
         self._comm_of: dict[tuple[ProcKey, str], str] = {}  # (proc, comm ptr) -> comm key
         self._init_count: dict[ProcKey, int] = {}
         self._unknown_ops: dict[tuple[ProcKey, str], int] = {}
+        self._unknown_files: dict[tuple[ProcKey, str], str] = {}
+        self.partial: list[Event] = []  # PyTorch statuses, DETAIL fingerprints, network errors, ... (engine.partial)
 
     # -- folding ---------------------------------------------------------
 
@@ -234,6 +242,7 @@ class JobState:
         if seq is None:
             slot = (event.proc, event.comm_ptr)
             self._unknown_ops[slot] = self._unknown_ops.get(slot, 0) + len(event.sigs) + len(event.p2p)
+            self._unknown_files.setdefault(slot, event.file)
             return
         for sig in event.p2p:
             logs = seq.sent if sig.op == "Send" else seq.received
@@ -310,6 +319,20 @@ class JobState:
             )
         self._unknown_ops.clear()
 
+    def take_orphans(self) -> dict[tuple[ProcKey, str], tuple[int, str]]:
+        """(process, comm address) -> (operations, file) seen without an Init line; handed over once.
+
+        ``ncclwatch analyze`` rescans those files for what can still be aligned
+        (``parsing.nccl_excerpt``), so ``finish`` must not call them skipped.
+        """
+        orphans = {slot: (count, self._unknown_files.get(slot, "?")) for slot, count in self._unknown_ops.items()}
+        self._unknown_ops.clear()
+        return orphans
+
+    def _on_partial(self, event: Event) -> None:
+        if len(self.partial) < _MAX_PARTIAL:
+            self.partial.append(event)
+
     def merge(self, other: JobState) -> None:
         """Union with another node's state: each rank's sequence lives on one node."""
         for key, theirs in other.comms.items():
@@ -329,6 +352,7 @@ class JobState:
         self.peer_closed += other.peer_closed
         self.timeouts += other.timeouts
         self.failures += other.failures
+        self.partial += other.partial[: _MAX_PARTIAL - len(self.partial)]
         self.ras += other.ras
         self.stacks.update(other.stacks)
         self.gpus += other.gpus
@@ -442,6 +466,11 @@ _HANDLERS = {
     NcclWarning: lambda s, e: s.warnings.append(e) if len(s.warnings) < _MAX_NOTES else None,
     LocalPeerClosed: lambda s, e: s.peer_closed.append(e),
     WatchdogTimeout: lambda s, e: s.timeouts.append(e),
+    PgStatus: JobState._on_partial,
+    CollectiveFingerprint: JobState._on_partial,
+    NetworkError: JobState._on_partial,
+    RankLog: JobState._on_partial,
+    OrphanOps: JobState._on_partial,
     WorkerFailure: lambda s, e: s.failures.append(e),
     RasReport: lambda s, e: s.ras.append(e),
     StackDump: lambda s, e: s.stacks.__setitem__(e.pid, e),

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, PRIORITY, Evidence, Finding, Verdict, analyze_comm, rank_id
 from ncclwatch.watchdog.parsing.ras import ras_outliers
+from ncclwatch.watchdog.engine.partial import decide_partial, strong_partial
 from ncclwatch.watchdog.engine.snapshot import Snapshot
 from ncclwatch.watchdog.events import Citation, RasCommunicator, RasReport
 
@@ -34,6 +35,8 @@ def decide(snapshot: Snapshot) -> Finding:
         findings = logs
     findings.sort(key=lambda f: (PRIORITY[f.verdict], f.source == "nccl_log", bool(f.culprits)), reverse=True)
     best = findings[0]
+    if best.verdict == Verdict.inconclusive and (strong := strong_partial(snapshot)) is not None:
+        return strong  # a DETAIL mismatch or a dead peer decides what aligned sequences could not
     corroborating = [
         Evidence(f.source or "?", f"{f.comm_label}: {f.verdict.value}, culprits {list(f.culprits)} — {f.summary}")
         for f in findings[1:]
@@ -187,7 +190,17 @@ def _with_job_evidence(snapshot: Snapshot, finding: Finding) -> Finding:
 
 
 def _without_sequences(snapshot: Snapshot) -> Finding:
-    """No NCCL log and no Flight Recorder dump: RAS, torchrun or nothing."""
+    """No NCCL log and no Flight Recorder dump: partial evidence (``partial``), RAS, torchrun or nothing."""
+    partial = decide_partial(snapshot)
+    if partial is not None and partial.verdict != Verdict.inconclusive:
+        return partial
+    for report in snapshot.ras:
+        for comm in report.communicators:
+            finding = _from_ras(report, comm)
+            if finding is not None:
+                return finding
+    if partial is not None:
+        return partial
     dead = _dead_ranks(snapshot)
     if dead:
         ranks = tuple(sorted(dead))
@@ -199,11 +212,6 @@ def _without_sequences(snapshot: Snapshot) -> Finding:
             evidence=tuple(dead.values()),
             missing=("NCCL logs or Flight Recorder dumps",),
         )
-    for report in snapshot.ras:
-        for comm in report.communicators:
-            finding = _from_ras(report, comm)
-            if finding is not None:
-                return finding
     return Finding(
         verdict=Verdict.inconclusive,
         summary="Nothing to align: no NCCL log, Flight Recorder dump or RAS report with operation counts was found.",

@@ -1,0 +1,377 @@
+"""The facts partial evidence gives, and the rules that read process groups, links and excerpts.
+
+``Facts`` sorts a snapshot's partial events by kind once; the rules are pure
+functions of it, each returning a ``Finding`` (``inconclusive`` when it saw
+something that does not decide) or None (nothing of its kind).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ncclwatch.watchdog.engine.detectors import Evidence, Finding, RankRow, Verdict
+from ncclwatch.watchdog.engine.pg_status import Group, RankInGroup, build_groups
+from ncclwatch.watchdog.engine.snapshot import Snapshot
+from ncclwatch.watchdog.events import (
+    Citation,
+    CollectiveFingerprint,
+    NetworkError,
+    OrphanOps,
+    PgStatus,
+    ProcKey,
+    RankLog,
+    WatchdogTimeout,
+    WorkerFailure,
+)
+
+# OpTypes whose NumelIn must be equal on every rank (not all-to-all, gather/scatter, p2p).
+SIZED_ALIKE = frozenset({"ALLREDUCE", "BROADCAST", "REDUCE", "ALLGATHER", "_ALLGATHER_BASE", "REDUCE_SCATTER", "_REDUCE_SCATTER_BASE", "BARRIER"})
+P2P_TYPES = frozenset({"SEND", "RECV", "RECVANYSOURCE", "COALESCED"})
+_NOT_DEAD = {-signal.SIGTERM, -signal.SIGINT}  # torchrun's teardown of the healthy ranks
+
+
+@dataclass
+class Facts:
+    timeouts: list[WatchdogTimeout] = field(default_factory=list)
+    statuses: list[PgStatus] = field(default_factory=list)
+    fingerprints: list[CollectiveFingerprint] = field(default_factory=list)
+    network: list[NetworkError] = field(default_factory=list)
+    rank_logs: list[RankLog] = field(default_factory=list)
+    orphans: list[OrphanOps] = field(default_factory=list)
+    failures_by_rank: dict[int, WorkerFailure] = field(default_factory=dict)
+    world: int | None = None
+    has_fr: bool = False
+    has_nccl: bool = False
+    groups: list[Group] = field(default_factory=list)
+
+    @classmethod
+    def collect(cls, snapshot: Snapshot) -> Facts:
+        facts = cls(timeouts=list(snapshot.timeouts))
+        sort = {
+            PgStatus: facts.statuses, CollectiveFingerprint: facts.fingerprints, NetworkError: facts.network,
+            RankLog: facts.rank_logs, OrphanOps: facts.orphans,
+        }
+        for event in snapshot.partial:
+            bucket = sort.get(type(event))
+            if bucket is not None:
+                bucket.append(event)
+        for failure in snapshot.failures:
+            known = facts.failures_by_rank.get(failure.rank)
+            if known is None or (failure.root_cause and not known.root_cause):
+                facts.failures_by_rank[failure.rank] = failure
+        sizes = [c.nranks for c in snapshot.comms if c.nranks]
+        sizes += [o.nranks for o in facts.orphans if o.nranks]
+        sizes += [c.nranks for r in snapshot.ras for c in r.communicators if c.nranks]
+        facts.world = max(sizes) if sizes else None
+        facts.has_fr = any(c.source == "flight_recorder" for c in snapshot.comms)
+        facts.has_nccl = any(c.source == "nccl_log" for c in snapshot.comms) or bool(facts.orphans)
+        facts.groups = build_groups(facts.timeouts, facts.statuses)
+        return facts
+
+    @property
+    def empty(self) -> bool:
+        return not (self.timeouts or self.statuses or self.fingerprints or self.network or self.orphans or self.rank_logs)
+
+    def diagnosed_ranks(self) -> set[int]:
+        """Ranks that printed a PyTorch or network diagnostic of their own: alive when they printed it."""
+        ranks = {t.rank for t in self.timeouts} | {s.rank for s in self.statuses}
+        ranks |= {f.reported_by for f in self.fingerprints} | {e.rank for e in self.network if e.rank is not None}
+        return ranks
+
+    def dead_ranks(self) -> dict[int, WorkerFailure]:
+        """Ranks torchrun saw exit on their own (not its SIGTERM), that were not busy reporting an error."""
+        diagnosed = self.diagnosed_ranks()
+        return {
+            r: f for r, f in self.failures_by_rank.items()
+            if f.exitcode != 0 and f.exitcode not in _NOT_DEAD and r not in diagnosed and (f.root_cause or f.exitcode < 0)
+        }
+
+    def held_ranks(self) -> set[int]:
+        ranks = self.diagnosed_ranks() | {log.rank for log in self.rank_logs}
+        return ranks | {o.rank for o in self.orphans if o.rank is not None}
+
+    def absent_ranks(self) -> list[int]:
+        if self.world is None:
+            return []
+        held = self.held_ranks()
+        return [r for r in range(self.world) if r not in held]
+
+    def rows(self) -> tuple[RankRow, ...]:
+        """One row per rank: its position in each process group, its errors, or just "log held"."""
+        rows: dict[int, dict] = {}
+        for group in self.groups:
+            for info in group.ranks.values():
+                row = rows.setdefault(info.rank, {"detail": []})
+                row.setdefault("issued", info.enqueued)
+                row.setdefault("last_op", f"SeqNum {info.waiting} {info.op or ''}".strip() if info.waiting is not None else None)
+                row.setdefault("status", "timed out" if info.op else "waiting" if info.waiting is not None else "placed")
+                row["detail"].append(f"{group.label}: {info.position()}")
+        for error in self.network:
+            if error.rank is not None:
+                row = rows.setdefault(error.rank, {"detail": []})
+                row.setdefault("status", "network error")
+                row["detail"].append(f"{error.kind.replace('_', ' ')}" + (f" (peer {error.peer})" if error.peer else ""))
+        for log in self.rank_logs:
+            rows.setdefault(log.rank, {"detail": [], "status": "log held, no diagnostic"})
+        return tuple(
+            RankRow(
+                rank=r, host=None, pid=None, issued=v.get("issued"), last_op=v.get("last_op"), status=v.get("status", ""),
+                detail="; ".join(dict.fromkeys(v["detail"]))[:300],
+            )
+            for r, v in sorted(rows.items())
+        )
+
+    def summary(self) -> str:
+        parts = [f"rank {row.rank}: {row.detail or row.status}" for row in self.rows()[:16]]
+        if self.orphans:
+            parts.append(f"{len(self.orphans)} NCCL communicator(s) with operation lines but no Init line")
+        return "; ".join(parts) or "no rank could be placed"
+
+
+# --------------------------------------------------------------------------
+# process groups
+# --------------------------------------------------------------------------
+
+
+def judge_groups(facts: Facts) -> list[Finding]:
+    return [_judge_group(group, facts) for group in facts.groups]
+
+
+def _judge_group(group: Group, facts: Facts) -> Finding:
+    infos = sorted(group.ranks.values(), key=lambda i: i.rank)
+    if group.ambiguous:
+        seqs = "; ".join(f"rank {i.rank}: SeqNum {sorted(i.seqs)}" for i in infos if i.rank in group.ambiguous)
+        return _seen(
+            group, infos,
+            f"{seqs}: several process groups whose lines carry no group id; their sequence numbers are not compared",
+            ("lines with process-group ids (torch 2.4+ prints '[PG ID n PG GUID g(name) Rank r]'), or Flight Recorder dumps",),
+        )
+    waiting = [i for i in infos if i.waiting is not None]
+    if not waiting:
+        return _seen(group, infos, f"{group.label}: " + "; ".join(f"rank {i.rank}: {i.position()}" for i in infos), ())
+    top = max(i.waiting for i in waiting)  # type: ignore[type-var]
+    at_top = [i for i in waiting if i.waiting == top]
+    mismatch = _op_mismatch(group, at_top, top)
+    if mismatch is not None:
+        return mismatch
+    behind = [i for i in infos if (i.enqueued is not None and i.enqueued < top) or (i.waiting is not None and i.waiting < top)]
+    if behind and len(behind) < len(infos):
+        return _behind(group, behind, at_top, top)
+    op = at_top[0].op or "?"
+    ranks = [i.rank for i in at_top]
+    if facts.world is not None and set(range(facts.world)) <= set(ranks):
+        return Finding(
+            verdict=Verdict.stuck_in_collective,
+            summary=f"Every rank ({facts.world}) timed out in SeqNum {top} ({op}) on {group.label}: all entered it and it never completed.",
+            reason="PyTorch's watchdog on every rank gave up on the same collective; the lead is in NCCL or the network, not in the ranks' order.",
+            position=top,
+            operation=op,
+            comm_label=group.label,
+            source="pytorch",
+            evidence=tuple(Evidence("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in at_top[:12]),
+            missing=("Flight Recorder dumps (started vs scheduled names the late rank), or the network errors of each rank",),
+        )
+    return _seen(group, infos, f"{group.label}: ranks {ranks} wait in SeqNum {top} ({op}); no rank is seen behind it", ())
+
+
+def _op_mismatch(group: Group, at_top: list[RankInGroup], top: int) -> Finding | None:
+    kinds: dict[tuple, list[RankInGroup]] = {}
+    for info in at_top:
+        if info.op is None or info.op in P2P_TYPES:
+            return None
+        kinds.setdefault((info.op, info.numel_in if info.op in SIZED_ALIKE else None), []).append(info)
+    if len(kinds) < 2:
+        return None
+    ordered = sorted(kinds.items(), key=lambda kv: -len(kv[1]))
+    tie = len(ordered[0][1]) == len(ordered[1][1])
+    culprits = () if tie else tuple(sorted(i.rank for _, members in ordered[1:] for i in members))
+    text = lambda key: f"{key[0]}" + (f" NumelIn={key[1]}" if key[1] is not None else "")  # noqa: E731
+    sides = "; ".join(f"rank {', '.join(str(i.rank) for i in m)}: {text(k)}" for k, m in ordered)
+    return Finding(
+        verdict=Verdict.collective_mismatch,
+        summary=f"At SeqNum {top} on {group.label} ranks issued different collectives: {sides}.",
+        reason="PyTorch numbers a group's collectives alike on every rank; the same number with another type or size is another call. "
+        + ("The ranks split evenly: which side is wrong is not in these lines." if tie else "The minority departs from the others."),
+        culprits=culprits,
+        position=top,
+        operation=" vs ".join(text(k) for k, _ in ordered),
+        comm_label=group.label,
+        source="pytorch",
+        evidence=tuple(Evidence("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in at_top[:12]),
+    )
+
+
+def _behind(group: Group, behind: list[RankInGroup], at_top: list[RankInGroup], top: int) -> Finding:
+    names = ", ".join(str(i.rank) for i in behind)
+    op = at_top[0].op or "?"
+    evidence = [Evidence("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in at_top[:6]]
+    evidence += [Evidence("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in behind[:6]]
+    return Finding(
+        verdict=Verdict.rank_behind,
+        summary=f"Rank {names} never entered SeqNum {top} ({op}) on {group.label}; rank {', '.join(str(i.rank) for i in at_top)} wait in it.",
+        reason="The behind rank's own watchdog line places it before that collective (its last enqueued work is lower, or its NCCL "
+        "call for it never returned), so its peers wait for it.",
+        culprits=tuple(i.rank for i in behind),
+        position=top,
+        operation=op,
+        comm_label=group.label,
+        source="pytorch",
+        evidence=tuple(evidence),
+        missing=("where the behind rank's Python is: its traceback in its stderr, or py-spy dump --pid <pid>",),
+    )
+
+
+def _seen(group: Group, infos: list[RankInGroup], text: str, missing: tuple[str, ...]) -> Finding:
+    cites: list[Citation] = [i.cites[0] for i in infos if i.cites]
+    return Finding(
+        verdict=Verdict.inconclusive,
+        summary=text,
+        comm_label=group.label,
+        source="pytorch",
+        evidence=tuple(Evidence("pytorch", f"rank {i.rank}: {i.position()} ({group.label})", c) for i, c in zip(infos, cites, strict=False))[:8],
+        missing=missing,
+    )
+
+
+# --------------------------------------------------------------------------
+# links
+# --------------------------------------------------------------------------
+
+
+def network_finding(facts: Facts) -> Finding | None:
+    """An InfiniBand completion error: the link between the reporter and the named peer failed."""
+    errors = [e for e in facts.network if e.kind == "ib_completion"]
+    if not errors:
+        return None
+    # IBV_WC_WR_FLUSH_ERR (5) only says the queue pair was already broken: the first other error is the cause.
+    errors.sort(key=lambda e: e.status == 5)
+    first = errors[0]
+    peers = Counter(e.peer_host for e in errors)
+    on = {f.host: r for r, f in facts.failures_by_rank.items()}
+    culprits = tuple(sorted({on[h] for h in peers if h in on}))
+    peer_text = ", ".join(f"{h} ({n})" for h, n in peers.most_common())
+    return Finding(
+        verdict=Verdict.network_error,
+        summary=f"InfiniBand link failure: {describe_network(first)}. Peers named: {peer_text}.",
+        reason="NCCL's InfiniBand transport got a failed completion: the link to that peer (its adapter, cable, switch port, "
+        "or the peer itself) broke, and every collective through it waits.",
+        culprits=culprits,
+        source="network",
+        operation=first.status_name,
+        evidence=tuple(Evidence("network", describe_network(e), e.cite) for e in errors[:8]),
+        missing=(
+            "which rank ran on the peer host (its log or torchrun's summary from that node)",
+            "the adapters' counters on both hosts: /sys/class/infiniband/<hca>/ports/1/counters (link_downed, symbol_error)",
+        ),
+    )
+
+
+def reporter(error: NetworkError) -> str:
+    if error.rank is not None:
+        return f"rank {error.rank}"
+    if error.proc is not None:
+        return f"process {error.proc.host}:{error.proc.pid}"
+    return "a rank"
+
+
+def describe_network(error: NetworkError) -> str:
+    who = reporter(error)
+    if error.kind == "ib_completion":
+        what = f"InfiniBand completion error {error.status}" + (f" ({error.status_name}: {error.meaning})" if error.meaning else f" ({error.status_name})" if error.status_name else "")
+        return f"{who}: {what} from peer {error.peer}" + (f" on {error.device}" if error.device else "")
+    if error.kind == "connection_closed":
+        return f"{who}: connection closed by peer {error.peer}"
+    if error.kind == "remote_error":
+        return f"{who}: NCCL remote error (a peer exited or the network failed)"
+    return f"{who}: {error.kind.replace('_', ' ')}: {(error.cite.text or '')[:160]}"
+
+
+# --------------------------------------------------------------------------
+# NCCL excerpts without Init lines
+# --------------------------------------------------------------------------
+
+
+def judge_orphans(facts: Facts) -> Finding | None:
+    if not facts.orphans:
+        return None
+    by_size: dict[int | None, dict[ProcKey, list[OrphanOps]]] = {}
+    for orphan in facts.orphans:
+        by_size.setdefault(orphan.nranks, {}).setdefault(orphan.proc, []).append(orphan)
+    findings = [_align_orphans(size, procs) for size, procs in by_size.items()]
+    decided = [f for f in findings if f.verdict != Verdict.inconclusive]
+    return decided[0] if decided else findings[0]
+
+
+def _who(orphan: OrphanOps) -> str:
+    where = f"{orphan.proc.host}:{orphan.proc.pid}"
+    return f"rank {orphan.rank} ({where})" if orphan.rank is not None else f"process {where}"
+
+
+def _align_orphans(size: int | None, procs: dict[ProcKey, list[OrphanOps]]) -> Finding:
+    label = f"communicator of {size} ranks" if size else "communicator of unknown size"
+    single = [slots[0] for slots in procs.values() if len(slots) == 1 and slots[0].last]
+    seen = "; ".join(f"{_who(o)}: {o.count} ops, last {o.last[-1][1].describe()} opCount {o.last[-1][0]:#x}" for o in single[:12])
+    missing = ("NCCL logs from their start (the Init lines name each rank and communicator)",)
+    if len(single) < 2:
+        return Finding(Verdict.inconclusive, summary=f"NCCL operations without Init lines ({label}): {seen or 'several communicators per process'}", missing=missing)
+    last = {o.proc: o.last[-1][0] for o in single}
+    if not any(last.values()):
+        return Finding(
+            Verdict.inconclusive,
+            summary=f"NCCL operations without Init lines ({label}), opCount 0 on every line (NCCL 2.27.3+ single node): cannot align. {seen}",
+            missing=missing,
+        )
+    mismatch = _orphan_mismatch(label, single)
+    if mismatch is not None:
+        return mismatch
+    top = max(last.values())
+    behind = [o for o in single if last[o.proc] < top]
+    if not behind:
+        return Finding(Verdict.inconclusive, summary=f"NCCL operations without Init lines ({label}) all end at opCount {top:#x}: {seen}", missing=missing)
+    ahead = [o for o in single if last[o.proc] == top]
+    return Finding(
+        verdict=Verdict.rank_behind,
+        summary=f"{', '.join(_who(o) for o in behind)} stopped at an earlier opCount than {', '.join(_who(o) for o in ahead)} "
+        f"(last {top:#x}, {ahead[0].last[-1][1].describe()}) on the {label}.",
+        reason="NCCL numbers a communicator's launches alike on every rank (opCount); each file is taken to run to its rank's "
+        "last operation, so the rank that stopped earlier is the one the others wait for. No Init line: ranks come from prefixes or file names.",
+        culprits=tuple(sorted(o.rank for o in behind if o.rank is not None)),
+        operation=ahead[0].last[-1][1].describe(),
+        source="nccl_log",
+        evidence=tuple(
+            Evidence("nccl_log", f"{_who(o)}: last operation {o.last[-1][1].describe()} at opCount {o.last[-1][0]:#x}", Citation(file=o.file, line=o.last[-1][2]))
+            for o in single[:12]
+        ),
+        missing=missing,
+    )
+
+
+def _orphan_mismatch(label: str, single: list[OrphanOps]) -> Finding | None:
+    """At an opCount every rank printed exactly once, different operations."""
+    per: list[dict[int, tuple]] = []
+    for o in single:
+        counts = Counter(oc for oc, _, _ in o.last)
+        per.append({oc: (sig, line) for oc, sig, line in o.last if counts[oc] == 1 and oc})
+    common = sorted(set.intersection(*(set(p) for p in per)))
+    for oc in common:
+        sigs = Counter(p[oc][0] for p in per)
+        if len(sigs) < 2:
+            continue
+        (good, n_good), (_, n_next) = sigs.most_common(2)
+        tie = n_good == n_next
+        odd = [o for o, p in zip(single, per, strict=True) if p[oc][0] != good]
+        return Finding(
+            verdict=Verdict.collective_mismatch,
+            summary=f"At opCount {oc:#x} on the {label}: " + "; ".join(f"{_who(o)} issued {p[oc][0].describe()}" for o, p in zip(single, per, strict=True)),
+            reason="Ranks of one communicator launch the same operation at the same opCount. "
+            + ("The ranks split evenly: which side is wrong is not in these lines." if tie else "The minority departs."),
+            culprits=() if tie else tuple(sorted(o.rank for o in odd if o.rank is not None)),
+            operation=" vs ".join(s.describe() for s in sigs),
+            source="nccl_log",
+            evidence=tuple(
+                Evidence("nccl_log", f"{_who(o)}: {p[oc][0].describe()}", Citation(file=o.file, line=p[oc][1])) for o, p in zip(single, per, strict=True)
+            )[:12],
+        )
+    return None

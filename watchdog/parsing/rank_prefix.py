@@ -1,0 +1,63 @@
+"""Which rank a line, or a whole file, belongs to when the text does not say.
+
+Users hold one combined file as often as one file per rank: torchrun
+``--tee`` prefixes every line with ``[default<local rank>]:``, PyTorch's own
+messages with ``[rank<N>]:``, ``srun --label`` with ``<task>: ``.  A file of
+one rank says so in its name (``rank3.log``, ``stderr_rank_3``, torchrun's
+``attempt_0/3/stderr.log``).
+
+Failure mode: a number that only looks like a prefix (a line starting with
+``12: `` in a training printout) is read as a rank when the file has no other
+prefix; callers treat these as hints (``RankLog.how`` says which kind).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import PurePath
+
+# "[rank3]:", "[default3]:", "[trainer3]:" (torchrun's role name), "3: " (srun --label).
+_LINE_RE = re.compile(r"^\s*(?:\[(?P<role>rank|default|[A-Za-z_]+)(?P<n>\d+)\]:|(?P<task>\d+): )")
+_LINE_RE_B = re.compile(rb"\n\s*(?:\[(rank|default)(\d+)\]:|(\d+): )")
+_FILE_RE = re.compile(r"(?:^|[^a-z0-9])rank[_-]?(\d+)(?:[^0-9]|$)", re.IGNORECASE)
+_TORCHRUN_DIR_RE = re.compile(r"attempt_\d+/(\d+)/(?:stdout|stderr|error)\.(?:log|txt|json)$")
+
+
+def rank_of_line(line: str) -> tuple[int, str] | None:
+    """(rank, how) from a line's launcher prefix, or None."""
+    m = _LINE_RE.match(line)
+    if m is None:
+        return None
+    if m["task"] is not None:
+        return int(m["task"]), "srun --label prefix"
+    role = m["role"]
+    if role == "rank":
+        return int(m["n"]), "[rankN]: prefix"
+    return int(m["n"]), f"[{role}N]: prefix (torchrun --tee, local rank)"
+
+
+def ranks_in_chunk(chunk: bytes) -> dict[tuple[int, str], int]:
+    """Lines per (rank, prefix kind) in a chunk; ``chunk`` must start at a line start ("\\n")."""
+    counts: dict[tuple[int, str], int] = {}
+    for role, n, task in _LINE_RE_B.findall(chunk):
+        if task:
+            key = (int(task), "srun --label prefix")
+        elif role == b"rank":
+            key = (int(n), "[rankN]: prefix")
+        else:
+            key = (int(n), "[defaultN]: prefix (torchrun --tee, local rank)")
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def rank_of_file(name: str) -> int | None:
+    """A rank named by the file's path: ``rank3.log``, ``.../attempt_0/3/stderr.log``."""
+    path = PurePath(name)
+    m = _TORCHRUN_DIR_RE.search(path.as_posix())
+    if m:
+        return int(m[1])
+    for part in (path.name, path.parent.name):
+        m = _FILE_RE.search(part)
+        if m:
+            return int(m[1])
+    return None
