@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -24,15 +25,21 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from ncclwatch.watchdog.live.bundle import report_incident
-from ncclwatch.watchdog.engine.classify import Decision
 from ncclwatch.watchdog.config import Settings
+from ncclwatch.watchdog.engine.classify import Decision
+from ncclwatch.watchdog.engine.report import EXIT_KILLED_ON_HANG, Report
+from ncclwatch.watchdog.engine.snapshot import Snapshot
+from ncclwatch.watchdog.live.bundle import BundleWriter
 from ncclwatch.watchdog.live.job import LiveView
-from ncclwatch.watchdog.engine.report import EXIT_KILLED_ON_HANG
+from ncclwatch.watchdog.live.journal import Journal
+from ncclwatch.watchdog.live.probe import JobProber
+from ncclwatch.watchdog.live.sidecar import Reporter, Sidecar
 from ncclwatch.watchdog.server.app import make_app, start_server, stop_server
-from ncclwatch.watchdog.live.sidecar import Incident, Sidecar
 from ncclwatch.watchdog.sinks.delivery import Dispatcher, sinks_from_settings, spool_dir_for
 from ncclwatch.watchdog.sinks.metrics import HealthCollector, TextfileWriter
+from ncclwatch.watchdog.sources.files import HeartbeatSource, NcclFileSource
+from ncclwatch.watchdog.sources.gpus import NvmlSource, RasSource
+from ncclwatch.watchdog.sources.workers import WorkerSource
 
 from ncclwatch.launcher.command import torchrun_log_dir
 from ncclwatch.launcher.env import RunDirs, injected_env
@@ -126,6 +133,23 @@ async def _operations(sidecar: Sidecar, settings: Settings, tasks: list) -> web.
     return runner
 
 
+def _sidecar(settings: Settings, dirs: RunDirs, torchrun_pid: int, job_name: str, host: str, reporter: Reporter,
+             dispatcher: Dispatcher | None) -> Sidecar:  # fmt: skip
+    """The sidecar with its real sources, prober and journal."""
+    poll = settings.poll_interval
+    sources = [
+        WorkerSource(torchrun_pid, interval=poll, host=host),
+        NcclFileSource(dirs.nccl, interval=poll),
+        HeartbeatSource(dirs.hb, interval=poll),
+        NvmlSource(),
+        RasSource(settings.ras_port),
+    ]
+    return Sidecar(
+        settings, job_name, sources, JobProber(dirs.fr, settings.pyspy), reporter, journal=Journal(dirs.journal),
+        out=sys.stderr, dispatcher=dispatcher, host=host,
+    )  # fmt: skip
+
+
 async def _watch(command: list[str], settings: Settings, job_name: str, alerts: Alerts) -> int:
     root = settings.run_dir or Path(tempfile.mkdtemp(prefix=f"ncclwatch-{os.getpid()}-"))
     dirs = RunDirs.create(root)
@@ -134,19 +158,20 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     job.forward_signals(asyncio.get_running_loop())
     killed: list[bool] = []
 
-    async def reporter(sidecar: Sidecar, incident: Incident, decision: Decision, view: LiveView) -> None:
-        await report_incident(sidecar, incident, decision, view)
+    host = socket.gethostname().split(".")[0]
+    log_dir = torchrun_log_dir(command)
+    write_bundle = BundleWriter(settings, dirs.root, job_name, host, Path(log_dir) if log_dir else None)
+
+    async def reporter(decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float) -> tuple[Report, Path | None]:
+        written = await write_bundle(decision, snapshot, view, started_at)
         if settings.on_hang == "kill":
             print("ncclwatch: --on-hang kill: ending the job", file=sys.stderr, flush=True)
             killed.append(True)
             job.terminate(grace_s=10.0)
+        return written
 
-    log_dir = torchrun_log_dir(command)
+    sidecar = _sidecar(settings, dirs, job.pid, job_name, host, reporter, alerts.dispatcher)
     ops: list[asyncio.Task] = []  # type: ignore[type-arg]
-    sidecar = Sidecar(
-        settings, dirs, job.pid, job_name, reporter, out=sys.stderr,
-        worker_log_dir=Path(log_dir) if log_dir else None, dispatcher=alerts.dispatcher,
-    )  # fmt: skip
     runner = await _operations(sidecar, settings, ops)
     watching = asyncio.create_task(sidecar.run())
     returncode = await job.wait()
@@ -162,16 +187,15 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     if leftovers:
         print(f"ncclwatch: killed {len(leftovers)} process(es) the job left behind: {leftovers}", file=sys.stderr)
     if returncode == 0 and not killed:
-        for incident in sidecar.incidents:
-            sidecar.resolve(incident, "the job ended cleanly")
-    for incident in sidecar.incidents:
-        if incident.report is not None:
-            culprits = ", ".join(map(str, incident.report.culprit_ranks)) or "-"
-            print(
-                f"ncclwatch: {incident.report.verdict.value} (culprit rank {culprits}); bundle: {incident.bundle or 'not written'}",
-                file=sys.stderr,
-            )
-    if sidecar.incidents:
+        for reported in sidecar.reported:
+            sidecar.resolve(reported, "the job ended cleanly")
+    for reported in sidecar.reported:
+        culprits = ", ".join(map(str, reported.report.culprit_ranks)) or "-"
+        print(
+            f"ncclwatch: {reported.report.verdict.value} (culprit rank {culprits}); bundle: {reported.bundle or 'not written'}",
+            file=sys.stderr,
+        )
+    if sidecar.reported:
         print(f"ncclwatch: run folder kept for inspection: {dirs.root}", file=sys.stderr)
     elif not settings.keep_run_dir and settings.run_dir is None:
         shutil.rmtree(dirs.root, ignore_errors=True)

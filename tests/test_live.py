@@ -14,7 +14,7 @@ from pathlib import Path
 import nccl_lines as L
 from conftest import NOW
 
-from ncclwatch.watchdog.engine.classify import classify
+from ncclwatch.watchdog.engine.classify import judge
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.engine.detectors import Verdict
 from ncclwatch.watchdog.live.job import MIN_PROGRESS, LiveJob
@@ -32,6 +32,7 @@ from ncclwatch.watchdog.events import (
     OpBatch,
     ProcessState,
     StackDump,
+    Stall,
     ThreadStack,
     Unusable,
     WorkerGone,
@@ -134,7 +135,7 @@ class TestStallTimeout:
         worker(job, 10, 0, NOW)
         beats(job, 10, 0, [NOW + 1])
         worker(job, 20, 0, NOW + 30, restart=1)
-        assert [w.pid for w in job.live_workers()] == [20]
+        assert [w.pid for w in job.state.current_workers()] == [20]
         assert job.last_progress() == NOW + 30  # the new attempt's start, not the old progress
 
     def test_nccl_operations_are_progress(self) -> None:
@@ -174,7 +175,10 @@ def decided(job: LiveJob, now: float, stacks: list[StackDump], logs: dict[str, s
             job.apply(event, NOW)
     for dump in stacks:
         job.apply(dump, now)
-    return classify(take_snapshot(job.state, observed_at=now), job.view(now), SETTINGS)
+    stall = Stall(at=now, stalled_for_s=now - job.last_progress(), stall_timeout_s=job.stall_timeout(now),
+                  progress_timeout_s=SETTINGS.progress_timeout)  # fmt: skip
+    job.apply(stall, now)
+    return judge(take_snapshot(job.state, observed_at=now))
 
 
 def behind_logs() -> dict[str, str]:

@@ -167,14 +167,14 @@ class TestJobSeries:
             assert sample(registry, "ncclwatch_source_up", source=source) == 1, source
 
     def test_known_sources_are_the_sidecars(self, tmp_path):
+        from ncclwatch.launcher.run import _sidecar
         from ncclwatch.watchdog.config import Settings
         from ncclwatch.watchdog.live.runfolder import RunDirs
-        from ncclwatch.watchdog.live.sidecar import Sidecar
 
         async def reporter(*_):  # never called
             return None
 
-        sidecar = Sidecar(Settings(), RunDirs.create(tmp_path / "run"), 1, "train", reporter)
+        sidecar = _sidecar(Settings(), RunDirs.create(tmp_path / "run"), 1, "train", "node1", reporter, None)
         assert tuple(s.name for s in sidecar.sources) == SOURCES
 
     def test_probe_bandwidth_only_when_measured(self):

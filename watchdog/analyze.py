@@ -1,7 +1,10 @@
 """``ncclwatch analyze``: files a hung job left behind -> one report.
 
 The same engine the live sidecar runs: parse (``parsing``) -> fold
-(``state.JobState``) -> freeze (``snapshot``) -> decide (``detectors``).  The
+(``state.JobState``) -> freeze (``snapshot``) -> judge (``classify``).  A
+kept run folder or a bundle holds the sidecar's journal (``journal.jsonl``),
+so the live-only inputs (process state, stacks, GPU samples, the stall's
+clock) reach the classifier here too.  The
 only extra step offline is resolving cited operations to ``file:line``,
 which the state does not keep (it would cost memory per line).
 
@@ -25,7 +28,7 @@ from ncclwatch.watchdog.engine.report import InputFile, Report, build_report
 from ncclwatch.watchdog.engine.snapshot import take_snapshot
 from ncclwatch.watchdog.engine.state import DEFAULT_WINDOW, JobState
 from ncclwatch.watchdog.events import P2P_OPS
-from ncclwatch.watchdog.engine.verdict import decide
+from ncclwatch.watchdog.engine.classify import judge
 
 CHUNK_BYTES = 8 << 20
 
@@ -127,5 +130,5 @@ def analyze_paths(paths: Iterable[str], window: int = DEFAULT_WINDOW, now: float
         inputs.append(InputFile(path=name, kinds=[], note=problem) if problem else ingest_file(state, name))
     state.finish()
     snapshot = take_snapshot(state, observed_at=time.time() if now is None else now)
-    finding = decide(snapshot)
+    finding = judge(snapshot).finding
     return build_report(finding, snapshot, inputs, resolve_citations(finding))

@@ -433,6 +433,19 @@ class ProcessState(Event):
     at: float
 
 
+class Stall(Event):
+    """The live sidecar's clock at a probe: how long nothing has moved, and the bounds it judged by.
+
+    Recorded in the run folder's journal with the probe's other inputs so
+    that ``ncclwatch analyze`` reaches the same decision offline.
+    """
+
+    at: float
+    stalled_for_s: float
+    stall_timeout_s: float
+    progress_timeout_s: float
+
+
 class SourceDown(Event):
     """A source cannot read what it watches; its detectors must not read this as healthy."""
 

@@ -1,8 +1,11 @@
-"""The live verdict: the engine's finding, sharpened by what only a running job shows.
+"""The one classifier: a ``Snapshot`` in, a ``Decision`` out, live and offline alike.
 
-Called when nothing has moved for the stall timeout.  ``decide`` (the same
-engine ``ncclwatch analyze`` runs) reads sequences, dumps and samples; this
-adds process state, stacks and time:
+``verdict.decide`` weighs the sequences (NCCL logs, Flight Recorder dumps,
+RAS) and job-wide evidence.  What a running job adds (process state, stacks,
+GPU signatures, the stall's clock) is in the same snapshot: the live sidecar
+folds it in as it probes, and ``ncclwatch analyze`` reads it back from the
+run folder's journal or a bundle.  So these rules apply wherever their
+inputs exist:
 
 - a worker in state ``T`` is ``process_stopped``; one that exited while its
   peers wait is ``process_dead``;
@@ -10,13 +13,15 @@ adds process state, stacks and time:
   is ``gpu_compute_hang``;
 - when sequences agree and no source says who is late, the rank whose stack
   is outside the collective its peers sit in is the lead;
-- when no rank is inside a collective, the job is paused (checkpoint,
-  evaluation): not a hang; ``progress_stalled`` only past the progress timeout;
-- a rank the others wait for that is busy (CPU or I/O moving: writing a
-  checkpoint while the others wait in a barrier) is held until the progress
+- with the stall's clock (live, or a journal): when no rank is inside a
+  collective, the job is paused (checkpoint, evaluation), not hung:
+  ``progress_stalled`` only past the progress timeout; when the probe could
+  not see where the ranks are, that is said ("blind"), never read as a pause;
+- a rank the others wait for that is busy (CPU or I/O moving, and its stack
+  not itself in a collective or a GPU wait) is held until the progress
   timeout instead of paging at the stall timeout.
 
-Pure: snapshot, live view and settings in; a ``Decision`` out.
+Pure.
 """
 
 from __future__ import annotations
@@ -24,16 +29,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, Evidence, Finding, Verdict
-from ncclwatch.watchdog.live.job import LiveView
-from ncclwatch.watchdog.engine.snapshot import Snapshot
+from ncclwatch.watchdog.engine.snapshot import Snapshot, WorkerView
 from ncclwatch.watchdog.engine.stacks import Whereabouts, whereabouts
 from ncclwatch.watchdog.engine.verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
+from ncclwatch.watchdog.events import Stall
 
 BUSY_CPU_SHARE = 0.2  # of one core, over the last few seconds
 BUSY_IO_BYTES_PER_S = 64 << 10  # a log line now and then is not a checkpoint
 IDLE_SIGNATURES = ("idle", "unknown")
+WAITING_KINDS = ("collective", "gpu_wait")  # a rank spinning here burns CPU, but it waits: not a checkpoint
 
 
 @dataclass(frozen=True)
@@ -41,70 +46,71 @@ class Decision:
     finding: Finding
     page: bool  # report and alert now
     held: str | None = None  # why a hang-like state is not paged yet
+    blind: bool = False  # the probe could not see where the ranks are
 
 
-def classify(snapshot: Snapshot, view: LiveView, settings: Settings) -> Decision:
-    where = {r.rank: whereabouts(snapshot.stacks.get(r.pid)) for r in view.ranks}
-    rank_of_pid = {r.pid: r.rank for r in view.ranks}
-    signatures = {rank: sig for rank, (sig, _) in rank_signatures(snapshot, rank_of_pid).items()}
+def judge(snapshot: Snapshot) -> Decision:
+    where = {w.rank: whereabouts(snapshot.stacks.get(w.pid)) for w in snapshot.workers}
+    signatures = {rank: sig for rank, (sig, _) in rank_signatures(snapshot).items()}
     finding = decide(snapshot)
-    special = _stopped(view, finding) or _dead(view, finding)
+    special = _stopped(snapshot.workers, finding) or _dead(snapshot, finding)
     if special is not None:
         return Decision(_with_where(special, where), page=True)
-    if finding.verdict in (Verdict.no_hang, Verdict.inconclusive):
+    stall = snapshot.stall
+    if stall is not None and finding.verdict in (Verdict.no_hang, Verdict.inconclusive):
         # A rank is inside a collective when its stack says so or its GPU spins in NCCL.
         in_collective = sorted(r for r, w in where.items() if w.kind == "collective" or signatures.get(r) == NCCL_SPIN)
         if not in_collective:
-            return _pause(finding, view, settings, where)
+            return _pause(finding, stall, where)
         finding = _stuck_from_stacks(finding, in_collective)
     if finding.verdict == Verdict.stuck_in_collective:
-        if not finding.culprits:
-            finding = lead_from_signatures(snapshot, finding, rank_of_pid)
+        if not finding.culprits:  # decide() names a lead from signatures only when the sequences said "stuck"
+            finding = lead_from_signatures(snapshot, finding)
         finding = _gpu_compute_hang(finding, signatures) or _lead_from_stacks(finding, where)
     finding = _with_where(finding, where)
-    busy = _busy(finding.culprits, view) if finding.verdict == Verdict.rank_behind else []
-    if busy and view.stalled_for < settings.progress_timeout:
+    busy = _busy(finding.culprits, snapshot.workers, where) if finding.verdict == Verdict.rank_behind else []
+    if stall is not None and busy and stall.stalled_for_s < stall.progress_timeout_s:
         return Decision(
             finding,
             page=False,
-            held=f"rank {', '.join(map(str, busy))} keeps its peers waiting but is busy (CPU or I/O moving: a checkpoint?); "
-            f"reported after {settings.progress_timeout:.0f} s without progress",
+            held=f"rank {', '.join(map(str, busy))} keeps its peers waiting but is busy (CPU or I/O moving outside any "
+            f"collective: a checkpoint?); reported after {stall.progress_timeout_s:.0f} s without progress",
         )
     return Decision(finding, page=finding.verdict in HANG_VERDICTS)
 
 
-def _stopped(view: LiveView, finding: Finding) -> Finding | None:
-    stopped = [r for r in view.ranks if r.state == "T" and not r.gone]
+def _stopped(workers: tuple[WorkerView, ...], finding: Finding) -> Finding | None:
+    stopped = [w for w in workers if w.state in ("T", "t") and not w.gone]
     if not stopped:
         return None
-    ranks = ", ".join(f"{r.rank} (pid {r.pid})" for r in stopped)
+    ranks = ", ".join(f"{w.rank} (pid {w.pid})" for w in stopped)
     where = f" {finding.operation} (collective #{finding.position})" if finding.operation else " their next collective"
     return replace(
         finding,
         verdict=Verdict.process_stopped,
-        culprits=tuple(r.rank for r in stopped),
+        culprits=tuple(w.rank for w in stopped),
         summary=f"Rank {ranks} is stopped (state T: SIGSTOP, or a debugger); its peers wait for it in{where}.",
         reason="A stopped process runs nothing, so its peers wait forever; send SIGCONT, or find who stopped it. "
         + (f"Engine: {finding.summary}" if finding.verdict in HANG_VERDICTS else ""),
-        evidence=tuple(Evidence("procfs", f"rank {r.rank}: pid {r.pid} in state T") for r in stopped) + finding.evidence,
+        evidence=tuple(Evidence("procfs", f"rank {w.rank}: pid {w.pid} in state {w.state}") for w in stopped) + finding.evidence,
         missing=tuple(m for m in finding.missing if "which rank" not in m),
     )
 
 
-def _dead(view: LiveView, finding: Finding) -> Finding | None:
-    gone = [r for r in view.ranks if r.gone]
-    alive = [r for r in view.ranks if not r.gone]
+def _dead(snapshot: Snapshot, finding: Finding) -> Finding | None:
+    gone = [w for w in snapshot.workers if w.gone]
+    alive = [w for w in snapshot.workers if not w.gone]
     if not gone or not alive:
         return None  # everyone ended: the job is over, not hung
-    ranks = ", ".join(f"{r.rank} (pid {r.pid})" for r in gone)
+    ranks = ", ".join(f"{w.rank} (pid {w.pid})" for w in gone)
+    stalled = f"; nothing has moved for {snapshot.stall.stalled_for_s:.0f} s" if snapshot.stall else ""
     return replace(
         finding,
         verdict=Verdict.process_dead,
-        culprits=tuple(r.rank for r in gone),
-        summary=f"Rank {ranks} exited while ranks {', '.join(str(r.rank) for r in alive)} still wait; nothing has moved for "
-        f"{view.stalled_for:.0f} s.",
+        culprits=tuple(w.rank for w in gone),
+        summary=f"Rank {ranks} exited while ranks {', '.join(str(w.rank) for w in alive)} still wait{stalled}.",
         reason="A rank that ends without shutting its communicators down leaves its peers waiting forever.",
-        evidence=tuple(Evidence("procfs", f"rank {r.rank}: pid {r.pid} has exited") for r in gone) + finding.evidence,
+        evidence=tuple(Evidence("procfs", f"rank {w.rank}: pid {w.pid} has exited") for w in gone) + finding.evidence,
     )
 
 
@@ -153,32 +159,53 @@ def _lead_from_stacks(finding: Finding, where: Mapping[int, Whereabouts]) -> Fin
     )
 
 
-def _pause(finding: Finding, view: LiveView, settings: Settings, where: Mapping[int, Whereabouts]) -> Decision:
+def _pause(finding: Finding, stall: Stall, where: Mapping[int, Whereabouts]) -> Decision:
+    unseen = sorted(r for r, w in where.items() if w.kind == "unknown")
+    if unseen and finding.verdict == Verdict.inconclusive:
+        return _blind(finding, stall, unseen)
     frames = "; ".join(f"rank {r}: {w.frame}" for r, w in sorted(where.items()) if w.frame)[:600]
     paused = Finding(
         verdict=Verdict.progress_stalled,
-        summary=f"No rank has made progress for {view.stalled_for:.0f} s and none is inside a collective "
+        summary=f"No rank has made progress for {stall.stalled_for_s:.0f} s and none is inside a collective "
         "(a checkpoint, an evaluation, a data stall, or a hang outside communication).",
         reason=f"Stacks: {frames}" if frames else "No rank is inside a collective.",
         evidence=finding.evidence,
         missing=finding.missing,
     )
-    if view.stalled_for >= settings.progress_timeout:
+    if stall.stalled_for_s >= stall.progress_timeout_s:
         return Decision(paused, page=True)
     return Decision(
         paused,
         page=False,
         held=f"no rank is inside a collective (a pause: checkpoint, evaluation?); progress_stalled is reported after "
-        f"{settings.progress_timeout:.0f} s without progress",
+        f"{stall.progress_timeout_s:.0f} s without progress",
     )
 
 
-def _busy(culprits: tuple[int, ...], view: LiveView) -> list[int]:
-    """Culprits whose CPU time or I/O moved over the last few seconds."""
+def _blind(finding: Finding, stall: Stall, unseen: list[int]) -> Decision:
+    """Neither stacks nor Flight Recorder say where these ranks are: undecided, and said so."""
+    ranks = ", ".join(map(str, unseen))
+    undecided = Finding(
+        verdict=Verdict.progress_stalled,
+        summary=f"No rank has made progress for {stall.stalled_for_s:.0f} s and the probe could not see where rank "
+        f"{ranks} is (no stack, no Flight Recorder dump): a hang or a pause cannot be told apart.",
+        reason="py-spy or /proc was denied, or Flight Recorder did not answer; the evidence notes say which.",
+        evidence=finding.evidence,
+        missing=finding.missing + (f"where rank {ranks} is: py-spy needs CAP_SYS_PTRACE or the same user",),
+    )
+    page = stall.stalled_for_s >= stall.progress_timeout_s
+    held = None if page else f"cannot see where rank {ranks} is (stacks and Flight Recorder unavailable); reported after {stall.progress_timeout_s:.0f} s without progress"
+    return Decision(undecided, page=page, held=held, blind=True)
+
+
+def _busy(culprits: tuple[int, ...], workers: tuple[WorkerView, ...], where: Mapping[int, Whereabouts]) -> list[int]:
+    """Culprits whose CPU time or I/O moved over the last few seconds, outside any wait."""
     return [
-        r.rank
-        for r in view.ranks
-        if r.rank in culprits and ((r.cpu_share or 0) >= BUSY_CPU_SHARE or (r.io_rate or 0) >= BUSY_IO_BYTES_PER_S)
+        w.rank
+        for w in workers
+        if w.rank in culprits
+        and where.get(w.rank, Whereabouts("unknown", None)).kind not in WAITING_KINDS
+        and ((w.cpu_share or 0) >= BUSY_CPU_SHARE or (w.io_rate or 0) >= BUSY_IO_BYTES_PER_S)
     ]
 
 

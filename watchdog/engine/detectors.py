@@ -110,12 +110,8 @@ class Finding:
 # --------------------------------------------------------------------------
 
 
-def rank_id(rank: RankView) -> int:
-    return rank.global_rank if rank.global_rank is not None else rank.comm_rank
-
-
 def names(ranks: Sequence[RankView]) -> str:
-    ids = sorted(rank_id(r) for r in ranks)
+    ids = sorted(r.rank for r in ranks)
     return ("rank " if len(ids) == 1 else "ranks ") + ", ".join(map(str, ids))
 
 
@@ -137,7 +133,7 @@ def _rows(comm: CommView, status: Callable[[RankView], tuple[str, str]]) -> tupl
         text, detail = status(rank)
         rows.append(
             RankRow(
-                rank=rank_id(rank),
+                rank=rank.rank,
                 host=rank.proc.host if rank.proc else None,
                 pid=rank.proc.pid if rank.proc else None,
                 issued=rank.total,
@@ -232,7 +228,7 @@ def _mismatch(
         good_sig = None
         how = "the ranks split evenly and no repeating pattern tells which side is right"
     culprits = [r for s, members in groups.items() if s != good_sig for r in members]
-    culprit_ids = tuple(sorted(rank_id(r) for r in culprits)) if good_sig is not None else ()
+    culprit_ids = tuple(sorted(r.rank for r in culprits)) if good_sig is not None else ()
     good = groups.get(good_sig, []) if good_sig is not None else []
     evidence = [
         _op_evidence(comm, members[0], position, f"{names(members)} issued {sig.describe() if sig else '?'} as collective #{position + 1}")
@@ -307,7 +303,7 @@ def _behind(comm: CommView, ranks: list[RankView]) -> Finding | None:
         Verdict.rank_behind,
         summary=summary,
         reason=reason,
-        culprits=tuple(sorted(rank_id(r) for r in culprits)),
+        culprits=tuple(sorted(r.rank for r in culprits)),
         position=low + 1,
         operation=operation,
         evidence=tuple(evidence),
@@ -356,7 +352,7 @@ def _compare_pair(comm: CommView, sender: RankView, receiver: RankView, sends: P
                     f"send count={s.count} dtype={s.dtype}, recv count={r.count} dtype={r.dtype}."
                 ),
                 reason="A send and its matching recv must agree on size and type.",
-                culprits=tuple(sorted({rank_id(sender), rank_id(receiver)})),
+                culprits=tuple(sorted({sender.rank, receiver.rank})),
                 operation=s.describe(),
                 evidence=(
                     _p2p_evidence(comm, sender, "Send", receiver.comm_rank, index, f"{sender.name} send #{index + 1}: {s.describe()}"),
@@ -392,7 +388,7 @@ def _p2p_behind(
             f"{waiter.name} waits in its matching {theirs}."
         ),
         reason="Point-to-point operations are matched pairwise; the rank that has not posted its side is at fault.",
-        culprits=(rank_id(culprit),),
+        culprits=(culprit.rank,),
         operation=sig.describe() if sig else None,
         evidence=(
             _p2p_evidence(
@@ -479,7 +475,7 @@ def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding
         Verdict.stuck_in_collective,
         summary=f"Collective #{position + 1} ({sig.describe() if sig else '?'}) on {comm.label} was issued by every rank and never completed.",
         reason=reason,
-        culprits=tuple(sorted(rank_id(r) for r in lead)),
+        culprits=tuple(sorted(r.rank for r in lead)),
         position=position + 1,
         operation=sig.describe() if sig else None,
         evidence=tuple(evidence),

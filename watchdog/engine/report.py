@@ -144,7 +144,7 @@ def _timeline(finding: Finding, snapshot: Snapshot) -> list[TimelineRow]:
         positions = range(start, rank.total)
         rows.append(
             TimelineRow(
-                rank=rank.global_rank if rank.global_rank is not None else rank.comm_rank,
+                rank=rank.rank,
                 first_position=start + 1,
                 ops=[sig.describe() for p in positions if (sig := rank.at(p)) is not None],
                 states=[(state.value if (state := rank.state_at(p)) else None) for p in positions],

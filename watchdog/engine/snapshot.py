@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-from ncclwatch.watchdog.engine.state import Communicator, JobState, PeerLog, RankSeq, Source, fold
+from ncclwatch.watchdog.engine.state import Communicator, JobState, PeerLog, RankSeq, Source, Worker, fold
 from ncclwatch.watchdog.events import (
     Citation,
     Event,
@@ -25,6 +25,7 @@ from ncclwatch.watchdog.events import (
     ProcKey,
     RasReport,
     StackDump,
+    Stall,
     WatchdogTimeout,
     WorkerFailure,
 )
@@ -60,9 +61,13 @@ class RankView:
         return self.base + len(self.window)
 
     @property
+    def rank(self) -> int:
+        """The job-wide rank when known, else the rank within the communicator."""
+        return self.global_rank if self.global_rank is not None else self.comm_rank
+
+    @property
     def name(self) -> str:
-        rank = self.global_rank if self.global_rank is not None else self.comm_rank
-        return f"rank {rank}"
+        return f"rank {self.rank}"
 
     def at(self, position: int) -> OpSig | None:
         """The collective at 0-based ``position``, if this rank issued it and still holds it."""
@@ -96,6 +101,22 @@ class CommView:
 
 
 @dataclass(frozen=True)
+class WorkerView:
+    """One torchrun worker of the current attempt, as the live sidecar sampled it."""
+
+    rank: int
+    pid: int
+    local_rank: int | None
+    world_size: int | None
+    host: str | None
+    state: str | None  # /proc state letter
+    cpu_share: float | None  # cores used over the last few seconds
+    io_rate: float | None  # bytes/s read + written over the last few seconds
+    step: int | None
+    gone: bool
+
+
+@dataclass(frozen=True)
 class Snapshot:
     observed_at: float
     comms: tuple[CommView, ...]
@@ -109,7 +130,15 @@ class Snapshot:
     stacks: Mapping[int, StackDump]
     gpus: tuple[GpuSnapshot, ...]
     notes: tuple[str, ...]
+    workers: tuple[WorkerView, ...] = ()  # empty offline unless a journal was read
+    stall: Stall | None = None  # the live clock at the probe; None offline without a journal
     partial: tuple[Event, ...] = ()  # PgStatus, CollectiveFingerprint, NetworkError, RankLog, OrphanOps
+
+    def rank_of_pid(self) -> dict[int, int]:
+        """Global rank of every process known: NCCL's Init lines, then the workers' environment."""
+        ranks = {proc.pid: rank for proc, rank in self.global_ranks.items()}
+        ranks.update({w.pid: w.rank for w in self.workers})
+        return ranks
 
     def pid_of(self, global_rank: int) -> int | None:
         for proc, rank in self.global_ranks.items():
@@ -161,6 +190,22 @@ def _comm(comm: Communicator, global_ranks: Mapping[ProcKey, int]) -> CommView:
     )
 
 
+def worker_view(worker: Worker) -> WorkerView:
+    cpu, io = worker.rates()
+    return WorkerView(
+        rank=worker.rank,  # type: ignore[arg-type]  # current_workers() have one
+        pid=worker.pid,
+        local_rank=worker.local_rank,
+        world_size=worker.world_size,
+        host=worker.host,
+        state=worker.proc_state,
+        cpu_share=cpu,
+        io_rate=io,
+        step=worker.step,
+        gone=worker.gone_at is not None,
+    )
+
+
 def take_snapshot(state: JobState, observed_at: float) -> Snapshot:
     global_ranks = state.global_ranks()
     return Snapshot(
@@ -176,5 +221,7 @@ def take_snapshot(state: JobState, observed_at: float) -> Snapshot:
         stacks=MappingProxyType(dict(state.stacks)),
         gpus=tuple(state.gpus),
         notes=tuple(state.notes),
+        workers=tuple(worker_view(w) for w in state.current_workers()),
+        stall=state.stall,
         partial=tuple(state.partial),
     )

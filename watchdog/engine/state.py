@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import zlib
 from array import array
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,6 +37,7 @@ from ncclwatch.watchdog.events import (
     FrDump,
     FrEntry,
     GpuSnapshot,
+    Heartbeat,
     LocalPeerClosed,
     NcclVersion,
     NcclWarning,
@@ -46,18 +48,23 @@ from ncclwatch.watchdog.events import (
     OpState,
     OrphanOps,
     PgStatus,
+    ProcessState,
     ProcKey,
     RankLog,
     RasReport,
     StackDump,
+    Stall,
     Unusable,
     WatchdogTimeout,
     WorkerFailure,
+    WorkerGone,
+    WorkerSeen,
 )
 
 DEFAULT_WINDOW = 2048
 _MAX_NOTES = 200
 _MAX_PARTIAL = 4000  # partial-evidence events kept (each is one diagnostic line, deduplicated)
+SAMPLES_KEPT = 8  # /proc samples per worker (0.5 s apart live: CPU and I/O rates over ~4 s)
 
 Source = Literal["nccl_log", "flight_recorder"]
 
@@ -115,6 +122,11 @@ class RankSeq:
     def total(self) -> int:
         return self.base + len(self.coll)
 
+    @property
+    def rank(self) -> int:
+        """The job-wide rank when known, else the rank within the communicator."""
+        return self.global_rank if self.global_rank is not None else self.comm_rank
+
     def trim(self, window: int) -> None:
         """Fold the oldest collectives into the digest once the window overflows."""
         if len(self.coll) > 2 * window:
@@ -146,10 +158,43 @@ class Communicator:
 
 
 @dataclass
-class ProcInfo:
+class NcclProcess:
+    """A process as NCCL's log names it (``host:pid``): its version and the files it wrote."""
+
     proc: ProcKey
     nccl_version: str | None = None
     files: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Worker:
+    """A torchrun worker as the live sidecar saw it (or its journal recorded it)."""
+
+    pid: int
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    host: str | None = None
+    restart: int = 0
+    seen_at: float = 0.0
+    gone_at: float | None = None
+    step: int | None = None
+    samples: deque[ProcessState] = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
+
+    @property
+    def proc_state(self) -> str | None:
+        return self.samples[-1].state if self.samples else None
+
+    def rates(self) -> tuple[float | None, float | None]:
+        """CPU (cores) and I/O (bytes/s) over the samples kept: a busy rank from an idle one."""
+        if len(self.samples) < 2:
+            return None, None
+        first, last = self.samples[0], self.samples[-1]
+        seconds = last.at - first.at
+        if seconds <= 0:
+            return None, None
+        io = (last.io_bytes - first.io_bytes) / seconds if last.io_bytes is not None and first.io_bytes is not None else None
+        return (last.cpu_seconds - first.cpu_seconds) / seconds, io
 
 
 class JobState:
@@ -158,7 +203,7 @@ class JobState:
     def __init__(self, window: int = DEFAULT_WINDOW) -> None:
         self.window = window
         self.comms: dict[str, Communicator] = {}
-        self.procs: dict[ProcKey, ProcInfo] = {}
+        self.procs: dict[ProcKey, NcclProcess] = {}
         self.warnings: list[NcclWarning] = []
         self.peer_closed: list[LocalPeerClosed] = []
         self.timeouts: list[WatchdogTimeout] = []
@@ -167,6 +212,8 @@ class JobState:
         self.stacks: dict[int, StackDump] = {}
         self.gpus: list[GpuSnapshot] = []
         self.notes: list[str] = []
+        self.workers: dict[int, Worker] = {}  # pid -> worker (live sidecar, or its journal)
+        self.stall: Stall | None = None  # the latest probe's clock (live sidecar, or its journal)
         self._live: dict[tuple[ProcKey, str], RankSeq] = {}  # (proc, comm ptr) -> open sequence
         self._comm_of: dict[tuple[ProcKey, str], str] = {}  # (proc, comm ptr) -> comm key
         self._init_count: dict[ProcKey, int] = {}
@@ -185,10 +232,10 @@ class JobState:
         if len(self.notes) < _MAX_NOTES and text not in self.notes:
             self.notes.append(text)
 
-    def _proc(self, proc: ProcKey, file: str | None = None) -> ProcInfo:
+    def _proc(self, proc: ProcKey, file: str | None = None) -> NcclProcess:
         info = self.procs.get(proc)
         if info is None:
-            info = self.procs[proc] = ProcInfo(proc)
+            info = self.procs[proc] = NcclProcess(proc)
         if file:
             info.files.add(file)
         return info
@@ -294,6 +341,36 @@ class JobState:
     def _on_unusable(self, event: Unusable) -> None:
         self._note(f"{event.cite}: {event.reason}")
 
+    def worker(self, pid: int) -> Worker:
+        worker = self.workers.get(pid)
+        if worker is None:
+            worker = self.workers[pid] = Worker(pid=pid)
+        return worker
+
+    def _on_worker_seen(self, event: WorkerSeen) -> None:
+        worker = self.worker(event.pid)
+        worker.rank, worker.local_rank, worker.host = event.rank, event.local_rank, event.host
+        worker.world_size, worker.restart, worker.seen_at = event.world_size, event.restart_count, event.at
+        worker.samples.clear()  # a journal repeats the worker before each probe's samples
+
+    def _on_worker_gone(self, event: WorkerGone) -> None:
+        self.worker(event.pid).gone_at = event.at
+
+    def _on_process_state(self, event: ProcessState) -> None:
+        self.worker(event.pid).samples.append(event)
+
+    def _on_heartbeat(self, event: Heartbeat) -> None:
+        self.worker(event.pid).step = event.step
+
+    def _on_stall(self, event: Stall) -> None:
+        self.stall = event
+
+    def current_workers(self) -> list[Worker]:
+        """Workers of the current attempt: an elastic restart retires every older pid."""
+        known = [w for w in self.workers.values() if w.rank is not None]
+        current = max((w.restart for w in known), default=0)
+        return sorted((w for w in known if w.restart == current), key=lambda w: w.rank or 0)
+
     def keep_latest(self, samples: int) -> None:
         """Live use: GPU and RAS samples are only useful recent; keep the last few."""
         if len(self.gpus) > samples:
@@ -356,6 +433,10 @@ class JobState:
         self.ras += other.ras
         self.stacks.update(other.stacks)
         self.gpus += other.gpus
+        for pid, worker in other.workers.items():
+            self.workers.setdefault(pid, worker)
+        if other.stall is not None and (self.stall is None or other.stall.at > self.stall.at):
+            self.stall = other.stall
         for note in other.notes:
             self._note(note)
 
@@ -463,6 +544,11 @@ _HANDLERS = {
     CommEnd: JobState._on_end,
     FrDump: JobState._on_fr_dump,
     Unusable: JobState._on_unusable,
+    WorkerSeen: JobState._on_worker_seen,
+    WorkerGone: JobState._on_worker_gone,
+    ProcessState: JobState._on_process_state,
+    Heartbeat: JobState._on_heartbeat,
+    Stall: JobState._on_stall,
     NcclWarning: lambda s, e: s.warnings.append(e) if len(s.warnings) < _MAX_NOTES else None,
     LocalPeerClosed: lambda s, e: s.peer_closed.append(e),
     WatchdogTimeout: lambda s, e: s.timeouts.append(e),

@@ -20,19 +20,18 @@ import shutil
 import sys
 import tarfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ncclwatch.watchdog.analyze import resolve_citations
+from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.engine.classify import Decision
 from ncclwatch.watchdog.engine.detectors import Finding
+from ncclwatch.watchdog.engine.report import EvidenceFile, RankRow, Report, build_report, gpu_of, iso, main_frame, render_text
+from ncclwatch.watchdog.engine.snapshot import Snapshot
 from ncclwatch.watchdog.evidence import EvidenceContext, RankTarget, collect_all
 from ncclwatch.watchdog.live.job import LiveView
-from ncclwatch.watchdog.engine.report import EvidenceFile, RankRow, Report, build_report, gpu_of, iso, main_frame, render_text
-from ncclwatch.watchdog.engine.snapshot import Snapshot, take_snapshot
-
-if TYPE_CHECKING:
-    from ncclwatch.watchdog.live.sidecar import Incident, Sidecar
+from ncclwatch.watchdog.live.runfolder import JOURNAL_NAME
 
 log = logging.getLogger("ncclwatch")
 
@@ -42,14 +41,14 @@ def live_report(
 ) -> Report:
     report = build_report(finding, snapshot, inputs=[], cited={})
     rows = {row.rank: row for row in report.ranks}
-    for rank in view.ranks:
-        row = rows.setdefault(rank.rank, RankRow(rank=rank.rank))
-        row.pid, row.host = rank.pid, rank.host or row.host
-        row.state = rank.state + (" (exited)" if rank.gone else "") if rank.state else ("exited" if rank.gone else None)
-        row.step = rank.step
-        row.last_progress_at = iso(rank.last_progress)
-        row.stack = main_frame(snapshot, rank.pid)
-        row.gpu = gpu_of(snapshot, rank.pid)
+    for worker in view.workers:
+        row = rows.setdefault(worker.rank, RankRow(rank=worker.rank))
+        row.pid, row.host = worker.pid, worker.host or row.host
+        row.state = worker.state + (" (exited)" if worker.gone else "") if worker.state else ("exited" if worker.gone else None)
+        row.step = worker.step
+        row.last_progress_at = iso(view.progress_at.get(worker.pid))
+        row.stack = main_frame(snapshot, worker.pid)
+        row.gpu = gpu_of(snapshot, worker.pid)
     notes = list(report.notes) + list(view.down)
     if held:
         notes.append(held)
@@ -156,36 +155,48 @@ def _pack(folder: Path, target: Path, top: str) -> None:
         tar.add(folder, arcname=top)
 
 
-async def report_incident(sidecar: Sidecar, incident: Incident, decision: Decision, view: LiveView) -> None:
-    """Say the verdict now; then collect evidence and write the bundle."""
-    snapshot = take_snapshot(sidecar.live.state, observed_at=view.observed_at)
-    report = live_report(
-        decision.finding, snapshot, view, job=sidecar.job_name, host=sidecar.host, started_at=incident.started_at, held=decision.held
-    )
-    incident.report = report
-    print(terminal_text(report), file=sys.stderr, flush=True)
-    settings = sidecar.settings
-    staging = settings.bundle_dir / ("." + bundle_name(sidecar.job_name, sidecar.host, view.observed_at, report.verdict.value))
-    staging.mkdir(parents=True, exist_ok=True)
-    alive = [r for r in view.ranks if not r.gone]
-    targets = tuple(RankTarget(rank=r.rank, pid=r.pid, local_rank=r.local_rank, host=r.host or sidecar.host) for r in alive)
-    worker_logs = find_worker_logs(sidecar.worker_log_dir, {r.rank: r.local_rank for r in alive})
+@dataclass(frozen=True)
+class BundleWriter:
+    """The sidecar's ``Reporter``: say the verdict now, then collect evidence and write the bundle."""
 
-    async def collect(folder: Path) -> list:  # type: ignore[type-arg]
-        context = EvidenceContext(
-            out_dir=folder, run_dir=sidecar.folders.root, ranks=targets, pyspy=settings.pyspy,
-            ras_port=settings.ras_port, worker_logs=worker_logs, budget_s=settings.evidence_budget,
+    settings: Settings
+    run_dir: Path
+    job_name: str
+    host: str
+    worker_log_dir: Path | None = None  # torchrun's --log-dir, when the user gave one
+
+    async def __call__(self, decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float) -> tuple[Report, Path | None]:
+        report = live_report(
+            decision.finding, snapshot, view, job=self.job_name, host=self.host, started_at=started_at, held=decision.held
         )
-        return await collect_all(context)
+        print(terminal_text(report), file=sys.stderr, flush=True)
+        settings = self.settings
+        staging = settings.bundle_dir / ("." + bundle_name(self.job_name, self.host, view.observed_at, report.verdict.value))
+        staging.mkdir(parents=True, exist_ok=True)
+        alive = view.alive
+        targets = tuple(RankTarget(rank=w.rank, pid=w.pid, local_rank=w.local_rank, host=w.host or self.host) for w in alive)
+        worker_logs = find_worker_logs(self.worker_log_dir, {w.rank: w.local_rank for w in alive})
 
-    began = time.monotonic()
-    try:
-        incident.bundle, incident.report = await write_bundle(report, decision.finding, staging, settings.bundle_dir, collect)
-        print(f"ncclwatch: bundle written in {time.monotonic() - began:.1f} s: {incident.bundle}", file=sys.stderr, flush=True)
-    except Exception as exc:  # the page must go out even when the bundle cannot be written (disk full...)
-        log.exception("bundle failed")
-        print(f"ncclwatch: could not write the bundle ({type(exc).__name__}: {exc}); paging without it", file=sys.stderr)
-    sidecar.alert(incident)
+        async def collect(folder: Path) -> list:  # type: ignore[type-arg]
+            context = EvidenceContext(
+                out_dir=folder, run_dir=self.run_dir, ranks=targets, pyspy=settings.pyspy,
+                ras_port=settings.ras_port, worker_logs=worker_logs, budget_s=settings.evidence_budget,
+            )
+            records = await collect_all(context)
+            journal = self.run_dir / JOURNAL_NAME
+            if journal.is_file():  # the probe's inputs: `ncclwatch analyze` on the bundle replays the decision
+                await asyncio.to_thread(shutil.copyfile, journal, folder / JOURNAL_NAME)
+            return records
+
+        began = time.monotonic()
+        try:
+            bundle, report = await write_bundle(report, decision.finding, staging, settings.bundle_dir, collect)
+        except Exception as exc:  # the page must go out even when the bundle cannot be written (disk full...)
+            log.exception("bundle failed")
+            print(f"ncclwatch: could not write the bundle ({type(exc).__name__}: {exc}); paging without it", file=sys.stderr)
+            return report, None
+        print(f"ncclwatch: bundle written in {time.monotonic() - began:.1f} s: {bundle}", file=sys.stderr, flush=True)
+        return report, bundle
 
 
 def find_worker_logs(log_dir: Path | None, local_ranks: dict[int, int | None]) -> dict[int, list[Path]]:

@@ -50,24 +50,23 @@ class Health:
 def health_of(live: LiveJob, now: float, *, job: str, host: str, verdict: str | None, culprits: tuple[int, ...], hang: bool,
               bundles_written: int) -> Health:  # fmt: skip
     view = live.view(now)
-    workers = {w.pid: w for w in live.live_workers()}
     ranks = tuple(
         RankHealth(
-            rank=r.rank,
-            pid=r.pid,
-            host=r.host,
-            state=r.state,
-            step=r.step,
-            heartbeat_age_s=now - workers[r.pid].beat_at if workers[r.pid].beat_at is not None else None,
-            progress_age_s=now - r.last_progress if r.last_progress is not None else None,
+            rank=w.rank,
+            pid=w.pid,
+            host=w.host,
+            state=w.state,
+            step=w.step,
+            heartbeat_age_s=now - beat if (beat := view.beat_at.get(w.pid)) is not None else None,
+            progress_age_s=now - moved if (moved := view.progress_at.get(w.pid)) is not None else None,
         )
-        for r in view.ranks
+        for w in view.workers
     )
     global_ranks = live.state.global_ranks()
     positions = []
     for comm in live.state.comms.values():
-        for comm_rank, seq in comm.ranks.items():
-            rank = seq.global_rank if seq.global_rank is not None else global_ranks.get(seq.proc, comm_rank) if seq.proc else comm_rank
+        for seq in comm.ranks.values():
+            rank = global_ranks.get(seq.proc, seq.rank) if seq.global_rank is None and seq.proc else seq.rank
             positions.append(CommPosition(comm.label, rank, seq.total))
     return Health(
         observed_at=now,

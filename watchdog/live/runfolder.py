@@ -1,14 +1,17 @@
 """The run folder's layout: shared by the launcher (which makes it) and the sidecar (which reads it).
 
 ``<root>/nccl/<host>.<pid>`` NCCL debug files, ``<root>/fr/`` Flight Recorder
-pipes and dumps, ``<root>/hb/<pid>.json`` heartbeats, ``<root>/fault.<rank>``
-marks written by the demo job.
+pipes and dumps, ``<root>/hb/<pid>.json`` heartbeats, ``<root>/journal.jsonl``
+the sidecar's probe inputs, ``<root>/fault.<rank>`` marks written by the demo
+job.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+JOURNAL_NAME = "journal.jsonl"
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,10 @@ class RunDirs:
     nccl: Path
     fr: Path
     hb: Path
+
+    @property
+    def journal(self) -> Path:
+        return self.root / JOURNAL_NAME
 
     @classmethod
     def create(cls, root: Path) -> RunDirs:

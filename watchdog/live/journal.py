@@ -1,0 +1,62 @@
+"""Write the probe's inputs to ``<run>/journal.jsonl`` (format in ``parsing/journal.py``).
+
+Written at every probe, appended and flushed, so that a kept run folder (and
+the bundle, which copies it) lets ``ncclwatch analyze`` replay what the live
+classifier saw.  Bounded: a probe writes each current worker, its few /proc
+samples, one stack per rank and one GPU sample; probes come at most every
+second while a stall lasts.  A write that fails is logged once and the
+journal is then off: it must never stop the watch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+from ncclwatch.watchdog.engine.state import JobState
+from ncclwatch.watchdog.events import Event, GpuSnapshot, Stall, WorkerGone, WorkerSeen
+from ncclwatch.watchdog.parsing.journal import HEADER, journal_line
+
+log = logging.getLogger("ncclwatch")
+
+
+class Journal:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._broken = False
+
+    def record(self, state: JobState, stall: Stall) -> None:
+        """The state's live inputs as they stand at this probe."""
+        self._write([*_live_inputs(state), stall])
+
+    def _write(self, events: Iterable[Event]) -> None:
+        if self._broken:
+            return
+        try:
+            fresh = not self.path.exists()
+            with self.path.open("a", encoding="utf-8") as out:
+                if fresh:
+                    out.write(HEADER.decode() + "\n")
+                out.writelines(journal_line(e) + "\n" for e in events)
+        except OSError as exc:
+            self._broken = True
+            log.warning("journal %s not written (%s): offline analysis will see less", self.path, exc)
+
+
+def _live_inputs(state: JobState) -> list[Event]:
+    events: list[Event] = []
+    for worker in state.current_workers():
+        events.append(
+            WorkerSeen(
+                pid=worker.pid, rank=worker.rank, local_rank=worker.local_rank, world_size=worker.world_size,  # type: ignore[arg-type]
+                restart_count=worker.restart, host=worker.host or "", at=worker.seen_at,
+            )
+        )  # fmt: skip
+        if worker.gone_at is not None:
+            events.append(WorkerGone(pid=worker.pid, rank=worker.rank, at=worker.gone_at))  # type: ignore[arg-type]
+        events.extend(worker.samples)
+        if worker.pid in state.stacks:
+            events.append(state.stacks[worker.pid])
+    events.extend(g for g in state.gpus[-1:] if isinstance(g, GpuSnapshot))
+    return events
