@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ncclwatch.watchdog.events import Event
 from ncclwatch.watchdog.parsing.flight_recorder import looks_like_flight_recorder, parse_flight_recorder
+from ncclwatch.watchdog.parsing.journal import looks_like_journal, parse_journal
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser, looks_like_nccl_log
 from ncclwatch.watchdog.parsing.nvml import looks_like_nvml, parse_nvml
 from ncclwatch.watchdog.parsing.pyspy import looks_like_pyspy, parse_pyspy
@@ -36,6 +37,7 @@ EXCLUSIVE = (
     Format("py-spy", looks_like_pyspy, parse_pyspy),
     Format("nvml", looks_like_nvml, parse_nvml),
     Format("ras", looks_like_ras, parse_ras),
+    Format("journal", looks_like_journal, parse_journal),
 )
 TEXT = (
     Format("nccl_log", looks_like_nccl_log, None),
