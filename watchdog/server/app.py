@@ -10,15 +10,9 @@ Routes (GET, and HEAD):
   /metrics                   Prometheus text exposition of the injected registry
   /healthz                   200 "ok", or JSON {"status": "ok", "health": health()} when given
 
-Auth.  A bundle holds stack traces, environments and command lines, so the API
-and the page are never served without a token: with none configured they answer
-401 saying how to set one (``NCCLWATCH_API_TOKEN`` or ``--token-file``).  With
-one, a request needs ``Authorization: Bearer <token>`` (compared in constant
-time) or the page cookie.  A browser opens the page once as ``/?token=<token>``:
-the answer is a redirect to the same address without the token, setting an
-HttpOnly, SameSite=Strict cookie that holds an HMAC of the token (never the
-token itself), valid 12 hours; it also lets the page's download links through.
-/healthz is open.  /metrics carries ranks, pids, hosts, steps, verdicts and
+Auth (``auth.py``).  The API and the page need the bearer token, or the
+cookie a browser gets for ``/?token=<token>`` (an expiring HMAC, 12 hours);
+with no token configured they answer 401.  /healthz is open.  /metrics carries ranks, pids, hosts, steps, verdicts and
 timings but no evidence (no stacks, environments or logs); it is open unless
 ``metrics_open=False`` (``ncclwatch serve --metrics-token``).
 
@@ -28,7 +22,14 @@ folder.  Anything else is 404: no spelling reaches a file outside.
 
 Errors.  A bad bundle never becomes a 500: ``BundleError`` (cannot read the
 archive or its report.json) lists the bundle with ``verdict: null`` and an
-``error``; its report answers 422.
+``error``; its report answers 422.  A readable report.json with odd field
+types is validated with the report's model (``view.report_view``) before the
+page or the listing touch it: what does not fit is left out and named.
+
+Connections.  An idle connection (none of a request's bytes arriving, or
+nothing after an answer) is closed after ``IDLE_TIMEOUT_S``, so half-open
+clients cannot pile up; requests the server cannot parse are logged with
+tokens redacted.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
-import hashlib
-import hmac
 import json
 import logging
 import os
@@ -55,7 +54,9 @@ from aiohttp.abc import AbstractAccessLogger
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from ncclwatch.watchdog.server.auth import AUTH, COOKIE, Auth, install_log_redaction, is_page, require_token
 from ncclwatch.watchdog.server.page import esc, listing_body, page_html, report_body
+from ncclwatch.watchdog.server.view import report_view
 
 log = logging.getLogger("ncclwatch.server")
 
@@ -66,13 +67,8 @@ NAME_RE = re.compile(r"(?P<job>.+)-(?P<stamp>\d{8}T\d{6}Z)-(?P<verdict>[a-z_]+)"
 REPORT_MAX_BYTES = 32 << 20
 FILES_MAX = 2000
 CHUNK = 256 << 10
-COOKIE = "ncclwatch_session"
-COOKIE_MAX_AGE_S = 12 * 3600
-NO_TOKEN = (
-    "ncclwatch serves no bundles without a token: bundles hold stack traces and environments. "
-    "Set one: NCCLWATCH_API_TOKEN=<secret>, or --token-file FILE (its first line), and restart."
-)
-HOW = "send 'Authorization: Bearer <token>'; in a browser, open /?token=<token> once (it sets a cookie)"
+IDLE_TIMEOUT_S = 15.0  # a connection with no request under way is closed after this
+__all__ = ["COOKIE", "BundleError", "BundleIndex", "BundleCollector", "make_app", "start_server", "stop_server"]
 
 
 class BundleError(Exception):
@@ -187,25 +183,26 @@ class BundleIndex:
         except BundleError as exc:
             row["error"] = str(exc)
         else:
-            culprits = report.get("culprit_ranks")
+            report = report_view(report)
             row.update(
-                job=report.get("job") or row["job"], verdict=report.get("verdict"), summary=report.get("summary"),
-                culprit_ranks=culprits if isinstance(culprits, list) else [], host=report.get("host"),
-                detected_at=report.get("detected_at") or report.get("analyzed_at"),
+                job=report["job"] or row["job"], verdict=report["verdict"], summary=report["summary"],
+                culprit_ranks=report["culprit_ranks"], host=report["host"],
+                detected_at=report["detected_at"] or report["analyzed_at"],
             )  # fmt: skip
         with self._lock:
             self._summaries[bundle_id] = (key, row)
         return row
 
     def detail(self, path: Path) -> tuple[dict[str, Any], list[tuple[str, int]]]:
-        """Report and member list for the page; the last few are kept. Raises BundleError."""
+        """Report (as ``report_view`` makes it) and member list for the page; the last few are kept. Raises BundleError."""
         st = path.stat()
         key = (path.name, st.st_mtime_ns, st.st_size)
         with self._lock:
             if key in self._details:
                 self._details.move_to_end(key)
                 return self._details[key]
-        found = read_bundle(path, files=True)
+        report, members = read_bundle(path, files=True)
+        found = (report_view(report), members)
         with self._lock:
             self._details[key] = found
             while len(self._details) > 8:
@@ -230,31 +227,10 @@ class BundleCollector:
         yield family
 
 
-# -- auth -------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Auth:
-    token: str | None
-    metrics_open: bool
-
-    def cookie(self) -> str:
-        assert self.token is not None
-        return hmac.new(self.token.encode(), b"ncclwatch page cookie v1", hashlib.sha256).hexdigest()
-
-    def matches(self, given: str) -> bool:
-        return self.token is not None and hmac.compare_digest(given.encode(), self.token.encode())
-
-    def admits(self, request: web.Request) -> bool:
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and self.matches(given.strip()):
-            return True
-        cookie = request.cookies.get(COOKIE)
-        return self.token is not None and cookie is not None and hmac.compare_digest(cookie.encode(), self.cookie().encode())
+# -- auth (auth.py) and safety headers ------------------------------------------------------------------------------
 
 
 BUNDLES = web.AppKey("bundles", BundleIndex)
-AUTH = web.AppKey("auth", Auth)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 HEALTH = web.AppKey("health", object)  # Callable[[], object] | None
 
@@ -268,53 +244,11 @@ HEADERS = {
 }
 
 
-def _is_page(request: web.Request) -> bool:
-    return not request.path.startswith("/api/") and request.path != "/metrics"
-
-
 async def safety_headers(request: web.Request, response: web.StreamResponse) -> None:
     """On every answer, errors and streamed downloads included (a middleware is too late for a prepared stream)."""
     response.headers.update(HEADERS)
     if request.path not in ("/metrics", "/healthz"):
         response.headers.setdefault("Cache-Control", "no-store")
-
-
-@web.middleware
-async def require_token(request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
-    """/healthz and open /metrics pass; the page trades ?token= for a cookie; the rest needs the token."""
-    auth = request.app[AUTH]
-    if request.path == "/healthz" or (request.path == "/metrics" and auth.metrics_open):
-        return await handler(request)
-    if auth.token is None:
-        return _refuse(request, NO_TOKEN, form=False)
-    if _is_page(request) and "token" in request.query:
-        if not auth.matches(request.query["token"]):
-            return _refuse(request, "wrong token", form=True)
-        # Trade the token in the address (history, logs) for a cookie, and show the address without it.
-        response = web.Response(status=303, headers={"Location": str(request.rel_url.without_query_params("token"))})
-        response.set_cookie(COOKIE, auth.cookie(), max_age=COOKIE_MAX_AGE_S, httponly=True, samesite="Strict", path="/",
-                            secure=request.secure)  # fmt: skip
-        return response
-    if auth.admits(request):
-        return await handler(request)
-    return _refuse(request, "a token is required" if "Authorization" not in request.headers else "wrong token", form=True)
-
-
-def _refuse(request: web.Request, message: str, *, form: bool) -> web.Response:
-    """401: JSON for the API and /metrics, a page (with a token form, when a token is configured) for the rest."""
-    headers = {"WWW-Authenticate": 'Bearer realm="ncclwatch"'}
-    if not _is_page(request):
-        return web.json_response({"error": message, "how": HOW if form else NO_TOKEN}, status=401, headers=headers)
-    body = f"<h1>401: {esc(message)}</h1><p>{esc(HOW if form else NO_TOKEN)}</p>"
-    if form:  # a GET form back to this address: keeps its other parameters (?bundle=), adds token=
-        kept = "".join(
-            f'<input type="hidden" name="{esc(k)}" value="{esc(v)}">' for k, v in request.query.items() if k != "token"
-        )
-        body += (
-            f'<form class="token" method="get" action="{esc(request.path)}">{kept}<input type="password" name="token" '
-            'placeholder="API token" autocomplete="current-password" required><button type="submit">Open</button></form>'
-        )
-    return web.Response(text=page_html("ncclwatch: 401", body), content_type="text/html", status=401, headers=headers)
 
 
 # -- the app ----------------------------------------------------------------------------------------------------------
@@ -449,7 +383,12 @@ async def _report_page(request: web.Request, bundle_id: str) -> web.Response:
         body = f"<h1>{esc(bundle_id)}</h1><p class='error'>{esc(exc)}</p><p><a href='/api/bundles/{esc(bundle_id)}'>download it</a></p>"
         return html_response(page_html("ncclwatch: unreadable bundle", body), 422)
     title = f"ncclwatch: {report.get('verdict')} {bundle_id}"
-    return html_response(page_html(title, report_body(bundle_id, report, files), where=str(index.folder)))
+    try:
+        body = report_body(bundle_id, report, files)
+    except Exception:  # a page bug must not hide the bundle: say so, keep the download
+        log.exception("page for %s could not be rendered", bundle_id)
+        body = f"<h1>{esc(bundle_id)}</h1><p class='error'>this report could not be rendered</p><p><a href='/api/bundles/{esc(bundle_id)}'>download it</a></p>"
+    return html_response(page_html(title, body, where=str(index.folder)))
 
 
 # -- running it -------------------------------------------------------------------------------------------------------
@@ -470,11 +409,17 @@ def split_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def start_server(app: web.Application, listen: str) -> tuple[web.AppRunner, str]:
+async def start_server(
+    app: web.Application, listen: str, *, idle_timeout_s: float | None = None
+) -> tuple[web.AppRunner, str]:
     """Serve ``app`` on ``listen`` ("HOST:PORT", port 0 picks one); return the runner and the bound "host:port"."""
     host, port = split_listen(listen)
+    idle_timeout_s = IDLE_TIMEOUT_S if idle_timeout_s is None else idle_timeout_s
+    install_log_redaction()
+    # keepalive_timeout also runs from the connection's start (aiohttp >= 3.10): a client that opens a
+    # connection and never finishes a request is closed then, not kept for aiohttp's default hour.
     runner = web.AppRunner(app, access_log_class=AccessLogger, access_log=logging.getLogger("ncclwatch.access"),
-                           shutdown_timeout=3.0, handle_signals=False)  # fmt: skip
+                           shutdown_timeout=3.0, handle_signals=False, keepalive_timeout=idle_timeout_s)  # fmt: skip
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
