@@ -1,0 +1,271 @@
+"""What ``ncclwatch analyze`` reads: paths, folders, standard input, compressed files -> events.
+
+Every input ends as one ``InputFile`` saying what it was recognised as, how
+many lines were used and why the rest was not, or why it was not read at all
+(missing, empty, permission denied, an unreadable folder, a FIFO).
+
+Failure modes, by design:
+- FIFOs, sockets and devices are never opened: a kept run folder holds the
+  Flight Recorder pipes (``*.pipe``, ``ncclwatch_pipe.<pid>``), and opening
+  one for reading blocks until a writer comes, which is never.
+- Text is streamed in ``CHUNK_BYTES`` chunks through every text parser at
+  once (NCCL lines, PyTorch's diagnostics, network errors, rank prefixes), so
+  a 1 GB stderr costs one pass and one chunk of memory, whatever it holds.
+- Standard input is spooled to a temporary file (memory up to 64 MiB, then
+  disk) so that it can be rescanned like any file.
+- Nothing here raises on bad input.
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import lzma
+import os
+import stat
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+from ncclwatch.watchdog.engine.report import InputFile
+from ncclwatch.watchdog.engine.state import JobState
+from ncclwatch.watchdog.events import Event, OpBatch, ProcKey, RankLog
+from ncclwatch.watchdog.parsing import SNIFF_BYTES, EXCLUSIVE, NcclLogParser
+from ncclwatch.watchdog.parsing.nccl_excerpt import OrphanScanner
+from ncclwatch.watchdog.parsing.rank_prefix import rank_of_file, ranks_in_chunk
+from ncclwatch.watchdog.parsing.torch_log import TorchLogParser
+
+CHUNK_BYTES = 8 << 20
+STDIN = "<stdin>"
+_SPECIAL = (
+    (stat.S_ISFIFO, "a FIFO (named pipe, e.g. a Flight Recorder debug pipe): not opened, reading it would wait forever"),
+    (stat.S_ISSOCK, "a socket: not opened"),
+    (stat.S_ISCHR, "a character device: not opened"),
+    (stat.S_ISBLK, "a block device: not opened"),
+)
+_MAGIC = ((b"\x1f\x8b", "gzip", gzip.open), (b"BZh", "bzip2", bz2.open), (b"\xfd7zXZ\x00", "xz", lzma.open))
+
+
+def iter_files(paths: Iterable[str]) -> Iterator[tuple[str, str | None]]:
+    """(path, problem) for every input under ``paths``, folders recursively, in a stable order; "-" is stdin."""
+    for raw in paths:
+        if raw == "-":
+            yield STDIN, None
+            continue
+        try:
+            mode = os.stat(raw).st_mode
+        except OSError as exc:
+            yield raw, _os_problem(exc)
+            continue
+        if stat.S_ISDIR(mode):
+            yield from _walk(raw)
+        else:
+            yield raw, _special(mode)
+
+
+def _walk(folder: str) -> Iterator[tuple[str, str | None]]:
+    problems: list[tuple[str, str]] = []
+    for root, dirs, files in os.walk(folder, onerror=lambda exc: problems.append((exc.filename, "cannot list folder: " + _os_problem(exc)))):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            try:
+                yield path, _special(os.stat(path).st_mode)
+            except OSError as exc:
+                yield path, _os_problem(exc)
+    yield from problems
+
+
+def _special(mode: int) -> str | None:
+    return next((why for test, why in _SPECIAL if test(mode)), None)
+
+
+def _os_problem(exc: OSError) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return "no such file or directory"
+    if isinstance(exc, PermissionError):
+        return "permission denied"
+    return f"cannot read: {exc.strerror or exc}"
+
+
+@contextmanager
+def open_input(name: str, stdin_spool: dict[str, str]) -> Iterator[tuple[BinaryIO, str | None]]:
+    """The decompressed byte stream of an input, and the compression it had."""
+    if name == STDIN:
+        if STDIN not in stdin_spool:
+            stdin_spool[STDIN] = _spool_stdin()
+        name = stdin_spool[STDIN]
+    with open(name, "rb") as raw:
+        magic = raw.read(6)
+        raw.seek(0)
+        for prefix, kind, opener in _MAGIC:
+            if magic.startswith(prefix):
+                with opener(raw) as unpacked:  # type: ignore[operator]
+                    yield unpacked, kind
+                return
+        yield raw, None
+
+
+def _spool_stdin() -> str:
+    out = tempfile.NamedTemporaryFile(prefix="ncclwatch-stdin-", delete=False)
+    with out:
+        while chunk := sys.stdin.buffer.read(CHUNK_BYTES):
+            out.write(chunk)
+    return out.name
+
+
+def ingest_file(state: JobState, name: str, stdin_spool: dict[str, str] | None = None) -> InputFile:
+    """Parse one input into ``state``; say what it was, what was used, and what went wrong."""
+    spool = stdin_spool if stdin_spool is not None else {}
+    try:
+        with open_input(name, spool) as (handle, compression):
+            head = handle.read(SNIFF_BYTES)
+            if not head:
+                return InputFile(path=name, kinds=[], note="empty file" + (f" ({compression})" if compression else ""))
+            exclusive = next((f for f in EXCLUSIVE if f.looks_like(head)), None)
+            if exclusive is not None:
+                for event in exclusive.parse(head + handle.read(), name):  # type: ignore[misc]
+                    state.apply(event)
+                return InputFile(path=name, kinds=[exclusive.name], note=_compressed(compression))
+            if b"\x00" in head[:65536]:
+                return InputFile(path=name, kinds=[], note="not a recognised format; ignored")
+            return TextIngest(state, name).run(head, handle, compression)
+    except (OSError, EOFError, lzma.LZMAError) as exc:
+        problem = _os_problem(exc) if isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile) else f"cannot decompress: {exc}"
+        return InputFile(path=name, kinds=[], note=problem)
+
+
+def _compressed(compression: str | None) -> str | None:
+    return f"{compression}-compressed" if compression else None
+
+
+class TextIngest:
+    """One pass over a text input through every text parser, with its accounting."""
+
+    def __init__(self, state: JobState, name: str) -> None:
+        self.state = state
+        self.name = name
+        self.file_rank = rank_of_file(name)
+        self.nccl = NcclLogParser(name)
+        self.torch = TorchLogParser(name, self.file_rank)
+        self.nccl_ops = 0
+        self.nccl_other = 0
+        self.torch_events = 0
+        self.prefixes: dict[tuple[int, str], int] = {}
+        self._nccl_seen = False
+        self._carry = b"\n"
+        self._ranks_said = ""  # "rank 0-3 by [rankN]: prefix", set with the RankLog events
+
+    def run(self, head: bytes, handle: BinaryIO, compression: str | None) -> InputFile:
+        self._feed(head)
+        while chunk := handle.read(CHUNK_BYTES):
+            self._feed(chunk)
+        self._feed(b"", final=True)
+        return self._account(compression)
+
+    def _feed(self, chunk: bytes, final: bool = False) -> None:
+        if self._nccl_seen or b" NCCL " in chunk:
+            self._nccl_seen = True
+            self._apply(self.nccl.feed(chunk, final=final), nccl=True)
+        self._apply(self.torch.feed(chunk, final=final), nccl=False)
+        # Rank prefixes are counted on whole lines: the carry keeps the partial last one.
+        body = self._carry + chunk
+        cut = len(body) if final else body.rfind(b"\n")
+        for key, n in ranks_in_chunk(body[:cut]).items():
+            self.prefixes[key] = self.prefixes.get(key, 0) + n
+        self._carry = b"\n" if final else body[cut:]
+
+    def _apply(self, events: list[Event], nccl: bool) -> None:
+        for event in events:
+            if isinstance(event, OpBatch):
+                self.nccl_ops += len(event.sigs) + len(event.p2p)
+            elif nccl:
+                self.nccl_other += 1
+            else:
+                self.torch_events += 1
+            self.state.apply(event)
+
+    def _account(self, compression: str | None) -> InputFile:
+        total = max(self.nccl.lines_seen, self.torch.lines_seen)
+        for event in self._rank_logs(total):
+            self.state.apply(event)
+        kinds = [k for k, n in (("nccl_log", self.nccl_ops + self.nccl_other), ("torch_log", self.torch_events)) if n]
+        used = self.nccl_ops + self.nccl_other + self.torch.lines_used
+        if not kinds and not self._ranks_said:
+            return InputFile(path=self.name, kinds=[], note="not a recognised format; ignored" + _suffix(_compressed(compression)))
+        parts = [f"{used:,} of {total:,} lines used"]
+        detail = [f"{n:,} {what}" for n, what in (
+            (self.nccl_ops, "NCCL operations"), (self.nccl_other, "NCCL init/end/warning lines"),
+            (self.torch.lines_used, "PyTorch or network diagnostics"),
+        ) if n]
+        if detail:
+            parts[0] += f" ({', '.join(detail)})"
+        if total > used:
+            parts.append(f"the other {total - used:,} are neither NCCL debug lines nor PyTorch/NCCL diagnostics (training output, tracebacks)")
+        if self.nccl.garbled:
+            parts.append(f"{self.nccl.garbled} garbled operation line(s) skipped (interleaved or cut writes)")
+        if self._ranks_said:
+            parts.append(self._ranks_said)
+        if compression:
+            parts.append(_compressed(compression) or "")
+        return InputFile(path=self.name, kinds=kinds or ["text"], note="; ".join(parts))
+
+    def _rank_logs(self, total: int) -> list[RankLog]:
+        """Whose lines the input holds: by prefix (a combined file) or by file name (one rank's file)."""
+        logs = []
+        for (rank, how), n in sorted(self.prefixes.items()):
+            # "12: " at a line start is also ordinary output; an srun label marks most lines.
+            if how.startswith("srun") and n * 3 < total:
+                continue
+            logs.append(RankLog(rank=rank, file=self.name, how=how, lines=n))
+        if not logs and self.file_rank is not None:
+            logs.append(RankLog(rank=self.file_rank, file=self.name, how="file name", lines=total))
+        by_how: dict[str, list[int]] = {}
+        for log in logs:
+            by_how.setdefault(log.how, []).append(log.rank)
+        self._ranks_said = "; ".join(f"rank {_ranges(ranks)} by {how}" for how, ranks in by_how.items())
+        return logs
+
+
+def _suffix(text: str | None) -> str:
+    return f" ({text})" if text else ""
+
+
+def _ranges(ranks: list[int]) -> str:
+    ranks = sorted(set(ranks))
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks[:32])) + (" ..." if len(ranks) > 32 else "")
+
+
+def rescan_orphans(state: JobState, inputs: list[InputFile], stdin_spool: dict[str, str]) -> None:
+    """Operations whose Init line is missing: rescan their files for what ``engine.partial`` can align."""
+    by_file: dict[str, set[tuple[ProcKey, str]]] = {}
+    for slot, (_, file) in state.take_orphans().items():
+        by_file.setdefault(file, set()).add(slot)
+    notes = {i.path: i for i in inputs}
+    for file, wanted in by_file.items():
+        scanner = OrphanScanner(file, wanted, rank_of_file(file))
+        try:
+            with open_input(file, stdin_spool) as (handle, _):
+                while chunk := handle.read(CHUNK_BYTES):
+                    scanner.feed(chunk)
+                scanner.feed(b"", final=True)
+        except (OSError, EOFError, lzma.LZMAError):
+            continue
+        events = scanner.events()
+        for event in events:
+            state.apply(event)
+        entry = notes.get(file)
+        if entry is not None and events:
+            count = sum(e.count for e in events)
+            extra = f"{count:,} operations on {len(events)} communicator(s) without their Init line: no rank or communicator id, aligned by opCount only"
+            entry.note = f"{entry.note}; {extra}" if entry.note else extra
+
+
+def cleanup_stdin(stdin_spool: dict[str, str]) -> None:
+    for path in stdin_spool.values():
+        Path(path).unlink(missing_ok=True)
