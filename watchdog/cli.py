@@ -17,13 +17,23 @@ NCCL debug files (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL,
 NCCL_DEBUG_FILE=dir/%h.%p), PyTorch Flight Recorder dumps (pickle or JSON),
 NCCL RAS reports (text or JSON), worker and torchrun logs, py-spy JSON
 dumps and ncclwatch NVML snapshots.  File types are recognised by content;
-give files or folders (searched recursively) in any mix.
+give files or folders (searched recursively) in any mix, "-" for standard
+input (a pasted excerpt), gzip/bzip2/xz files as they are.
+
+What a job leaves is enough: each rank's stderr or one combined file
+(torchrun --tee "[defaultN]:", PyTorch "[rankN]:", srun --label "N: "),
+PyTorch's watchdog timeouts and "PG status" lines (compared per process
+group), TORCH_DISTRIBUTED_DEBUG=DETAIL mismatch reports, NCCL excerpts
+without their Init lines, network errors (NET/IB completion errors,
+"Connection closed by remote peer").  Every input is listed with what it
+was read as and how many of its lines were used.
 
 verdicts:
   collective_mismatch   ranks issued different operations at the same position
   rank_behind           some ranks never entered the collective the others wait in
   process_dead          a rank exited without shutting NCCL down
   stuck_in_collective   every rank issued it, it never completed
+  network_error         a link failed (InfiniBand completion error); names the peer
   no_hang               the job ended cleanly, or nothing is pending
   inconclusive          not enough evidence (the report says what is missing)
 
@@ -35,6 +45,8 @@ exit status:
 examples:
   ncclwatch analyze ./nccl-logs/
   ncclwatch analyze ./nccl-logs/ ./fr-dumps/ --json | jq .culprit_ranks
+  ncclwatch analyze slurm-1234.out rank*.err.gz
+  xclip -o | ncclwatch analyze -                 # an excerpt from an issue thread
 """
 
 
@@ -51,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=ANALYZE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    analyze.add_argument("paths", nargs="+", metavar="PATH", help="files or folders (recursive)")
+    analyze.add_argument("paths", nargs="+", metavar="PATH", help='files or folders (recursive); "-" reads standard input')
     analyze.add_argument("--json", action="store_true", help="print only the report, as JSON, on stdout")
     analyze.add_argument(
         "--window",
@@ -75,10 +87,21 @@ def run_analyze(args: argparse.Namespace) -> int:
         print(report.model_dump_json(indent=2))
     else:
         print(render_text(report))
-        unread = [i for i in report.inputs if i.note and not i.kinds]
-        if unread:
-            print(f"\n{len(unread)} input file(s) not used (--json lists them)", file=sys.stderr)
+        print(render_inputs(report.inputs))
     return report.exit_code
+
+
+def render_inputs(inputs: list, shown: int = 40) -> str:  # list[InputFile]
+    """Every input: what it was read as and what was used, or why it was not used at all."""
+    lines = ["", f"inputs ({len(inputs)}):"]
+    unused = [i for i in inputs if not i.kinds]
+    for item in [i for i in inputs if i.kinds][:shown] + unused[:shown]:
+        what = "+".join(item.kinds) if item.kinds else "not used"
+        lines.append(f"  - {item.path}: {what}" + (f" — {item.note}" if item.note else ""))
+    hidden = len(inputs) - min(shown, len(inputs) - len(unused)) - min(shown, len(unused))
+    if hidden > 0:
+        lines.append(f"  ... {hidden} more (--json lists them all)")
+    return "\n".join(lines)
 
 
 WRAP_HELP = f"""\
@@ -128,7 +151,7 @@ examples:
 exit status: torchrun's own; {EXIT_KILLED_ON_HANG} when --on-hang kill ended the job.
 """
 
-SUBCOMMANDS = ("analyze", "demo", "serve")
+SUBCOMMANDS = ("analyze", "demo", "serve", "preflight")
 
 
 def add_watch_options(parser: argparse.ArgumentParser) -> None:
@@ -242,6 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "demo":
         return run_demo(args_list[1:])
+    if args_list and args_list[0] == "preflight":
+        from ncclwatch.watchdog.preflight import main as run_preflight
+
+        return run_preflight(args_list[1:])
     if args_list and args_list[0] == "serve":
         from ncclwatch.watchdog.server.agent import run_serve
 

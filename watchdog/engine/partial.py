@@ -111,6 +111,7 @@ def detail_mismatch(facts: Facts) -> Finding | None:
         culprits=culprits,
         position=seq,
         operation=" vs ".join(_fp_text(m[0][1]) for m in sides.values()),
+        comm_label="the process group PyTorch checked (DETAIL reports name no group)",
         source="pytorch",
         evidence=tuple(Evidence("pytorch", f"rank {r} runs {_fp_text(fp)}", fp.cite) for r, fp in sorted(own.items()))[:12],
         rows=tuple(RankRow(rank=r, host=None, pid=None, issued=fp.seq, last_op=_fp_text(fp), status="mismatch" if r in culprits else "ok") for r, fp in sorted(own.items())),
