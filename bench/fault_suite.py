@@ -338,7 +338,7 @@ def percentiles(values: list[float]) -> str:
 def summarize(records: list[dict]) -> str:
     lines = [
         "| scenario | nodes | runs | correct | expected | got (culprits) | page p50 / p90 (s) | report p50 / p90 (s) "
-        "| bundle p50 / p90 (s) | webhook p50 / p90 (s) | triggers | false pages | stall timeout (s) |",
+        "| bundle p50 / p90 (s) | webhook p50 / p90 (s) | triggers (dedup keys) | false pages | stall timeout (s) |",
         "|" + " --- |" * 13,
     ]
     groups: dict[tuple, list[dict]] = {}
@@ -356,7 +356,7 @@ def summarize(records: list[dict]) -> str:
             f"| {scenario} | {nodes} | {len(runs)} | {sum(r['correct'] for r in runs)} | {expected} | {'; '.join(got)} | "
             f"{percentiles([r['page_s'] for r in runs])} | {percentiles([r['report_s'] for r in runs])} | "
             f"{percentiles([r['bundle_s'] for r in runs])} | {percentiles([r['webhook_s'] for r in runs])} | "
-            f"{sum(r['webhook_triggers'] for r in runs)} | {false_pages} | {percentiles(stall)} |"
+            f"{sum(r['webhook_triggers'] for r in runs)} ({sum(r['webhook_keys'] for r in runs)}) | {false_pages} | {percentiles(stall)} |"
         )
     return "\n".join(lines)
 
@@ -367,7 +367,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--size", choices=("tiny", "short", "long"), help="default: short on cuda, tiny on cpu")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks per node (default 2; with --nnodes 2 use 1)")
+    parser.add_argument("--nproc", type=int, help="ranks per node (default: 2 on one node, 1 with --nnodes 2)")
     parser.add_argument("--nnodes", type=int, choices=(1, 2), default=1, help="2: two wrappers on this machine")
     parser.add_argument("--rdzv", choices=("static", "c10d"), default="static", help="rendezvous with --nnodes 2")
     parser.add_argument("--fault-ranks", default="0,-1", help="cycled over repeats; -1 is the last rank")
@@ -376,7 +376,7 @@ def main() -> int:
     parser.add_argument("--pause-s", type=float, default=40.0, help="pause and checkpoint length")
     parser.add_argument("--stall-timeout-floor", type=float, help="passed to the wrapper (its default: 5 s)")
     parser.add_argument("--wrapper-arg", action="append", default=[], help="one more wrapper option (repeatable)")
-    parser.add_argument("--timeout", type=float, default=150.0, help="hard limit per run, seconds (+ --pause-s for pause, checkpoint)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="hard limit per run, seconds (+ --pause-s for pause, checkpoint)")
     parser.add_argument("--peer-grace", type=float, default=60.0, help="multi-node: once one wrapper ended, the other's limit")
     parser.add_argument("--budget", type=float, default=480.0, help="start no run that could end after this many seconds")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", str(ROOT / "bench" / "out")))
@@ -387,6 +387,7 @@ def main() -> int:
         print(summarize([json.loads(line) for f in args.summarize for line in Path(f).read_text().splitlines() if line]))
         return 0
     args.size = args.size or ("short" if args.device == "cuda" else "tiny")
+    args.nproc = args.nproc or (2 if args.nnodes == 1 else 1)
     world = args.nproc * args.nnodes
     ranks = [int(r) % world for r in args.fault_ranks.split(",")]
     steps = [int(s) for s in args.fault_steps.split(",")]
@@ -399,7 +400,7 @@ def main() -> int:
     with tarfile.open(out / f"{args.name}-logs.tar.gz", "w:gz") as logs:
         for n in range(args.repeats):
             for scenario in scenarios:
-                worst = args.timeout + (args.pause_s if EXPECT[scenario].long else 0) + 40
+                worst = args.timeout + (args.pause_s if EXPECT[scenario].long else 0) + 30  # + ending the tree
                 if time.monotonic() - began + worst > args.budget:
                     skipped.append(f"{scenario}#{n}")
                     continue
