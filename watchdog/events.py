@@ -55,6 +55,14 @@ class ProcKey(NamedTuple):
 
 P2P_OPS = frozenset({"Send", "Recv"})
 
+# NCCL prints its enums as numbers (nccl.h: ncclDataType_t, ncclRedOp_t); reports show names.
+# Reduce ops at or past ncclNumOps are user-made (ncclRedOpCreatePreMulSum) and keep their number.
+NCCL_DTYPES = {
+    "0": "int8", "1": "uint8", "2": "int32", "3": "uint32", "4": "int64", "5": "uint64", "6": "float16",
+    "7": "float32", "8": "float64", "9": "bfloat16", "10": "float8_e4m3", "11": "float8_e5m2",
+}
+NCCL_REDOPS = {"0": "sum", "1": "prod", "2": "max", "3": "min", "4": "avg"}
+
 
 class OpSig(NamedTuple):
     """What must be equal across ranks for one collective to match.
@@ -77,9 +85,9 @@ class OpSig(NamedTuple):
         if self.count is not None:
             parts.append(f"count={self.count}")
         if self.dtype is not None:
-            parts.append(f"dtype={self.dtype}")
+            parts.append(NCCL_DTYPES.get(self.dtype, self.dtype))
         if self.redop is not None and self.op in ("AllReduce", "Reduce", "ReduceScatter"):
-            parts.append(f"op={self.redop}")
+            parts.append(NCCL_REDOPS.get(self.redop, f"op={self.redop}"))
         if self.root is not None and self.op in ("Broadcast", "Reduce", "Gather", "Scatter"):
             parts.append(f"root={self.root}")
         if self.root is not None and self.op in P2P_OPS:
