@@ -152,6 +152,16 @@ exit status: torchrun's own; {EXIT_KILLED_ON_HANG} when --on-hang kill ended the
 """
 
 SUBCOMMANDS = ("analyze", "demo", "serve", "preflight")
+DEMO_FAULTS = ("skip", "extra", "python_stuck", "sigstop", "exit", "pause", "uneven", "none")  # no GPU needed
+
+
+def help_with_default(field: Any) -> str:
+    """A setting's description and, when it has one, its default (the option's own default is None: "not given")."""
+    default = field.default
+    if default is None or default is PydanticUndefined or isinstance(default, bool):
+        return field.description or ""
+    shown = f"{default:g}" if isinstance(default, float) else str(default)
+    return f"{field.description} (default: {shown})"
 
 
 def add_watch_options(parser: argparse.ArgumentParser) -> None:
