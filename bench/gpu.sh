@@ -1,23 +1,45 @@
 #!/usr/bin/env bash
-# Run the live-watchdog benchmarks on a GPU machine (the lent `device` machines:
-# no package registry, wheels carried in .whl/). Results go to $OUT (default bench/out).
-#   bash bench/gpu.sh latency [latency.py args...]
-#   bash bench/gpu.sh overhead [overhead.py args...]
+# Run the benchmarks on a lent GPU machine: no network, so the wheels the image
+# lacks travel in the git-ignored .whl/ (pass it in the run tool's `carry`).
+# Installs them and ncclwatch itself into /tmp/site (the repository on
+# PYTHONPATH is not enough: it installs as one package, ncclwatch), logs the
+# machine, then runs one benchmark.  Results go to $OUT (default bench/out).
+#   bash bench/gpu.sh faults   [bench/fault_suite.py args...]
+#   bash bench/gpu.sh overhead [bench/overhead_ab.py args...]
+#   bash bench/gpu.sh latency  [bench/latency.py args...] --out $OUT/latency.jsonl   (the demo-job suite)
 set -euo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
-if [ -d .whl ] && ! python3 -c "import pydantic_settings, psutil, aiohttp" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+what=$1
+shift
+log="$OUT/$what.log"
+# --upgrade: on a machine still warm from an earlier call, replace what is there (the code may have changed).
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+# --no-build-isolation builds with the image's setuptools; an image without one
+# gets the carried wheel, on the build's path only (never the jobs').
+build_path=
+if ! python3 -c "import setuptools" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/build-tools .whl/build/setuptools-*.whl
+    build_path=/tmp/build-tools
 fi
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
+PYTHONPATH=$build_path python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site .
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-NGPU=$(nvidia-smi -L | wc -l)
-what=$1; shift
 {
-    echo "host $(hostname) gpus $NGPU $(python3 -c 'import torch;print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())')"
-    case $what in
-        latency) python3 bench/latency.py --nproc "$NGPU" --out "$OUT/latency.jsonl" "$@" ;;
-        overhead) python3 bench/overhead.py --nproc "$NGPU" "$@" ;;
-    esac
-} 2>&1 | tee -a "$OUT/$what.log"
+    echo "== $(date -u +%FT%TZ) host $(hostname) nproc $(nproc) ${what} $*"
+    nvidia-smi -L || echo "no nvidia-smi"
+    python3 -c 'import sys, torch, ncclwatch.watchdog.cli; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.is_available() and ".".join(map(str, torch.cuda.nccl.version())), "gpus", torch.cuda.device_count())'
+    echo "py-spy $(py-spy --version 2>&1)"
+} 2>&1 | tee -a "$log"
+case $what in
+    faults) script=bench/fault_suite.py ;;
+    overhead) script=bench/overhead_ab.py ;;
+    latency) script=bench/latency.py ;;
+    *) echo "unknown benchmark: $what (faults, overhead, latency)" >&2; exit 2 ;;
+esac
+set +e
+python3 "$script" "$@" 2>&1 | tee -a "$log"
+status=${PIPESTATUS[0]}
+echo "== exit $status" | tee -a "$log"
+exit "$status"
