@@ -6,18 +6,8 @@ SGD step (the injected heartbeat hook sees it), then an ``all_reduce``, an
 ``all_gather`` and a ``broadcast`` from rank 0.  Works on CPU with gloo
 (default without a GPU) and on GPUs with NCCL.
 
-At ``--fault-step``, rank ``--fault-rank`` (default: the last) misbehaves:
-
-  none          healthy: ``--steps`` steps, then a clean exit
-  skip          skips the step's all_reduce and goes on (its all_gather meets the others' all_reduce)
-  extra         one extra all_reduce of another size before the step's all_reduce
-  python_stuck  sleeps in Python forever, outside any collective
-  sigstop       stops itself (SIGSTOP)
-  spin_kernel   a GPU kernel that spins ~10 minutes before the step's all_reduce (NCCL; CPU: a sleep)
-  exit          dies with exit code 3
-  pause         EVERY rank sleeps ``--pause-s`` outside collectives (a checkpoint), then goes on
-  straggle      sleeps ``--pause-s`` in Python while the others wait, then goes on (a hang that resolves)
-  uneven        healthy, but rank-dependent step times and every 10th step 4x longer
+At ``--fault-step``, rank ``--fault-rank`` (default: the last) misbehaves as
+``FAULTS`` says (``ncclwatch demo --help`` prints the same list).
 
 Before misbehaving, the rank writes ``<mark dir>/fault.<rank>`` = JSON
 ``{"fault", "rank", "step", "time"}`` so a benchmark can measure detection
@@ -34,7 +24,18 @@ import signal
 import sys
 import time
 
-FAULTS = ("none", "skip", "extra", "python_stuck", "sigstop", "spin_kernel", "exit", "pause", "straggle", "uneven")
+FAULTS = {
+    "none": "healthy: --steps steps, then a clean exit",
+    "skip": "skips the step's all_reduce and goes on (its all_gather meets the others' all_reduce)",
+    "extra": "one extra all_reduce of another size before the step's all_reduce",
+    "python_stuck": "sleeps in Python forever, outside any collective",
+    "sigstop": "stops itself (SIGSTOP)",
+    "spin_kernel": "a GPU kernel that spins ~10 minutes before the step's all_reduce (NCCL; CPU: a sleep)",
+    "exit": "dies with exit code 3",
+    "pause": "EVERY rank sleeps --pause-s outside collectives (a checkpoint), then goes on",
+    "straggle": "sleeps --pause-s in Python while the others wait, then goes on (a hang that resolves)",
+    "uneven": "healthy, but rank-dependent step times and every 10th step 4x longer",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -4,8 +4,9 @@ Top to bottom: make the run folder, start torchrun with the injected
 environment (its own output, signals forwarded), start the sidecar, wait for
 torchrun, stop the sidecar (bounded), reap anything left behind, and exit
 with torchrun's status (``EXIT_KILLED_ON_HANG`` when ``--on-hang kill`` ended
-the job).  The run folder is removed after a job that ended without a hang,
-unless kept; after a hang it stays for people to inspect and its path is said.
+the job).  The run folder (a temp folder) is removed at the end, after a hang
+too (the bundle holds its evidence), unless ``--keep-run-dir`` or ``--run-dir``:
+then its path is said.
 """
 
 from __future__ import annotations
@@ -195,8 +196,9 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
             f"ncclwatch: {reported.report.verdict.value} (culprit rank {culprits}); bundle: {reported.bundle or 'not written'}",
             file=sys.stderr,
         )
-    if sidecar.reported:
-        print(f"ncclwatch: run folder kept for inspection: {dirs.root}", file=sys.stderr)
-    elif not settings.keep_run_dir and settings.run_dir is None:
+    # The bundle holds what a hang needs; the run folder stays only when asked for (or given).
+    if settings.keep_run_dir or settings.run_dir is not None:
+        print(f"ncclwatch: run folder kept: {dirs.root}", file=sys.stderr)
+    else:
         shutil.rmtree(dirs.root, ignore_errors=True)
     return EXIT_KILLED_ON_HANG if killed else exit_status(returncode)

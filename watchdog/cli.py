@@ -6,6 +6,9 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+from pydantic_core import PydanticUndefined
 
 from ncclwatch.watchdog import __version__
 from ncclwatch.watchdog.engine.report import EXIT_HANG, EXIT_INCONCLUSIVE, EXIT_KILLED_ON_HANG, EXIT_NO_HANG
@@ -168,7 +171,7 @@ def add_watch_options(parser: argparse.ArgumentParser) -> None:
     from ncclwatch.watchdog.config import Settings
 
     fields = Settings.model_fields
-    add = lambda flag, **kw: parser.add_argument(flag, default=None, help=fields[flag[2:].replace("-", "_")].description, **kw)
+    add = lambda flag, **kw: parser.add_argument(flag, default=None, help=help_with_default(fields[flag[2:].replace("-", "_")]), **kw)
     add("--stall-timeout", type=float, metavar="SECONDS")
     add("--stall-timeout-floor", type=float, metavar="SECONDS")
     add("--warmup-stall-timeout", type=float, metavar="SECONDS")
@@ -219,7 +222,8 @@ def run_wrapped(argv: list[str]) -> int:
     if not is_torchrun(args.command):
         parser.error(
             f"{args.command[0]!r} is not torchrun: give the torchrun command to watch, e.g. "
-            "'ncclwatch torchrun --nproc_per_node=8 train.py' (or a subcommand: analyze, demo)"
+            f"'ncclwatch torchrun --nproc_per_node=8 train.py', or a subcommand: {', '.join(SUBCOMMANDS)} "
+            "(ncclwatch demo runs a CPU job that hangs on purpose; ncclwatch --help says more)"
         )
     try:
         settings = _settings(args)
@@ -235,20 +239,21 @@ def run_wrapped(argv: list[str]) -> int:
 def run_demo(argv: list[str]) -> int:
     from ncclwatch.watchdog.config import ConfigError
 
+    from ncclwatch.launcher.demo_job import FAULTS
+
+    faults = "\n".join(f"  {name:<13} {FAULTS[name]}" for name in DEMO_FAULTS)
     parser = argparse.ArgumentParser(
         prog="ncclwatch demo",
-        description="Run a small gloo (CPU) job under the watchdog in which the last rank misbehaves, and watch it get "
-        "caught, named and bundled. Unlike a real job, the demo ends the hung job after the capture (--on-hang kill) "
-        "unless told otherwise.",
+        description="Run a small gloo (CPU) job under the watchdog in which the last rank misbehaves at step 15, and "
+        "watch it get caught, named and bundled. Unlike a real job, the demo ends the hung job after the capture "
+        "(--on-hang kill) unless told otherwise.",
+        epilog=f"faults (--fault):\n{faults}\n\n'extra' is caught by gloo itself, which checks sizes and raises.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--fault",
-        default="skip",
-        choices=("skip", "extra", "python_stuck", "sigstop", "exit", "pause", "uneven", "none"),
-        help="what the misbehaving rank does (see launcher/demo_job.py)",
-    )
-    parser.add_argument("--nproc", type=int, default=3, help="ranks (default 3)")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--fault", default="skip", choices=DEMO_FAULTS, help="what the misbehaving rank does (default: skip; "
+                        "the list below)")  # fmt: skip
+    parser.add_argument("--nproc", type=int, default=3, help="ranks (default: 3)")
+    parser.add_argument("--steps", type=int, default=40, help="steps of a job that does not hang (default: 40)")
     add_watch_options(parser)
     args = parser.parse_args(argv)
     args.on_hang = args.on_hang or os.environ.get("NCCLWATCH_ON_HANG") or "kill"

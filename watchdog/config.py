@@ -51,7 +51,9 @@ class Settings(BaseSettings):
         "report", description="report: capture, alert, leave the job running; kill: capture, then end the job, exit non-zero"
     )
     run_dir: Path | None = Field(None, description="folder for NCCL debug files, heartbeats, dumps (default: a temp folder)")
-    keep_run_dir: bool = Field(False, description="keep the run folder after a job that ended without a hang")
+    keep_run_dir: bool = Field(
+        False, description="keep the run folder after the job (default: removed, after a hang too: the bundle holds its evidence)"
+    )
     poll_interval: float = Field(0.25, gt=0, le=10, description="seconds between reads of logs, heartbeats and /proc")
     evidence_budget: float = Field(30.0, gt=0, description="seconds all evidence collection may take")
     pyspy: str | None = Field(None, description="path to py-spy (default: PATH, then next to the Python interpreter)")
