@@ -20,7 +20,8 @@ from conftest import NOW, REPO
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ncclwatch.watchdog.live.health import CommPosition, Health, RankHealth
+from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind
+from ncclwatch.watchdog.live.health import CommBandwidth, CommPosition, Health, IbPortHealth, RankHealth, RankPerf
 from ncclwatch.watchdog.sinks.metrics import SOURCES, HealthCollector, TextfileError, TextfileWriter
 
 JOB = {"job_name": "train", "host": "node1"}
@@ -68,7 +69,15 @@ def rich() -> Health:
         sources_down=("nvml: NVML library not found",),
         bundles_written=2,
         probe_bandwidth_bytes_per_s=1.5e11,
+        comm_bandwidth=(CommBandwidth("process group 0 (default_pg)", "AllReduce", 3.2e11),),
+        rank_perf=(RankPerf(0, 3.2e11, 0.05, None), RankPerf(1, 3.2e11, 0.9, 0.12, straggler=True)),
+        arrival_skew_s=0.13,
+        perf_findings=(PERF,),
+        ib_ports=(IbPortHealth("mlx5_0/1", True, 50e9, 4e10, 3.9e10), IbPortHealth("mlx5_1/1", True, 5e9, 1e9, 1e9, errors=12)),
     )
+
+
+PERF = PerfFinding(PerfKind.straggler, "straggler-1", "rank 1 was last in 18 of the last 20 collectives", "look", ranks=(1,))
 
 
 def registry_for(value, **kw) -> tuple[CollectorRegistry, HealthCollector]:
@@ -91,6 +100,37 @@ def exported_names(registry: CollectorRegistry) -> set[str]:
     return {
         s.name for family in text_string_to_metric_families(generate_latest(registry).decode()) for s in family.samples
     }
+
+
+class TestPerfSeries:
+    def test_bandwidth_per_communicator_and_rank(self):
+        registry, _ = registry_for(rich())
+        assert sample(registry, "ncclwatch_comm_bus_bandwidth_bytes_per_second", communicator="process group 0 (default_pg)", op="AllReduce") == 3.2e11
+        assert sample(registry, "ncclwatch_rank_bus_bandwidth_bytes_per_second", rank="1") == 3.2e11
+
+    def test_stragglers_and_skew(self):
+        registry, _ = registry_for(rich())
+        assert [sample(registry, "ncclwatch_rank_straggler", rank=r) for r in "01"] == [0, 1]
+        assert sample(registry, "ncclwatch_rank_last_arrival_ratio", rank="1") == 0.9
+        assert sample(registry, "ncclwatch_rank_arrival_lead_seconds", rank="0") is None  # never last by the margin
+        assert sample(registry, "ncclwatch_arrival_skew_seconds") == 0.13
+
+    def test_findings_count_every_kind_and_label_each_one(self):
+        registry, _ = registry_for(rich())
+        assert sample(registry, "ncclwatch_perf_findings", kind="straggler") == 1
+        assert sample(registry, "ncclwatch_perf_findings", kind="transport_anomaly") == 0
+        assert sample(registry, "ncclwatch_perf_finding_info", kind="straggler", key="straggler-1", ranks="1", links="") == 1
+
+    def test_ib_ports(self):
+        registry, _ = registry_for(rich())
+        assert sample(registry, "ncclwatch_ib_port_rate_bytes_per_second", port="mlx5_1/1") == 5e9
+        assert sample(registry, "ncclwatch_ib_port_errors", port="mlx5_1/1") == 12
+        assert sample(registry, "ncclwatch_ib_port_transmit_bytes_per_second", port="mlx5_0/1") == 4e10
+
+    def test_nothing_measured_exports_only_zero_counts(self):
+        names = exported_names(registry_for(health())[0])
+        assert "ncclwatch_perf_findings" in names
+        assert not {n for n in names if n.startswith(("ncclwatch_ib_", "ncclwatch_comm_bus", "ncclwatch_rank_straggler"))}
 
 
 class TestRankSeries:

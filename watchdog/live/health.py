@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ncclwatch.watchdog.engine.perf import PerfFinding
 from ncclwatch.watchdog.live.job import LiveJob
 
 
@@ -31,6 +32,32 @@ class CommPosition:
 
 
 @dataclass(frozen=True)
+class CommBandwidth:
+    communicator: str
+    op: str  # NCCL's spelling: "AllReduce"
+    busbw_bytes_per_s: float  # median over recent collectives (engine.bandwidth.comm_bandwidth)
+
+
+@dataclass(frozen=True)
+class RankPerf:
+    rank: int
+    busbw_bytes_per_s: float | None = None  # engine.bandwidth.rank_bandwidth
+    last_arrival_share: float | None = None  # engine.stragglers.LastArrivals.share
+    arrival_lead_s: float | None = None  # mean lead when last by the margin
+    straggler: bool = False
+
+
+@dataclass(frozen=True)
+class IbPortHealth:
+    port: str  # "mlx5_0/1"
+    active: bool
+    rate_bytes_per_s: float | None = None
+    xmit_bytes_per_s: float | None = None  # over the last window (probes.infiniband.ib_delta)
+    rcv_bytes_per_s: float | None = None
+    errors: int = 0  # error counters' rise over the last window
+
+
+@dataclass(frozen=True)
 class Health:
     observed_at: float
     job: str
@@ -45,6 +72,11 @@ class Health:
     sources_down: tuple[str, ...]
     bundles_written: int
     probe_bandwidth_bytes_per_s: float | None = None  # the bus-bandwidth probe (not run yet: None)
+    comm_bandwidth: tuple[CommBandwidth, ...] = ()
+    rank_perf: tuple[RankPerf, ...] = ()
+    arrival_skew_s: float | None = None  # the latest collective every rank arrived at: last minus first
+    perf_findings: tuple[PerfFinding, ...] = ()  # open slow/straggler/transport/IB findings
+    ib_ports: tuple[IbPortHealth, ...] = ()
 
 
 def health_of(live: LiveJob, now: float, *, job: str, host: str, verdict: str | None, culprits: tuple[int, ...], hang: bool,

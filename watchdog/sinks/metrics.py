@@ -18,7 +18,9 @@ Names are ``ncclwatch_<what>_<unit>``; labels, where they apply:
 * ``slurm_job_id``: only when the process runs under Slurm (``SLURM_JOB_ID``),
   as the alerts do.
 * ``rank`` (global rank), ``communicator`` (a human label), ``source``,
-  ``verdict``, ``culprit_ranks`` (comma-separated, empty when none).
+  ``verdict``, ``culprit_ranks`` (comma-separated, empty when none),
+  ``op`` (NCCL's spelling), ``port`` (``mlx5_0/1``), and on
+  ``ncclwatch_perf_finding_info`` ``kind``, ``key``, ``ranks``, ``links``.
 
 Failure modes guarded here:
 
@@ -44,6 +46,7 @@ import contextlib
 import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -51,6 +54,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ncclwatch.watchdog.engine.perf import PerfKind
 from ncclwatch.watchdog.live.health import Health
 
 log = logging.getLogger("ncclwatch")
@@ -144,6 +148,7 @@ class HealthCollector(Collector):
             out.add("ncclwatch_source_up", 0 if source in down else 1, source=source)
         if health.probe_bandwidth_bytes_per_s is not None:
             out.add("ncclwatch_probe_bus_bandwidth_bytes_per_second", health.probe_bandwidth_bytes_per_s)
+        _perf_series(out, health)
         return out.families()
 
     def _self_metrics(self, *, up: bool) -> list[Metric]:
@@ -173,6 +178,19 @@ _FAMILIES: dict[str, str] = {
     "ncclwatch_bundles_written": "counter",
     "ncclwatch_source_up": "gauge",
     "ncclwatch_probe_bus_bandwidth_bytes_per_second": "gauge",
+    "ncclwatch_comm_bus_bandwidth_bytes_per_second": "gauge",
+    "ncclwatch_rank_bus_bandwidth_bytes_per_second": "gauge",
+    "ncclwatch_rank_last_arrival_ratio": "gauge",
+    "ncclwatch_rank_arrival_lead_seconds": "gauge",
+    "ncclwatch_rank_straggler": "gauge",
+    "ncclwatch_arrival_skew_seconds": "gauge",
+    "ncclwatch_perf_findings": "gauge",
+    "ncclwatch_perf_finding_info": "gauge",
+    "ncclwatch_ib_port_active": "gauge",
+    "ncclwatch_ib_port_rate_bytes_per_second": "gauge",
+    "ncclwatch_ib_port_transmit_bytes_per_second": "gauge",
+    "ncclwatch_ib_port_receive_bytes_per_second": "gauge",
+    "ncclwatch_ib_port_errors": "gauge",
     "ncclwatch_up": "gauge",
     "ncclwatch_collector_errors": "counter",
 }
@@ -191,9 +209,58 @@ _HELP: dict[str, str] = {
     "ncclwatch_bundles_written": "Root-cause bundles this watchdog has written.",
     "ncclwatch_source_up": "0 while the source cannot read (NVML missing, RAS unreachable, ...), else 1.",
     "ncclwatch_probe_bus_bandwidth_bytes_per_second": "Bus bandwidth the last probe measured, in bytes per second.",
+    "ncclwatch_comm_bus_bandwidth_bytes_per_second": "Median bus bandwidth (nccl-tests' busbw) of the communicator's recent "
+    "collectives of at least 1 MiB, per operation.",
+    "ncclwatch_rank_bus_bandwidth_bytes_per_second": "Median bus bandwidth of the collectives the rank took part in.",
+    "ncclwatch_rank_last_arrival_ratio": "Share of recent rounds (collectives or steps) in which the rank was last by the margin.",
+    "ncclwatch_rank_arrival_lead_seconds": "How far behind the next rank the rank arrived, on average, when it was last by the margin.",
+    "ncclwatch_rank_straggler": "1 while the rank is reported as a straggler (last by a margin in most recent rounds).",
+    "ncclwatch_arrival_skew_seconds": "Last minus first arrival at the latest collective every rank entered.",
+    "ncclwatch_perf_findings": "Open findings of each kind: slow_collective, slow_link, straggler, transport_anomaly, ib_port.",
+    "ncclwatch_perf_finding_info": "1 per open finding, labelled with its kind, key, ranks and links.",
+    "ncclwatch_ib_port_active": "1 while the InfiniBand port's state is ACTIVE.",
+    "ncclwatch_ib_port_rate_bytes_per_second": "The port's link rate (sysfs rate), in bytes per second.",
+    "ncclwatch_ib_port_transmit_bytes_per_second": "Bytes the port sent per second over the last window (port_xmit_data x 4).",
+    "ncclwatch_ib_port_receive_bytes_per_second": "Bytes the port received per second over the last window (port_rcv_data x 4).",
+    "ncclwatch_ib_port_errors": "Rise of the port's error counters (symbol, link downed, receive errors, discards, retries, "
+    "timeouts) over the last window.",
     "ncclwatch_up": "1 when the collector could read the watchdog's state at this scrape, 0 when it failed.",
     "ncclwatch_collector_errors": "Scrapes at which reading the watchdog's state failed.",
 }
+
+
+def _perf_series(out: _Families, health: Health) -> None:
+    """Bandwidth, arrival, straggler, finding and InfiniBand series; unknown values are absent, not zero."""
+    for comm in health.comm_bandwidth:
+        out.add("ncclwatch_comm_bus_bandwidth_bytes_per_second", comm.busbw_bytes_per_s, communicator=comm.communicator, op=comm.op)
+    for perf in health.rank_perf:
+        rank = str(perf.rank)
+        for name, value in (
+            ("ncclwatch_rank_bus_bandwidth_bytes_per_second", perf.busbw_bytes_per_s),
+            ("ncclwatch_rank_last_arrival_ratio", perf.last_arrival_share),
+            ("ncclwatch_rank_arrival_lead_seconds", perf.arrival_lead_s),
+        ):
+            if value is not None:
+                out.add(name, value, rank=rank)
+        out.add("ncclwatch_rank_straggler", 1 if perf.straggler else 0, rank=rank)
+    if health.arrival_skew_s is not None:
+        out.add("ncclwatch_arrival_skew_seconds", max(0.0, health.arrival_skew_s))
+    kinds = Counter(f.kind.value for f in health.perf_findings)
+    for kind in PerfKind:
+        out.add("ncclwatch_perf_findings", kinds.get(kind.value, 0), kind=kind.value)
+    for f in health.perf_findings:
+        out.add("ncclwatch_perf_finding_info", 1, kind=f.kind.value, key=f.key,
+                ranks=",".join(map(str, f.ranks)), links=",".join(f.links))  # fmt: skip
+    for port in health.ib_ports:
+        out.add("ncclwatch_ib_port_active", 1 if port.active else 0, port=port.port)
+        out.add("ncclwatch_ib_port_errors", port.errors, port=port.port)
+        for name, value in (
+            ("ncclwatch_ib_port_rate_bytes_per_second", port.rate_bytes_per_s),
+            ("ncclwatch_ib_port_transmit_bytes_per_second", port.xmit_bytes_per_s),
+            ("ncclwatch_ib_port_receive_bytes_per_second", port.rcv_bytes_per_s),
+        ):
+            if value is not None:
+                out.add(name, value, port=port.port)
 
 
 class _Families:
