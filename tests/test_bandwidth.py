@@ -185,3 +185,11 @@ class TestSlowLink:
         assert comms[("dp0", "AllReduce")] == pytest.approx(10 * comms[("dp1", "AllReduce")])
         ranks = rank_bandwidth(timings)
         assert ranks[0] == pytest.approx(comms[("dp0", "AllReduce")]) and ranks[5] == pytest.approx(comms[("dp1", "AllReduce")])
+
+
+def test_paging_settings_come_from_the_environment():
+    from ncclwatch.watchdog.config import load_settings
+
+    finding = slow_collectives(match_collectives(history("0", [0, 1], 10, 2.0, last_ms=40.0)))[0]
+    assert not pages(finding, load_settings({}, environ={}))
+    assert pages(finding, load_settings({"page_on_slow": True}, environ={}))

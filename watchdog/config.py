@@ -83,6 +83,11 @@ class Settings(BaseSettings):
     )
     metrics_textfile: Path | None = Field(None, description="also write metrics to this file for node_exporter's textfile collector")
 
+    # Slow, not hung (engine/perf.py): reported and exported always, paged only when asked.
+    page_on_slow: bool = Field(False, description="page for a slow collective, a slow link or an InfiniBand port finding")
+    page_on_straggler: bool = Field(False, description="page for a rank last by a margin in most recent steps")
+    page_on_transport: bool = Field(False, description="page for a node on another NCCL transport than its peers")
+
     @field_validator("metrics_textfile")
     @classmethod
     def _prom_suffix(cls, value: Path | None) -> Path | None:
