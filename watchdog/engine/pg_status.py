@@ -91,9 +91,16 @@ def build_groups(timeouts: list[WatchdogTimeout], statuses: list[PgStatus]) -> l
         if status.last_completed is not None:
             info.completed = status.last_completed if info.completed is None else min(info.completed, status.last_completed)
         info.cites.append(status.cite)
+    named = {s.pg: s for s in named_failure.values()}
     for timeout in timeouts:
         pg = timeout.pg
         paired = named_failure.get((timeout.rank, timeout.seq))
+        if pg is None and paired is None and len(named) == 1:
+            # An excerpt cut before this rank's failure line: its timeout joins the only group the
+            # input names when another rank of that group waits in the same SeqNum (never with two groups).
+            only = next(iter(named.values()))
+            if any(s.seq == timeout.seq for s in named_failure.values()):
+                paired = only
         if pg is None and paired is not None:
             pg = paired.pg
         info = group(pg, paired.pg_desc if paired else None).rank(timeout.rank)
