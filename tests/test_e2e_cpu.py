@@ -77,6 +77,21 @@ def only_report(tmp_path: Path) -> dict:
     return report
 
 
+def analyzed(path: Path) -> dict:
+    """``ncclwatch analyze --json`` on what the live run left (run folder or bundle)."""
+    done = subprocess.run([sys.executable, "-m", "ncclwatch", "analyze", "--json", str(path)], capture_output=True, text=True, timeout=120)
+    assert done.stdout, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def assert_offline_parity(tmp_path: Path, report: dict) -> None:
+    """One engine: analyze on the kept run folder and on the bundle reaches the live verdict."""
+    [bundle] = sorted((tmp_path / "bundles").glob("*.tar.gz"))
+    for left in (tmp_path / "run", bundle):
+        offline = analyzed(left)
+        assert (offline["verdict"], offline["culprit_ranks"]) == (report["verdict"], report["culprit_ranks"]), left
+
+
 def fault_time(tmp_path: Path) -> float:
     marks = [json.loads(p.read_text())["time"] for p in (tmp_path / "run").glob("fault.*")]
     return min(marks)
@@ -100,6 +115,7 @@ def test_hang_is_named_bundled_and_killed(tmp_path: Path, fault: str, verdict: s
     # Hang start is the last progress, which follows the fault mark by at most a step.
     detected = datetime.datetime.fromisoformat(report["detected_at"]).timestamp()
     assert 0 < detected - fault_time(tmp_path) < 30
+    assert_offline_parity(tmp_path, report)
 
 
 def test_elastic_restart_is_followed_and_the_new_attempt_judged(tmp_path: Path) -> None:
@@ -116,6 +132,7 @@ def test_elastic_restart_is_followed_and_the_new_attempt_judged(tmp_path: Path) 
     assert (report["verdict"], report["culprit_ranks"]) == ("rank_behind", [NPROC - 1])
     pids = sorted(r["pid"] for r in report["ranks"])
     assert len(pids) == NPROC and all(r["state"] == "S" for r in report["ranks"])
+    assert_offline_parity(tmp_path, report)
 
 
 def test_crashing_rank_keeps_torchrun_exit_code_and_no_bundle(tmp_path: Path) -> None:

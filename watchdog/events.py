@@ -430,6 +430,9 @@ class Heartbeat(Event):
     beats: int = 0
 
 
+STOPPED_STATES = frozenset({"T", "t"})  # /proc state letters of a stopped process: SIGSTOP (T) and ptrace stop (t)
+
+
 class ProcessState(Event):
     """One /proc sample of a worker: state letter and counters that show activity."""
 

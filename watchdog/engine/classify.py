@@ -33,7 +33,7 @@ from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, Evidence, Finding
 from ncclwatch.watchdog.engine.snapshot import Snapshot, WorkerView
 from ncclwatch.watchdog.engine.stacks import Whereabouts, whereabouts
 from ncclwatch.watchdog.engine.verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
-from ncclwatch.watchdog.events import Stall
+from ncclwatch.watchdog.events import STOPPED_STATES, Stall
 
 BUSY_CPU_SHARE = 0.2  # of one core, over the last few seconds
 BUSY_IO_BYTES_PER_S = 64 << 10  # a log line now and then is not a checkpoint
@@ -80,7 +80,7 @@ def judge(snapshot: Snapshot) -> Decision:
 
 
 def _stopped(workers: tuple[WorkerView, ...], finding: Finding) -> Finding | None:
-    stopped = [w for w in workers if w.state in ("T", "t") and not w.gone]
+    stopped = [w for w in workers if w.state in STOPPED_STATES and not w.gone]
     if not stopped:
         return None
     ranks = ", ".join(f"{w.rank} (pid {w.pid})" for w in stopped)

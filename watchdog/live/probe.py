@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ncclwatch.watchdog.engine.snapshot import WorkerView
-from ncclwatch.watchdog.events import Event
+from ncclwatch.watchdog.events import STOPPED_STATES, Event
 from ncclwatch.watchdog.parsing.pyspy import parse_pyspy
 from ncclwatch.watchdog.sources.flight_recorder import prime, read_dump, request_dumps
 from ncclwatch.watchdog.sources.gpus import gpu_snapshot
@@ -50,7 +50,7 @@ class JobProber:
 
     async def probe(self, workers: Sequence[WorkerView], with_gpus: bool) -> list[Event]:
         alive = [w for w in workers if not w.gone]
-        answering = {w.rank: w.pid for w in alive if w.state not in ("T", "t")}
+        answering = {w.rank: w.pid for w in alive if w.state not in STOPPED_STATES}
         dumps, stacks, gpus = await asyncio.gather(
             request_dumps(self.fr_dir, answering),
             asyncio.gather(*(self._stack(w.pid) for w in alive)),

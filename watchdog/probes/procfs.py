@@ -17,9 +17,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ncclwatch.watchdog.events import STOPPED_STATES as STOPPED
+
 PROC = Path("/proc")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-STOPPED = frozenset({"T", "t"})  # SIGSTOP (T) and ptrace stop (t)
 STATE_NAMES = {
     "R": "running",
     "S": "sleeping",
