@@ -101,8 +101,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if os.environ.get("NCCLWATCH_PREFLIGHT_HOSTID_PER_RANK"):
+        # Several ranks on one GPU: NCCL refuses a duplicate GPU on one host, so each rank poses as its own
+        # host and NCCL connects them through its network transport (NET/Socket).
+        os.environ["NCCL_HOSTID"] = f"ncclwatch-preflight-{os.environ['RANK']}"
     if args.backend == "nccl":
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
