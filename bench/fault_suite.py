@@ -18,7 +18,8 @@ job the instant it misbehaves).
 Healthy scenarios (none, checkpoint, straggler, pause) must end with exit 0
 and no page; a crash (sigkill, exception) on one node is torchrun's to end
 (its exit code, no page; a ``process_dead`` page naming the rank is also
-right).
+right).  On gloo (``--device cpu``) dtype and conditional are crashes too:
+gloo checks message sizes and raises.
 
 Multi-node mode (``--nnodes 2``): two wrappers on this machine, one rank
 each, ``--node-rank 0|1 --master-addr 127.0.0.1 --master-port P`` (static
@@ -74,13 +75,14 @@ class Expect:
     crash: bool = False  # torchrun ends the job with an error
     gpu_only: bool = False
     long: bool = False  # runs --pause-s longer
+    gloo_raises: bool = False  # gloo checks sizes and raises: on CPU a crash, not a hang
 
 
 EXPECT = {
     "none": Expect(),
     "skip": Expect("collective_mismatch"),
-    "dtype": Expect("collective_mismatch"),
-    "conditional": Expect("collective_mismatch"),
+    "dtype": Expect("collective_mismatch", gloo_raises=True),
+    "conditional": Expect("collective_mismatch", gloo_raises=True),
     "p2p_deadlock": Expect("stuck_in_collective", names_culprit=False),
     "syscall": Expect("rank_behind"),
     "long_kernel": Expect("gpu_compute_hang", gpu_only=True),
@@ -92,6 +94,11 @@ EXPECT = {
     "sigstop": Expect("process_stopped"),
 }
 HEALTHY = tuple(name for name, e in EXPECT.items() if e.verdict is None and not e.crash)
+
+
+def expectation(scenario: str, device: str) -> Expect:
+    expect = EXPECT[scenario]
+    return Expect(crash=True) if expect.gloo_raises and device == "cpu" else expect
 
 
 class WebhookReceiver:
@@ -222,7 +229,7 @@ def wrapper_commands(args: argparse.Namespace, scenario: str, rank: int, step: i
 
 
 def run_once(args: argparse.Namespace, receiver: WebhookReceiver, scenario: str, rank: int, step: int, n: int, logs: tarfile.TarFile) -> dict:
-    expect = EXPECT[scenario]
+    expect = expectation(scenario, args.device)
     job = f"bench-{scenario}-{n}-{os.getpid()}"
     timeout = args.timeout + (args.pause_s if expect.long else 0)
     with tempfile.TemporaryDirectory(prefix=f"fault-{scenario}-") as folder:
@@ -255,7 +262,7 @@ def run_once(args: argparse.Namespace, receiver: WebhookReceiver, scenario: str,
     record = {
         "scenario": scenario, "repeat": n, "nnodes": args.nnodes, "rdzv": args.rdzv if args.nnodes > 1 else None,
         "nproc_per_node": args.nproc, "device": args.device, "size": args.size, "fault_rank": rank, "fault_step": step,
-        "expected_verdict": expect.verdict, "expected_culprits": [rank] if expect.verdict and expect.names_culprit else None,
+        "expected_verdict": expect.verdict, "expect_crash": expect.crash, "expected_culprits": [rank] if expect.verdict and expect.names_culprit else None,
         "fault_at": fault_at, "wall_s": round(time.time() - began, 1), "timed_out": timed_out, "nodes": nodes,
         "webhook_triggers": len(triggers), "webhook_resolves": sum(p["event"] == "resolve" for p in posts),
         "webhook_keys": len({p["id"] for p in triggers}), "steps_per_s": steps_per_s,
@@ -349,7 +356,7 @@ def summarize(records: list[dict]) -> str:
         got = sorted(
             {f"{n['verdict']} {n['culprit_ranks']}" if n["verdict"] else f"none (rc {n['returncode']})" for r in runs for n in r["nodes"]}
         )
-        expected = runs[0]["expected_verdict"] or ("crash: torchrun's exit" if EXPECT[scenario].crash else "no page")
+        expected = runs[0]["expected_verdict"] or ("crash: torchrun's exit" if runs[0].get("expect_crash") else "no page")
         false_pages = sum(r["pages"] + r["webhook_triggers"] > 0 for r in runs) if scenario in HEALTHY else "-"
         stall = [n.get("stall_timeout_s") for r in runs for n in r["nodes"]]
         lines.append(
