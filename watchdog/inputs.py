@@ -158,6 +158,7 @@ class TextIngest:
         self._nccl_seen = False
         self._carry = b"\n"
         self._ranks_said = ""  # "rank 0-3 by [rankN]: prefix", set with the RankLog events
+        self._prefixes_known: set[bytes] = set()
 
     def run(self, head: bytes, handle: BinaryIO, compression: str | None) -> InputFile:
         self._feed(head)
@@ -174,7 +175,7 @@ class TextIngest:
         # Rank prefixes are counted on whole lines: the carry keeps the partial last one.
         body = self._carry + chunk
         cut = len(body) if final else body.rfind(b"\n")
-        for key, n in ranks_in_chunk(body[:cut]).items():
+        for key, n in ranks_in_chunk(body[:cut], self._prefixes_known).items():
             self.prefixes[key] = self.prefixes.get(key, 0) + n
         self._carry = b"\n" if final else body[cut:]
 
@@ -250,7 +251,9 @@ def rescan_orphans(state: JobState, inputs: list[InputFile], stdin_spool: dict[s
     for file, wanted in by_file.items():
         scanner = OrphanScanner(file, wanted, rank_of_file(file))
         try:
-            with open_input(file, stdin_spool) as (handle, _):
+            with open_input(file, stdin_spool) as (handle, compression):
+                if compression is None:
+                    _skip_to_tail(handle, scanner)
                 while chunk := handle.read(CHUNK_BYTES):
                     scanner.feed(chunk)
                 scanner.feed(b"", final=True)
@@ -264,6 +267,22 @@ def rescan_orphans(state: JobState, inputs: list[InputFile], stdin_spool: dict[s
             count = sum(e.count for e in events)
             extra = f"{count:,} operations on {len(events)} communicator(s) without their Init line: no rank or communicator id, aligned by opCount only"
             entry.note = f"{entry.note}; {extra}" if entry.note else extra
+
+
+TAIL_BYTES = 8 << 20  # orphans keep their last few operations: only the end of a file is parsed
+
+
+def _skip_to_tail(handle: BinaryIO, scanner: OrphanScanner) -> None:
+    """Count the lines before the last ``TAIL_BYTES`` (for line numbers) without parsing them."""
+    skip = os.fstat(handle.fileno()).st_size - TAIL_BYTES
+    if skip <= 0:
+        return
+    lines = 0
+    while handle.tell() < skip and (chunk := handle.read(min(CHUNK_BYTES, skip - handle.tell()))):
+        lines += chunk.count(b"\n")
+    if handle.readline().endswith(b"\n"):  # finish the line cut by the skip
+        lines += 1
+    scanner.skip_lines(lines)
 
 
 def cleanup_stdin(stdin_spool: dict[str, str]) -> None:

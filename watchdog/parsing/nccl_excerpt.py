@@ -73,6 +73,10 @@ class OrphanScanner:
                 slot.rank = hint[0] if hint else self.file_rank
         self._lines += body.count(b"\n", counted, stop)
 
+    def skip_lines(self, lines: int) -> None:
+        """The caller starts past ``lines`` lines (only a file's tail holds its last operations)."""
+        self._lines += lines
+
     def events(self) -> list[OrphanOps]:
         return [
             OrphanOps.model_construct(
