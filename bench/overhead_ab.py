@@ -52,6 +52,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 from ncclwatch.launcher.env import injected_env
 from ncclwatch.watchdog.live.runfolder import RunDirs
 from ncclwatch.watchdog.probes.flight_recorder import fr_files, signature, trigger
@@ -193,11 +195,14 @@ def measure_fr_dump(args: argparse.Namespace) -> list[dict]:
                     record["error"] = error
                 records.append(record)
         finally:
-            job.terminate()
+            workers = psutil.Process(job.pid).children(recursive=True)
+            job.terminate()  # torchrun forwards it to the workers
             try:
                 job.wait(30)
             except subprocess.TimeoutExpired:
                 job.kill()
+            for worker in psutil.wait_procs(workers, timeout=10)[1]:
+                worker.kill()
     return records
 
 
