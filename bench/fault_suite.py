@@ -309,7 +309,7 @@ def node_result(wrapper: Wrapper, bundles: Path, fault_at: float | None) -> dict
             verdict=report["verdict"], culprit_ranks=report["culprit_ranks"], stall_timeout_s=report.get("stall_timeout_s"),
             hang_started_at=report.get("hang_started_at"), report_s=since(detected), bundle_s=since(found[0].stat().st_mtime),
         )  # fmt: skip
-    if not found or node["verdict"] != node["page_verdict"]:
+    if (not found and node["returncode"] != 0) or node["verdict"] != node["page_verdict"]:
         node["tail"] = wrapper.log.read_bytes()[-3000:].decode(errors="replace")
     return node
 
