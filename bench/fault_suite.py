@@ -203,7 +203,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wrapper_commands(args: argparse.Namespace, scenario: str, rank: int, step: int, work: Path, job: str) -> list[list[str]]:
+def wrapper_commands(
+    args: argparse.Namespace, scenario: str, rank: int, step: int, work: Path, job: str
+) -> list[list[str]]:
     job_args = [
         str(JOB), f"--device={args.device}", f"--size={args.size}", f"--fault={scenario}", f"--fault-rank={rank}",
         f"--fault-step={step}", f"--steps={step + args.steps_after}", f"--warmup-steps={min(20, step)}",
@@ -223,12 +225,21 @@ def wrapper_commands(args: argparse.Namespace, scenario: str, rank: int, step: i
         elif args.rdzv == "static":
             torchrun += ["--nnodes=2", f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={args.port}"]
         else:
-            torchrun += ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{args.port}", f"--rdzv-id={job}"]
+            torchrun += ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{args.port}"]
+            torchrun.append(f"--rdzv-id={job}")
         commands.append(wrapper + args.wrapper_arg + torchrun + job_args)
     return commands
 
 
-def run_once(args: argparse.Namespace, receiver: WebhookReceiver, scenario: str, rank: int, step: int, n: int, logs: tarfile.TarFile) -> dict:
+def run_once(
+    args: argparse.Namespace,
+    receiver: WebhookReceiver,
+    scenario: str,
+    rank: int,
+    step: int,
+    n: int,
+    logs: tarfile.TarFile,
+) -> dict:
     expect = expectation(scenario, args.device)
     job = f"bench-{scenario}-{n}-{os.getpid()}"
     timeout = args.timeout + (args.pause_s if expect.long else 0)
@@ -262,7 +273,8 @@ def run_once(args: argparse.Namespace, receiver: WebhookReceiver, scenario: str,
     record = {
         "scenario": scenario, "repeat": n, "nnodes": args.nnodes, "rdzv": args.rdzv if args.nnodes > 1 else None,
         "nproc_per_node": args.nproc, "device": args.device, "size": args.size, "fault_rank": rank, "fault_step": step,
-        "expected_verdict": expect.verdict, "expect_crash": expect.crash, "expected_culprits": [rank] if expect.verdict and expect.names_culprit else None,
+        "expected_verdict": expect.verdict, "expect_crash": expect.crash,
+        "expected_culprits": [rank] if expect.verdict and expect.names_culprit else None,
         "fault_at": fault_at, "wall_s": round(time.time() - began, 1), "timed_out": timed_out, "nodes": nodes,
         "webhook_triggers": len(triggers), "webhook_resolves": sum(p["event"] == "resolve" for p in posts),
         "webhook_keys": len({p["id"] for p in triggers}), "steps_per_s": steps_per_s,
@@ -306,8 +318,9 @@ def node_result(wrapper: Wrapper, bundles: Path, fault_at: float | None) -> dict
             report = json.load(tar.extractfile(member))  # type: ignore[arg-type]
         detected = dt.datetime.fromisoformat(report["detected_at"]).timestamp()
         node.update(
-            verdict=report["verdict"], culprit_ranks=report["culprit_ranks"], stall_timeout_s=report.get("stall_timeout_s"),
-            hang_started_at=report.get("hang_started_at"), report_s=since(detected), bundle_s=since(found[0].stat().st_mtime),
+            verdict=report["verdict"], culprit_ranks=report["culprit_ranks"],
+            stall_timeout_s=report.get("stall_timeout_s"), hang_started_at=report.get("hang_started_at"),
+            report_s=since(detected), bundle_s=since(found[0].stat().st_mtime),
         )  # fmt: skip
     if (not found and node["returncode"] != 0) or node["verdict"] != node["page_verdict"]:
         node["tail"] = wrapper.log.read_bytes()[-3000:].decode(errors="replace")
@@ -326,7 +339,8 @@ def judge(expect: Expect, record: dict, rank: int) -> bool:
         if any(n["culprit_ranks"] != [rank] for n in named):
             return False
         if record["nnodes"] == 1:
-            return (not named and nodes[0]["returncode"] not in (0, 3)) or [n["verdict"] for n in named] == ["process_dead"]
+            ended_by_torchrun = not named and nodes[0]["returncode"] not in (0, 3)
+            return ended_by_torchrun or [n["verdict"] for n in named] == ["process_dead"]
         return True
     culprits_ok = lambda n: not expect.names_culprit or n["culprit_ranks"] == [rank]  # noqa: E731
     right = [n for n in named if n["verdict"] == expect.verdict and culprits_ok(n)]
@@ -342,6 +356,10 @@ def percentiles(values: list[float]) -> str:
     return f"{statistics.median(values):.1f} / {p90:.1f}"
 
 
+def outcome(node: dict) -> str:
+    return f"{node['verdict']} {node['culprit_ranks']}" if node["verdict"] else f"none (rc {node['returncode']})"
+
+
 def summarize(records: list[dict]) -> str:
     lines = [
         "| scenario | nodes | runs | correct | expected | got (culprits) | page p50 / p90 (s) | report p50 / p90 (s) "
@@ -353,17 +371,18 @@ def summarize(records: list[dict]) -> str:
         nodes = record["nnodes"] if record["nnodes"] == 1 else f"{record['nnodes']} ({record['rdzv']})"
         groups.setdefault((record["scenario"], nodes), []).append(record)
     for (scenario, nodes), runs in groups.items():
-        got = sorted(
-            {f"{n['verdict']} {n['culprit_ranks']}" if n["verdict"] else f"none (rc {n['returncode']})" for r in runs for n in r["nodes"]}
-        )
-        expected = runs[0]["expected_verdict"] or ("crash: torchrun's exit" if runs[0].get("expect_crash") else "no page")
+        got = sorted({outcome(node) for r in runs for node in r["nodes"]})
+        crash = runs[0].get("expect_crash")
+        expected = runs[0]["expected_verdict"] or ("crash: torchrun's exit" if crash else "no page")
         false_pages = sum(r["pages"] + r["webhook_triggers"] > 0 for r in runs) if scenario in HEALTHY else "-"
         stall = [n.get("stall_timeout_s") for r in runs for n in r["nodes"]]
         lines.append(
-            f"| {scenario} | {nodes} | {len(runs)} | {sum(r['correct'] for r in runs)} | {expected} | {'; '.join(got)} | "
+            f"| {scenario} | {nodes} | {len(runs)} | {sum(r['correct'] for r in runs)} | {expected} | "
+            f"{'; '.join(got)} | "
             f"{percentiles([r['page_s'] for r in runs])} | {percentiles([r['report_s'] for r in runs])} | "
             f"{percentiles([r['bundle_s'] for r in runs])} | {percentiles([r['webhook_s'] for r in runs])} | "
-            f"{sum(r['webhook_triggers'] for r in runs)} ({sum(r['webhook_keys'] for r in runs)}) | {false_pages} | {percentiles(stall)} |"
+            f"{sum(r['webhook_triggers'] for r in runs)} ({sum(r['webhook_keys'] for r in runs)}) | "
+            f"{false_pages} | {percentiles(stall)} |"
         )
     return "\n".join(lines)
 
@@ -383,15 +402,16 @@ def main() -> int:
     parser.add_argument("--pause-s", type=float, default=40.0, help="pause and checkpoint length")
     parser.add_argument("--stall-timeout-floor", type=float, help="passed to the wrapper (its default: 5 s)")
     parser.add_argument("--wrapper-arg", action="append", default=[], help="one more wrapper option (repeatable)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="hard limit per run, seconds (+ --pause-s for pause, checkpoint)")
-    parser.add_argument("--peer-grace", type=float, default=60.0, help="multi-node: once one wrapper ended, the other's limit")
-    parser.add_argument("--budget", type=float, default=480.0, help="start no run that could end after this many seconds")
+    parser.add_argument("--timeout", type=float, default=120.0, help="per run, seconds (pause, checkpoint: + --pause-s)")
+    parser.add_argument("--peer-grace", type=float, default=60.0, help="2 nodes: seconds the other has once one ended")
+    parser.add_argument("--budget", type=float, default=480.0, help="start no run that could end after this (seconds)")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", str(ROOT / "bench" / "out")))
     parser.add_argument("--name", default="fault", help="output file stem")
     parser.add_argument("--summarize", nargs="+", metavar="JSONL", help="only print the table of these files")
     args = parser.parse_args()
     if args.summarize:
-        print(summarize([json.loads(line) for f in args.summarize for line in Path(f).read_text().splitlines() if line]))
+        lines = [line for name in args.summarize for line in Path(name).read_text().splitlines() if line]
+        print(summarize([json.loads(line) for line in lines]))
         return 0
     args.size = args.size or ("short" if args.device == "cuda" else "tiny")
     args.nproc = args.nproc or (2 if args.nnodes == 1 else 1)
@@ -414,7 +434,7 @@ def main() -> int:
                 record = run_once(args, receiver, scenario, ranks[n % len(ranks)], steps[n % len(steps)], n, logs)
                 records.append(record)
                 brief = {k: v for k, v in record.items() if k != "nodes"}
-                brief["verdicts"] = [(node["verdict"], node["culprit_ranks"], node["returncode"]) for node in record["nodes"]]
+                brief["verdicts"] = [(n["verdict"], n["culprit_ranks"], n["returncode"]) for n in record["nodes"]]
                 print(json.dumps(brief), file=sys.stderr, flush=True)
                 with (out / f"{args.name}.jsonl").open("a") as handle:
                     handle.write(json.dumps(record) + "\n")

@@ -89,7 +89,8 @@ def command(config: str, args: argparse.Namespace, size: str, work: Path, steps:
     torchrun = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", str(JOB),
         f"--device={args.device}", f"--size={size}", "--fault=none", f"--result={work / 'result.json'}",
-        f"--steps={steps or (args.long_steps if long else args.steps)}", f"--warmup-steps={10 if long else args.warmup_steps}",
+        f"--steps={steps or (args.long_steps if long else args.steps)}",
+        f"--warmup-steps={10 if long else args.warmup_steps}",
     ]  # fmt: skip
     if config == "wrapper":
         return [sys.executable, "-m", "ncclwatch", "--bundle-dir", str(work / "bundles"), *torchrun]
@@ -104,8 +105,9 @@ def run_job(config: str, args: argparse.Namespace, size: str) -> dict:
         launched = time.time()
         try:
             done = subprocess.run(
-                command(config, args, size, work), env=env, cwd=work, capture_output=True, text=True, timeout=args.timeout
-            )
+                command(config, args, size, work),
+                env=env, cwd=work, capture_output=True, text=True, timeout=args.timeout,
+            )  # fmt: skip
             returncode, output = done.returncode, done.stdout + done.stderr
         except subprocess.TimeoutExpired as exc:
             returncode, output = None, str(exc.stderr or "")
@@ -146,7 +148,8 @@ def summarize_ab(records: list[dict]) -> str:
         pairs = [(a, b) for a, b in pairs_of(records, size) if a.get("steps_per_s") and b.get("steps_per_s")]
         a_runs, b_runs = [a for a, _ in pairs], [b for _, b in pairs]
         lines.append(
-            f"| {size} | {len(pairs)} | {median([a['steps_per_s'] for a in a_runs])} | {median([b['steps_per_s'] for b in b_runs])} | "
+            f"| {size} | {len(pairs)} | {median([a['steps_per_s'] for a in a_runs])} | "
+            f"{median([b['steps_per_s'] for b in b_runs])} | "
             f"{ratio_stats([b['steps_per_s'] / a['steps_per_s'] for a, b in pairs])} | "
             f"{median([a['to_first_step_s'] for a in a_runs])} / {median([b['to_first_step_s'] for b in b_runs])} | "
             f"{median([a['to_job_start_s'] for a in a_runs])} / {median([b['to_job_start_s'] for b in b_runs])} |"
@@ -163,11 +166,15 @@ def pairs_of(records: list[dict], size: str) -> list[tuple[dict, dict]]:
 
 
 def summarize_ablation(records: list[dict]) -> str:
-    lines = ["| configuration | runs | steps/s (median) | ratio to the round's baseline, median | min - max |", "|" + " --- |" * 5]
+    lines = [
+        "| configuration | runs | steps/s (median) | ratio to the round's baseline, median | min - max |",
+        "|" + " --- |" * 5,
+    ]
     baselines = {(r["size"], r["pair"]): r.get("steps_per_s") for r in records if r["config"] == "baseline"}
     for config in dict.fromkeys(r["config"] for r in records):
         runs = [r for r in records if r["config"] == config and r.get("steps_per_s")]
-        ratios = [r["steps_per_s"] / baselines[(r["size"], r["pair"])] for r in runs if baselines.get((r["size"], r["pair"]))]
+        paired = [(r["steps_per_s"], baselines.get((r["size"], r["pair"]))) for r in runs]
+        ratios = [steps / baseline for steps, baseline in paired if baseline]
         lines.append(f"| {config} | {len(runs)} | {median([r['steps_per_s'] for r in runs])} | {ratio_stats(ratios)} |")
     return "\n".join(lines)
 
@@ -263,12 +270,13 @@ def main() -> int:
         records = measure_fr_dump(args)
         for record in records:
             keep(record)
-        table = "| rank | pipe | first dump (s) | second dump (s) | error |\n| --- | --- | --- | --- | --- |\n" + "\n".join(
-            f"| {r['rank']} | {r['pipe']} | {r['first_dump_s']} | {r['second_dump_s']} | {r['error'] or ''} |" for r in records
-        )
+        cells = [(r["rank"], r["pipe"], r["first_dump_s"], r["second_dump_s"], r["error"] or "") for r in records]
+        rows = ["| " + " | ".join(map(str, row)) + " |" for row in cells]
+        table = "\n".join(["| rank | pipe | first dump (s) | second dump (s) | error |", "|" + " --- |" * 5, *rows])
     else:
         if args.mode == "ab":
-            plan = [(size, n, config) for size in sizes for n in range(args.pairs) for config in ("baseline", "wrapper")]
+            ab = ("baseline", "wrapper")
+            plan = [(size, n, config) for size in sizes for n in range(args.pairs) for config in ab]
         else:
             configs = ("baseline", *args.configs.split(","))
             plan = [(sizes[0], n, config) for n in range(args.rounds) for config in configs]
