@@ -402,7 +402,7 @@ def main() -> int:
     parser.add_argument("--pause-s", type=float, default=40.0, help="pause and checkpoint length")
     parser.add_argument("--stall-timeout-floor", type=float, help="passed to the wrapper (its default: 5 s)")
     parser.add_argument("--wrapper-arg", action="append", default=[], help="one more wrapper option (repeatable)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="per run, seconds (pause, checkpoint: + --pause-s)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per run (pause, checkpoint: + --pause-s)")
     parser.add_argument("--peer-grace", type=float, default=60.0, help="2 nodes: seconds the other has once one ended")
     parser.add_argument("--budget", type=float, default=480.0, help="start no run that could end after this (seconds)")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", str(ROOT / "bench" / "out")))
