@@ -210,9 +210,10 @@ def _busy(culprits: tuple[int, ...], workers: tuple[WorkerView, ...], where: Map
 
 
 def _with_where(finding: Finding, where: Mapping[int, Whereabouts]) -> Finding:
-    """Put each culprit's stack frame in the evidence (people look there first)."""
+    """Put each culprit's stack frame, and the user's own frame that led there, in the evidence (people look there first)."""
+    mine = lambda w: f", from {w.user_frame}" if w.user_frame and w.user_frame != w.frame else ""
     extra = tuple(
-        Evidence("py-spy", f"rank {r}: {where[r].kind} at {where[r].frame}")
+        Evidence("py-spy", f"rank {r}: {where[r].kind} at {where[r].frame}{mine(where[r])}")
         for r in finding.culprits
         if r in where and where[r].frame and not any(e.source == "py-spy" and e.fact.startswith(f"rank {r}:") for e in finding.evidence)
     )

@@ -23,6 +23,7 @@ from enum import StrEnum
 from typing import Literal
 
 from ncclwatch.watchdog.engine.snapshot import CommView, PeerView, RankView
+from ncclwatch.watchdog.engine.stacks import short_frame, user_frame
 from ncclwatch.watchdog.events import Citation, OpSig, OpState, ProcKey
 
 MAX_PERIOD = 512  # longest repeating pattern (ops per training step) looked for
@@ -231,7 +232,10 @@ def _mismatch(
     culprit_ids = tuple(sorted(r.rank for r in culprits)) if good_sig is not None else ()
     good = groups.get(good_sig, []) if good_sig is not None else []
     evidence = [
-        _op_evidence(comm, members[0], position, f"{names(members)} issued {sig.describe() if sig else '?'} as collective #{position + 1}")
+        _op_evidence(
+            comm, members[0], position,
+            f"{names(members)} issued {sig.describe() if sig else '?'} as collective #{position + 1}{_called_from(members[0], position)}",
+        )
         for sig, members in groups.items()
     ]
     skew_note = ""
@@ -264,6 +268,13 @@ def _mismatch(
         evidence=tuple(evidence),
         rows=_rows(comm, lambda r: (status_of.get(r.comm_rank, "?"), _at_text(r, position))),
     )
+
+
+def _called_from(rank: RankView, position: int) -> str:
+    """", called from step (train.py:105)": the user's line Flight Recorder recorded for this operation."""
+    op = rank.details.get(position)
+    mine = user_frame(op.frames) if op is not None else None
+    return f", called from {short_frame(mine)}" if mine else ""
 
 
 def _at_text(rank: RankView, position: int) -> str:

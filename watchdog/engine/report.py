@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
+import textwrap
 
 from pydantic import BaseModel, Field
 
 from ncclwatch.watchdog import __version__
 from ncclwatch.watchdog.engine.detectors import Finding, Verdict
 from ncclwatch.watchdog.engine.snapshot import Snapshot
-from ncclwatch.watchdog.engine.stacks import main_thread
+from ncclwatch.watchdog.engine.stacks import main_thread, short_frame, split_frame, user_frame
 from ncclwatch.watchdog.engine.verdict import gpu_signature
 
 EXIT_NO_HANG = 0
@@ -89,6 +90,7 @@ class Report(BaseModel):
     detected_at: str | None = None
     stall_timeout_s: float | None = None
     evidence_files: list[EvidenceFile] = Field(default_factory=list)
+    headline: str | None = Field(None, description="one sentence: what happened, which rank, where in its code, what to do next")
 
     @property
     def exit_code(self) -> int:
@@ -99,10 +101,21 @@ class Report(BaseModel):
         return EXIT_HANG
 
 
+STACK_ARROW = " <- "  # innermost frame <- the user's frame that led there
+
+
 def main_frame(snapshot: Snapshot, pid: int | None) -> str | None:
+    """The main thread's innermost frame, then the user's own frame that led there.
+
+    ``all_reduce (torch/distributed/distributed_c10d.py:3252) <- step (train.py:105)``;
+    the frame alone when it is the user's, or when no frame is the user's.
+    """
     dump = snapshot.stacks.get(pid) if pid is not None else None
     thread = main_thread(dump) if dump is not None else None
-    return thread.frames[0] if thread is not None and thread.frames else None
+    if thread is None or not thread.frames:
+        return None
+    innermost, mine = thread.frames[0], user_frame(thread.frames)
+    return innermost if mine is None or mine == innermost else f"{innermost}{STACK_ARROW}{mine}"
 
 
 def gpu_of(snapshot: Snapshot, pid: int | None) -> str | None:
@@ -159,7 +172,7 @@ def build_report(finding: Finding, snapshot: Snapshot, inputs: list[InputFile], 
     for index, item in enumerate(finding.evidence):
         cite, text = cited.get(index, (str(item.cite) if item.cite else None, item.cite.text if item.cite else None))
         evidence.append(EvidenceItem(source=item.source, fact=item.fact, cite=cite, text=text))
-    return Report(
+    report = Report(
         verdict=finding.verdict,
         culprit_ranks=list(finding.culprits),
         communicator=finding.comm_label,
@@ -176,49 +189,224 @@ def build_report(finding: Finding, snapshot: Snapshot, inputs: list[InputFile], 
         nccl_versions=sorted(set(snapshot.nccl_versions.values())),
         analyzed_at=dt.datetime.fromtimestamp(snapshot.observed_at, dt.UTC).isoformat(timespec="seconds"),
     )
+    return report.model_copy(update={"headline": headline(report)})
 
 
 def iso(timestamp: float | None) -> str | None:
     return dt.datetime.fromtimestamp(timestamp, dt.UTC).isoformat(timespec="milliseconds") if timestamp is not None else None
 
 
-def render_text(report: Report, max_evidence: int = 12) -> str:
-    """A short human verdict: culprit, reason, operation, a per-rank table."""
+TERMINAL_COLUMNS = 100
+
+
+def render_text(report: Report, max_evidence: int = 12, columns: int = TERMINAL_COLUMNS) -> str:
+    """A short human verdict: culprit, reason, operation, a per-rank table.
+
+    The table fits ``columns``; prose lines are wrapped at word boundaries.
+    """
     title = report.verdict.value.replace("_", " ").upper()
     if report.culprit_ranks:
         title += f" — culprit rank {', '.join(map(str, report.culprit_ranks))}"
-    lines = [f"ncclwatch: {title}", f"  {report.summary}"]
+    lines = [f"ncclwatch: {title}", *_wrap(report.summary, columns, "  ")]
     if report.reason:
-        lines.append(f"  why: {report.reason}")
+        lines += _wrap(f"why: {report.reason}", columns, "  ")
     if report.operation:
         where = f"collective #{report.position}, " if report.position else ""
-        lines.append(f"  operation: {report.operation} ({where}{report.communicator})")
+        lines += _wrap(f"operation: {report.operation} ({where}{report.communicator})", columns, "  ")
     if report.ranks:
         lines.append("")
-        lines.extend(_table(report.ranks))
+        lines.extend(_table(report.ranks, columns))
     if report.evidence:
         lines.append("")
         lines.append("evidence:")
         for item in report.evidence[:max_evidence]:
-            lines.append(f"  - [{item.source}] {item.fact}" + (f"\n      {item.cite}" if item.cite else ""))
+            lines += _wrap(f"- [{item.source}] {item.fact}", columns, "  ", "    ")
+            if item.cite:
+                lines += _wrap(item.cite, columns, "      ")
         if len(report.evidence) > max_evidence:
             lines.append(f"  ... {len(report.evidence) - max_evidence} more (--json shows all)")
     for title, items in (("could not see", report.missing), ("notes", report.notes)):
         if items:
             lines.append("")
             lines.append(f"{title}:")
-            lines.extend(f"  - {item}" for item in items[:10])
+            for item in items[:10]:
+                lines += _wrap(f"- {item}", columns, "  ", "    ")
     return "\n".join(lines)
 
 
-def _table(rows: list[RankRow]) -> list[str]:
-    header = ("rank", "host", "pid", "state", "step", "issued", "status", "detail", "stack", "gpu")
+def _wrap(text: str, columns: int, indent: str, then: str | None = None) -> list[str]:
+    """Wrap at spaces only: a path or a frame longer than a line stays whole on its own line."""
+    return textwrap.wrap(
+        text, columns, initial_indent=indent, subsequent_indent=then if then is not None else indent,
+        break_long_words=False, break_on_hyphens=False,
+    ) or [indent.rstrip()]  # fmt: skip
+
+
+_HEADER = ("rank", "host", "pid", "state", "step", "issued", "status", "detail", "stack", "gpu")
+# When the table is too wide: shorten a column (to its next shorter form) or drop it, in this order,
+# until it fits.  "uniform" drops a column whose every row says the same (it tells ranks apart by nothing).
+_NARROWING = (
+    ("shorten", "host"), ("shorten", "gpu"), ("shorten", "detail"), ("shorten", "stack"),
+    ("uniform", "host"), ("uniform", "state"), ("uniform", "step"), ("uniform", "issued"),
+    ("drop", "issued"), ("shorten", "stack"), ("drop", "step"), ("drop", "state"), ("shorten", "gpu"), ("drop", "gpu"),
+    ("shorten", "stack"), ("drop", "host"), ("drop", "detail"), ("drop", "status"), ("drop", "pid"), ("drop", "stack"),
+)  # fmt: skip
+
+
+def _table(rows: list[RankRow], columns: int = TERMINAL_COLUMNS) -> list[str]:
+    """The per-rank table, at most ``columns`` wide.
+
+    Too wide, it shortens cells at name boundaries (a frame becomes ``func (file.py:123)``, then
+    ``func <- file.py:123``; a GPU signature loses its figures) and then drops the least telling
+    columns: a cell is never cut in the middle of a name.
+    """
     dash = lambda value: "-" if value is None or value == "" else str(value)
-    cells = [
-        tuple(map(dash, (r.rank, r.host, r.pid, r.state, r.step, r.issued, r.status, r.detail, r.stack, r.gpu)))
-        for r in rows
-    ]
-    keep = [i for i in range(len(header)) if i < 3 or any(c[i] != "-" for c in cells)]
-    widths = {i: min(48, max(len(header[i]), *(len(c[i]) for c in cells))) for i in keep}
-    fmt = lambda row: "  " + "  ".join(row[i][: widths[i]].ljust(widths[i]) for i in keep).rstrip()
-    return [fmt(header)] + [fmt(c) for c in cells]
+    forms: dict[str, list[list[str]]] = {name: [] for name in _HEADER}  # column -> per row, longest form first
+    for r in rows:
+        cells = dict(zip(_HEADER, (r.rank, r.host, r.pid, r.state, r.step, r.issued, r.status, r.detail, r.stack, r.gpu)))
+        for name, value in cells.items():
+            text = dash(value)
+            shorter = {"host": _host_forms, "stack": _stack_forms, "detail": _detail_forms, "gpu": _gpu_forms}.get(name)
+            forms[name].append(shorter(text) if shorter and text != "-" else [text])
+    keep = [n for i, n in enumerate(_HEADER) if i < 3 or any(f[0] != "-" for f in forms[n])]
+    level = dict.fromkeys(_HEADER, 0) | {"stack": 1}  # frames always with their file's basename only
+    cell = lambda name, row: forms[name][row][min(level[name], len(forms[name][row]) - 1)]
+    width = lambda name: max(len(name), *(len(cell(name, i)) for i in range(len(rows))))
+    fits = lambda: 2 + sum(width(n) for n in keep) + 2 * (len(keep) - 1) <= columns
+    for action, name in _NARROWING:
+        if fits():
+            break
+        if name not in keep:
+            continue
+        if action == "shorten":
+            level[name] += 1
+        elif action == "drop" or len({cell(name, i) for i in range(len(rows))}) == 1:
+            keep.remove(name)
+    widths = {n: width(n) for n in keep}
+    fmt = lambda texts: "  " + "  ".join(texts[n].ljust(widths[n]) for n in keep).rstrip()
+    return [fmt({n: n for n in keep})] + [fmt({n: cell(n, i) for n in keep}) for i in range(len(rows))]
+
+
+def _stack_forms(stack: str) -> list[str]:
+    """``inner <- mine`` from longest to shortest: frames with their file's basename, then the torch
+    frame by name only, then the user's line only.  The same index is the same degree of shortening
+    for every row, so a column narrows evenly; a user's frame is kept longest."""
+    inner, _, mine = stack.partition(STACK_ARROW)
+    name = split_frame(inner)[0]
+    if not mine:
+        if user_frame([inner]) is None:
+            return [stack, short_frame(inner), short_frame(inner), name]
+        return [stack, short_frame(inner), short_frame(inner), short_frame(inner), _at(inner)]
+    return [stack, f"{short_frame(inner)}{STACK_ARROW}{short_frame(mine)}", f"{name}{STACK_ARROW}{short_frame(mine)}",
+            f"{name}{STACK_ARROW}{_at(mine)}", _at(mine)]  # fmt: skip
+
+
+def _at(frame: str) -> str:
+    """``train.py:105``: the frame's file basename and line."""
+    _, path, line = split_frame(frame)
+    base = path.rpartition("/")[2]
+    return f"{base}:{line}" if line else base
+
+
+def _host_forms(host: str) -> list[str]:
+    """``gpu-node-001.cluster.example.com`` -> ``gpu-node-001``."""
+    short = host.partition(".")[0]
+    return [host, short] if short and short != host else [host]
+
+
+def _detail_forms(detail: str) -> list[str]:
+    """``#67: AllReduce count=65536 Float`` -> ``#67: AllReduce``: the operation without its sizes."""
+    words = detail.split(" ")
+    return [detail, " ".join(words[:2])] if detail.startswith("#") and len(words) > 2 else [detail]
+
+
+def _gpu_forms(gpu: str) -> list[str]:
+    """``GPU 0: nccl_spin (util 100%, SM 18.2%)`` -> ``GPU 0: nccl_spin`` -> ``nccl_spin``."""
+    short = gpu.partition(" (")[0]
+    signature = short.partition(": ")[2] or short
+    return list(dict.fromkeys((gpu, short, signature)))
+
+
+# What to do next, per verdict ({ranks}: the culprits, "the lead rank" when none is named).
+NEXT_STEP: dict[str, str] = {
+    "collective_mismatch": "compare the two call sites (stacks in the bundle); look for a branch on the rank or on "
+    "data that differs between ranks before that line",
+    "rank_behind": "py-spy stack in the bundle; check why {ranks} skipped the collective (an early exit, a branch "
+    "on the rank, a data loader that ran dry)",
+    "process_dead": "read {ranks}'s output and exit status (torchrun's log, the bundle): an exception, or the OOM "
+    "killer (dmesg)",
+    "process_stopped": "send SIGCONT to {ranks}, or find who stopped it (a debugger, a scheduler's suspend)",
+    "gpu_compute_hang": "find the kernel {ranks} launched before the collective (a custom op, a spinning kernel): "
+    "stack and NVML sample in the bundle",
+    "stuck_in_collective": "check the network and GPUs of {ranks}: NCCL logs, NVML and InfiniBand counters in the "
+    "bundle",
+    "progress_stalled": "read the stacks in the bundle: a checkpoint, an evaluation or a data stall that does not end",
+    "network_error": "check the named adapter and its peer: InfiniBand counters, cable, switch port",
+    "node_lost": "check the lost node: its sidecar, its network, whether it is up",
+    "no_hang": "nothing to do",
+    "inconclusive": "add what the report lists under 'could not see' and analyze again",
+}
+_DOES = {
+    Verdict.rank_behind: "never entered {op}; its peers wait in it",
+    Verdict.process_dead: "exited while its peers wait in {op}",
+    Verdict.process_stopped: "is stopped (state T) while its peers wait in {op}",
+    Verdict.gpu_compute_hang: "has its GPU stuck in a non-NCCL kernel while its peers wait in {op}",
+    Verdict.stuck_in_collective: "leads: {op} never completed",
+}
+
+
+def headline(report: Report) -> str:
+    """One sentence: what happened, which rank (host, pid), where in its own code, what to do next.
+
+    ``ncclwatch: RANK BEHIND rank 2 (node1, pid 4242) never entered AllReduce #57; its peers wait in it —
+    it is at train.py:105 in step(). Next: py-spy stack in the bundle; ...``
+    """
+    title = report.verdict.value.replace("_", " ").upper()
+    rows = {row.rank: row for row in report.ranks}
+    culprits = report.culprit_ranks
+    op = report.operation.split(" ")[0] if report.operation else "the collective"
+    op = f"{op} #{report.position}" if report.operation and report.position else op
+    if culprits:
+        first = rows.get(culprits[0])
+        place = ", ".join(x for x in (first.host, f"pid {first.pid}" if first.pid else None) if x) if first else ""
+        who = f"rank {culprits[0]}" + (f" ({place})" if place and len(culprits) == 1 else "")
+        if len(culprits) > 1:
+            who = f"ranks {', '.join(map(str, culprits))}"
+        does = _DOES.get(report.verdict)
+        if report.verdict == Verdict.collective_mismatch:
+            does = _mismatch_words(_op_at(first, report.position), report.operation, report.position)
+        what = f"{who} {does.format(op=op)}" if does else f"{who}: {report.summary}"
+        mine = _user_site(first.stack) if first else None
+        if mine:
+            what += f" — {'it is' if len(culprits) == 1 else f'rank {culprits[0]} is'} at {mine}"
+    else:
+        what = report.summary.rstrip(".")
+    ranks = f"rank {', '.join(map(str, culprits))}" if culprits else "the lead rank"
+    advice = NEXT_STEP.get(report.verdict, "read report.md in the bundle").format(ranks=ranks)
+    return f"ncclwatch: {title} {what}. Next: {advice}."
+
+
+def _op_at(row: RankRow | None, position: int | None) -> str | None:
+    """The operation a rank issued at ``position``, from its row's detail (``#67: AllGather count=64 Float``)."""
+    prefix = f"#{position}: "
+    return row.detail[len(prefix) :] if row is not None and position is not None and row.detail.startswith(prefix) else None
+
+
+def _mismatch_words(theirs: str | None, expected: str | None, position: int | None) -> str:
+    """By name when the names differ (AllGather vs AllReduce), else with the sizes that differ."""
+    if not theirs or not expected:
+        return "issued a different operation than its peers at {op}"
+    if theirs.split(" ")[0] != expected.split(" ")[0]:
+        return f"issued {theirs.split(' ')[0]} where its peers issued {{op}}"
+    return f"issued {theirs} where its peers issued {expected} (#{position})"
+
+
+def _user_site(stack: str | None) -> str | None:
+    """``train.py:105 in step()`` from a row's stack (``inner <- mine``, or the user's frame alone)."""
+    if not stack:
+        return None
+    inner, _, mine = stack.partition(STACK_ARROW)
+    frame = mine or (inner if user_frame([inner]) else None)
+    if frame is None:
+        return None
+    return f"{_at(frame)} in {split_frame(frame)[0]}()"

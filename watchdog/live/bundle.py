@@ -19,6 +19,7 @@ import re
 import shutil
 import sys
 import tarfile
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,9 @@ from ncclwatch.watchdog.analyze import resolve_citations
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.engine.classify import Decision
 from ncclwatch.watchdog.engine.detectors import Finding
-from ncclwatch.watchdog.engine.report import EvidenceFile, RankRow, Report, build_report, gpu_of, iso, main_frame, render_text
+from ncclwatch.watchdog.engine.report import (
+    TERMINAL_COLUMNS, EvidenceFile, RankRow, Report, build_report, gpu_of, headline, iso, main_frame, render_text,
+)  # fmt: skip
 from ncclwatch.watchdog.engine.snapshot import Snapshot
 from ncclwatch.watchdog.evidence import EvidenceContext, RankTarget, collect_all
 from ncclwatch.watchdog.live.job import LiveView
@@ -52,7 +55,7 @@ def live_report(
     notes = list(report.notes) + list(view.down)
     if held:
         notes.append(held)
-    return report.model_copy(
+    live = report.model_copy(
         update={
             "ranks": [rows[r] for r in sorted(rows)],
             "job": job,
@@ -63,14 +66,17 @@ def live_report(
             "notes": notes,
         }
     )
+    return live.model_copy(update={"headline": headline(live)})  # from the live rows: host, pid, stack
 
 
 def terminal_text(report: Report, bundle: Path | None = None) -> str:
+    """The screen a live verdict prints: the headline first, then the verdict, at most 100 columns."""
     started = dt.datetime.fromisoformat(report.hang_started_at) if report.hang_started_at else None
     detected = dt.datetime.fromisoformat(report.detected_at) if report.detected_at else None
-    lines = ["", "=" * 78, render_text(report, max_evidence=6), ""]
+    wrap = lambda text: textwrap.wrap(text, TERMINAL_COLUMNS, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+    lines = [*wrap(report.headline or headline(report)), "=" * 78, render_text(report, max_evidence=6), ""]
     if started and detected:
-        lines.append(
+        lines += wrap(
             f"  nothing moved since {started:%H:%M:%S} UTC; detected {(detected - started).total_seconds():.1f} s later "
             f"(stall timeout {report.stall_timeout_s:g} s)"
         )
