@@ -39,7 +39,7 @@ from ncclwatch.watchdog.server.app import make_app, start_server, stop_server
 from ncclwatch.watchdog.sinks.delivery import Dispatcher, sinks_from_settings, spool_dir_for
 from ncclwatch.watchdog.sinks.metrics import HealthCollector, TextfileWriter
 from ncclwatch.watchdog.sources.files import HeartbeatSource, NcclFileSource
-from ncclwatch.watchdog.sources.gpus import NvmlSource, RasSource
+from ncclwatch.watchdog.sources.gpus import NvmlSource
 from ncclwatch.watchdog.sources.workers import WorkerSource
 
 from ncclwatch.launcher.command import torchrun_log_dir
@@ -143,12 +143,15 @@ def _sidecar(settings: Settings, dirs: RunDirs, torchrun_pid: int, job_name: str
         NcclFileSource(dirs.nccl, interval=poll),
         HeartbeatSource(dirs.hb, interval=poll),
         NvmlSource(),
-        RasSource(settings.ras_port),
     ]
-    return Sidecar(
-        settings, job_name, sources, JobProber(dirs.fr, settings.pyspy), reporter, journal=Journal(dirs.journal),
+    prober = JobProber(dirs.fr, settings.pyspy, ras_port=settings.ras_port)
+    sidecar = Sidecar(
+        settings, job_name, sources, prober, reporter, journal=Journal(dirs.journal),
         out=sys.stderr, dispatcher=dispatcher, host=host,
     )  # fmt: skip
+    # RAS is asked only on NCCL versions known to survive it: the versions the job's NCCL logs name.
+    prober.nccl_versions = lambda: {p.nccl_version for p in sidecar.live.state.procs.values() if p.nccl_version}
+    return sidecar
 
 
 async def _watch(command: list[str], settings: Settings, job_name: str, alerts: Alerts) -> int:

@@ -216,6 +216,8 @@ class TestJobSeries:
 
         sidecar = _sidecar(Settings(), RunDirs.create(tmp_path / "run"), 1, "train", "node1", reporter, None)
         assert tuple(s.name for s in sidecar.sources) == SOURCES
+        # RAS is not polled (queries crash some NCCL versions): the prober asks it once per incident.
+        assert "ras" not in SOURCES and sidecar.prober.ras_port == Settings().ras_port
 
     def test_probe_bandwidth_only_when_measured(self):
         assert "ncclwatch_probe_bus_bandwidth_bytes_per_second" not in parsed(registry_for(health())[0])

@@ -7,25 +7,65 @@ time; one that fails is a missing piece of evidence (logged), never an
 exception: the classifier then sees less, and says so ("blind").
 A stopped rank is not asked for a dump: it cannot answer, and waiting for
 it would only delay the verdict.
+
+NCCL RAS is asked once per incident, on its first look, and only when the
+job's NCCL version is known and not one whose RAS thread was seen crashing
+the job when asked (``RAS_CRASHES``): a watchdog must not kill the job it
+watches.  When it is not asked, the report's notes say why, once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from ncclwatch.watchdog.engine.snapshot import WorkerView
-from ncclwatch.watchdog.events import STOPPED_STATES, Event
+from ncclwatch.watchdog.events import STOPPED_STATES, Citation, Event, Unusable
 from ncclwatch.watchdog.parsing.pyspy import parse_pyspy
+from ncclwatch.watchdog.parsing.ras import parse_ras
 from ncclwatch.watchdog.sources.flight_recorder import prime, read_dump, request_dumps
 from ncclwatch.watchdog.sources.gpus import gpu_snapshot
 
 log = logging.getLogger("ncclwatch")
 
 STACK_TIMEOUT_S = 5.0
+RAS_QUERY_S = 4.0  # the whole query; RAS answers in milliseconds when it answers at all
+RAS_SERVER_TIMEOUT_S = 3  # how long the RAS server waits for its peers before replying
+RAS_FIRST = (2, 24, 0)  # NCCL starts a RAS thread from 2.24
+# [first affected, first fixed) -> what was seen.  From NVIDIA/nccl's issues; a range with no
+# fixed release ends at the next version, the only one reported, and is to be widened if seen again.
+RAS_CRASHES: tuple[tuple[tuple[int, int, int], tuple[int, int, int], str], ...] = (
+    ((2, 24, 0), (2, 27, 3), "a RAS report during communicator initialization crashes the process "
+     "(NVIDIA/nccl#1669, #1718; fixed in 2.27.3)"),
+    ((2, 27, 3), (2, 29, 2), "VERBOSE STATUS can corrupt memory and crash the job (NVIDIA/nccl#1762, fixed in 2.29.2; "
+     "2.27.7 also segfaults inside RAS, #1996)"),
+    ((2, 29, 7), (2, 29, 8), "a RAS report while a communicator initializes can segfault (NVIDIA/nccl#2346, open)"),
+)  # fmt: skip
+_VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)")  # "2.28.9+cuda13.0"
+
+
+def ras_skip_reason(versions: Collection[str]) -> str | None:
+    """Why RAS must not be asked for this job's NCCL versions; None when it is safe to ask."""
+    if not versions:
+        return (
+            "not queried: no NCCL version in the job's NCCL logs (a gloo job, or none written yet), and RAS queries crash "
+            "several NCCL versions"
+        )
+    for text in sorted(versions):
+        match = _VERSION.match(text)
+        if match is None:
+            return f"not queried: NCCL version {text!r} could not be read, and RAS queries crash several NCCL versions"
+        version = tuple(map(int, match.groups()))
+        if version < RAS_FIRST:
+            return f"not queried: NCCL {text} has no RAS (2.24+)"
+        for first, fixed, seen in RAS_CRASHES:
+            if first <= version < fixed:
+                return f"not queried: on NCCL {text} {seen}"
+    return None
 
 
 class Prober(Protocol):
@@ -35,10 +75,17 @@ class Prober(Protocol):
 
 
 class JobProber:
-    def __init__(self, fr_dir: Path, pyspy: str | None) -> None:
+    def __init__(
+        self, fr_dir: Path, pyspy: str | None, ras_port: int | None = None,
+        nccl_versions: Callable[[], Collection[str]] = tuple,
+    ) -> None:  # fmt: skip
+        """``ras_port`` None: never ask RAS; ``nccl_versions``: the job's NCCL versions as its logs say them."""
         self.fr_dir = fr_dir
         self.pyspy = pyspy
+        self.ras_port = ras_port
+        self.nccl_versions = nccl_versions
         self._primed: set[int] = set()  # worker pids whose Flight Recorder was primed
+        self._ras_asked_at: tuple[tuple[int, int | None], ...] | None = None  # (pid, step) of each worker then
 
     def prime(self, workers: Sequence[WorkerView]) -> None:
         """Ask each rank for one dump while healthy: the first is slow (seconds), later ones fast."""
@@ -51,13 +98,14 @@ class JobProber:
     async def probe(self, workers: Sequence[WorkerView], with_gpus: bool) -> list[Event]:
         alive = [w for w in workers if not w.gone]
         answering = {w.rank: w.pid for w in alive if w.state not in STOPPED_STATES}
-        dumps, stacks, gpus = await asyncio.gather(
+        dumps, stacks, gpus, ras = await asyncio.gather(
             request_dumps(self.fr_dir, answering),
             asyncio.gather(*(self._stack(w.pid) for w in alive)),
             gpu_snapshot() if with_gpus else asyncio.sleep(0),
+            self._ras(alive) if with_gpus else asyncio.sleep(0, []),
             return_exceptions=True,
         )
-        events: list[Event] = []
+        events: list[Event] = list(ras) if isinstance(ras, list) else []
         if isinstance(dumps, tuple):
             fresh, errors = dumps
             for path in fresh.values():
@@ -69,6 +117,31 @@ class JobProber:
         if gpus is not None and not isinstance(gpus, BaseException):
             events.append(gpus)
         return events
+
+    async def _ras(self, alive: Sequence[WorkerView]) -> list[Event]:
+        """One bounded RAS query per incident (its first look), when this NCCL version is safe to ask.
+
+        The sidecar does not say which incident a look belongs to; no worker's step moving and no
+        worker restarting since the last query means the same incident, so it is not asked again.
+        """
+        if self.ras_port is None:
+            return []
+        seen = tuple(sorted((w.pid, w.step) for w in alive))
+        if seen == self._ras_asked_at:
+            return []
+        self._ras_asked_at = seen
+        cite = Citation(file=f"NCCL RAS 127.0.0.1:{self.ras_port}")
+        why = ras_skip_reason(self.nccl_versions())
+        if why is not None:
+            log.info("RAS %s", why)
+            return [Unusable(reason=why, cite=cite)]
+        from ncclwatch.watchdog.probes.ras import query_ras
+
+        data, error = await query_ras(
+            self.ras_port, json_format=False, timeout_s=RAS_QUERY_S, server_timeout_s=RAS_SERVER_TIMEOUT_S
+        )
+        events = parse_ras(data, f"{cite.file} (live)") if data else []
+        return events + ([Unusable(reason=error, cite=cite)] if error else [])
 
     async def _stack(self, pid: int) -> list[Event]:
         from ncclwatch.watchdog.probes.pyspy import pyspy_dump

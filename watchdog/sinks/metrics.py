@@ -61,7 +61,7 @@ log = logging.getLogger("ncclwatch")
 
 JOB_LABEL = "job_name"
 # The sidecar's sources (watchdog/sidecar.py); Health names only those that are down.
-SOURCES: tuple[str, ...] = ("workers", "nccl_log", "heartbeat", "nvml", "ras")
+SOURCES: tuple[str, ...] = ("workers", "nccl_log", "heartbeat", "nvml")
 
 
 class HealthCollector(Collector):

@@ -1,10 +1,10 @@
-"""Slow sources: NVML samples and NCCL RAS reports, both optional.
+"""NVML samples, optional.
 
 NVML is sampled every few seconds (a GPM sample needs a window of about a
 second, taken in a thread); without a GPU or driver the source says so once
-and stays quiet.  RAS answers only while some NCCL process of this user runs;
-it is asked every 30 s so the latest report is at hand when a hang comes, and
-the probe does not wait on it.
+and stays quiet.  NCCL RAS is deliberately not polled: queries crashed jobs
+on several NCCL versions (NVIDIA/nccl#1669, #1718, #1762), so the prober asks
+it once per incident, on versions known to survive it (``live/probe.py``).
 """
 
 from __future__ import annotations
@@ -12,12 +12,10 @@ from __future__ import annotations
 import asyncio
 
 from ncclwatch.watchdog.parsing.nvml import snapshot_from_doc
-from ncclwatch.watchdog.parsing.ras import parse_ras
 from ncclwatch.watchdog.events import Citation, GpuSnapshot, SourceDown
 from ncclwatch.watchdog.sources import Emit
 
 NVML_EVERY_S = 5.0
-RAS_EVERY_S = 30.0
 
 
 async def gpu_snapshot() -> GpuSnapshot | None:
@@ -42,25 +40,3 @@ class NvmlSource:
                 return
             emit(snapshot)
             await asyncio.sleep(NVML_EVERY_S)
-
-
-class RasSource:
-    name = "ras"
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-
-    async def run(self, emit: Emit) -> None:
-        from ncclwatch.watchdog.probes.ras import query_ras
-
-        while True:
-            data, error = await query_ras(self.port, json_format=False, timeout_s=8.0)
-            if data:
-                for event in parse_ras(data, f"NCCL RAS 127.0.0.1:{self.port} (live)"):
-                    emit(event)
-            elif error:
-                emit(SourceDown(source=self.name, reason=error))
-            await asyncio.sleep(RAS_EVERY_S)
-
-
-
