@@ -98,20 +98,37 @@ def command(config: str, args: argparse.Namespace, size: str, work: Path, steps:
 
 
 def run_job(config: str, args: argparse.Namespace, size: str) -> dict:
-    """One whole run in a fresh folder: steps/s from the job, start-up and wall time from here."""
+    """One whole run in a fresh folder: steps/s from the job; start-up, wall time and launcher CPU from here.
+
+    ``launcher_cpu_s`` is the CPU time of the process we start, not of its
+    children: torchrun's agent for A, the wrapper (its sidecar included) for
+    B.  It is sampled every 0.5 s, so the last half second is missing.
+    """
     with tempfile.TemporaryDirectory(prefix=f"overhead-{config}-") as folder:
         work = Path(folder)
-        env = config_env(config, work)
+        output = work / "output.log"
         launched = time.time()
-        try:
-            done = subprocess.run(
-                command(config, args, size, work),
-                env=env, cwd=work, capture_output=True, text=True, timeout=args.timeout,
-            )  # fmt: skip
-            returncode, output = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired as exc:
-            returncode, output = None, str(exc.stderr or "")
-        record = {"config": config, "size": size, "returncode": returncode, "wall_s": round(time.time() - launched, 2)}
+        with output.open("wb") as sink:
+            process = subprocess.Popen(
+                command(config, args, size, work), env=config_env(config, work), cwd=work, stdout=sink, stderr=sink
+            )
+        launcher, cpu_s = psutil.Process(process.pid), 0.0
+        while process.poll() is None and time.time() - launched < args.timeout:
+            try:
+                times = launcher.cpu_times()
+                cpu_s = times.user + times.system
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.5)
+        if process.poll() is None:
+            for proc in [launcher, *launcher.children(recursive=True)]:
+                proc.kill()
+        returncode = process.wait()
+        wall_s = time.time() - launched
+        record = {
+            "config": config, "size": size, "returncode": returncode, "wall_s": round(wall_s, 2),
+            "launcher_cpu_s": round(cpu_s, 2), "launcher_cpu_pct": round(100 * cpu_s / wall_s, 1),
+        }  # fmt: skip
         result_file = work / "result.json"
         if result_file.exists():
             result = json.loads(result_file.read_text())
@@ -123,7 +140,7 @@ def run_job(config: str, args: argparse.Namespace, size: str) -> dict:
                 device=result["device"], world=result["world"], params=result["params"], steps=result["steps_measured"],
             )  # fmt: skip
         else:
-            record["error_tail"] = output[-3000:]
+            record["error_tail"] = output.read_bytes()[-3000:].decode(errors="replace")
     return record
 
 
@@ -141,8 +158,9 @@ def median(values: list) -> str:
 def summarize_ab(records: list[dict]) -> str:
     lines = [
         "| size | pairs | torchrun steps/s (median) | ncclwatch steps/s (median) | ratio B/A median | ratio min - max "
-        "| launch to first step, torchrun / ncclwatch (s) | launch to job start, torchrun / ncclwatch (s) |",
-        "|" + " --- |" * 8,
+        "| launch to first step, torchrun / ncclwatch (s) | launch to job start, torchrun / ncclwatch (s) "
+        "| launcher CPU, torchrun / ncclwatch (% of a core) |",
+        "|" + " --- |" * 9,
     ]
     for size in dict.fromkeys(r["size"] for r in records):
         pairs = [(a, b) for a, b in pairs_of(records, size) if a.get("steps_per_s") and b.get("steps_per_s")]
@@ -152,7 +170,8 @@ def summarize_ab(records: list[dict]) -> str:
             f"{median([b['steps_per_s'] for b in b_runs])} | "
             f"{ratio_stats([b['steps_per_s'] / a['steps_per_s'] for a, b in pairs])} | "
             f"{median([a['to_first_step_s'] for a in a_runs])} / {median([b['to_first_step_s'] for b in b_runs])} | "
-            f"{median([a['to_job_start_s'] for a in a_runs])} / {median([b['to_job_start_s'] for b in b_runs])} |"
+            f"{median([a['to_job_start_s'] for a in a_runs])} / {median([b['to_job_start_s'] for b in b_runs])} | "
+            f"{median([a['launcher_cpu_pct'] for a in a_runs])} / {median([b['launcher_cpu_pct'] for b in b_runs])} |"
         )
     return "\n".join(lines)
 
