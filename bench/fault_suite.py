@@ -197,6 +197,24 @@ class Wrapper:
         self._reader.join(10)
 
 
+def kill_leftovers(work: Path) -> int:
+    """Kill any process still naming this run's folder (a worker the wrapper failed to end); how many there were.
+
+    Only this run's processes match: every job argument list holds the run's
+    own temporary folder.  A survivor would hold the GPU for the next run.
+    """
+    survivors = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(str(work) in arg for arg in proc.info["cmdline"] or ()):
+            survivors.append(proc)
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+    psutil.wait_procs(survivors, timeout=20)
+    return len(survivors)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -257,6 +275,7 @@ def run_once(
         timed_out = wait_all(wrappers, began + timeout, args.peer_grace)
         for wrapper in wrappers:
             wrapper.end()
+        leftovers = kill_leftovers(work)
         time.sleep(0.5)  # a webhook the sidecar sent just before it exited
         marks = [json.loads(p.read_text()) for p in (work / "marks").glob("fault.*") if not p.name.endswith(".tmp")]
         fault_at = min((m["time"] for m in marks), default=None)
@@ -277,7 +296,7 @@ def run_once(
         "expected_culprits": [rank] if expect.verdict and expect.names_culprit else None,
         "fault_at": fault_at, "wall_s": round(time.time() - began, 1), "timed_out": timed_out, "nodes": nodes,
         "webhook_triggers": len(triggers), "webhook_resolves": sum(p["event"] == "resolve" for p in posts),
-        "webhook_keys": len({p["id"] for p in triggers}), "steps_per_s": steps_per_s,
+        "webhook_keys": len({p["id"] for p in triggers}), "steps_per_s": steps_per_s, "leftover_processes": leftovers,
     }  # fmt: skip
     pages = [node for node in nodes if node["page_verdict"] or node["verdict"]]
     record["pages"] = len(pages)
@@ -363,8 +382,9 @@ def outcome(node: dict) -> str:
 def summarize(records: list[dict]) -> str:
     lines = [
         "| scenario | nodes | runs | correct | expected | got (culprits) | page p50 / p90 (s) | report p50 / p90 (s) "
-        "| bundle p50 / p90 (s) | webhook p50 / p90 (s) | triggers (dedup keys) | false pages | stall timeout (s) |",
-        "|" + " --- |" * 13,
+        "| bundle p50 / p90 (s) | webhook p50 / p90 (s) | triggers (dedup keys) | false pages | stall timeout (s) "
+        "| processes left behind |",
+        "|" + " --- |" * 14,
     ]
     groups: dict[tuple, list[dict]] = {}
     for record in records:
@@ -382,7 +402,7 @@ def summarize(records: list[dict]) -> str:
             f"{percentiles([r['page_s'] for r in runs])} | {percentiles([r['report_s'] for r in runs])} | "
             f"{percentiles([r['bundle_s'] for r in runs])} | {percentiles([r['webhook_s'] for r in runs])} | "
             f"{sum(r['webhook_triggers'] for r in runs)} ({sum(r['webhook_keys'] for r in runs)}) | "
-            f"{false_pages} | {percentiles(stall)} |"
+            f"{false_pages} | {percentiles(stall)} | {sum(r.get('leftover_processes', 0) for r in runs)} |"
         )
     return "\n".join(lines)
 
