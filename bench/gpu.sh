@@ -15,10 +15,11 @@ shift
 log="$OUT/$what.log"
 # --upgrade: on a machine still warm from an earlier call, replace what is there (the code may have changed).
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-# --no-build-isolation builds with the image's setuptools; an image without one
-# gets the carried wheel, on the build's path only (never the jobs').
+# --no-build-isolation builds with the image's setuptools; an image without one,
+# or with one older than 70.1 (which still needs the separate `wheel` package to
+# build a wheel), gets the carried wheel, on the build's path only (never the jobs').
 build_path=
-if ! python3 -c "import setuptools" 2>/dev/null; then
+if ! python3 -c "import setuptools, sys; sys.exit(tuple(map(int, setuptools.__version__.split('.')[:2])) < (70, 1))" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/build-tools .whl/build/setuptools-*.whl
     build_path=/tmp/build-tools
 fi
