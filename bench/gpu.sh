@@ -6,7 +6,7 @@
 # machine, then runs one benchmark.  Results go to $OUT (default bench/out).
 #   bash bench/gpu.sh faults   [bench/fault_suite.py args...]
 #   bash bench/gpu.sh overhead [bench/overhead_ab.py args...]
-#   bash bench/gpu.sh latency  [bench/latency.py args...] --out $OUT/latency.jsonl   (the demo-job suite)
+#   bash bench/gpu.sh latency  [bench/latency.py args...]   (the demo-job suite, one rank per GPU)
 set -euo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
@@ -36,7 +36,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 case $what in
     faults) script=bench/fault_suite.py ;;
     overhead) script=bench/overhead_ab.py ;;
-    latency) script=bench/latency.py ;;
+    latency) script=bench/latency.py; set -- --nproc "$(nvidia-smi -L | wc -l)" --out "$OUT/latency.jsonl" "$@" ;;
     *) echo "unknown benchmark: $what (faults, overhead, latency)" >&2; exit 2 ;;
 esac
 set +e
