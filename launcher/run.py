@@ -26,6 +26,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from ncclwatch.watchdog.cluster.peers import Cluster
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.engine.classify import Decision
 from ncclwatch.watchdog.engine.report import EXIT_KILLED_ON_HANG, Report
@@ -147,7 +148,7 @@ def _sidecar(settings: Settings, dirs: RunDirs, torchrun_pid: int, job_name: str
     prober = JobProber(dirs.fr, settings.pyspy, ras_port=settings.ras_port)
     sidecar = Sidecar(
         settings, job_name, sources, prober, reporter, journal=Journal(dirs.journal),
-        out=sys.stderr, dispatcher=dispatcher, host=host,
+        out=sys.stderr, dispatcher=dispatcher, host=host, join_cluster=Cluster,
     )  # fmt: skip
     # RAS is asked only on NCCL versions known to survive it: the versions the job's NCCL logs name.
     prober.nccl_versions = lambda: {p.nccl_version for p in sidecar.live.state.procs.values() if p.nccl_version}
@@ -166,8 +167,10 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     log_dir = torchrun_log_dir(command)
     write_bundle = BundleWriter(settings, dirs.root, job_name, host, Path(log_dir) if log_dir else None)
 
-    async def reporter(decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float) -> tuple[Report, Path | None]:
-        written = await write_bundle(decision, snapshot, view, started_at)
+    async def reporter(
+        decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float, incident_key: str | None
+    ) -> tuple[Report, Path | None]:
+        written = await write_bundle(decision, snapshot, view, started_at, incident_key)
         if settings.on_hang == "kill":
             print("ncclwatch: --on-hang kill: ending the job", file=sys.stderr, flush=True)
             killed.append(True)

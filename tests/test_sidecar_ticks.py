@@ -83,7 +83,7 @@ class Rig:
             out=self.out, dispatcher=self.alerts, host="node1", clock=self.clock,  # type: ignore[arg-type]
         )  # fmt: skip
 
-    async def report(self, decision, snapshot, view, started_at):  # type: ignore[no-untyped-def]
+    async def report(self, decision, snapshot, view, started_at, incident_key):  # type: ignore[no-untyped-def]
         self.pages.append(decision)
         return build_report(decision.finding, snapshot, inputs=[], cited={}), None
 

@@ -14,17 +14,20 @@ in the report's ``inputs`` and ``notes``; nothing here raises on bad input.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
+from ncclwatch.watchdog.bundles_in import expand_bundles
+from ncclwatch.watchdog.engine.classify import judge
 from ncclwatch.watchdog.engine.detectors import Finding, OpRef
-from ncclwatch.watchdog.parsing.nccl_log import iter_op_lines
 from ncclwatch.watchdog.engine.report import InputFile, Report, build_report
-from ncclwatch.watchdog.inputs import CHUNK_BYTES, cleanup_stdin, ingest_file, iter_files, rescan_orphans
 from ncclwatch.watchdog.engine.snapshot import take_snapshot
 from ncclwatch.watchdog.engine.state import DEFAULT_WINDOW, JobState
 from ncclwatch.watchdog.events import P2P_OPS, OpSig, ProcKey
-from ncclwatch.watchdog.engine.classify import judge
+from ncclwatch.watchdog.inputs import CHUNK_BYTES, cleanup_stdin, ingest_file, iter_files, rescan_orphans
+from ncclwatch.watchdog.parsing.nccl_log import iter_op_lines
 
 
 def resolve_citations(finding: Finding) -> dict[int, tuple[str, str | None]]:
@@ -73,13 +76,16 @@ def analyze_paths(paths: Iterable[str], window: int = DEFAULT_WINDOW, now: float
     state = JobState(window=window)
     inputs = []
     stdin_spool: dict[str, str] = {}  # "-" is spooled once so that it can be rescanned
-    try:
-        for name, problem in iter_files(paths):
-            inputs.append(InputFile(path=name, kinds=[], note=problem) if problem else ingest_file(state, name, stdin_spool))
-        rescan_orphans(state, inputs, stdin_spool)
-    finally:
-        cleanup_stdin(stdin_spool)
-    state.finish()
-    snapshot = take_snapshot(state, observed_at=time.time() if now is None else now)
-    finding = judge(snapshot).finding
-    return build_report(finding, snapshot, inputs, resolve_citations(finding))
+    with tempfile.TemporaryDirectory(prefix="ncclwatch-analyze-") as unpacked:
+        paths, bundle_notes = expand_bundles(paths, Path(unpacked))
+        inputs += [InputFile(path=note.partition(": ")[0], kinds=[], note=note.partition(": ")[2]) for note in bundle_notes]
+        try:
+            for name, problem in iter_files(paths):
+                inputs.append(InputFile(path=name, kinds=[], note=problem) if problem else ingest_file(state, name, stdin_spool))
+            rescan_orphans(state, inputs, stdin_spool)
+        finally:
+            cleanup_stdin(stdin_spool)
+        state.finish()
+        snapshot = take_snapshot(state, observed_at=time.time() if now is None else now)
+        finding = judge(snapshot).finding
+        return build_report(finding, snapshot, inputs, resolve_citations(finding))

@@ -409,6 +409,11 @@ class WorkerSeen(Event):
     restart_count: int = 0
     host: str
     at: float
+    # torchrun's view of the job across nodes (the worker's environment); None on older launchers
+    node_rank: int | None = None  # GROUP_RANK
+    nnodes: int | None = None  # GROUP_WORLD_SIZE
+    store: str | None = None  # MASTER_ADDR:MASTER_PORT, the rendezvous store every node reaches
+    run_id: str | None = None  # TORCHELASTIC_RUN_ID ("none" under static rendezvous)
 
 
 class WorkerGone(Event):

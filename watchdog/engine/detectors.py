@@ -39,6 +39,7 @@ class Verdict(StrEnum):
     stuck_in_collective = "stuck_in_collective"
     progress_stalled = "progress_stalled"
     network_error = "network_error"  # a link failed (InfiniBand completion error): offline, from partial evidence
+    node_lost = "node_lost"  # a node's sidecar stopped answering while the other nodes' ranks wait (multi-node)
     no_hang = "no_hang"
     inconclusive = "inconclusive"
 
@@ -47,6 +48,7 @@ class Verdict(StrEnum):
 PRIORITY = {
     Verdict.collective_mismatch: 9,
     Verdict.process_dead: 8,
+    Verdict.node_lost: 8,
     Verdict.process_stopped: 7,
     Verdict.network_error: 7,
     Verdict.rank_behind: 6,

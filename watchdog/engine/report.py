@@ -90,6 +90,9 @@ class Report(BaseModel):
     detected_at: str | None = None
     stall_timeout_s: float | None = None
     evidence_files: list[EvidenceFile] = Field(default_factory=list)
+    incident_key: str | None = Field(
+        None, description="the same on every node of a multi-node job for one hang (job round + stalled collective): the alert's dedup key"
+    )
     headline: str | None = Field(None, description="one sentence: what happened, which rank, where in its code, what to do next")
 
     @property

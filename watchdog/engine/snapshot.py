@@ -114,6 +114,7 @@ class WorkerView:
     io_rate: float | None  # bytes/s read + written over the last few seconds
     step: int | None
     gone: bool
+    node_rank: int | None = None  # torchrun's GROUP_RANK
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,7 @@ def worker_view(worker: Worker) -> WorkerView:
         io_rate=io,
         step=worker.step,
         gone=worker.gone_at is not None,
+        node_rank=worker.node_rank,
     )
 
 

@@ -179,6 +179,8 @@ class Worker:
     seen_at: float = 0.0
     gone_at: float | None = None
     step: int | None = None
+    node_rank: int | None = None  # torchrun's GROUP_RANK
+    seen: WorkerSeen | None = None  # as the worker source found it: its job's store, run id, node count
     samples: deque[ProcessState] = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
 
     @property
@@ -326,7 +328,8 @@ class JobState:
             label = f"process group {pg_id}" + (f" ({pg.desc})" if pg and pg.desc else "")
             comm = self.comms.get(key)
             if comm is None:
-                nranks = len(members) if members else 0
+                # gloo dumps leave the member list empty: the default group is every rank of the job
+                nranks = len(members) if members else (self.world_size() or 0) if pg_id == "0" else 0
                 comm = self.comms[key] = Communicator(
                     key=key, source="flight_recorder", nranks=nranks, label=label, members=list(members)
                 )
@@ -337,6 +340,7 @@ class JobState:
             seq = RankSeq(comm_rank=comm_rank, proc=None, file=dump.cite.file, global_rank=dump.rank)
             _fold_fr_entries(seq, entries, pg.last_completed if pg else None)
             comm.ranks[comm_rank] = seq
+            comm.nranks = max(comm.nranks, comm_rank + 1)
 
     def _on_unusable(self, event: Unusable) -> None:
         self._note(f"{event.cite}: {event.reason}")
@@ -351,6 +355,7 @@ class JobState:
         worker = self.worker(event.pid)
         worker.rank, worker.local_rank, worker.host = event.rank, event.local_rank, event.host
         worker.world_size, worker.restart, worker.seen_at = event.world_size, event.restart_count, event.at
+        worker.node_rank, worker.seen = event.node_rank, event
         worker.samples.clear()  # a journal repeats the worker before each probe's samples
 
     def _on_worker_gone(self, event: WorkerGone) -> None:
@@ -364,6 +369,11 @@ class JobState:
 
     def _on_stall(self, event: Stall) -> None:
         self.stall = event
+
+    def world_size(self) -> int | None:
+        """The job's rank count as torchrun told the workers (WORLD_SIZE), when any worker was seen."""
+        sizes = [w.world_size for w in self.workers.values() if w.world_size]
+        return max(sizes) if sizes else None
 
     def current_workers(self) -> list[Worker]:
         """Workers of the current attempt: an elastic restart retires every older pid."""

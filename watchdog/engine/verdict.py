@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import signal
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import replace
 
-from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, PRIORITY, Evidence, Finding, Verdict, analyze_comm, rank_id
+from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, PRIORITY, Evidence, Finding, Verdict, analyze_comm
 from ncclwatch.watchdog.parsing.ras import ras_outliers
 from ncclwatch.watchdog.engine.partial import decide_partial, strong_partial
 from ncclwatch.watchdog.engine.snapshot import Snapshot
@@ -81,7 +80,7 @@ def _dead_ranks(snapshot: Snapshot) -> dict[int, Evidence]:
             rank = next((r for r in comm.ranks if r.comm_rank == comm_rank), None)
             if rank is not None and rank.end is None:
                 dead.setdefault(
-                    rank_id(rank),
+                    rank.rank,
                     Evidence("nccl_log", f"a peer's NCCL proxy saw {rank.name}'s connection close (local rank {closed.local_rank})", closed.cite),
                 )
     return dead
@@ -121,10 +120,9 @@ def gpu_signature(util_pct: float | None, sm_util_pct: float | None, dram_bw_pct
     return NCCL_SPIN
 
 
-def rank_signatures(snapshot: Snapshot, rank_of_pid: Mapping[int, int] | None = None) -> dict[int, tuple[str, Citation]]:
-    """Latest GPU signature per global rank, through the pid a GPU reports (NCCL's ranks unless given)."""
-    if rank_of_pid is None:
-        rank_of_pid = {proc.pid: rank for proc, rank in snapshot.global_ranks.items()}
+def rank_signatures(snapshot: Snapshot) -> dict[int, tuple[str, Citation]]:
+    """Latest GPU signature per global rank, through the pid a GPU reports."""
+    rank_of_pid = snapshot.rank_of_pid()
     signatures: dict[int, tuple[str, Citation]] = {}
     for snap in snapshot.gpus:
         for gpu in snap.gpus:
@@ -137,14 +135,14 @@ def rank_signatures(snapshot: Snapshot, rank_of_pid: Mapping[int, int] | None = 
     return signatures
 
 
-def lead_from_signatures(snapshot: Snapshot, finding: Finding, rank_of_pid: Mapping[int, int] | None = None) -> Finding:
+def lead_from_signatures(snapshot: Snapshot, finding: Finding) -> Finding:
     """The rank whose GPU does something else than its peers' is the lead.
 
     A majority decides; with an even split (always, with two ranks) the ranks
     not spinning in a many-channel NCCL kernel are the lead: their peers wait
     for them inside the collective.
     """
-    signatures = rank_signatures(snapshot, rank_of_pid)
+    signatures = rank_signatures(snapshot)
     if len(signatures) < 2:
         return finding
     counts = Counter(sig for sig, _ in signatures.values())

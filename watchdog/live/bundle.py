@@ -44,7 +44,7 @@ def live_report(
 ) -> Report:
     report = build_report(finding, snapshot, inputs=[], cited={})
     rows = {row.rank: row for row in report.ranks}
-    for worker in view.workers:
+    for worker in snapshot.workers:  # every node's, when the verdict is job-wide
         row = rows.setdefault(worker.rank, RankRow(rank=worker.rank))
         row.pid, row.host = worker.pid, worker.host or row.host
         row.state = worker.state + (" (exited)" if worker.gone else "") if worker.state else ("exited" if worker.gone else None)
@@ -171,10 +171,12 @@ class BundleWriter:
     host: str
     worker_log_dir: Path | None = None  # torchrun's --log-dir, when the user gave one
 
-    async def __call__(self, decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float) -> tuple[Report, Path | None]:
+    async def __call__(
+        self, decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float, incident_key: str | None
+    ) -> tuple[Report, Path | None]:
         report = live_report(
             decision.finding, snapshot, view, job=self.job_name, host=self.host, started_at=started_at, held=decision.held
-        )
+        ).model_copy(update={"incident_key": incident_key})
         print(terminal_text(report), file=sys.stderr, flush=True)
         settings = self.settings
         staging = settings.bundle_dir / ("." + bundle_name(self.job_name, self.host, view.observed_at, report.verdict.value))

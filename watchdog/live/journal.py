@@ -28,7 +28,7 @@ class Journal:
 
     def record(self, state: JobState, stall: Stall) -> None:
         """The state's live inputs as they stand at this probe."""
-        self._write([*_live_inputs(state), stall])
+        self._write([*live_inputs(state), stall])
 
     def _write(self, events: Iterable[Event]) -> None:
         if self._broken:
@@ -44,7 +44,8 @@ class Journal:
             log.warning("journal %s not written (%s): offline analysis will see less", self.path, exc)
 
 
-def _live_inputs(state: JobState) -> list[Event]:
+def live_inputs(state: JobState) -> list[Event]:
+    """The live-only inputs of the current attempt, as events: workers, /proc samples, stacks, the GPU sample."""
     events: list[Event] = []
     for worker in state.current_workers():
         events.append(

@@ -23,19 +23,23 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, TextIO
 
+from ncclwatch.watchdog.cluster.judge import degraded, incident_key, job_state, with_lost_nodes
+from ncclwatch.watchdog.cluster.peers import PUBLISH_S, Cluster, Membership, NodeSummary, exchange_or_degrade
+from ncclwatch.watchdog.cluster.store import StoreError
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.engine.classify import Decision, judge
 from ncclwatch.watchdog.engine.report import Report
 from ncclwatch.watchdog.engine.snapshot import Snapshot, take_snapshot
-from ncclwatch.watchdog.events import Event, SourceDown, Stall
+from ncclwatch.watchdog.engine.state import JobState
+from ncclwatch.watchdog.events import Event, SourceDown, SourceUp, Stall
 from ncclwatch.watchdog.live.health import Health, health_of
 from ncclwatch.watchdog.live.incident import WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick
 from ncclwatch.watchdog.live.job import LiveJob, LiveView
-from ncclwatch.watchdog.live.journal import Journal
+from ncclwatch.watchdog.live.journal import Journal, live_inputs
 from ncclwatch.watchdog.live.probe import Prober
 from ncclwatch.watchdog.sinks.alert import Alert, resolve_for, trigger_from_report
 from ncclwatch.watchdog.sinks.delivery import Dispatcher
@@ -62,8 +66,9 @@ class Reported:
     alert: Alert | None = None  # the trigger sent, so that progress can resolve it
 
 
-# (decision, snapshot, view, started_at) -> the report and the bundle (None when it could not be written)
-Reporter = Callable[[Decision, Snapshot, LiveView, float], Awaitable[tuple[Report, Path | None]]]
+# (decision, snapshot, view, started_at, incident key) -> the report and the bundle (None when it could not be written)
+Reporter = Callable[[Decision, Snapshot, LiveView, float, str | None], Awaitable[tuple[Report, Path | None]]]
+ClusterFactory = Callable[[Membership, str], Cluster]
 
 
 @dataclass
@@ -79,6 +84,7 @@ class Sidecar:
     bundle_base_url: str | None = None  # where the bundle API is reachable, for links in alerts
     host: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
     clock: Callable[[], float] = time.time
+    join_cluster: ClusterFactory | None = None  # several nodes: meet the other sidecars through the job's store
 
     def __post_init__(self) -> None:
         self.live = LiveJob(self.settings, started_at=self.clock())
@@ -88,11 +94,16 @@ class Sidecar:
         self._stopping = asyncio.Event()
         self._positions: dict[int, int] | None = None  # collectives each rank had issued at the last look
         self._positions_of: float | None = None  # the incident (its opening time) those positions belong to
+        self.cluster: Cluster | None = None  # once the workers say the job spans several nodes
+        self._job_wide: JobState | None = None  # the latest probe's state merged with the other nodes' evidence
+        self._probed: list[Event] = []  # the latest probe's events (Flight Recorder dumps travel to the other nodes)
 
     # -- lifecycle ---------------------------------------------------------
 
     async def run(self) -> None:
         tasks = [asyncio.create_task(self._supervise(s), name=f"source:{s.name}") for s in self.sources]
+        if self.join_cluster is not None:
+            tasks.append(asyncio.create_task(self._cluster_loop(), name="cluster"))
         try:
             while not self._stopping.is_set():
                 await self.tick()
@@ -125,6 +136,30 @@ class Sidecar:
                 self.emit(SourceDown(source=source.name, reason=f"{type(exc).__name__}: {exc}"))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
+
+    async def _cluster_loop(self) -> None:
+        """Find the other nodes' sidecars once the workers name the store; publish and read summaries."""
+        assert self.join_cluster is not None
+        down: str | None = None
+        while True:
+            if self.cluster is None and (membership := Membership.of(self.live.state)) is not None:
+                self.cluster = self.join_cluster(membership, self.host)
+                log.info("node %d of %d; sidecars meet in the store at %s:%d", membership.node_rank, membership.nnodes,
+                         membership.store_host, membership.store_port)  # fmt: skip
+            if self.cluster is not None:
+                reason = await exchange_or_degrade(self.cluster, self._summary())
+                if reason != down:
+                    self.emit(SourceDown(source="cluster", reason=reason) if reason else SourceUp(source="cluster"))
+                    down = reason
+            await asyncio.sleep(PUBLISH_S)
+
+    def _summary(self) -> NodeSummary:
+        view = self.live.view(self.clock())
+        assert self.cluster is not None
+        return NodeSummary(
+            node=self.cluster.me, host=self.host, at=view.observed_at, ranks=[w.rank for w in view.workers],
+            last_progress=view.last_progress, phase=self.incident.phase.value, world_size=self.live.state.world_size(),
+        )  # fmt: skip
 
     def _drain(self) -> None:
         while not self.queue.empty():
@@ -173,11 +208,32 @@ class Sidecar:
         self.live.apply(stall, now)
         if self.journal is not None:
             self.journal.record(self.live.state, stall)
-        decision = judge(take_snapshot(self.live.state, observed_at=now))
+        self._probed = events
+        decision = await self._judge(stall)
         f = decision.finding
         log.info("probe: %s culprits %s page=%s held=%s moved=%s", f.verdict, f.culprits, decision.page, decision.held, moved)
         self.incident, actions = on_probe(self.incident, now, decision, moved, view.stalled_for)
         await self._perform(actions, view)
+
+    async def _judge(self, stall: Stall) -> Decision:
+        """This node's view, or the whole job's when the other nodes' sidecars can be reached."""
+        cluster = self.cluster
+        if cluster is None or "cluster" in self.live.down:
+            decision = judge(take_snapshot(self.live.state, observed_at=stall.at))
+            return decision if cluster is None else degraded(decision, self.live.down["cluster"])
+        started = self.incident.started_at if self.incident.started_at is not None else stall.at
+        try:
+            await cluster.share_evidence(live_inputs(self.live.state) + self._probed + [stall], stall.at)
+            remote = await cluster.gather_evidence(since=started)
+        except StoreError as exc:
+            self.emit(SourceDown(source="cluster", reason=str(exc)))
+            return degraded(judge(take_snapshot(self.live.state, observed_at=stall.at)), str(exc))
+        self._job_wide = job_state(self.live.state, remote, stall)
+        decision = with_lost_nodes(judge(take_snapshot(self._job_wide, observed_at=stall.at)), cluster.lost(), remote)
+        if pending := sorted(cluster.answering() - set(remote)):
+            # Their sidecar still publishes but has not probed yet (a longer learned timeout): look again.
+            return replace(decision, page=False, held=f"waiting for node {', '.join(map(str, pending))} to share its evidence")
+        return decision
 
     def _moved(self) -> bool:
         """Did any rank issue a collective since the last look (Flight Recorder)?  That is progress."""
@@ -195,14 +251,21 @@ class Sidecar:
 
     async def _page(self, decision: Decision, view: LiveView) -> None:
         started_at = self.incident.started_at if self.incident.started_at is not None else view.last_progress
-        snapshot = take_snapshot(self.live.state, observed_at=self.clock())
+        cluster = self.cluster
+        job_wide = cluster is not None and "cluster" not in self.live.down
+        state = self._job_wide if job_wide and self._job_wide is not None else self.live.state
+        snapshot = take_snapshot(state, observed_at=self.clock())
+        key = incident_key(cluster.membership, decision) if cluster is not None else None
         try:
-            report, bundle = await self.reporter(decision, snapshot, view, started_at)
+            report, bundle = await self.reporter(decision, snapshot, view, started_at, key)
         except Exception:  # a broken sink must not end the watch: the job may hang again
             log.exception("reporting the hang failed")
             return
         reported = Reported(started_at=started_at, decision=decision, report=report, bundle=bundle)
         self.reported.append(reported)
+        if job_wide and cluster is not None and (leader := cluster.leader()) != cluster.me:
+            self._say(f"node {cluster.me}: this node's evidence is in its bundle; node {leader} pages the job-wide verdict")
+            return
         self._alert(reported)
 
     def _alert(self, reported: Reported) -> None:

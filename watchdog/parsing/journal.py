@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from ncclwatch.watchdog.events import (
     Citation,
     Event,
+    FrDump,
     GpuSnapshot,
     ProcessState,
     StackDump,
@@ -27,7 +28,10 @@ from ncclwatch.watchdog.events import (
 )
 
 HEADER = b'{"ncclwatch_journal": 1}'
-JOURNALED: dict[str, type[Event]] = {cls.__name__: cls for cls in (WorkerSeen, WorkerGone, ProcessState, StackDump, GpuSnapshot, Stall)}
+# FrDump travels between nodes' sidecars (trimmed); on disk the dumps are files of their own.
+JOURNALED: dict[str, type[Event]] = {
+    cls.__name__: cls for cls in (WorkerSeen, WorkerGone, ProcessState, StackDump, GpuSnapshot, Stall, FrDump)
+}
 
 
 def journal_line(event: Event) -> str:

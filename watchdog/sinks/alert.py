@@ -106,7 +106,7 @@ def trigger_from_report(
     verdict = str(report.verdict)
     return Alert(
         action="trigger",
-        dedup_key=dedup_key_for(job, report.hang_started_at, slurm_job_id),
+        dedup_key=dedup_key_for(job, report.incident_key or report.hang_started_at, slurm_job_id),
         job=job,
         host=host,
         verdict=verdict,

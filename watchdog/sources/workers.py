@@ -49,6 +49,11 @@ def _int(value: str | None) -> int | None:
         return None
 
 
+def _store(environ: dict[str, str]) -> str | None:
+    addr, port = environ.get("MASTER_ADDR"), _int(environ.get("MASTER_PORT"))
+    return f"{addr}:{port}" if addr and port else None
+
+
 class WorkerSource(PollingSource):
     """Finds torchrun's workers, follows restarts, samples their state every ``sample_every`` s."""
 
@@ -111,6 +116,10 @@ class WorkerSource(PollingSource):
                     restart_count=_int(environ.get("TORCHELASTIC_RESTART_COUNT")) or 0,
                     host=self.host,
                     at=now,
+                    node_rank=_int(environ.get("GROUP_RANK")),
+                    nnodes=_int(environ.get("GROUP_WORLD_SIZE")),
+                    store=_store(environ),
+                    run_id=environ.get("TORCHELASTIC_RUN_ID"),
                 )
             )
 

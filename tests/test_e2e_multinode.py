@@ -1,0 +1,119 @@
+"""Two nodes on one machine: two real wrappers (``--nnodes 2 --node-rank 0|1``), real torchrun, gloo ranks.
+
+The sidecars meet through torchrun's own store (static ``--master-addr``
+rendezvous), share compact state, and the job gets one verdict and one page,
+counted at a loopback webhook receiver.  Faults are on the second node's
+ranks: a skipped collective, a rank stuck in Python, the whole node frozen
+with SIGSTOP (its wrapper and sidecar too); a healthy job and a pause must
+page nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import tarfile
+from pathlib import Path
+
+import psutil
+import pytest
+from test_sinks_webhooks import Receiver, free_port
+
+import ncclwatch.launcher.demo_job as demo_job
+
+pytest.importorskip("torch")
+
+TIMEOUT_S = 150
+PER_NODE = 2
+
+
+async def start_node(tmp_path: Path, node: int, port: int, hook: str, fault: str, fault_rank: int, *job_args: str):
+    env = dict(os.environ, NCCLWATCH_WEBHOOK_URL=hook, NCCLWATCH_WEBHOOK_SECRET="s3cret")
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ncclwatch", "--job-name", "twonodes", "--bundle-dir", str(tmp_path / f"bundles{node}"),
+        "--run-dir", str(tmp_path / f"run{node}"), "--on-hang", "kill",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", f"--nproc-per-node={PER_NODE}",
+        "--master-addr=127.0.0.1", f"--master-port={port}", "--monitor-interval=0.2",
+        demo_job.__file__, f"--fault={fault}", f"--fault-rank={fault_rank}", "--fault-step=12", "--step-time=0.05",
+        "--steps=40", "--backend=gloo", *job_args,
+        env=env, cwd=tmp_path, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+
+
+def freeze(pid: int) -> list[psutil.Process]:
+    """SIGSTOP a wrapper and everything under it: a node that hangs whole."""
+    root = psutil.Process(pid)
+    tree = [root, *root.children(recursive=True)]
+    for process in tree:
+        process.send_signal(signal.SIGSTOP)
+    return tree
+
+
+async def two_nodes(tmp_path: Path, fault: str, fault_rank: int, *job_args: str, freeze_node1_after_s: float | None = None):
+    async with Receiver() as receiver:
+        port = free_port()
+        nodes = [await start_node(tmp_path, n, port, receiver.url, fault, fault_rank, *job_args) for n in (0, 1)]
+        frozen: list[psutil.Process] = []
+        if freeze_node1_after_s is not None:
+            await asyncio.sleep(freeze_node1_after_s)
+            frozen = freeze(nodes[1].pid)
+        try:
+            first = await asyncio.wait_for(nodes[0].communicate(), TIMEOUT_S)
+            for process in frozen:  # the frozen node cannot end itself
+                process.kill()
+            second = await asyncio.wait_for(nodes[1].communicate(), TIMEOUT_S)
+        finally:
+            for node in nodes:
+                if node.returncode is None:
+                    os.killpg(node.pid, signal.SIGKILL)
+            for process in frozen:
+                if process.is_running():
+                    process.kill()
+        await asyncio.sleep(0.5)  # a late delivery would still be counted
+        triggers = [json.loads(s.body) for s in receiver.seen if json.loads(s.body)["action"] == "trigger"]
+    stderr = [first[1].decode(errors="replace"), second[1].decode(errors="replace")]
+    return [n.returncode for n in nodes], stderr, triggers
+
+
+def reports(tmp_path: Path, node: int) -> list[dict]:
+    found = []
+    for bundle in sorted((tmp_path / f"bundles{node}").glob("*.tar.gz")):
+        with tarfile.open(bundle) as tar:
+            member = next(m for m in tar.getmembers() if m.name.endswith("/report.json"))
+            found.append(json.load(tar.extractfile(member)))  # type: ignore[arg-type]
+    return found
+
+
+@pytest.mark.parametrize(
+    ("fault", "fault_rank", "verdict"),
+    [("skip", 3, "collective_mismatch"), ("python_stuck", 2, "rank_behind")],
+)
+def test_one_verdict_and_one_page_for_a_fault_on_the_second_node(tmp_path: Path, fault: str, fault_rank: int, verdict: str) -> None:
+    codes, stderr, triggers = asyncio.run(two_nodes(tmp_path, fault, fault_rank))
+    assert len(triggers) == 1, (triggers, stderr[0][-3000:], stderr[1][-3000:])
+    [page] = triggers
+    assert (page["verdict"], page["culprit_ranks"]) == (verdict, [fault_rank]), stderr[0][-3000:]
+    assert page["host"]  # the leader's host names the page
+    for node in (0, 1):
+        [report] = reports(tmp_path, node)  # every node keeps its own evidence
+        assert (report["verdict"], report["culprit_ranks"]) == (verdict, [fault_rank]), (node, stderr[node][-3000:])
+        assert {r["rank"] for r in report["ranks"]} >= {0, 1, 2, 3}  # the job-wide table
+    assert "pages the job-wide verdict" in stderr[1]
+    assert codes == [3, 3], stderr
+
+
+def test_a_frozen_node_is_node_lost(tmp_path: Path) -> None:
+    codes, stderr, triggers = asyncio.run(two_nodes(tmp_path, "none", 0, "--steps=400", freeze_node1_after_s=12.0))
+    assert len(triggers) == 1, (triggers, stderr[0][-3000:])
+    assert (triggers[0]["verdict"], triggers[0]["culprit_ranks"]) == ("node_lost", [2, 3]), stderr[0][-3000:]
+    assert codes[0] == 3
+
+
+@pytest.mark.parametrize("fault", ["none", "pause"])
+def test_healthy_and_paused_jobs_page_nothing(tmp_path: Path, fault: str) -> None:
+    codes, stderr, triggers = asyncio.run(two_nodes(tmp_path, fault, 3, "--pause-s=12"))
+    assert triggers == [], stderr[0][-3000:]
+    assert codes == [0, 0], stderr

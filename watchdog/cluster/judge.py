@@ -1,0 +1,78 @@
+"""The whole job's verdict from every node's evidence: the same engine, more inputs.
+
+``job_state`` folds the other nodes' shared evidence into a fresh state and
+unions this node's (each rank's sequence lives on one node, so the union
+is exact).  ``with_lost_nodes`` turns a node whose sidecar stopped answering,
+while the others' ranks wait, into ``node_lost`` naming that node and its
+ranks.  ``degraded`` says, in the verdict itself, that a sidecar judged
+alone.  ``incident_key`` is what every node derives alike for one hang, so
+that two nodes paging the same hang page once.  Pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ncclwatch.watchdog.cluster.peers import LOST_AFTER_S, Membership, NodeSummary
+from ncclwatch.watchdog.engine.classify import Decision
+from ncclwatch.watchdog.engine.detectors import Evidence, Verdict
+from ncclwatch.watchdog.engine.state import JobState
+from ncclwatch.watchdog.events import Event, Stall
+
+QUIET = (Verdict.no_hang, Verdict.inconclusive, Verdict.progress_stalled)
+
+
+def job_state(local: JobState, remote: dict[int, list[Event]], stall: Stall) -> JobState:
+    merged = JobState(window=local.window)
+    for events in remote.values():
+        for event in events:
+            merged.apply(event)
+    merged.merge(local)
+    merged.stall = stall
+    return merged
+
+
+def with_lost_nodes(decision: Decision, lost: dict[int, NodeSummary | None], remote: dict[int, list[Event]]) -> Decision:
+    """A node that neither publishes nor shares evidence while ranks wait is the job's problem, unless a
+    culprit elsewhere is already named."""
+    gone = {node: summary for node, summary in lost.items() if node not in remote}
+    if not gone:
+        return decision
+    finding = decision.finding
+    lost_ranks = sorted(r for s in gone.values() if s is not None for r in s.ranks)
+    if finding.verdict not in QUIET and finding.culprits and not set(finding.culprits) <= set(lost_ranks):
+        return decision
+    nodes = ", ".join(_node(n, s) for n, s in sorted(gone.items()))
+    ranks = f" (ranks {', '.join(map(str, lost_ranks))})" if lost_ranks else ""
+    lost = replace(
+        finding,
+        verdict=Verdict.node_lost,
+        culprits=tuple(lost_ranks),
+        summary=f"Node {nodes}{ranks} stopped answering: its sidecar has not published for over "
+        f"{LOST_AFTER_S:.0f} s while the other nodes' ranks wait.",
+        reason="The whole node is frozen, cut off the network, or its sidecar died; its ranks cannot be seen. "
+        "Check the node (console, dmesg, its network) first. " + (f"Engine on the rest: {finding.summary}" if finding.summary else ""),
+        evidence=tuple(Evidence("cluster", f"node {_node(n, s)}: last summary {'never' if s is None else f'at {s.at:.0f}'}")
+                       for n, s in sorted(gone.items())) + finding.evidence,  # fmt: skip
+    )
+    return Decision(lost, page=True)
+
+
+def degraded(decision: Decision, why: str) -> Decision:
+    """Judged from this node's ranks alone: said in the verdict, never hidden."""
+    note = f"could not reach the other nodes' sidecars ({why}): judged from this node's ranks only"
+    return replace(decision, finding=replace(decision.finding, missing=decision.finding.missing + (note,)))
+
+
+def incident_key(membership: Membership, decision: Decision) -> str:
+    """Job round + what stalled: the same on every node that judges the same evidence."""
+    finding = decision.finding
+    if finding.comm_label and finding.position is not None:
+        what = f"{finding.comm_label}#{finding.position}"
+    else:
+        what = f"{finding.verdict.value}:{','.join(map(str, finding.culprits))}"
+    return f"{membership.job_key}|{what}"
+
+
+def _node(node: int, summary: NodeSummary | None) -> str:
+    return f"{node} ({summary.host})" if summary is not None else str(node)
