@@ -8,6 +8,15 @@ and the engine, from the repository's ``watchdog/``) and
 never the daemon's dependencies.
 """
 
-from ncclwatch.launcher.heartbeat import beat
+import os as _os
+
+# In a source checkout the subpackages stand beside this folder (../watchdog, ../launcher);
+# an install puts them inside it.  Without this, `python -m ncclwatch` run from a clone's
+# root would find this folder first and none of the subpackages.
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_checkout, "launcher", "inject", "sitecustomize.py")):  # ours, not PyPI's `watchdog`
+    __path__.append(_checkout)
+
+from ncclwatch.launcher.heartbeat import beat  # noqa: E402
 
 __all__ = ["beat"]
