@@ -25,6 +25,18 @@ if ! python3 -c "import setuptools, sys; sys.exit(tuple(map(int, setuptools.__ve
 fi
 PYTHONPATH=$build_path python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site .
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+if ! command -v py-spy >/dev/null; then
+    # Seen on the lent machines: pip --target left no bin/py-spy; the binary is the wheel's one script.
+    mkdir -p /tmp/site/bin
+    python3 - <<'PY'
+import glob, os, zipfile
+wheel = zipfile.ZipFile(glob.glob(".whl/py_spy-*.whl")[0])
+name = next(n for n in wheel.namelist() if n.endswith("/scripts/py-spy"))
+with open("/tmp/site/bin/py-spy", "wb") as out:
+    out.write(wheel.read(name))
+os.chmod("/tmp/site/bin/py-spy", 0o755)
+PY
+fi
 # NVLink multicast stays off on shared machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 {

@@ -33,7 +33,7 @@ from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, Evidence, Finding
 from ncclwatch.watchdog.engine.snapshot import Snapshot, WorkerView
 from ncclwatch.watchdog.engine.stacks import Whereabouts, whereabouts
 from ncclwatch.watchdog.engine.verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
-from ncclwatch.watchdog.events import STOPPED_STATES, Stall
+from ncclwatch.watchdog.events import STOPPED_STATES, OpState, Stall
 
 BUSY_CPU_SHARE = 0.2  # of one core, over the last few seconds
 BUSY_IO_BYTES_PER_S = 64 << 10  # a log line now and then is not a checkpoint
@@ -66,9 +66,13 @@ def judge(snapshot: Snapshot) -> Decision:
     if finding.verdict == Verdict.stuck_in_collective:
         if not finding.culprits:  # decide() names a lead from signatures only when the sequences said "stuck"
             finding = lead_from_signatures(snapshot, finding)
-        finding = _gpu_compute_hang(finding, signatures) or _lead_from_stacks(finding, where)
+        finding = (
+            _gpu_compute_hang(finding, signatures)
+            or _never_started_on_gpu(snapshot, finding)
+            or _lead_from_stacks(finding, where)
+        )
     finding = _with_where(finding, where)
-    busy = _busy(finding.culprits, snapshot.workers, where) if finding.verdict == Verdict.rank_behind else []
+    busy = _busy(finding.culprits, snapshot, where) if finding.verdict == Verdict.rank_behind else []
     if stall is not None and busy and stall.stalled_for_s < stall.progress_timeout_s:
         return Decision(
             finding,
@@ -198,15 +202,56 @@ def _blind(finding: Finding, stall: Stall, unseen: list[int]) -> Decision:
     return Decision(undecided, page=page, held=held, blind=True)
 
 
-def _busy(culprits: tuple[int, ...], workers: tuple[WorkerView, ...], where: Mapping[int, Whereabouts]) -> list[int]:
-    """Culprits whose CPU time or I/O moved over the last few seconds, outside any wait."""
+def _busy(culprits: tuple[int, ...], snapshot: Snapshot, where: Mapping[int, Whereabouts]) -> list[int]:
+    """Culprits whose CPU time or I/O moved over the last few seconds, outside any wait.
+
+    A rank spinning in a CUDA or NCCL wait burns a core too: its stack (a collective, a GPU
+    wait) or Flight Recorder (an operation enqueued and not completed) says it is waiting.
+    """
+    communicating = _pending_in_flight_recorder(snapshot)
     return [
         w.rank
-        for w in workers
+        for w in snapshot.workers
         if w.rank in culprits
+        and w.rank not in communicating
         and where.get(w.rank, Whereabouts("unknown", None)).kind not in WAITING_KINDS
         and ((w.cpu_share or 0) >= BUSY_CPU_SHARE or (w.io_rate or 0) >= BUSY_IO_BYTES_PER_S)
     ]
+
+
+def _pending_in_flight_recorder(snapshot: Snapshot) -> set[int]:
+    return {
+        rank.rank
+        for comm in snapshot.comms
+        if comm.source == "flight_recorder"
+        for rank in comm.ranks
+        if rank.completed is not None and rank.completed < rank.total
+    }
+
+
+def _never_started_on_gpu(snapshot: Snapshot, finding: Finding) -> Finding | None:
+    """The lead enqueued the collective but its GPU never started it while the peers' GPUs did
+    (Flight Recorder with timing): the kernel before it on the stream does not finish."""
+    if not finding.culprits or finding.position is None:
+        return None
+    comm = next((c for c in snapshot.comms if c.key == finding.comm_key and c.source == "flight_recorder"), None)
+    if comm is None:
+        return None
+    states = {r.rank: r.state_at(finding.position - 1) for r in comm.ranks}
+    lead = [states.get(r) for r in finding.culprits]
+    peers = [s for r, s in states.items() if r not in finding.culprits]
+    if not peers or any(s != OpState.scheduled for s in lead) or not any(s in (OpState.started, OpState.completed) for s in peers):
+        return None
+    ranks = ", ".join(map(str, finding.culprits))
+    return replace(
+        finding,
+        verdict=Verdict.gpu_compute_hang,
+        summary=f"Rank {ranks}'s GPU never started {finding.operation or 'the collective'} (#{finding.position}) that its "
+        "peers' GPUs are running: a kernel queued before it does not finish.",
+        reason="Flight Recorder (with timing) shows the collective scheduled on rank "
+        f"{ranks} and started on its peers: the host enqueued it, the GPU stream is stuck on earlier work (a spinning "
+        "or very long kernel, a deadlocked custom op). Check the stack for the kernel launched before the collective.",
+    )
 
 
 def _with_where(finding: Finding, where: Mapping[int, Whereabouts]) -> Finding:

@@ -40,6 +40,7 @@ class Verdict(StrEnum):
     progress_stalled = "progress_stalled"
     network_error = "network_error"  # a link failed (InfiniBand completion error): offline, from partial evidence
     node_lost = "node_lost"  # a node's sidecar stopped answering while the other nodes' ranks wait (multi-node)
+    p2p_deadlock = "p2p_deadlock"  # ranks each wait in a send/recv for the other's missing side
     no_hang = "no_hang"
     inconclusive = "inconclusive"
 
@@ -51,6 +52,7 @@ PRIORITY = {
     Verdict.node_lost: 8,
     Verdict.process_stopped: 7,
     Verdict.network_error: 7,
+    Verdict.p2p_deadlock: 7,
     Verdict.rank_behind: 6,
     Verdict.gpu_compute_hang: 5,
     Verdict.stuck_in_collective: 4,
@@ -329,29 +331,50 @@ def _behind(comm: CommView, ranks: list[RankView]) -> Finding | None:
 # --------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _P2pWait:
+    """``waiter`` posted its side; ``culprit`` never posted the matching ``missing`` (its #``index``)."""
+
+    waiter: RankView
+    culprit: RankView
+    missing: Literal["Send", "Recv"]
+    index: int
+    sig: OpSig | None
+
+
 def check_point_to_point(comm: CommView) -> Finding | None:
-    """Sends r->p against recvs on p from r; NCCL logs only (Flight Recorder counts are relative)."""
+    """Sends r->p against recvs on p from r; NCCL logs only (Flight Recorder counts are relative).
+
+    A mismatch in size or type wins; then a rank waiting on a peer that never posted its side.
+    When those waits form a cycle (both ranks recv first), it is a ``p2p_deadlock``: no rank is
+    behind, the program's order is wrong.
+    """
     if comm.source != "nccl_log":
         return None
     ranks = comm.by_comm_rank()
+    waits: list[_P2pWait] = []
     for sender in comm.ranks:
         for peer, sends in sender.sent.items():
             receiver = ranks.get(peer)
             if receiver is None:
                 continue
             recvs = receiver.received.get(sender.comm_rank, PeerView(0, 0, (), {}))
-            finding = _compare_pair(comm, sender, receiver, sends, recvs)
-            if finding is not None:
-                return finding
+            found = _compare_pair(comm, sender, receiver, sends, recvs)
+            if isinstance(found, Finding):
+                return found
+            if found is not None:
+                waits.append(found)
     for receiver in comm.ranks:
         for peer, recvs in receiver.received.items():
             sender = ranks.get(peer)
             if sender is not None and receiver.comm_rank not in sender.sent and recvs.count:
-                return _p2p_behind(comm, sender, receiver, "Send", 0, recvs.sigs[0] if recvs.sigs else None)
-    return None
+                waits.append(_P2pWait(receiver, sender, "Send", 0, recvs.sigs[0] if recvs.sigs else None))
+    if not waits:
+        return None
+    return _p2p_deadlock(comm, waits) or _p2p_behind(comm, waits[0])
 
 
-def _compare_pair(comm: CommView, sender: RankView, receiver: RankView, sends: PeerView, recvs: PeerView) -> Finding | None:
+def _compare_pair(comm: CommView, sender: RankView, receiver: RankView, sends: PeerView, recvs: PeerView) -> Finding | _P2pWait | None:
     first = max(sends.base, recvs.base)
     last = min(sends.count, recvs.count)
     for index in range(first, last):
@@ -373,11 +396,9 @@ def _compare_pair(comm: CommView, sender: RankView, receiver: RankView, sends: P
                 ),
             )
     if sends.count > recvs.count:
-        sig = sends.sigs[recvs.count - sends.base] if recvs.count >= sends.base else None
-        return _p2p_behind(comm, receiver, sender, "Recv", recvs.count, sig)
+        return _P2pWait(sender, receiver, "Recv", recvs.count, sends.sigs[recvs.count - sends.base] if recvs.count >= sends.base else None)
     if recvs.count > sends.count:
-        sig = recvs.sigs[sends.count - recvs.base] if sends.count >= recvs.base else None
-        return _p2p_behind(comm, sender, receiver, "Send", sends.count, sig)
+        return _P2pWait(receiver, sender, "Send", sends.count, recvs.sigs[sends.count - recvs.base] if sends.count >= recvs.base else None)
     return None
 
 
@@ -388,27 +409,47 @@ def _p2p_evidence(comm: CommView, rank: RankView, kind: Literal["Send", "Recv"],
     return Evidence(comm.source, fact, Citation(file=rank.file), ref)
 
 
-def _p2p_behind(
-    comm: CommView, culprit: RankView, waiter: RankView, missing_kind: Literal["Send", "Recv"], index: int, sig: OpSig | None
-) -> Finding:
-    theirs = "Recv" if missing_kind == "Send" else "Send"
-    direction = "to" if missing_kind == "Send" else "from"
+def _waiting(comm: CommView, wait: _P2pWait) -> tuple[str, Evidence]:
+    theirs = "Recv" if wait.missing == "Send" else "Send"
+    direction = "to" if wait.missing == "Send" else "from"
+    sig = wait.sig.describe() if wait.sig else "?"
+    sentence = f"{wait.culprit.name} never posted {wait.missing} #{wait.index + 1} {direction} {wait.waiter.name}; {wait.waiter.name} waits in its matching {theirs}."
+    fact = f"{wait.waiter.name} posted {theirs} #{wait.index + 1} ({sig})"
+    return sentence, _p2p_evidence(comm, wait.waiter, theirs, wait.culprit.comm_rank, wait.index, fact)
+
+
+def _p2p_behind(comm: CommView, wait: _P2pWait) -> Finding:
+    sentence, evidence = _waiting(comm, wait)
     return _comm_finding(
         comm,
         Verdict.rank_behind,
-        summary=(
-            f"{culprit.name} never posted {missing_kind} #{index + 1} {direction} {waiter.name} on {comm.label}; "
-            f"{waiter.name} waits in its matching {theirs}."
-        ),
+        summary=f"{sentence.removesuffix('.')} on {comm.label}.",
         reason="Point-to-point operations are matched pairwise; the rank that has not posted its side is at fault.",
-        culprits=(culprit.rank,),
-        operation=sig.describe() if sig else None,
-        evidence=(
-            _p2p_evidence(
-                comm, waiter, theirs, culprit.comm_rank, index, f"{waiter.name} posted {theirs} #{index + 1} ({sig.describe() if sig else '?'})"
-            ),
-        ),
+        culprits=(wait.culprit.rank,),
+        operation=wait.sig.describe() if wait.sig else None,
+        evidence=(evidence,),
     )
+
+
+def _p2p_deadlock(comm: CommView, waits: list[_P2pWait]) -> Finding | None:
+    """Two ranks each waiting for the other's missing side: a cycle of waits."""
+    for one in waits:
+        other = next((w for w in waits if w.waiter.comm_rank == one.culprit.comm_rank and w.culprit.comm_rank == one.waiter.comm_rank), None)
+        if other is None:
+            continue
+        pair = tuple(sorted((one.waiter.rank, one.culprit.rank)))
+        (first, one_fact), (second, other_fact) = _waiting(comm, one), _waiting(comm, other)
+        return _comm_finding(
+            comm,
+            Verdict.p2p_deadlock,
+            summary=f"Point-to-point deadlock on {comm.label}: rank {pair[0]} and rank {pair[1]} each wait for the other. {first} {second}",
+            reason="Each posted the side that waits (e.g. both recv first) and neither posted the side the other needs: "
+            "reorder them (one sends first), or post both with batch_isend_irecv.",
+            culprits=pair,
+            operation=one.sig.describe() if one.sig else None,
+            evidence=(one_fact, other_fact),
+        )
+    return None
 
 
 # --------------------------------------------------------------------------

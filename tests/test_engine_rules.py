@@ -1,0 +1,106 @@
+"""Rules the real-GPU suite asked for: a point-to-point deadlock named as such, a rank spinning in
+communication never read as "busy", a collective the GPU never started read as a GPU hang."""
+
+from __future__ import annotations
+
+import nccl_lines as L
+from conftest import NOW
+
+from ncclwatch.watchdog.engine.classify import judge
+from ncclwatch.watchdog.engine.detectors import Verdict
+from ncclwatch.watchdog.engine.snapshot import take_snapshot
+from ncclwatch.watchdog.engine.state import JobState
+from ncclwatch.watchdog.events import (
+    Citation,
+    Event,
+    FrDump,
+    FrEntry,
+    FrProcessGroup,
+    OpState,
+    ProcessState,
+    Stall,
+    WorkerSeen,
+)
+from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
+
+COMM = "0x5583d3a1f0e0"
+
+
+def judged(*events: Event, logs: dict[int, str] | None = None):  # type: ignore[no-untyped-def]
+    state = JobState()
+    for rank, text in (logs or {}).items():
+        for event in NcclLogParser(f"node1.{1000 + rank}").feed(text.encode(), final=True):
+            state.apply(event)
+    for event in events:
+        state.apply(event)
+    return judge(take_snapshot(state, observed_at=NOW))
+
+
+class TestPointToPoint:
+    def test_both_ranks_receiving_first_is_a_p2p_deadlock_naming_both(self) -> None:
+        logs = {r: L.init(r, 2, COMM) + L.op(r, "Send", 64, COMM, root=1 - r) + L.op(r, "Recv", 64, COMM, root=1 - r)
+                + L.op(r, "Recv", 1024, COMM, root=1 - r) for r in (0, 1)}  # fmt: skip
+        decision = judged(logs=logs)
+        assert decision.finding.verdict == Verdict.p2p_deadlock and decision.finding.culprits == (0, 1)
+        assert "each wait for the other" in decision.finding.summary and "Send #2" in decision.finding.summary
+        assert decision.page
+
+    def test_one_missing_send_stays_rank_behind(self) -> None:
+        logs = {0: L.init(0, 2, COMM) + L.op(0, "Recv", 64, COMM, root=1), 1: L.init(1, 2, COMM)}
+        finding = judged(logs=logs).finding
+        assert (finding.verdict, finding.culprits) == (Verdict.rank_behind, (1,))
+
+
+def workers(cpu_busy_rank: int) -> list[Event]:
+    events: list[Event] = []
+    for rank in range(3):
+        events.append(WorkerSeen(pid=1000 + rank, rank=rank, host="node1", at=NOW - 60))
+        for i, at in enumerate((NOW - 3, NOW - 2, NOW - 1)):
+            cpu = 0.9 * i if rank == cpu_busy_rank else 0.0
+            events.append(ProcessState(pid=1000 + rank, rank=rank, state="R", cpu_seconds=cpu, at=at))
+    return events
+
+
+STALL = Stall(at=NOW, stalled_for_s=30, stall_timeout_s=5, progress_timeout_s=600)
+BEHIND = {r: L.init(r, 3, COMM) + L.steps(r, COMM, 5 if r == 2 else 6) for r in range(3)}
+
+
+def entry(index: int, pg: str, seq: int, state: OpState, op: str = "AllReduce") -> FrEntry:
+    return FrEntry(index=index, pg_id=pg, collective_seq_id=seq, profiling_name=f"nccl:{op.lower()}", op=op, is_p2p=False,
+                   input_sizes=[[1024]], input_dtypes=["Float"], state=state)  # fmt: skip
+
+
+class TestBusy:
+    def test_a_busy_culprit_outside_communication_is_held(self) -> None:
+        decision = judged(*workers(cpu_busy_rank=2), STALL, logs=BEHIND)
+        assert decision.finding.verdict == Verdict.rank_behind and not decision.page and "busy" in (decision.held or "")
+
+    def test_a_culprit_spinning_in_a_pending_operation_is_waiting_not_busy(self) -> None:
+        """Seen on H100: ranks in a NCCL wait burn a full core; Flight Recorder says they wait."""
+        pending = FrDump(rank=2, version="2.10", process_groups={"5": FrProcessGroup(pg_id="5", ranks=[0, 2])},
+                         entries=[entry(0, "5", 1, OpState.scheduled)], cite=Citation(file="fr/rank2"))  # fmt: skip
+        decision = judged(*workers(cpu_busy_rank=2), pending, STALL, logs=BEHIND)
+        assert decision.finding.culprits == (2,) and decision.page and decision.held is None
+
+
+class TestNeverStartedOnGpu:
+    def test_scheduled_on_the_lead_and_started_on_its_peers_is_a_gpu_compute_hang(self) -> None:
+        """Seen on H100 with two ranks sharing the GPU (NVML cannot tell them apart): a never-ending kernel on rank 0."""
+        group = {"0": FrProcessGroup(pg_id="0", ranks=[0, 1])}
+        dumps = [
+            FrDump(rank=rank, version="2.10", process_groups=group, cite=Citation(file=f"fr/rank{rank}"),
+                   entries=[entry(0, "0", 1, OpState.completed), entry(1, "0", 2, state)])  # fmt: skip
+            for rank, state in ((0, OpState.scheduled), (1, OpState.started))
+        ]
+        finding = judged(*dumps).finding
+        assert (finding.verdict, finding.culprits) == (Verdict.gpu_compute_hang, (0,))
+        assert "never started" in finding.summary
+
+    def test_started_everywhere_names_no_gpu_hang(self) -> None:
+        group = {"0": FrProcessGroup(pg_id="0", ranks=[0, 1])}
+        dumps = [
+            FrDump(rank=rank, version="2.10", process_groups=group, cite=Citation(file=f"fr/rank{rank}"),
+                   entries=[entry(0, "0", 1, OpState.started)])  # fmt: skip
+            for rank in (0, 1)
+        ]
+        assert judged(*dumps).finding.verdict == Verdict.stuck_in_collective
