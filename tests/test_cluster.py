@@ -161,3 +161,31 @@ class TestJobWideVerdict:
         merged = job_state(local, {1: [WorkerSeen(pid=7, rank=2, host="b", at=NOW)]}, stall)
         assert sorted(w.rank for w in merged.current_workers()) == [0, 2] and merged.stall == stall
         assert [w.rank for w in local.current_workers()] == [0]  # the local state is left as it was
+
+
+class TestSequenceTails:
+    def test_another_nodes_newest_collectives_align_by_absolute_position(self) -> None:
+        """Each node reads only its own ranks' NCCL logs; the tails it shares let the leader see the divergence."""
+        import nccl_lines as L
+
+        from ncclwatch.watchdog.engine.classify import judge
+        from ncclwatch.watchdog.engine.snapshot import take_snapshot
+        from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
+
+        comm = "0x5583d3a1f0e0"
+
+        def node(rank: int, text: str) -> JobState:
+            state = JobState()
+            for event in NcclLogParser(f"node{rank}.{1000 + rank}").feed(text.encode(), final=True):
+                state.apply(event)
+            return state
+
+        zero = node(0, L.init(0, 2, comm, host="node0") + L.steps(0, comm, 40, host="node0") + L.op(0, "AllReduce", 4096, comm, host="node0"))
+        one = node(1, L.init(1, 2, comm, host="node1") + L.steps(1, comm, 40, host="node1") + L.op(1, "Broadcast", 16, comm, host="node1"))
+        tails = one.sequence_tails(8)
+        assert [t.base for t in tails] == [tails[0].base] and tails[0].base > 0 and len(tails[0].sigs) == 8
+        shared = parse_journal(encode(tails), "node 1")  # through the wire format
+        stall = Stall(at=NOW, stalled_for_s=6, stall_timeout_s=5, progress_timeout_s=600)
+        finding = judge(take_snapshot(job_state(zero, {1: shared}, stall), observed_at=NOW)).finding
+        assert finding.verdict == Verdict.collective_mismatch
+        assert finding.position == tails[0].base + 8

@@ -449,6 +449,24 @@ class ProcessState(Event):
     at: float
 
 
+class SequenceTail(Event):
+    """The newest collectives one rank issued on one NCCL communicator, as another node's sidecar shares them.
+
+    ``base`` is the absolute position of ``sigs[0]`` in the communicator's sequence, so the tail aligns
+    with full sequences read here; what came before it is unknown (no digest).
+    """
+
+    comm_key: str
+    label: str
+    nranks: int
+    comm_rank: int
+    global_rank: int | None
+    host: str
+    pid: int
+    base: int
+    sigs: list[OpSig]
+
+
 class Stall(Event):
     """The live sidecar's clock at a probe: how long nothing has moved, and the bounds it judged by.
 

@@ -14,7 +14,8 @@ the node count.  Through that store:
   node computes alike, so losing the leader makes the next node lead;
 - when a stall is probed, each sidecar sets ``evidence/<n>``: the probe's
   inputs in the journal format (workers, /proc samples, stacks, GPU sample,
-  Flight Recorder dumps trimmed to their last entries), and every sidecar
+  Flight Recorder dumps trimmed to their last entries, the newest collectives
+  of each rank's NCCL log with their absolute positions), and every sidecar
   gathers the others' to judge the whole job with the same engine.
 
 A store that cannot be reached is said (``SourceDown``) and the sidecar
@@ -44,6 +45,7 @@ EVIDENCE_WAIT_S = 4.0  # how long a probe waits for the other nodes' evidence
 FR_ENTRIES_SHARED = 32  # per process group: enough to align the pending collective across nodes
 FR_FRAMES_SHARED = 4  # entries (the newest) that keep their recorded stack
 STACK_FRAMES_SHARED = 24
+TAIL_SHARED = 64  # newest collectives per rank and NCCL communicator: the divergence is near the end
 
 
 @dataclass(frozen=True)

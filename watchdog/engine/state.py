@@ -53,6 +53,7 @@ from ncclwatch.watchdog.events import (
     RankLog,
     RasReport,
     StackDump,
+    SequenceTail,
     Stall,
     Unusable,
     WatchdogTimeout,
@@ -370,6 +371,33 @@ class JobState:
     def _on_stall(self, event: Stall) -> None:
         self.stall = event
 
+    def _on_tail(self, event: SequenceTail) -> None:
+        comm = self.comms.get(event.comm_key)
+        if comm is None:
+            comm = self.comms[event.comm_key] = Communicator(key=event.comm_key, source="nccl_log", nranks=event.nranks, label=event.label)
+        if event.comm_rank in comm.ranks:
+            return  # this node read the rank's own log: the full sequence wins
+        comm.ranks[event.comm_rank] = RankSeq(
+            comm_rank=event.comm_rank, proc=ProcKey(event.host, event.pid), file=f"{event.host}:{event.pid} (shared via the store)",
+            global_rank=event.global_rank, coll=list(event.sigs), base=event.base, digest=None,
+        )  # fmt: skip
+
+    def sequence_tails(self, length: int) -> list[SequenceTail]:
+        """This node's NCCL-log sequences, their newest ``length`` collectives each: what other nodes need to align."""
+        tails = []
+        for comm in self.comms.values():
+            if comm.source != "nccl_log":
+                continue
+            for seq in comm.ranks.values():
+                if seq.proc is None or seq.file.endswith("(shared via the store)"):
+                    continue
+                sigs = seq.coll[-length:]
+                tails.append(SequenceTail(
+                    comm_key=comm.key, label=comm.label, nranks=comm.nranks, comm_rank=seq.comm_rank, global_rank=seq.global_rank,
+                    host=seq.proc.host, pid=seq.proc.pid, base=seq.total - len(sigs), sigs=sigs,
+                ))  # fmt: skip
+        return tails
+
     def world_size(self) -> int | None:
         """The job's rank count as torchrun told the workers (WORLD_SIZE), when any worker was seen."""
         sizes = [w.world_size for w in self.workers.values() if w.world_size]
@@ -559,6 +587,7 @@ _HANDLERS = {
     ProcessState: JobState._on_process_state,
     Heartbeat: JobState._on_heartbeat,
     Stall: JobState._on_stall,
+    SequenceTail: JobState._on_tail,
     NcclWarning: lambda s, e: s.warnings.append(e) if len(s.warnings) < _MAX_NOTES else None,
     LocalPeerClosed: lambda s, e: s.peer_closed.append(e),
     WatchdogTimeout: lambda s, e: s.timeouts.append(e),

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Protocol, TextIO
 
 from ncclwatch.watchdog.cluster.judge import degraded, incident_key, job_state, with_lost_nodes
-from ncclwatch.watchdog.cluster.peers import PUBLISH_S, Cluster, Membership, NodeSummary, exchange_or_degrade
+from ncclwatch.watchdog.cluster.peers import PUBLISH_S, TAIL_SHARED, Cluster, Membership, NodeSummary, exchange_or_degrade
 from ncclwatch.watchdog.cluster.store import StoreError
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.engine.classify import Decision, judge
@@ -223,7 +223,8 @@ class Sidecar:
             return decision if cluster is None else degraded(decision, self.live.down["cluster"])
         started = self.incident.started_at if self.incident.started_at is not None else stall.at
         try:
-            await cluster.share_evidence(live_inputs(self.live.state) + self._probed + [stall], stall.at)
+            shared = live_inputs(self.live.state) + self.live.state.sequence_tails(TAIL_SHARED) + self._probed + [stall]
+            await cluster.share_evidence(shared, stall.at)
             remote = await cluster.gather_evidence(since=started)
         except StoreError as exc:
             self.emit(SourceDown(source="cluster", reason=str(exc)))

@@ -20,6 +20,7 @@ from ncclwatch.watchdog.events import (
     FrDump,
     GpuSnapshot,
     ProcessState,
+    SequenceTail,
     StackDump,
     Stall,
     Unusable,
@@ -28,9 +29,9 @@ from ncclwatch.watchdog.events import (
 )
 
 HEADER = b'{"ncclwatch_journal": 1}'
-# FrDump travels between nodes' sidecars (trimmed); on disk the dumps are files of their own.
+# FrDump and SequenceTail travel between nodes' sidecars; on disk the dumps and NCCL logs are files of their own.
 JOURNALED: dict[str, type[Event]] = {
-    cls.__name__: cls for cls in (WorkerSeen, WorkerGone, ProcessState, StackDump, GpuSnapshot, Stall, FrDump)
+    cls.__name__: cls for cls in (WorkerSeen, WorkerGone, ProcessState, StackDump, GpuSnapshot, Stall, FrDump, SequenceTail)
 }
 
 
