@@ -145,14 +145,24 @@ def _dump_fr(fr_dir, rank):
     os.replace(tmp, final)
 
 
-def _serve_fr(fd, fr_dir, rank):
-    """Dump once per read: bytes that arrive together ask for one snapshot."""
+DUMP_AT_EXIT_WAIT_S = 15.0
+
+
+def _serve_fr(fd, fr_dir, rank, dumping):
+    """Dump once per read: bytes that arrive together ask for one snapshot.
+
+    ``dumping`` is held for the length of a dump; at exit the process takes it
+    and keeps it, so it never finalises while this thread is inside torch's C++
+    (seen: "terminate called without an active exception", exit -6, when a
+    short job ended during the sidecar's first, slow dump).
+    """
     try:
         while os.read(fd, 4096):
-            try:
-                _dump_fr(fr_dir, rank)
-            except Exception:  # noqa: BLE001, S110 - a failed dump must not end the responder
-                pass
+            with dumping:
+                try:
+                    _dump_fr(fr_dir, rank)
+                except Exception:  # noqa: BLE001, S110 - a failed dump must not end the responder
+                    pass
     except Exception:  # noqa: BLE001, S110 - an uncaught error would print a traceback into the job's stderr
         pass
 
@@ -192,9 +202,15 @@ def _start_fr_responder(run_dir, rank):
         except OSError:
             pass
 
+    dumping = threading.Lock()
+
+    def finish_dump():
+        dumping.acquire(timeout=DUMP_AT_EXIT_WAIT_S)  # and keep it: no dump starts while the process ends
+
     atexit.register(remove)
+    atexit.register(finish_dump)
     os.register_at_fork(after_in_child=close_in_child)
-    threading.Thread(target=_serve_fr, args=(fd, fr_dir, rank), name="ncclwatch-fr", daemon=True).start()
+    threading.Thread(target=_serve_fr, args=(fd, fr_dir, rank, dumping), name="ncclwatch-fr", daemon=True).start()
 
 
 def _setup():
