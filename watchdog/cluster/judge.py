@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from ncclwatch.watchdog.cluster.peers import LOST_AFTER_S, Membership, NodeSummary
 from ncclwatch.watchdog.engine.classify import Decision
-from ncclwatch.watchdog.engine.detectors import Evidence, Verdict
+from ncclwatch.watchdog.engine.detectors import Fact, Verdict
 from ncclwatch.watchdog.engine.state import JobState
 from ncclwatch.watchdog.events import Event, Stall
 
@@ -52,7 +52,7 @@ def with_lost_nodes(decision: Decision, lost: dict[int, NodeSummary | None], rem
         f"{LOST_AFTER_S:.0f} s while the other nodes' ranks wait.",
         reason="The whole node is frozen, cut off the network, or its sidecar died; its ranks cannot be seen. "
         "Check the node (console, dmesg, its network) first. " + (f"Engine on the rest: {finding.summary}" if finding.summary else ""),
-        evidence=tuple(Evidence("cluster", f"node {_node(n, s)}: last summary {'never' if s is None else f'at {s.at:.0f}'}")
+        evidence=tuple(Fact("cluster", f"node {_node(n, s)}: last summary {'never' if s is None else f'at {s.at:.0f}'}")
                        for n, s in sorted(gone.items())) + finding.evidence,  # fmt: skip
     )
     return Decision(lost, page=True)

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, Evidence, Finding, Verdict
+from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, Fact, Finding, Verdict
 from ncclwatch.watchdog.engine.snapshot import Snapshot, WorkerView
 from ncclwatch.watchdog.engine.stacks import Whereabouts, whereabouts
 from ncclwatch.watchdog.engine.verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
@@ -96,7 +96,7 @@ def _stopped(workers: tuple[WorkerView, ...], finding: Finding) -> Finding | Non
         summary=f"Rank {ranks} is stopped (state T: SIGSTOP, or a debugger); its peers wait for it in{where}.",
         reason="A stopped process runs nothing, so its peers wait forever; send SIGCONT, or find who stopped it. "
         + (f"Engine: {finding.summary}" if finding.verdict in HANG_VERDICTS else ""),
-        evidence=tuple(Evidence("procfs", f"rank {w.rank}: pid {w.pid} in state {w.state}") for w in stopped) + finding.evidence,
+        evidence=tuple(Fact("procfs", f"rank {w.rank}: pid {w.pid} in state {w.state}") for w in stopped) + finding.evidence,
         missing=tuple(m for m in finding.missing if "which rank" not in m),
     )
 
@@ -114,7 +114,7 @@ def _dead(snapshot: Snapshot, finding: Finding) -> Finding | None:
         culprits=tuple(w.rank for w in gone),
         summary=f"Rank {ranks} exited while ranks {', '.join(str(w.rank) for w in alive)} still wait{stalled}.",
         reason="A rank that ends without shutting its communicators down leaves its peers waiting forever.",
-        evidence=tuple(Evidence("procfs", f"rank {w.rank}: pid {w.pid} has exited") for w in gone) + finding.evidence,
+        evidence=tuple(Fact("procfs", f"rank {w.rank}: pid {w.pid} has exited") for w in gone) + finding.evidence,
     )
 
 
@@ -159,7 +159,7 @@ def _lead_from_stacks(finding: Finding, where: Mapping[int, Whereabouts]) -> Fin
         culprits=tuple(outside),
         reason=f"Ranks {', '.join(map(str, inside))} wait inside a collective while rank {', '.join(map(str, outside))} "
         f"is in Python elsewhere ({frames}): it is the lead.",
-        evidence=finding.evidence + tuple(Evidence("py-spy", f"rank {r}: {w.kind} at {w.frame}") for r, w in sorted(where.items())),
+        evidence=finding.evidence + tuple(Fact("py-spy", f"rank {r}: {w.kind} at {w.frame}") for r, w in sorted(where.items())),
     )
 
 
@@ -258,7 +258,7 @@ def _with_where(finding: Finding, where: Mapping[int, Whereabouts]) -> Finding:
     """Put each culprit's stack frame, and the user's own frame that led there, in the evidence (people look there first)."""
     mine = lambda w: f", from {w.user_frame}" if w.user_frame and w.user_frame != w.frame else ""
     extra = tuple(
-        Evidence("py-spy", f"rank {r}: {where[r].kind} at {where[r].frame}{mine(where[r])}")
+        Fact("py-spy", f"rank {r}: {where[r].kind} at {where[r].frame}{mine(where[r])}")
         for r in finding.culprits
         if r in where and where[r].frame and not any(e.source == "py-spy" and e.fact.startswith(f"rank {r}:") for e in finding.evidence)
     )

@@ -76,7 +76,9 @@ class OpRef:
 
 
 @dataclass(frozen=True)
-class Evidence:
+class Fact:
+    """One piece of a finding's evidence: what a source showed, and where (``evidence/`` collects files, not these)."""
+
     source: str
     fact: str
     cite: Citation | None = None
@@ -84,7 +86,9 @@ class Evidence:
 
 
 @dataclass(frozen=True)
-class RankRow:
+class RankStatus:
+    """One rank's state on the finding's communicator (the report's ``RankRow`` adds the live fields)."""
+
     rank: int
     host: str | None
     pid: int | None
@@ -105,9 +109,9 @@ class Finding:
     source: str | None = None
     position: int | None = None  # 1-based sequence number of the operation in its communicator
     operation: str | None = None
-    evidence: tuple[Evidence, ...] = ()
+    evidence: tuple[Fact, ...] = ()
     missing: tuple[str, ...] = ()
-    rows: tuple[RankRow, ...] = ()
+    rows: tuple[RankStatus, ...] = ()
 
 
 # --------------------------------------------------------------------------
@@ -120,24 +124,24 @@ def names(ranks: Sequence[RankView]) -> str:
     return ("rank " if len(ids) == 1 else "ranks ") + ", ".join(map(str, ids))
 
 
-def _op_evidence(comm: CommView, rank: RankView, position: int, fact: str) -> Evidence:
+def _op_evidence(comm: CommView, rank: RankView, position: int, fact: str) -> Fact:
     if comm.source == "flight_recorder":
         op = rank.details.get(position)
         entry = f"entries[{op.line}]" if op is not None else None
-        return Evidence(comm.source, fact, Citation(file=rank.file, entry=entry))
+        return Fact(comm.source, fact, Citation(file=rank.file, entry=entry))
     ref = None
     if rank.proc is not None and rank.comm_ptr is not None:
         ref = OpRef(rank.file, rank.proc, rank.comm_ptr, "coll", None, position)
-    return Evidence(comm.source, fact, Citation(file=rank.file), ref)
+    return Fact(comm.source, fact, Citation(file=rank.file), ref)
 
 
-def _rows(comm: CommView, status: Callable[[RankView], tuple[str, str]]) -> tuple[RankRow, ...]:
+def _rows(comm: CommView, status: Callable[[RankView], tuple[str, str]]) -> tuple[RankStatus, ...]:
     rows = []
     for rank in comm.ranks:
         last = rank.at(rank.total - 1)
         text, detail = status(rank)
         rows.append(
-            RankRow(
+            RankStatus(
                 rank=rank.rank,
                 host=rank.proc.host if rank.proc else None,
                 pid=rank.proc.pid if rank.proc else None,
@@ -311,8 +315,8 @@ def _behind(comm: CommView, ranks: list[RankView]) -> Finding | None:
     for r in culprits:
         last = r.at(low - 1)
         fact = f"{r.name}'s last collective is #{low}" + (f" ({last.describe()})" if last else "")
-        evidence.append(_op_evidence(comm, r, low - 1, fact) if low else Evidence(comm.source, f"{r.name} issued no collective"))
-    evidence += [Evidence(comm.source, f"{r.name} ended the communicator ({r.end})", r.end_cite) for r in ended]
+        evidence.append(_op_evidence(comm, r, low - 1, fact) if low else Fact(comm.source, f"{r.name} issued no collective"))
+    evidence += [Fact(comm.source, f"{r.name} ended the communicator ({r.end})", r.end_cite) for r in ended]
     return _comm_finding(
         comm,
         Verdict.rank_behind,
@@ -402,14 +406,14 @@ def _compare_pair(comm: CommView, sender: RankView, receiver: RankView, sends: P
     return None
 
 
-def _p2p_evidence(comm: CommView, rank: RankView, kind: Literal["Send", "Recv"], peer: int, index: int, fact: str) -> Evidence:
+def _p2p_evidence(comm: CommView, rank: RankView, kind: Literal["Send", "Recv"], peer: int, index: int, fact: str) -> Fact:
     ref = None
     if rank.proc is not None and rank.comm_ptr is not None:
         ref = OpRef(rank.file, rank.proc, rank.comm_ptr, kind, peer, index)
-    return Evidence(comm.source, fact, Citation(file=rank.file), ref)
+    return Fact(comm.source, fact, Citation(file=rank.file), ref)
 
 
-def _waiting(comm: CommView, wait: _P2pWait) -> tuple[str, Evidence]:
+def _waiting(comm: CommView, wait: _P2pWait) -> tuple[str, Fact]:
     theirs = "Recv" if wait.missing == "Send" else "Send"
     direction = "to" if wait.missing == "Send" else "from"
     sig = wait.sig.describe() if wait.sig else "?"
@@ -465,7 +469,7 @@ def check_completion(comm: CommView) -> Finding:
             comm,
             Verdict.no_hang,
             summary=f"Every rank issued the same {total} collectives on {comm.label} and destroyed it cleanly.",
-            evidence=tuple(Evidence(comm.source, f"{r.name} destroyed the communicator", r.end_cite) for r in ranks[:4]),
+            evidence=tuple(Fact(comm.source, f"{r.name} destroyed the communicator", r.end_cite) for r in ranks[:4]),
             rows=_rows(comm, lambda r: ("ok", "destroyed")),
         )
     if comm.source == "flight_recorder":
@@ -482,7 +486,7 @@ def check_completion(comm: CommView) -> Finding:
             reason="Sequences agree; nothing in NCCL's log names a lead rank.",
             position=total or None,
             operation=(ranks[0].at(total - 1).describe() if total and ranks[0].at(total - 1) else None),
-            evidence=tuple(Evidence(comm.source, f"{r.name} aborted the communicator", r.end_cite) for r in aborted),
+            evidence=tuple(Fact(comm.source, f"{r.name} aborted the communicator", r.end_cite) for r in aborted),
             missing=("which rank stalled first: add Flight Recorder dumps, py-spy stacks or NVML samples",),
         )
     return _comm_finding(

@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import replace
 
-from ncclwatch.watchdog.engine.detectors import PRIORITY, Evidence, Finding, RankRow, Verdict
+from ncclwatch.watchdog.engine.detectors import PRIORITY, Fact, Finding, RankStatus, Verdict
 from ncclwatch.watchdog.engine.partial_rules import Facts, describe_network, judge_groups, judge_orphans, network_finding, reporter
 from ncclwatch.watchdog.engine.snapshot import Snapshot
 from ncclwatch.watchdog.events import CollectiveFingerprint, NetworkError
@@ -88,7 +88,7 @@ def detail_mismatch(facts: Facts) -> Finding | None:
             operation=_fp_text(sample),
             position=sample.seq,
             source="pytorch",
-            evidence=tuple(Evidence("pytorch", f"rank {fp.rank}: {_fp_text(fp)}", fp.cite) for fp in own.values())[:8],
+            evidence=tuple(Fact("pytorch", f"rank {fp.rank}: {_fp_text(fp)}", fp.cite) for fp in own.values())[:8],
             missing=("the logs of the other ranks, to tell which side departs",),
         )
     (common, n_common), *rest = kinds.most_common()
@@ -113,8 +113,8 @@ def detail_mismatch(facts: Facts) -> Finding | None:
         operation=" vs ".join(_fp_text(m[0][1]) for m in sides.values()),
         comm_label="the process group PyTorch checked (DETAIL reports name no group)",
         source="pytorch",
-        evidence=tuple(Evidence("pytorch", f"rank {r} runs {_fp_text(fp)}", fp.cite) for r, fp in sorted(own.items()))[:12],
-        rows=tuple(RankRow(rank=r, host=None, pid=None, issued=fp.seq, last_op=_fp_text(fp), status="mismatch" if r in culprits else "ok") for r, fp in sorted(own.items())),
+        evidence=tuple(Fact("pytorch", f"rank {r} runs {_fp_text(fp)}", fp.cite) for r, fp in sorted(own.items()))[:12],
+        rows=tuple(RankStatus(rank=r, host=None, pid=None, issued=fp.seq, last_op=_fp_text(fp), status="mismatch" if r in culprits else "ok") for r, fp in sorted(own.items())),
     )
 
 
@@ -141,8 +141,8 @@ def dead_peer(facts: Facts) -> Finding | None:
     culprits = set(dead)
     for host in peers:
         culprits |= {r for r, f in facts.failures_by_rank.items() if f.host == host and r in dead}
-    evidence = [Evidence("torchrun", f"rank {r} exited with code {f.exitcode}{_signal_name(f.exitcode)} (pid {f.pid}, host {f.host})", f.cite) for r, f in sorted(dead.items())]
-    evidence += [Evidence("network", f"{reporter(e)} lost its connection to peer {e.peer}", e.cite) for e in _first_per(closed, lambda e: (e.peer, e.rank))][:8]
+    evidence = [Fact("torchrun", f"rank {r} exited with code {f.exitcode}{_signal_name(f.exitcode)} (pid {f.pid}, host {f.host})", f.cite) for r, f in sorted(dead.items())]
+    evidence += [Fact("network", f"{reporter(e)} lost its connection to peer {e.peer}", e.cite) for e in _first_per(closed, lambda e: (e.peer, e.rank))][:8]
     if peers:
         names = ", ".join(f"{host} ({n} report{'s' if n > 1 else ''})" for host, n in peers.most_common())
         summary = f"Peer {names} closed its NCCL connections: its process most likely died (or its host dropped off the network)."
@@ -182,7 +182,7 @@ def _first_per(items: Iterable[NetworkError], key) -> list[NetworkError]:  # typ
 def _with_context(finding: Finding, facts: Facts) -> Finding:
     """Network errors and timeouts not already cited, as supporting evidence."""
     cited = {(e.cite.file, e.cite.line) for e in finding.evidence if e.cite}
-    extra = [Evidence("network", describe_network(e), e.cite) for e in facts.network if (e.cite.file, e.cite.line) not in cited][:6]
+    extra = [Fact("network", describe_network(e), e.cite) for e in facts.network if (e.cite.file, e.cite.line) not in cited][:6]
     return replace(finding, evidence=finding.evidence + tuple(extra), rows=finding.rows or facts.rows())
 
 
@@ -200,7 +200,7 @@ def _inconclusive(facts: Facts, partial_views: list[Finding]) -> Finding:
     if not facts.has_nccl:
         missing.append(TO_DECIDE["nccl"])
     evidence = tuple(e for f in partial_views for e in f.evidence)
-    evidence += tuple(Evidence("network", describe_network(e), e.cite) for e in facts.network[:6])
+    evidence += tuple(Fact("network", describe_network(e), e.cite) for e in facts.network[:6])
     return Finding(
         verdict=Verdict.inconclusive,
         summary=f"Not enough to name a culprit. Seen: {seen}",

@@ -11,7 +11,7 @@ import signal
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ncclwatch.watchdog.engine.detectors import Evidence, Finding, RankRow, Verdict
+from ncclwatch.watchdog.engine.detectors import Fact, Finding, RankStatus, Verdict
 from ncclwatch.watchdog.engine.pg_status import Group, RankInGroup, build_groups
 from ncclwatch.watchdog.engine.snapshot import Snapshot
 from ncclwatch.watchdog.events import (
@@ -98,7 +98,7 @@ class Facts:
         held = self.held_ranks()
         return [r for r in range(self.world) if r not in held]
 
-    def rows(self) -> tuple[RankRow, ...]:
+    def rows(self) -> tuple[RankStatus, ...]:
         """One row per rank: its position in each process group, its errors, or just "log held"."""
         rows: dict[int, dict] = {}
         for group in self.groups:
@@ -116,7 +116,7 @@ class Facts:
         for log in self.rank_logs:
             rows.setdefault(log.rank, {"detail": [], "status": "log held, no diagnostic"})
         return tuple(
-            RankRow(
+            RankStatus(
                 rank=r, host=None, pid=None, issued=v.get("issued"), last_op=v.get("last_op"), status=v.get("status", ""),
                 detail="; ".join(dict.fromkeys(v["detail"]))[:300],
             )
@@ -170,7 +170,7 @@ def _judge_group(group: Group, facts: Facts) -> Finding:
             operation=op,
             comm_label=group.label,
             source="pytorch",
-            evidence=tuple(Evidence("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in at_top[:12]),
+            evidence=tuple(Fact("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in at_top[:12]),
             missing=("Flight Recorder dumps (started vs scheduled names the late rank), or the network errors of each rank",),
         )
     return _seen(group, infos, f"{group.label}: ranks {ranks} wait in SeqNum {top} ({op}); no rank is seen behind it", ())
@@ -199,15 +199,15 @@ def _op_mismatch(group: Group, at_top: list[RankInGroup], top: int) -> Finding |
         operation=" vs ".join(text(k) for k, _ in ordered),
         comm_label=group.label,
         source="pytorch",
-        evidence=tuple(Evidence("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in at_top[:12]),
+        evidence=tuple(Fact("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in at_top[:12]),
     )
 
 
 def _behind(group: Group, behind: list[RankInGroup], at_top: list[RankInGroup], top: int) -> Finding:
     names = ", ".join(str(i.rank) for i in behind)
     op = at_top[0].op or "?"
-    evidence = [Evidence("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in at_top[:6]]
-    evidence += [Evidence("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in behind[:6]]
+    evidence = [Fact("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in at_top[:6]]
+    evidence += [Fact("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in behind[:6]]
     return Finding(
         verdict=Verdict.rank_behind,
         summary=f"Rank {names} never entered SeqNum {top} ({op}) on {group.label}; rank {', '.join(str(i.rank) for i in at_top)} wait in it.",
@@ -230,7 +230,7 @@ def _seen(group: Group, infos: list[RankInGroup], text: str, missing: tuple[str,
         summary=text,
         comm_label=group.label,
         source="pytorch",
-        evidence=tuple(Evidence("pytorch", f"rank {i.rank}: {i.position()} ({group.label})", c) for i, c in zip(infos, cites, strict=False))[:8],
+        evidence=tuple(Fact("pytorch", f"rank {i.rank}: {i.position()} ({group.label})", c) for i, c in zip(infos, cites, strict=False))[:8],
         missing=missing,
     )
 
@@ -260,7 +260,7 @@ def network_finding(facts: Facts) -> Finding | None:
         culprits=culprits,
         source="network",
         operation=first.status_name,
-        evidence=tuple(Evidence("network", describe_network(e), e.cite) for e in errors[:8]),
+        evidence=tuple(Fact("network", describe_network(e), e.cite) for e in errors[:8]),
         missing=(
             "which rank ran on the peer host (its log or torchrun's summary from that node)",
             "the adapters' counters on both hosts: /sys/class/infiniband/<hca>/ports/1/counters (link_downed, symbol_error)",
@@ -341,7 +341,7 @@ def _align_orphans(size: int | None, procs: dict[ProcKey, list[OrphanOps]]) -> F
         operation=ahead[0].last[-1][1].describe(),
         source="nccl_log",
         evidence=tuple(
-            Evidence("nccl_log", f"{_who(o)}: last operation {o.last[-1][1].describe()} at opCount {o.last[-1][0]:#x}", Citation(file=o.file, line=o.last[-1][2]))
+            Fact("nccl_log", f"{_who(o)}: last operation {o.last[-1][1].describe()} at opCount {o.last[-1][0]:#x}", Citation(file=o.file, line=o.last[-1][2]))
             for o in single[:12]
         ),
         missing=missing,
@@ -371,7 +371,7 @@ def _orphan_mismatch(label: str, single: list[OrphanOps]) -> Finding | None:
             operation=" vs ".join(s.describe() for s in sigs),
             source="nccl_log",
             evidence=tuple(
-                Evidence("nccl_log", f"{_who(o)}: {p[oc][0].describe()}", Citation(file=o.file, line=p[oc][1])) for o, p in zip(single, per, strict=True)
+                Fact("nccl_log", f"{_who(o)}: {p[oc][0].describe()}", Citation(file=o.file, line=p[oc][1])) for o, p in zip(single, per, strict=True)
             )[:12],
         )
     return None

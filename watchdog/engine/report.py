@@ -346,6 +346,8 @@ NEXT_STEP: dict[str, str] = {
     "progress_stalled": "read the stacks in the bundle: a checkpoint, an evaluation or a data stall that does not end",
     "network_error": "check the named adapter and its peer: InfiniBand counters, cable, switch port",
     "node_lost": "check the lost node: its sidecar, its network, whether it is up",
+    "p2p_deadlock": "reorder the send/recv pair on one side of {ranks} (one sends first), or post both with "
+    "batch_isend_irecv",
     "no_hang": "nothing to do",
     "inconclusive": "add what the report lists under 'could not see' and analyze again",
 }

@@ -14,7 +14,7 @@ import signal
 from collections import Counter
 from dataclasses import replace
 
-from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, PRIORITY, Evidence, Finding, Verdict, analyze_comm
+from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, PRIORITY, Fact, Finding, Verdict, analyze_comm
 from ncclwatch.watchdog.parsing.ras import ras_outliers
 from ncclwatch.watchdog.engine.partial import decide_partial, strong_partial
 from ncclwatch.watchdog.engine.snapshot import Snapshot
@@ -37,7 +37,7 @@ def decide(snapshot: Snapshot) -> Finding:
     if best.verdict == Verdict.inconclusive and (strong := strong_partial(snapshot)) is not None:
         return strong  # a DETAIL mismatch or a dead peer decides what aligned sequences could not
     corroborating = [
-        Evidence(f.source or "?", f"{f.comm_label}: {f.verdict.value}, culprits {list(f.culprits)} — {f.summary}")
+        Fact(f.source or "?", f"{f.comm_label}: {f.verdict.value}, culprits {list(f.culprits)} — {f.summary}")
         for f in findings[1:]
         if f.verdict in HANG_VERDICTS
     ]
@@ -62,17 +62,17 @@ def _missing_ranks(snapshot: Snapshot) -> tuple[str, ...]:
     return tuple(missing)
 
 
-def _dead_ranks(snapshot: Snapshot) -> dict[int, Evidence]:
+def _dead_ranks(snapshot: Snapshot) -> dict[int, Fact]:
     """Ranks that died on their own: torchrun's summary (not its teardown SIGTERM), peers' logs."""
     timed_out = {t.rank for t in snapshot.timeouts}
-    dead: dict[int, Evidence] = {}
+    dead: dict[int, Fact] = {}
     for failure in snapshot.failures:
         if failure.exitcode == -signal.SIGTERM or failure.rank in timed_out:
             continue  # torchrun's teardown of healthy ranks, or PyTorch's abort after a timeout
         if failure.root_cause or failure.exitcode != 0:
             dead.setdefault(
                 failure.rank,
-                Evidence("torchrun", f"rank {failure.rank} exited with code {failure.exitcode} (pid {failure.pid})", failure.cite),
+                Fact("torchrun", f"rank {failure.rank} exited with code {failure.exitcode} (pid {failure.pid})", failure.cite),
             )
     for closed in snapshot.peer_closed:
         for comm in snapshot.comms:
@@ -81,7 +81,7 @@ def _dead_ranks(snapshot: Snapshot) -> dict[int, Evidence]:
             if rank is not None and rank.end is None:
                 dead.setdefault(
                     rank.rank,
-                    Evidence("nccl_log", f"a peer's NCCL proxy saw {rank.name}'s connection close (local rank {closed.local_rank})", closed.cite),
+                    Fact("nccl_log", f"a peer's NCCL proxy saw {rank.name}'s connection close (local rank {closed.local_rank})", closed.cite),
                 )
     return dead
 
@@ -154,7 +154,7 @@ def lead_from_signatures(snapshot: Snapshot, finding: Finding) -> Finding:
             return finding
         common = NCCL_SPIN
     odd = sorted(r for r, (sig, _) in signatures.items() if sig != common)
-    facts = tuple(Evidence("nvml", f"rank {r}: GPU {sig}", c) for r, (sig, c) in sorted(signatures.items()))
+    facts = tuple(Fact("nvml", f"rank {r}: GPU {sig}", c) for r, (sig, c) in sorted(signatures.items()))
     return replace(
         finding,
         culprits=tuple(odd),
@@ -168,22 +168,22 @@ def lead_from_signatures(snapshot: Snapshot, finding: Finding) -> Finding:
 
 
 def _with_job_evidence(snapshot: Snapshot, finding: Finding) -> Finding:
-    extra: list[Evidence] = []
+    extra: list[Fact] = []
     for timeout in snapshot.timeouts[:8]:
         extra.append(
-            Evidence(
+            Fact(
                 "pytorch",
                 f"rank {timeout.rank}: PyTorch watchdog timed out in {timeout.op} (SeqNum {timeout.seq}) after {timeout.ran_ms} ms",
                 timeout.cite,
             )
         )
     for warning in [w for w in snapshot.warnings if w.category != "other"][:8]:
-        extra.append(Evidence("nccl_log", f"NCCL WARN ({warning.category}): {warning.message[:200]}", warning.cite))
+        extra.append(Fact("nccl_log", f"NCCL WARN ({warning.category}): {warning.message[:200]}", warning.cite))
     for report in snapshot.ras:
         for comm in report.communicators:
             if comm.status.upper() != "OK":
                 text = "; ".join(comm.messages[:3])
-                extra.append(Evidence("ras", f"RAS {comm.label or comm.comm_hash}: {comm.status}. {text}", report.cite))
+                extra.append(Fact("ras", f"RAS {comm.label or comm.comm_hash}: {comm.status}. {text}", report.cite))
     return replace(finding, evidence=finding.evidence + tuple(extra))
 
 
@@ -231,6 +231,6 @@ def _from_ras(report: RasReport, comm: RasCommunicator) -> Finding | None:
         comm_key=comm.comm_hash,
         comm_label=comm.label or comm.comm_hash,
         source="ras",
-        evidence=tuple(Evidence("ras", m, report.cite) for m in comm.messages[:6]),
+        evidence=tuple(Fact("ras", m, report.cite) for m in comm.messages[:6]),
         missing=("NCCL logs or Flight Recorder dumps, to name the operation and its position",),
     )
