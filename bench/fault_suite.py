@@ -64,7 +64,7 @@ from aiohttp import web
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "bench" / "gpu_job.py"
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-VERDICT_LINE = re.compile(r"^ncclwatch: ([A-Z][A-Z ]+?)(?: — culprit ranks? ([\d, ]+))?\s*$")
+VERDICT_LINE = re.compile(r"^ncclwatch: ([A-Z][A-Z0-9 ]+?)(?: — culprit ranks? ([\d, ]+))?\s*$")  # P2P DEADLOCK
 LOG_TAIL_BYTES = 256 << 10
 
 

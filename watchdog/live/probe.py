@@ -86,6 +86,7 @@ class JobProber:
         self.nccl_versions = nccl_versions
         self._primed: set[int] = set()  # worker pids whose Flight Recorder was primed
         self._ras_asked_at: tuple[tuple[int, int | None], ...] | None = None  # (pid, step) of each worker then
+        self._unanswered: set[int] = set()  # pids whose dump did not come on the last look
 
     def prime(self, workers: Sequence[WorkerView]) -> None:
         """Ask each rank for one dump while healthy: the first is slow (seconds), later ones fast."""
@@ -98,6 +99,10 @@ class JobProber:
     async def probe(self, workers: Sequence[WorkerView], with_gpus: bool) -> list[Event]:
         alive = [w for w in workers if not w.gone]
         answering = {w.rank: w.pid for w in alive if w.state not in STOPPED_STATES}
+        if not with_gpus:
+            # The confirming look, a second after the first: a rank that could not dump then (its
+            # communicator errored, it holds the GIL) will not now; waiting again only delays the page.
+            answering = {rank: pid for rank, pid in answering.items() if pid not in self._unanswered}
         dumps, stacks, gpus, ras = await asyncio.gather(
             request_dumps(self.fr_dir, answering),
             asyncio.gather(*(self._stack(w.pid) for w in alive)),
@@ -112,6 +117,8 @@ class JobProber:
                 events += read_dump(path)
             for rank, error in errors.items():
                 log.info("rank %s: no Flight Recorder dump: %s", rank, error)
+            if with_gpus:
+                self._unanswered = {answering[rank] for rank in errors}
         if isinstance(stacks, list):
             events += [event for found in stacks for event in found]
         if gpus is not None and not isinstance(gpus, BaseException):
