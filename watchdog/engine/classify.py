@@ -52,7 +52,7 @@ class Decision:
 def judge(snapshot: Snapshot) -> Decision:
     where = {w.rank: whereabouts(snapshot.stacks.get(w.pid)) for w in snapshot.workers}
     signatures = {rank: sig for rank, (sig, _) in rank_signatures(snapshot).items()}
-    finding = decide(snapshot)
+    finding = _unblame_absent(decide(snapshot), snapshot)
     special = _stopped(snapshot.workers, finding) or _dead(snapshot, finding)
     if special is not None:
         return Decision(_with_where(special, where), page=True)
@@ -81,6 +81,22 @@ def judge(snapshot: Snapshot) -> Decision:
             f"collective: a checkpoint?); reported after {stall.progress_timeout_s:.0f} s without progress",
         )
     return Decision(finding, page=finding.verdict in HANG_VERDICTS)
+
+
+def _unblame_absent(finding: Finding, snapshot: Snapshot) -> Finding:
+    """Offline, a dump that is not among the files given says nothing about its rank (only some nodes' files,
+    say); only the live watchdog, which asked every rank, may read a missing dump as a rank that cannot answer."""
+    if snapshot.stall is not None or not finding.absent or set(finding.culprits) - set(finding.absent):
+        return finding
+    ranks = ", ".join(map(str, finding.absent))
+    return replace(
+        finding,
+        culprits=(),
+        absent=(),
+        summary=finding.summary.replace(f"rank {ranks} left no Flight Recorder dump.", f"no dump of rank {ranks} was given."),
+        reason="Every rank whose dump was given waits in the collective; the ranks not seen cannot be judged.",
+        missing=finding.missing + (f"rank {ranks}: their Flight Recorder dumps (or the live watchdog's journal) would decide",),
+    )
 
 
 def _stopped(workers: tuple[WorkerView, ...], finding: Finding) -> Finding | None:

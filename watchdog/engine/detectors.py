@@ -112,6 +112,9 @@ class Finding:
     evidence: tuple[Fact, ...] = ()
     missing: tuple[str, ...] = ()
     rows: tuple[RankStatus, ...] = ()
+    # Culprits named only because their dump is absent: right when the live watchdog asked them
+    # (they could not answer), no evidence when files were merely not given (``classify.judge``).
+    absent: tuple[int, ...] = ()
 
 
 # --------------------------------------------------------------------------
@@ -559,6 +562,7 @@ def _silent_ranks(comm: CommView, ranks: list[RankView], silent: list[int], posi
         operation=sig.describe() if sig else None,
         evidence=tuple(_op_evidence(comm, r, position, f"{r.name}: collective #{position + 1} is {r.state_at(position)}") for r in ranks),
         missing=(f"Flight Recorder dumps of rank {', '.join(map(str, culprits))}",),
+        absent=culprits,
     )
 
 
