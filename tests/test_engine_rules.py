@@ -104,3 +104,15 @@ class TestNeverStartedOnGpu:
             for rank in (0, 1)
         ]
         assert judged(*dumps).finding.verdict == Verdict.stuck_in_collective
+
+
+def test_dumps_of_only_some_ranks_blame_no_absent_rank() -> None:
+    """Replaying a real 4 x H200 skip (rank 3) with only ranks 0 and 1's dumps: the others are unseen, not guilty."""
+    from pathlib import Path
+
+    from ncclwatch.watchdog.analyze import analyze_paths
+
+    capture = Path(__file__).parent / "fixtures" / "captures" / "nccl-2.28.9-h200x4" / "skip" / "fr"
+    report = analyze_paths([str(capture / "nccl_trace_rank_0"), str(capture / "nccl_trace_rank_1")])
+    assert report.culprit_ranks == []
+    assert any("rank 2, 3" in m for m in report.missing)
