@@ -5,13 +5,16 @@ Before: the project installed top-level ``watchdog`` and ``launcher`` packages;
 test builds a real venv (seeing this interpreter's packages for the
 dependencies), installs PyPI ``watchdog`` and ncclwatch (normal, then
 editable), imports both from a neutral folder, runs the CLI, uninstalls
-``watchdog`` and checks ncclwatch still runs.
+``watchdog`` and checks ncclwatch still runs.  The venv sees this test
+environment's packages (pydantic, aiohttp...) through a ``.pth`` line, not
+the base interpreter's: on a fresh machine only this environment has them.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import sysconfig
 import venv
 from pathlib import Path
 
@@ -26,8 +29,11 @@ def run(python: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]
 
 @pytest.fixture
 def env(tmp_path: Path) -> Path:
-    venv.EnvBuilder(system_site_packages=True, with_pip=True).create(tmp_path / "venv")
+    venv.EnvBuilder(with_pip=True).create(tmp_path / "venv")
     python = tmp_path / "venv" / "bin" / "python"
+    site = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path).stdout.strip()
+    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    Path(site, "test-environment.pth").write_text("".join(f"{path}\n" for path in sorted(ours)))
     got = run(python, "-m", "pip", "install", "-q", "watchdog", cwd=tmp_path)
     if got.returncode != 0 and ("No matching distribution" in got.stderr or "Could not find" in got.stderr):
         pytest.skip(f"PyPI's watchdog cannot be installed here: {got.stderr.strip()[-300:]}")
