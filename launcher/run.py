@@ -136,7 +136,7 @@ async def _operations(sidecar: Sidecar, settings: Settings, tasks: list) -> web.
 
 
 def _sidecar(settings: Settings, dirs: RunDirs, torchrun_pid: int, job_name: str, host: str, reporter: Reporter,
-             dispatcher: Dispatcher | None) -> Sidecar:  # fmt: skip
+             dispatcher: Dispatcher | None, prober: JobProber | None = None) -> Sidecar:  # fmt: skip
     """The sidecar with its real sources, prober and journal."""
     poll = settings.poll_interval
     sources = [
@@ -145,7 +145,7 @@ def _sidecar(settings: Settings, dirs: RunDirs, torchrun_pid: int, job_name: str
         HeartbeatSource(dirs.hb, interval=poll),
         NvmlSource(),
     ]
-    prober = JobProber(dirs.fr, settings.pyspy, ras_port=settings.ras_port)
+    prober = prober or JobProber(dirs.fr, settings.pyspy, ras_port=settings.ras_port)
     sidecar = Sidecar(
         settings, job_name, sources, prober, reporter, journal=Journal(dirs.journal),
         out=sys.stderr, dispatcher=dispatcher, host=host, join_cluster=Cluster,
@@ -165,7 +165,8 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
 
     host = socket.gethostname().split(".")[0]
     log_dir = torchrun_log_dir(command)
-    write_bundle = BundleWriter(settings, dirs.root, job_name, host, Path(log_dir) if log_dir else None)
+    prober = JobProber(dirs.fr, settings.pyspy, ras_port=settings.ras_port)
+    write_bundle = BundleWriter(settings, dirs.root, job_name, host, Path(log_dir) if log_dir else None, prober.unanswered)
 
     async def reporter(
         decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float, incident_key: str | None
@@ -177,7 +178,7 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
             job.terminate(grace_s=10.0)
         return written
 
-    sidecar = _sidecar(settings, dirs, job.pid, job_name, host, reporter, alerts.dispatcher)
+    sidecar = _sidecar(settings, dirs, job.pid, job_name, host, reporter, alerts.dispatcher, prober)
     ops: list[asyncio.Task] = []  # type: ignore[type-arg]
     runner = await _operations(sidecar, settings, ops)
     watching = asyncio.create_task(sidecar.run())

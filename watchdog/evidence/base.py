@@ -61,6 +61,7 @@ class EvidenceContext:
     proc_root: Path = PROC
     tail_bytes: int = 256 * 1024
     budget_s: float = 30.0
+    dumpless_pids: frozenset[int] = frozenset()  # did not answer the probe's dump request moments ago: not asked again
 
 
 def record(

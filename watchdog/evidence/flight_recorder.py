@@ -39,6 +39,9 @@ async def _one_rank(ctx: EvidenceContext, target: RankTarget) -> EvidenceRecord:
     problem = rank_problem(ctx, target)
     if problem is None and (state := proc_state(target.pid, ctx.proc_root)) in STOPPED:
         problem = f"rank {target.rank} is stopped (state {state}): it cannot answer, not triggered"
+    if problem is None and target.pid in ctx.dumpless_pids:
+        # Seen on H100 over NET/Socket: NCCL errored the communicator; asking again only cost 8 s of bundle time.
+        problem = f"rank {target.rank} did not answer the probe's dump request moments before: not asked again"
     note = None
     if problem is None:
         problem = trigger(pipe)

@@ -21,6 +21,7 @@ import sys
 import tarfile
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,6 +171,7 @@ class BundleWriter:
     job_name: str
     host: str
     worker_log_dir: Path | None = None  # torchrun's --log-dir, when the user gave one
+    dumpless: Callable[[], frozenset[int]] = frozenset  # pids whose Flight Recorder did not answer the probe
 
     async def __call__(
         self, decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float, incident_key: str | None
@@ -189,6 +191,7 @@ class BundleWriter:
             context = EvidenceContext(
                 out_dir=folder, run_dir=self.run_dir, ranks=targets, pyspy=settings.pyspy,
                 ras_port=settings.ras_port, worker_logs=worker_logs, budget_s=settings.evidence_budget,
+                dumpless_pids=self.dumpless(),
             )
             records = await collect_all(context)
             journal = self.run_dir / JOURNAL_NAME

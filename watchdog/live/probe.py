@@ -71,6 +71,10 @@ def ras_skip_reason(versions: Collection[str]) -> str | None:
 class Prober(Protocol):
     async def probe(self, workers: Sequence[WorkerView], with_gpus: bool) -> list[Event]: ...
 
+    def unanswered(self) -> frozenset[int]:
+        """Pids whose Flight Recorder did not answer the latest first look (the bundle does not ask them again)."""
+        return frozenset(self._unanswered)
+
     def prime(self, workers: Sequence[WorkerView]) -> None: ...
 
 
