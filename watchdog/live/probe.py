@@ -71,10 +71,6 @@ def ras_skip_reason(versions: Collection[str]) -> str | None:
 class Prober(Protocol):
     async def probe(self, workers: Sequence[WorkerView], with_gpus: bool) -> list[Event]: ...
 
-    def unanswered(self) -> frozenset[int]:
-        """Pids whose Flight Recorder did not answer the latest first look (the bundle does not ask them again)."""
-        return frozenset(self._unanswered)
-
     def prime(self, workers: Sequence[WorkerView]) -> None: ...
 
 
@@ -91,6 +87,10 @@ class JobProber:
         self._primed: set[int] = set()  # worker pids whose Flight Recorder was primed
         self._ras_asked_at: tuple[tuple[int, int | None], ...] | None = None  # (pid, step) of each worker then
         self._unanswered: set[int] = set()  # pids whose dump did not come on the last look
+
+    def unanswered(self) -> frozenset[int]:
+        """Pids whose Flight Recorder did not answer the latest first look (the bundle does not ask them again)."""
+        return frozenset(self._unanswered)
 
     def prime(self, workers: Sequence[WorkerView]) -> None:
         """Ask each rank for one dump while healthy: the first is slow (seconds), later ones fast."""
