@@ -57,6 +57,8 @@ import signal
 import sys
 import time
 
+from ncclwatch.launcher.demo_job import mark as demo_mark
+
 STARTED_AT = time.time()
 
 FAULTS = (
@@ -92,11 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def mark(directory: str, fault: str, rank: int, step: int) -> None:
-    path = os.path.join(directory, f"fault.{rank}")
-    with open(path + ".tmp", "w") as handle:
-        json.dump({"fault": fault, "rank": rank, "step": step, "time": time.time()}, handle)
-    os.replace(path + ".tmp", path)
-    print(f"[gpu_job] rank {rank}: fault '{fault}' at step {step}", file=sys.stderr, flush=True)
+    demo_mark(directory, fault, rank, step, job="gpu_job")
 
 
 def build_model(torch, layers: int, d_model: int, heads: int, seq: int, vocab: int):

@@ -56,12 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def mark(directory: str, fault: str, rank: int, step: int) -> None:
+def mark(directory: str, fault: str, rank: int, step: int, job: str = "demo") -> None:
+    """``<directory>/fault.<rank>``: when the rank misbehaved, for the benchmarks' latencies (also bench/gpu_job.py)."""
     path = os.path.join(directory, f"fault.{rank}")
     with open(path + ".tmp", "w") as handle:
         json.dump({"fault": fault, "rank": rank, "step": step, "time": time.time()}, handle)
     os.replace(path + ".tmp", path)
-    print(f"[demo] rank {rank}: fault '{fault}' at step {step}", file=sys.stderr, flush=True)
+    print(f"[{job}] rank {rank}: fault '{fault}' at step {step}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
