@@ -68,7 +68,6 @@ def rich() -> Health:
         culprits=(1,),
         sources_down=("nvml: NVML library not found",),
         bundles_written=2,
-        probe_bandwidth_bytes_per_s=1.5e11,
         comm_bandwidth=(CommBandwidth("process group 0 (default_pg)", "AllReduce", 3.2e11),),
         rank_perf=(RankPerf(0, 3.2e11, 0.05, None), RankPerf(1, 3.2e11, 0.9, 0.12, straggler=True)),
         arrival_skew_s=0.13,
@@ -218,11 +217,6 @@ class TestJobSeries:
         assert tuple(s.name for s in sidecar.sources) == SOURCES
         # RAS is not polled (queries crash some NCCL versions): the prober asks it once per incident.
         assert "ras" not in SOURCES and sidecar.prober.ras_port == Settings().ras_port
-
-    def test_probe_bandwidth_only_when_measured(self):
-        assert "ncclwatch_probe_bus_bandwidth_bytes_per_second" not in parsed(registry_for(health())[0])
-        registry, _ = registry_for(health(probe_bandwidth_bytes_per_s=2.5e10))
-        assert sample(registry, "ncclwatch_probe_bus_bandwidth_bytes_per_second") == 2.5e10
 
     def test_slurm_job_id_labels_every_job_series_under_slurm(self):
         registry, _ = registry_for(rich(), environ={"SLURM_JOB_ID": "4711"})

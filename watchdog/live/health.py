@@ -71,7 +71,6 @@ class Health:
     culprits: tuple[int, ...]
     sources_down: tuple[str, ...]
     bundles_written: int
-    probe_bandwidth_bytes_per_s: float | None = None  # the bus-bandwidth probe (not run yet: None)
     comm_bandwidth: tuple[CommBandwidth, ...] = ()
     rank_perf: tuple[RankPerf, ...] = ()
     arrival_skew_s: float | None = None  # the latest collective every rank arrived at: last minus first

@@ -146,8 +146,6 @@ class HealthCollector(Collector):
         down = {entry.partition(":")[0].strip() for entry in health.sources_down}
         for source in sorted(set(self._sources) | down):
             out.add("ncclwatch_source_up", 0 if source in down else 1, source=source)
-        if health.probe_bandwidth_bytes_per_s is not None:
-            out.add("ncclwatch_probe_bus_bandwidth_bytes_per_second", health.probe_bandwidth_bytes_per_s)
         _perf_series(out, health)
         return out.families()
 
@@ -177,7 +175,6 @@ _FAMILIES: dict[str, str] = {
     "ncclwatch_verdict_info": "gauge",
     "ncclwatch_bundles_written": "counter",
     "ncclwatch_source_up": "gauge",
-    "ncclwatch_probe_bus_bandwidth_bytes_per_second": "gauge",
     "ncclwatch_comm_bus_bandwidth_bytes_per_second": "gauge",
     "ncclwatch_rank_bus_bandwidth_bytes_per_second": "gauge",
     "ncclwatch_rank_last_arrival_ratio": "gauge",
@@ -208,7 +205,6 @@ _HELP: dict[str, str] = {
     "ncclwatch_verdict_info": "1 while an incident is open, labelled with its verdict and culprit ranks.",
     "ncclwatch_bundles_written": "Root-cause bundles this watchdog has written.",
     "ncclwatch_source_up": "0 while the source cannot read (NVML missing, RAS unreachable, ...), else 1.",
-    "ncclwatch_probe_bus_bandwidth_bytes_per_second": "Bus bandwidth the last probe measured, in bytes per second.",
     "ncclwatch_comm_bus_bandwidth_bytes_per_second": "Median bus bandwidth (nccl-tests' busbw) of the communicator's recent "
     "collectives of at least 1 MiB, per operation.",
     "ncclwatch_rank_bus_bandwidth_bytes_per_second": "Median bus bandwidth of the collectives the rank took part in.",
