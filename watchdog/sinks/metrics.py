@@ -60,7 +60,7 @@ from ncclwatch.watchdog.live.health import Health
 log = logging.getLogger("ncclwatch")
 
 JOB_LABEL = "job_name"
-# The sidecar's sources (watchdog/sidecar.py); Health names only those that are down.
+# The sidecar's sources (launcher/run.py _sidecar); Health names only those that are down.
 SOURCES: tuple[str, ...] = ("workers", "nccl_log", "heartbeat", "nvml")
 
 
