@@ -21,7 +21,7 @@ from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.engine.classify import Decision
 from ncclwatch.watchdog.engine.detectors import Finding, Verdict
 from ncclwatch.watchdog.engine.report import build_report
-from ncclwatch.watchdog.events import Citation, Event, Heartbeat, ProcessState, StackDump, ThreadStack, WorkerSeen
+from ncclwatch.watchdog.events import Citation, Event, Heartbeat, ProcessState, StackDump, Stall, ThreadStack, WorkerSeen
 from ncclwatch.watchdog.live.incident import CONFIRM_S, REPROBE_S, WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick
 from ncclwatch.watchdog.live.journal import Journal
 from ncclwatch.watchdog.live.sidecar import Sidecar
@@ -282,3 +282,18 @@ class TestIncidentEdges:
     def test_paged_without_progress_stays_paged(self) -> None:
         paged = Incident(Phase.paged, started_at=NOW - 6, opened_at=NOW)
         assert on_tick(paged, NOW + 60, NOW - 6, 66.0, 5.0) == (paged, [])
+
+
+def test_the_journal_starts_over_past_its_bound(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from ncclwatch.watchdog.engine.state import JobState
+    from ncclwatch.watchdog.live import journal as journal_module
+
+    monkeypatch.setattr(journal_module, "MAX_BYTES", 2000)
+    state = JobState()
+    state.apply(WorkerSeen(pid=100, rank=0, host="node1", at=NOW))
+    journal = Journal(tmp_path / "journal.jsonl")
+    for second in range(40):
+        journal.record(state, Stall(at=NOW + second, stalled_for_s=second, stall_timeout_s=5, progress_timeout_s=600))
+    events = parse_journal((tmp_path / "journal.jsonl").read_bytes(), "journal.jsonl")
+    stalls = [e for e in events if isinstance(e, Stall)]
+    assert (tmp_path / "journal.jsonl").stat().st_size <= 2000 + 400 and stalls[-1].at == NOW + 39

@@ -3,9 +3,11 @@
 Written at every probe, appended and flushed, so that a kept run folder (and
 the bundle, which copies it) lets ``ncclwatch analyze`` replay what the live
 classifier saw.  Bounded: a probe writes each current worker, its few /proc
-samples, one stack per rank and one GPU sample; probes come at most every
-second while a stall lasts.  A write that fails is logged once and the
-journal is then off: it must never stop the watch.
+samples, one stack per rank and one GPU sample (tens of KB for 8 ranks);
+probes come every 5 s while a stall is held; past ``MAX_BYTES`` (a pause held
+for hours, many incidents) the journal starts over, keeping only the newest
+probes.  A write that fails is logged once and the journal is then off: it
+must never stop the watch.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from ncclwatch.watchdog.events import Event, GpuSnapshot, Stall, WorkerGone, Wor
 from ncclwatch.watchdog.parsing.journal import HEADER, journal_line
 
 log = logging.getLogger("ncclwatch")
+
+MAX_BYTES = 64 << 20
 
 
 class Journal:
@@ -34,6 +38,8 @@ class Journal:
         if self._broken:
             return
         try:
+            if self.path.exists() and self.path.stat().st_size > MAX_BYTES:
+                self.path.unlink()  # the replay needs the latest probe, not the first hours of a held pause
             fresh = not self.path.exists()
             with self.path.open("a", encoding="utf-8") as out:
                 if fresh:
