@@ -168,6 +168,11 @@ class Cluster:
     def leader(self) -> int:
         return leader_of(self.summaries, self.me, self.clock())
 
+    def peer_suspects(self) -> bool:
+        """Some other node's sidecar is probing a stall (its latest fresh summary says so)."""
+        now = self.clock()
+        return any(s.phase in ("suspect", "confirming", "paged") and fresh(s, now) for s in self.summaries.values())
+
     def lost(self) -> dict[int, NodeSummary | None]:
         """Nodes whose sidecar has not published for LOST_AFTER_S (None: never published this round)."""
         now = self.clock()

@@ -176,7 +176,11 @@ class Sidecar:
             return
         if view.stalled_for < view.stall_timeout and view.learned_gap is not None:
             self.prober.prime(view.workers)
-        self.incident, actions = on_tick(self.incident, view.observed_at, view.last_progress, view.stalled_for, view.stall_timeout)
+        timeout = view.stall_timeout
+        if self.cluster is not None and self.cluster.peer_suspects():
+            # Another node is probing a stall and waits for this node's evidence: look now, not at our own timeout.
+            timeout = min(timeout, self.settings.stall_timeout_floor)
+        self.incident, actions = on_tick(self.incident, view.observed_at, view.last_progress, view.stalled_for, timeout)
         if self.incident.phase is Phase.suspect and actions:
             log.info("stall: nothing moved for %.1f s (stall timeout %.1f s, learned gap %s)", view.stalled_for, view.stall_timeout, view.learned_gap)
         await self._perform(actions, view)
