@@ -15,9 +15,18 @@ import shutil
 import time
 from pathlib import Path
 
+from ncclwatch.watchdog.events import STOPPED_STATES
+from ncclwatch.watchdog.evidence.base import (
+    EvidenceContext,
+    EvidenceRecord,
+    RankTarget,
+    guard,
+    placeholder,
+    rank_problem,
+    record,
+)
 from ncclwatch.watchdog.probes.flight_recorder import FR_WAIT_S, fr_files, signature, trigger, wait_for_new
-from ncclwatch.watchdog.probes.procfs import STOPPED, proc_state
-from ncclwatch.watchdog.evidence.base import EvidenceContext, EvidenceRecord, RankTarget, guard, placeholder, rank_problem, record
+from ncclwatch.watchdog.probes.procfs import proc_state
 
 TIMEOUT_S = FR_WAIT_S + 3.0  # the wait, plus copying dumps of a few MB
 
@@ -37,7 +46,7 @@ async def _one_rank(ctx: EvidenceContext, target: RankTarget) -> EvidenceRecord:
     pipe, dump = fr_files(ctx.run_dir / "fr", target.rank, target.pid)
     before = signature(dump)
     problem = rank_problem(ctx, target)
-    if problem is None and (state := proc_state(target.pid, ctx.proc_root)) in STOPPED:
+    if problem is None and (state := proc_state(target.pid, ctx.proc_root)) in STOPPED_STATES:
         problem = f"rank {target.rank} is stopped (state {state}): it cannot answer, not triggered"
     if problem is None and target.pid in ctx.dumpless_pids:
         # Seen on H100 over NET/Socket: NCCL errored the communicator; asking again only cost 8 s of bundle time.

@@ -19,9 +19,19 @@ import asyncio
 import time
 from collections.abc import Mapping
 
-from ncclwatch.watchdog.probes.procfs import STOPPED, proc_state
+from ncclwatch.watchdog.events import STOPPED_STATES
+from ncclwatch.watchdog.evidence.base import (
+    EvidenceContext,
+    EvidenceRecord,
+    RankTarget,
+    guard,
+    placeholder,
+    rank_problem,
+    record,
+    write_file,
+)
+from ncclwatch.watchdog.probes.procfs import proc_state
 from ncclwatch.watchdog.probes.pyspy import pyspy_dump
-from ncclwatch.watchdog.evidence.base import EvidenceContext, EvidenceRecord, RankTarget, guard, placeholder, rank_problem, record, write_file
 
 DUMP_TIMEOUT_S = 5.0
 NATIVE_TIMEOUT_S = 8.0  # native unwinding symbolises libtorch/libnccl on first use (1-1.3 s seen on a CUDA rank)
@@ -64,7 +74,7 @@ async def collect_stacks(ctx: EvidenceContext) -> list[EvidenceRecord]:
 
 
 async def _native(ctx: EvidenceContext, target: RankTarget, found: str | None) -> EvidenceRecord:
-    if found in STOPPED:
+    if found in STOPPED_STATES:
         started = time.monotonic()
         why = f"rank {target.rank} was stopped (state {found}) before the capture: left as found"
         rel = placeholder(ctx, f"stacks/rank{target.rank}.native.json", why)

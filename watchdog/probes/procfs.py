@@ -17,8 +17,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ncclwatch.watchdog.events import STOPPED_STATES as STOPPED
-
 PROC = Path("/proc")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 STATE_NAMES = {

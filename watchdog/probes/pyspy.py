@@ -28,7 +28,8 @@ import signal
 import sys
 from pathlib import Path
 
-from ncclwatch.watchdog.probes.procfs import STOPPED, proc_state
+from ncclwatch.watchdog.events import STOPPED_STATES
+from ncclwatch.watchdog.probes.procfs import proc_state
 
 ERROR_CHARS = 240
 
@@ -54,7 +55,7 @@ async def pyspy_dump(
     before = proc_state(pid)
     if before is None:
         return None, f"process {pid} not found"
-    if native and before in STOPPED:
+    if native and before in STOPPED_STATES:
         return None, f"process {pid} is stopped (state {before}): native dump not attempted, left as found"
     mode = "--native" if native else "--nonblocking"
     try:
@@ -105,10 +106,10 @@ def _resume_if_left_stopped(pid: int, before: str, *, killed: bool = False) -> s
     discards a pending stop signal, and is harmless to a running process.
     """
     after = proc_state(pid)
-    if before in STOPPED or after is None or not (after in STOPPED or killed):
+    if before in STOPPED_STATES or after is None or not (after in STOPPED_STATES or killed):
         return None
     try:
         os.kill(pid, signal.SIGCONT)
     except OSError as exc:
         return f"process {pid} left in state {after} after py-spy; SIGCONT failed: {exc.strerror}"
-    return f"process {pid} left in state {after} after py-spy: sent SIGCONT" if after in STOPPED else None
+    return f"process {pid} left in state {after} after py-spy: sent SIGCONT" if after in STOPPED_STATES else None

@@ -54,7 +54,7 @@ from aiohttp.abc import AbstractAccessLogger
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from ncclwatch.watchdog.server.auth import AUTH, COOKIE, Auth, install_log_redaction, is_page, require_token
+from ncclwatch.watchdog.server.auth import AUTH, COOKIE, Auth, install_log_redaction, require_token
 from ncclwatch.watchdog.server.page import esc, listing_body, page_html, report_body
 from ncclwatch.watchdog.server.view import report_view
 
