@@ -217,6 +217,7 @@ class TestSidecarTicks:
         kinds = {type(e).__name__ for e in events}
         assert {"WorkerSeen", "ProcessState", "StackDump", "Stall"} <= kinds
         assert sum(type(e).__name__ == "Stall" for e in events) == 2
+        assert WorkerSeen(pid=100, rank=0, host="node1", at=NOW) in events  # the worker exactly as its source saw it
 
 
 # -- the pure state machine ------------------------------------------------------

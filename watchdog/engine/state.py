@@ -65,6 +65,7 @@ from ncclwatch.watchdog.events import (
 DEFAULT_WINDOW = 2048
 _MAX_NOTES = 200
 _MAX_PARTIAL = 4000  # partial-evidence events kept (each is one diagnostic line, deduplicated)
+SHARED_TAIL = " (shared via the store)"  # the file of a sequence another node's sidecar shared
 SAMPLES_KEPT = 8  # /proc samples per worker (0.5 s apart live: CPU and I/O rates over ~4 s)
 
 Source = Literal["nccl_log", "flight_recorder"]
@@ -378,7 +379,7 @@ class JobState:
         if event.comm_rank in comm.ranks:
             return  # this node read the rank's own log: the full sequence wins
         comm.ranks[event.comm_rank] = RankSeq(
-            comm_rank=event.comm_rank, proc=ProcKey(event.host, event.pid), file=f"{event.host}:{event.pid} (shared via the store)",
+            comm_rank=event.comm_rank, proc=ProcKey(event.host, event.pid), file=f"{event.host}:{event.pid}{SHARED_TAIL}",
             global_rank=event.global_rank, coll=list(event.sigs), base=event.base, digest=None,
         )  # fmt: skip
 
@@ -389,7 +390,7 @@ class JobState:
             if comm.source != "nccl_log":
                 continue
             for seq in comm.ranks.values():
-                if seq.proc is None or seq.file.endswith("(shared via the store)"):
+                if seq.proc is None or seq.file.endswith(SHARED_TAIL):  # another node's: it shares its own
                     continue
                 sigs = seq.coll[-length:]
                 tails.append(SequenceTail(

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ncclwatch.watchdog.engine.state import JobState
-from ncclwatch.watchdog.events import Event, GpuSnapshot, Stall, WorkerGone, WorkerSeen
+from ncclwatch.watchdog.events import Event, GpuSnapshot, Stall, WorkerGone
 from ncclwatch.watchdog.parsing.journal import HEADER, journal_line
 
 log = logging.getLogger("ncclwatch")
@@ -54,12 +54,8 @@ def live_inputs(state: JobState) -> list[Event]:
     """The live-only inputs of the current attempt, as events: workers, /proc samples, stacks, the GPU sample."""
     events: list[Event] = []
     for worker in state.current_workers():
-        events.append(
-            WorkerSeen(
-                pid=worker.pid, rank=worker.rank, local_rank=worker.local_rank, world_size=worker.world_size,  # type: ignore[arg-type]
-                restart_count=worker.restart, host=worker.host or "", at=worker.seen_at,
-            )
-        )  # fmt: skip
+        if worker.seen is not None:  # always, for a current worker (it has a rank): the event as the source made it
+            events.append(worker.seen)
         if worker.gone_at is not None:
             events.append(WorkerGone(pid=worker.pid, rank=worker.rank, at=worker.gone_at))  # type: ignore[arg-type]
         events.extend(worker.samples)
