@@ -78,7 +78,7 @@ def analyze_paths(paths: Iterable[str], window: int = DEFAULT_WINDOW, now: float
     stdin_spool: dict[str, str] = {}  # "-" is spooled once so that it can be rescanned
     with tempfile.TemporaryDirectory(prefix="ncclwatch-analyze-") as unpacked:
         paths, bundle_notes = expand_bundles(paths, Path(unpacked))
-        inputs += [InputFile(path=note.partition(": ")[0], kinds=[], note=note.partition(": ")[2]) for note in bundle_notes]
+        inputs += [InputFile(path=tarball, kinds=[], note=note) for tarball, note in bundle_notes]
         try:
             for name, problem in iter_files(paths):
                 inputs.append(InputFile(path=name, kinds=[], note=problem) if problem else ingest_file(state, name, stdin_spool))

@@ -18,10 +18,10 @@ MAX_BYTES = 2 << 30  # a bundle is tails and dumps: megabytes; past this it is n
 TARBALL_SUFFIXES = (".tar.gz", ".tgz")
 
 
-def expand_bundles(paths: Iterable[str], into: Path) -> tuple[list[str], list[str]]:
-    """``paths`` with each tarball replaced by the folder it was unpacked into; notes on what was skipped."""
+def expand_bundles(paths: Iterable[str], into: Path) -> tuple[list[str], list[tuple[str, str]]]:
+    """``paths`` with each tarball replaced by the folder it was unpacked into; (tarball, note) on what was skipped."""
     expanded: list[str] = []
-    notes: list[str] = []
+    notes: list[tuple[str, str]] = []
     for index, raw in enumerate(paths):
         path = Path(raw)
         if not (path.name.endswith(TARBALL_SUFFIXES) and path.is_file()):
@@ -29,9 +29,9 @@ def expand_bundles(paths: Iterable[str], into: Path) -> tuple[list[str], list[st
             continue
         target = into / f"{index}-{path.name.removesuffix('.gz').removesuffix('.tar').removesuffix('.tgz')}"
         try:
-            notes += _unpack(path, target)
+            notes += [(raw, note) for note in _unpack(path, target)]
         except (OSError, tarfile.TarError) as exc:
-            notes.append(f"{raw}: not unpacked ({exc}); read as a plain file")
+            notes.append((raw, f"not unpacked ({exc}); read as a plain file"))
             expanded.append(raw)
             continue
         expanded.append(str(target))
@@ -46,10 +46,10 @@ def _unpack(path: Path, target: Path) -> list[str]:
         for member in tar:
             total += member.size
             if total > MAX_BYTES:
-                notes.append(f"{path}: unpacking stopped at {MAX_BYTES >> 20} MiB; later members not read")
+                notes.append(f"unpacking stopped at {MAX_BYTES >> 20} MiB; later members not read")
                 break
             try:
                 tar.extract(member, target, filter="data")
             except tarfile.FilterError as exc:
-                notes.append(f"{path}: member {member.name!r} refused ({exc})")
+                notes.append(f"member {member.name!r} refused ({exc})")
     return notes

@@ -1,0 +1,34 @@
+"""``ncclwatch analyze`` given a bundle: unpacked safely, a broken one said, never an exception."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+from ncclwatch.watchdog.bundles_in import expand_bundles
+
+
+def tarball(path: Path, members: dict[str, bytes]) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_a_bundle_is_read_as_the_folder_it_holds(tmp_path: Path) -> None:
+    bundle = tarball(tmp_path / "job-node1-x.tar.gz", {"job-node1-x/journal.jsonl": b'{"ncclwatch_journal": 1}\n'})
+    paths, notes = expand_bundles([str(bundle), "plain.log"], tmp_path / "out")
+    assert notes == [] and paths[1] == "plain.log"
+    assert (Path(paths[0]) / "job-node1-x" / "journal.jsonl").is_file()
+
+
+def test_escaping_members_are_refused_and_a_broken_tarball_is_said(tmp_path: Path) -> None:
+    bundle = tarball(tmp_path / "evil.tar.gz", {"../outside.txt": b"x", "ok/inside.txt": b"y"})
+    (tmp_path / "broken.tgz").write_bytes(b"not gzip")
+    paths, notes = expand_bundles([str(bundle), str(tmp_path / "broken.tgz")], tmp_path / "out")
+    assert not (tmp_path / "outside.txt").exists() and (Path(paths[0]) / "ok" / "inside.txt").is_file()
+    assert [path for path, _ in notes] == [str(bundle), str(tmp_path / "broken.tgz")]
+    assert "refused" in notes[0][1] and notes[1][1].startswith("not unpacked") and paths[1] == str(tmp_path / "broken.tgz")
