@@ -37,7 +37,6 @@ class Progress:
 
     last_progress: float | None = None
     beat_at: float | None = None  # when the step of the latest heartbeat was taken
-    step: int | None = None
     ops: int = 0
     advances: int = 0  # progress seen since the first: steps moved, NCCL batches
     gaps: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=256))  # (when, gap seconds)
@@ -93,10 +92,11 @@ class LiveJob:
             self.signals.add("nccl_log")
         elif isinstance(event, Heartbeat):
             progress = self.of(event.pid)
-            if progress.step != event.step:
+            last = self.state.worker(event.pid).step  # the state takes the new step below
+            if last != event.step:
                 # Several steps can pass between two reads of the file (it is written at most every 0.1 s).
-                moved = event.step - progress.step if progress.step is not None and event.step > progress.step else 1
-                progress.step, progress.beat_at = event.step, event.time
+                moved = event.step - last if last is not None and event.step > last else 1
+                progress.beat_at = event.time
                 # The hook's own clock, not our poll: gaps are then the job's, not the poll interval's.
                 progress.progressed(min(event.time, now), moved)
                 self.signals.add("heartbeat")
