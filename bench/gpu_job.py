@@ -15,6 +15,10 @@ Every step, on every rank:
 Sizes (``--size``; each knob can be overridden): ``tiny`` for CPU dry runs,
 ``short`` (6 layers, d_model 768, seq 256, batch 16: ~10-20 ms a step on one
 H100) and ``long`` (8 layers, d_model 1024, seq 512, batch 96: ~200 ms).
+``short_compute`` (4 layers, d_model 256, seq 1024, batch 16) is a short step
+whose gradients are small (10 MB): where two ranks share one GPU and NCCL
+moves data over its socket transport, ``short``'s 110 MB all_reduce makes the
+step network-bound (~86 ms on one H100) and hides per-step costs.
 
 At ``--fault-step`` rank ``--fault-rank`` misbehaves, after the step's
 backward and optimizer step and before its explicit collectives:
@@ -70,6 +74,7 @@ SIZES = {
     #        layers d_model heads seq batch vocab
     "tiny": (2, 64, 4, 32, 4, 512),
     "short": (6, 768, 12, 256, 16, 8192),
+    "short_compute": (4, 256, 4, 1024, 16, 4096),
     "long": (8, 1024, 16, 512, 96, 8192),
 }
 

@@ -25,6 +25,8 @@ wrapper really sets:
   debug_timing    nccl_debug + timing                   (cumulative)
   injected_env    the wrapper's whole environment       (cumulative: everything but the sidecar)
   wrapper         python -m ncclwatch torchrun          (cumulative: all of it)
+  wrapper_no_timing  the wrapper, the user having set TORCH_NCCL_ENABLE_TIMING=0 (their value wins)
+  wrapper_lean    the wrapper with TORCH_NCCL_ENABLE_TIMING=0 and NCCL_DEBUG=WARN (no per-operation lines)
 
 ``--mode fr_dump``: one-time cost of Flight Recorder: the job under plain
 torchrun with the wrapper's environment; once every rank's heartbeat passed
@@ -68,14 +70,22 @@ INJECTED_SUBSETS = {
     "debug_timing": ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE", "TORCH_NCCL_ENABLE_TIMING"),
 }
 FIXED = {"fr_off": {"TORCH_FR_BUFFER_SIZE": "0"}, "fr_20000": {"TORCH_FR_BUFFER_SIZE": "20000"}}
-CONFIGS = (*INJECTED_SUBSETS, *FIXED, "injected_env", "wrapper")
+# The wrapper under a user environment that turns one of its signals off (the user's value wins).
+WRAPPED = {
+    "wrapper": {},
+    "wrapper_no_timing": {"TORCH_NCCL_ENABLE_TIMING": "0"},
+    "wrapper_lean": {"TORCH_NCCL_ENABLE_TIMING": "0", "NCCL_DEBUG": "WARN"},
+}
+CONFIGS = (*INJECTED_SUBSETS, *FIXED, "injected_env", *WRAPPED)
 
 
 def config_env(config: str, work: Path) -> dict[str, str]:
     """The environment of one configuration (``baseline``: the plain one)."""
     env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1"}
-    if config in ("baseline", "wrapper"):
+    if config == "baseline":
         return env
+    if config in WRAPPED:
+        return {**env, **WRAPPED[config]}
     if config in FIXED:
         return {**env, **FIXED[config]}
     full = injected_env(env, RunDirs.create(work / "run"))
@@ -92,7 +102,7 @@ def command(config: str, args: argparse.Namespace, size: str, work: Path, steps:
         f"--steps={steps or (args.long_steps if long else args.steps)}",
         f"--warmup-steps={10 if long else args.warmup_steps}",
     ]  # fmt: skip
-    if config == "wrapper":
+    if config in WRAPPED:
         return [sys.executable, "-m", "ncclwatch", "--bundle-dir", str(work / "bundles"), *torchrun]
     return torchrun
 
@@ -295,7 +305,8 @@ def main() -> int:
     else:
         if args.mode == "ab":
             ab = ("baseline", "wrapper")
-            plan = [(size, n, config) for size in sizes for n in range(args.pairs) for config in ab]
+            # Pairs of every size alternate, so a budget cut leaves each size the same number of pairs.
+            plan = [(size, n, config) for n in range(args.pairs) for size in sizes for config in ab]
         else:
             configs = ("baseline", *args.configs.split(","))
             plan = [(sizes[0], n, config) for n in range(args.rounds) for config in configs]
