@@ -34,7 +34,7 @@ from ncclwatch.watchdog.engine.snapshot import Snapshot
 from ncclwatch.watchdog.live.bundle import BundleWriter
 from ncclwatch.watchdog.live.job import LiveView
 from ncclwatch.watchdog.live.journal import Journal
-from ncclwatch.watchdog.live.probe import JobProber
+from ncclwatch.watchdog.live.probe import JobProber, comm_errored
 from ncclwatch.watchdog.live.sidecar import Reporter, Sidecar
 from ncclwatch.watchdog.server.app import make_app, start_server, stop_server
 from ncclwatch.watchdog.sinks.delivery import Dispatcher, sinks_from_settings, spool_dir_for
@@ -152,6 +152,7 @@ def _sidecar(settings: Settings, dirs: RunDirs, torchrun_pid: int, job_name: str
     )  # fmt: skip
     # RAS is asked only on NCCL versions known to survive it: the versions the job's NCCL logs name.
     prober.nccl_versions = lambda: {p.nccl_version for p in sidecar.live.state.procs.values() if p.nccl_version}
+    prober.nccl_errored = lambda: comm_errored(sidecar.live.state.warnings)
     return sidecar
 
 

@@ -6,7 +6,12 @@ confirming look, which reuses it) an NVML sample.  Each piece is bounded in
 time; one that fails is a missing piece of evidence (logged), never an
 exception: the classifier then sees less, and says so ("blind").
 A stopped rank is not asked for a dump: it cannot answer, and waiting for
-it would only delay the verdict.
+it would only delay the verdict.  Once NCCL has reported a communicator
+error in the job's logs (a network WARN: "message truncated", "remote
+process exited"), dumps are waited for ``ERRORED_DUMP_WAIT_S``
+instead of ``DUMP_WAIT_S``: on the H100 suite no rank answered within 3 s
+in that state (torch's watchdog is busy failing the communicator), and the
+NCCL logs already hold the sequences the verdict needs.
 
 NCCL RAS is asked once per incident, on its first look, and only when the
 job's NCCL version is known and not one whose RAS thread was seen crashing
@@ -24,7 +29,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ncclwatch.watchdog.engine.snapshot import WorkerView
-from ncclwatch.watchdog.events import STOPPED_STATES, Citation, Event, Unusable
+from ncclwatch.watchdog.events import STOPPED_STATES, Citation, Event, NcclWarning, Unusable, WarningCategory
 from ncclwatch.watchdog.parsing.pyspy import parse_pyspy
 from ncclwatch.watchdog.parsing.ras import parse_ras
 from ncclwatch.watchdog.sources.flight_recorder import prime, read_dump, request_dumps
@@ -33,6 +38,8 @@ from ncclwatch.watchdog.sources.gpus import gpu_snapshot
 log = logging.getLogger("ncclwatch")
 
 STACK_TIMEOUT_S = 5.0
+DUMP_WAIT_S = 3.0  # a primed rank dumps in 0.02-1 s (H200, H100)
+ERRORED_DUMP_WAIT_S = 1.0
 RAS_QUERY_S = 4.0  # the whole query; RAS answers in milliseconds when it answers at all
 RAS_SERVER_TIMEOUT_S = 3  # how long the RAS server waits for its peers before replying
 RAS_FIRST = (2, 24, 0)  # NCCL starts a RAS thread from 2.24
@@ -68,6 +75,11 @@ def ras_skip_reason(versions: Collection[str]) -> str | None:
     return None
 
 
+def comm_errored(warnings: Sequence[NcclWarning]) -> bool:
+    """Whether NCCL reported a network failure of a communicator (its WARN lines), so dumps are unlikely."""
+    return any(warning.category is WarningCategory.network for warning in warnings)
+
+
 class Prober(Protocol):
     async def probe(self, workers: Sequence[WorkerView], with_gpus: bool) -> list[Event]: ...
 
@@ -77,13 +89,15 @@ class Prober(Protocol):
 class JobProber:
     def __init__(
         self, fr_dir: Path, pyspy: str | None, ras_port: int | None = None,
-        nccl_versions: Callable[[], Collection[str]] = tuple,
+        nccl_versions: Callable[[], Collection[str]] = tuple, nccl_errored: Callable[[], bool] = bool,
     ) -> None:  # fmt: skip
-        """``ras_port`` None: never ask RAS; ``nccl_versions``: the job's NCCL versions as its logs say them."""
+        """``ras_port`` None: never ask RAS; ``nccl_versions``: the job's NCCL versions as its logs say them;
+        ``nccl_errored``: whether those logs reported a communicator error (shortens the wait for dumps)."""
         self.fr_dir = fr_dir
         self.pyspy = pyspy
         self.ras_port = ras_port
         self.nccl_versions = nccl_versions
+        self.nccl_errored = nccl_errored
         self._primed: set[int] = set()  # worker pids whose Flight Recorder was primed
         self._ras_asked_at: tuple[tuple[int, int | None], ...] | None = None  # (pid, step) of each worker then
         self._unanswered: set[int] = set()  # pids whose dump did not come on the last look
@@ -108,7 +122,7 @@ class JobProber:
             # communicator errored, it holds the GIL) will not now; waiting again only delays the page.
             answering = {rank: pid for rank, pid in answering.items() if pid not in self._unanswered}
         dumps, stacks, gpus, ras = await asyncio.gather(
-            request_dumps(self.fr_dir, answering),
+            request_dumps(self.fr_dir, answering, ERRORED_DUMP_WAIT_S if self.nccl_errored() else DUMP_WAIT_S),
             asyncio.gather(*(self._stack(w.pid) for w in alive)),
             gpu_snapshot() if with_gpus else asyncio.sleep(0),
             self._ras(alive) if with_gpus else asyncio.sleep(0, []),

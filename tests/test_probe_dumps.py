@@ -1,0 +1,57 @@
+"""How long the prober waits for Flight Recorder dumps: shorter once NCCL reported a communicator error.
+
+A real FIFO with a reader that never dumps (a rank whose torch watchdog is
+busy failing its communicator, as seen over NET/Socket on the H100 suite),
+and the real NCCL WARN line of that run parsed by the real parser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from ncclwatch.watchdog.engine.snapshot import WorkerView
+from ncclwatch.watchdog.events import NcclWarning
+from ncclwatch.watchdog.live.probe import DUMP_WAIT_S, ERRORED_DUMP_WAIT_S, JobProber, comm_errored
+from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
+
+TRUNCATED = (
+    b"vm:2072:2301 [0] include/socket.h:409 NCCL WARN NET/Socket : peer 192.0.2.2<37060> message truncated : "
+    b"receiving 1048576 bytes instead of 65536. If you believe your socket network is in a healthy state, there may be "
+    b"a mismatch in collective sizes or environment settings (e.g. NCCL_PROTO, NCCL_ALGO) between ranks\n"
+)
+CUDA_OOM = b"vm:2072:2072 [0] enqueue.cc:1500 NCCL WARN Cuda failure 2 'out of memory'\n"
+
+
+def warnings_of(line: bytes) -> list[NcclWarning]:
+    parser = NcclLogParser("vm.2072")
+    return [event for event in parser.feed(line) if isinstance(event, NcclWarning)]
+
+
+def test_a_network_warn_is_a_communicator_error_and_a_cuda_one_is_not() -> None:
+    assert comm_errored(warnings_of(TRUNCATED))
+    assert not comm_errored(warnings_of(CUDA_OOM))
+    assert not comm_errored([])
+
+
+@pytest.mark.parametrize("errored, wait_s", [(False, DUMP_WAIT_S), (True, ERRORED_DUMP_WAIT_S)])
+def test_a_rank_that_never_dumps_is_waited_for_less_once_nccl_reported_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, errored: bool, wait_s: float
+) -> None:
+    pid = os.getpid()
+    fifo = tmp_path / f"ncclwatch_pipe.{pid}"
+    os.mkfifo(fifo, 0o600)
+    reader = os.open(fifo, os.O_RDWR)  # alive, never answers
+    try:
+        prober = JobProber(tmp_path, pyspy=str(tmp_path / "no-py-spy"), nccl_errored=lambda: errored)
+        worker = WorkerView(rank=0, pid=pid, local_rank=0, world_size=1, host="vm", state="S",
+                            cpu_share=0.0, io_rate=0.0, step=5, gone=False)  # fmt: skip
+        with caplog.at_level(logging.INFO, logger="ncclwatch"):
+            asyncio.run(prober.probe([worker], with_gpus=False))
+        assert f"no new dump within {wait_s:g} s of the trigger" in caplog.text
+    finally:
+        os.close(reader)
