@@ -377,12 +377,24 @@ def test_fr_responder_dumps_a_rank_blocked_in_gloo(dirs: RunDirs, tmp_path: Path
         pid0 = int((dirs.root / "ready_0").read_text())
         pipes = sorted(p.name for p in dirs.fr.glob("ncclwatch_pipe.*"))
         assert len(pipes) == 2 and f"ncclwatch_pipe.{pid0}" in pipes  # none for torchrun itself
-        time.sleep(0.3)  # let rank 0 get into the all_reduce
-        fd = os.open(dirs.fr / f"ncclwatch_pipe.{pid0}", os.O_WRONLY | os.O_NONBLOCK)
-        os.write(fd, b"x")
-        os.close(fd)
         dump = dirs.fr / "ncclwatch_trace_0"
-        wait_for(dump.exists, 10, "the dump")
+
+        def dump_once_inside_the_all_reduce() -> bool:
+            # Rank 0 wrote "ready" just before its second all_reduce: on a loaded machine a dump
+            # taken at once may predate it, so ask again until the dump shows it enqueued.
+            def written() -> tuple[int, int] | None:
+                return (dump.stat().st_ino, dump.stat().st_mtime_ns) if dump.exists() else None
+
+            before = written()
+            fd = os.open(dirs.fr / f"ncclwatch_pipe.{pid0}", os.O_WRONLY | os.O_NONBLOCK)
+            os.write(fd, b"x")
+            os.close(fd)
+            wait_for(lambda: written() not in (None, before), 10, "the dump")
+            time.sleep(0.05)  # written by os.replace: whole once it exists
+            [fr] = parse_flight_recorder(dump.read_bytes(), dump.name)
+            return fr.process_groups["0"].last_enqueued == 2
+
+        wait_for(dump_once_inside_the_all_reduce, 20, "a dump inside rank 0's second all_reduce")
         assert not (dirs.fr / "ncclwatch_trace_1").exists()
         [fr] = parse_flight_recorder(dump.read_bytes(), dump.name)
         assert fr.rank == 0
