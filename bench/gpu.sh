@@ -7,6 +7,7 @@
 #   bash bench/gpu.sh faults   [bench/fault_suite.py args...]
 #   bash bench/gpu.sh overhead [bench/overhead_ab.py args...]
 #   bash bench/gpu.sh latency  [bench/latency.py args...]   (the demo-job suite, one rank per GPU)
+#   bash bench/gpu.sh slow_links [bench/slow_links.py args...]   (issue 14: preflight, straggler, slow link)
 set -euo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
@@ -49,7 +50,8 @@ case $what in
     faults) script=bench/fault_suite.py ;;
     overhead) script=bench/overhead_ab.py ;;
     latency) script=bench/latency.py; set -- --nproc "$(nvidia-smi -L | wc -l)" --out "$OUT/latency.jsonl" "$@" ;;
-    *) echo "unknown benchmark: $what (faults, overhead, latency)" >&2; exit 2 ;;
+    slow_links) script=bench/slow_links.py; set -- "$OUT/slow_links" "$@" ;;
+    *) echo "unknown benchmark: $what (faults, overhead, latency, slow_links)" >&2; exit 2 ;;
 esac
 set +e
 python3 "$script" "$@" 2>&1 | tee -a "$log"
