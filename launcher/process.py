@@ -23,6 +23,9 @@ Traps this module handles, each seen on torch 2.13:
 * torchrun exits 1 whatever code a worker failed with (a worker exiting 3
   gives 1) and 1 on SIGTERM; only a signal that kills torchrun itself gives a
   negative ``returncode``, which ``exit_status`` maps to 128+N as a shell does.
+* torchrun answers the SIGTERM of ``terminate`` with a ~30-line traceback;
+  started with ``hide_shutdown_noise``, its stderr goes through a relay that
+  hides that answer only (``launcher/shutdown_noise.py``).
 
 The job's processes are told from the caller's own helpers by process group:
 everything the job starts is outside ours (torchrun's group, the workers'
@@ -40,6 +43,8 @@ import subprocess
 import time
 
 import psutil
+
+from ncclwatch.launcher.shutdown_noise import StderrRelay
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
@@ -73,21 +78,31 @@ class JobProcess:
 
     def __init__(self) -> None:
         self._popen: subprocess.Popen[bytes] | None = None
+        self._stderr: StderrRelay | None = None
         self.subreaper = False
 
-    def start(self, argv: list[str], env: dict[str, str]) -> int:
+    def start(self, argv: list[str], env: dict[str, str], *, hide_shutdown_noise: bool = False) -> int:
         """Spawn ``argv`` with ``env`` in its own process group; return its pid.
 
-        stdin, stdout, stderr and the working folder are ours, unchanged.
-        Raises ``OSError`` (``FileNotFoundError`` for a missing command) as
+        stdin, stdout, stderr and the working folder are ours, unchanged,
+        except that with ``hide_shutdown_noise`` (``--on-hang kill``) stderr
+        goes through a ``StderrRelay`` that hides torchrun's answer to
+        ``terminate`` (then call ``close_stderr`` at the end).  Raises
+        ``OSError`` (``FileNotFoundError`` for a missing command) as
         ``subprocess.Popen`` does.
         """
         if self._popen is not None:
             raise RuntimeError("JobProcess already started")
         self.subreaper = become_subreaper()
+        self._stderr = StderrRelay() if hide_shutdown_noise else None
         # process_group=0: setpgid(0, 0) in the child before exec, so the
         # group exists before torchrun can start anything.
-        self._popen = subprocess.Popen(argv, env=env, process_group=0)
+        try:
+            stderr = None if self._stderr is None else self._stderr.child_fd
+            self._popen = subprocess.Popen(argv, env=env, process_group=0, stderr=stderr)
+        finally:
+            if self._stderr is not None:
+                self._stderr.close_child_end()
         return self._popen.pid
 
     @property
@@ -134,9 +149,14 @@ class JobProcess:
         return popen.wait()
 
     def forward_signals(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Pass SIGINT, SIGTERM, SIGHUP and SIGQUIT on to torchrun, which passes them to workers."""
+        """Pass SIGINT, SIGTERM, SIGHUP and SIGQUIT on to torchrun, which passes them to workers.
+
+        A terminal's new size goes to the job's pseudo-terminal, when it has one.
+        """
         for sig in FORWARDED_SIGNALS:
             loop.add_signal_handler(sig, self.send_signal, sig)
+        if self._stderr is not None and self._stderr.is_terminal:
+            loop.add_signal_handler(signal.SIGWINCH, self._stderr.copy_window_size)
 
     def send_signal(self, sig: int) -> None:
         """Signal torchrun if it still runs (never a reaped, possibly reused pid)."""
@@ -160,8 +180,11 @@ class JobProcess:
         Returns at once (the SIGKILL is scheduled on the running loop), so the
         caller keeps awaiting ``wait()``.  The SIGKILL covers torchrun's group
         and every descendant outside our group: workers (own sessions) that a
-        stuck torchrun would never kill.
+        stuck torchrun would never kill.  What torchrun prints in answer is
+        hidden if started with ``hide_shutdown_noise``.
         """
+        if self._stderr is not None:
+            self._stderr.hide_shutdown_noise()
         self.send_signal(signal.SIGTERM)
         asyncio.get_running_loop().call_later(grace_s, self._kill_leftovers)
 
@@ -189,6 +212,11 @@ class JobProcess:
         for proc in self._leftovers():
             _exited(proc)
         return sorted(proc.pid for proc in procs)
+
+    def close_stderr(self) -> None:
+        """After ``reap_orphans``: the job's last stderr output, relayed before the caller says more (if relayed)."""
+        if self._stderr is not None:
+            self._stderr.close()
 
     def _leftovers(self) -> list[psutil.Process]:
         """The job's processes still present (zombies included, so waiting reaps them)."""

@@ -1,8 +1,10 @@
 """``ncclwatch [OPTIONS] torchrun ...``: run the job as torchrun would, with the sidecar beside it.
 
 Top to bottom: make the run folder, start torchrun with the injected
-environment (its own output, signals forwarded), start the sidecar, wait for
-torchrun, stop the sidecar (bounded), reap anything left behind, and exit
+environment (its own output, signals forwarded; with ``--on-hang kill`` its
+stderr through a relay that hides torchrun's answer to being ended), start
+the sidecar, wait for torchrun, stop the sidecar (bounded), reap anything
+left behind, relay the job's last stderr output, and exit
 with torchrun's status (``EXIT_KILLED_ON_HANG`` when ``--on-hang kill`` ended
 the job).  The run folder (a temp folder) is removed at the end, after a hang
 too (the bundle holds its evidence), unless ``--keep-run-dir`` or ``--run-dir``:
@@ -160,7 +162,8 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     root = settings.run_dir or Path(tempfile.mkdtemp(prefix=f"ncclwatch-{os.getpid()}-"))
     dirs = RunDirs.create(root)
     job = JobProcess()
-    job.start(command, injected_env(os.environ, dirs, wrapper_pid=os.getpid()))
+    env = injected_env(os.environ, dirs, wrapper_pid=os.getpid())
+    job.start(command, env, hide_shutdown_noise=settings.on_hang == "kill")
     job.forward_signals(asyncio.get_running_loop())
     killed: list[bool] = []
 
@@ -193,6 +196,7 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     if runner is not None:
         await stop_server(runner)
     leftovers = job.reap_orphans()
+    job.close_stderr()
     if leftovers:
         print(f"ncclwatch: killed {len(leftovers)} process(es) the job left behind: {leftovers}", file=sys.stderr)
     if returncode == 0 and not killed:
