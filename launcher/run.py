@@ -36,6 +36,7 @@ from ncclwatch.watchdog.engine.snapshot import Snapshot
 from ncclwatch.watchdog.live.bundle import BundleWriter
 from ncclwatch.watchdog.live.job import LiveView
 from ncclwatch.watchdog.live.journal import Journal
+from ncclwatch.watchdog.live.perf import perf_watch
 from ncclwatch.watchdog.live.probe import JobProber, comm_errored
 from ncclwatch.watchdog.live.sidecar import Reporter, Sidecar
 from ncclwatch.watchdog.server.app import make_app, start_server, stop_server
@@ -170,7 +171,10 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     host = socket.gethostname().split(".")[0]
     log_dir = torchrun_log_dir(command)
     prober = JobProber(dirs.fr, settings.pyspy, ras_port=settings.ras_port)
-    write_bundle = BundleWriter(settings, dirs.root, job_name, host, Path(log_dir) if log_dir else None, prober.unanswered)
+    perf = perf_watch(settings.perf_interval, dirs.fr, dirs.nccl)
+    write_bundle = BundleWriter(
+        settings, dirs.root, job_name, host, Path(log_dir) if log_dir else None, prober.unanswered, perf.findings
+    )
 
     async def reporter(
         decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float, incident_key: str | None
@@ -183,6 +187,7 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
         return written
 
     sidecar = _sidecar(settings, dirs, job.pid, job_name, host, reporter, alerts.dispatcher, prober)
+    sidecar.perf = perf
     ops: list[asyncio.Task] = []  # type: ignore[type-arg]
     runner = await _operations(sidecar, settings, ops)
     watching = asyncio.create_task(sidecar.run())

@@ -15,11 +15,12 @@ import sys
 import textwrap
 
 import pytest
+from conftest import NOW
 
 from ncclwatch.watchdog.engine.bandwidth import match_collectives
 from ncclwatch.watchdog.engine.perf import PerfKind
-from ncclwatch.watchdog.engine.stragglers import arrival_rounds, heartbeat_rounds, last_arrivals, stragglers
-from ncclwatch.watchdog.events import FrDump
+from ncclwatch.watchdog.engine.stragglers import arrival_rounds, arrival_series, heartbeat_rounds, last_arrivals, stragglers
+from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, OpState
 from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
 
 
@@ -57,6 +58,47 @@ class TestLastArrivals:
     def test_heartbeat_rounds_keep_only_steps_every_rank_reported(self):
         beats = {0: [(1, 10.0), (2, 11.0), (3, 12.0)], 1: [(1, 10.1), (3, 12.5)]}
         assert heartbeat_rounds(beats) == [{0: 10.0, 1: 10.1}, {0: 12.0, 1: 12.5}]
+
+
+def step_dumps(steps: int, late_rank: int, late_s: float = 0.05) -> list[FrDump]:
+    """Two ranks, steps 0.2 s apart of a gradient all-reduce, a loss all-reduce and a broadcast (gloo entries).
+
+    ``late_rank`` enters each step's gradient all-reduce ``late_s`` after the other, which waits inside it;
+    the step's other collectives they enter together.
+    """
+    shapes = (("AllReduce", 1 << 20), ("AllReduce", 64), ("Broadcast", 4))
+    dumps = []
+    for rank in (0, 1):
+        entries = []
+        for step in range(steps):
+            for i, (op, numel) in enumerate(shapes):
+                seq = 3 * step + i + 1
+                first = late_s if rank == late_rank else 0.0
+                at = step * 0.2 + (late_s + 0.001 * i if i else first)
+                entries.append(FrEntry(index=seq, pg_id="0", collective_seq_id=seq, profiling_name=op, op=op, is_p2p=False,
+                                       input_sizes=[[numel]], output_sizes=[[numel]], input_dtypes=["Float"],
+                                       output_dtypes=["Float"], state=OpState.scheduled,
+                                       time_created_ns=int((NOW + at) * 1e9) + rank * 1000))  # fmt: skip
+        dumps.append(FrDump(rank=rank, version="2.10", process_groups={}, entries=entries, cite=Citation(file=f"fr_{rank}")))
+    return dumps
+
+
+class TestArrivalSeries:
+    def test_each_recurring_collective_is_a_series_named_for_people(self):
+        series = arrival_series(match_collectives(step_dumps(12, late_rank=1)))
+        assert list(series) == ["AllReduce (4.0 MiB) of process group 0", "AllReduce (256 B) of process group 0",
+                                "Broadcast (16 B) of process group 0"]  # fmt: skip
+        assert all(len(rounds) == 12 for rounds in series.values())
+
+    def test_late_at_a_step_first_collective_only_is_a_straggler_there_not_over_all_collectives(self):
+        timings = match_collectives(step_dumps(20, late_rank=1))
+        assert stragglers(last_arrivals(arrival_rounds(timings), source="arrival")) == []  # last in a third of them
+        series = arrival_series(timings)
+        what = "AllReduce (4.0 MiB) of process group 0"
+        (finding,) = stragglers(last_arrivals(series[what], source="arrival", what=what))
+        assert finding.ranks == (1,)
+        assert "was last in 20 of the last 20 collectives at AllReduce (4.0 MiB) of process group 0" in finding.summary
+        assert [stragglers(last_arrivals(rounds, source="arrival")) for name, rounds in series.items() if name != what] == [[], []]
 
 
 JOB = textwrap.dedent(

@@ -188,6 +188,7 @@ def add_watch_options(parser: argparse.ArgumentParser) -> None:
     add("--token-file", metavar="FILE")
     add("--public-url", metavar="URL")
     add("--metrics-textfile", metavar="FILE.prom")
+    add("--perf-interval", type=float, metavar="SECONDS")
     parser.add_argument("--config", metavar="FILE", help="TOML file with any of these settings")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the watchdog's reasoning to stderr")
     parser.add_argument("--job-name", metavar="NAME", help="names bundles (default: the training script's name)")

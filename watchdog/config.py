@@ -84,6 +84,12 @@ class Settings(BaseSettings):
     metrics_textfile: Path | None = Field(None, description="also write metrics to this file for node_exporter's textfile collector")
 
     # Slow, not hung (engine/perf.py): reported and exported always, paged only when asked.
+    perf_interval: float = Field(
+        60.0,
+        ge=0,
+        description="seconds between looks at bandwidth, arrival skew and transports while the job is healthy; each "
+        "look asks every rank for one Flight Recorder dump (a background thread in the rank, milliseconds); 0: off",
+    )
     page_on_slow: bool = Field(False, description="page for a slow collective, a slow link or an InfiniBand port finding")
     page_on_straggler: bool = Field(False, description="page for a rank last by a margin in most recent steps")
     page_on_transport: bool = Field(False, description="page for a node on another NCCL transport than its peers")

@@ -302,7 +302,7 @@ def _slow_running(timings, groups, now_ns, hosts, links, ratio, min_history, min
 def _slow_finding(t: CollectiveTiming, measured: float, usual: float, hosts, links, running_s: float | None) -> PerfFinding:  # type: ignore[no-untyped-def]
     ranks = tuple(sorted(t.arrivals))
     host_names, link_names = where(ranks, hosts, links)
-    what = f"{t.op} #{t.seq} of process group {t.pg} ({_size(t.nbytes)}, {t.nranks} ranks)"
+    what = f"{t.op} #{t.seq} of process group {t.pg} ({size_text(t.nbytes)}, {t.nranks} ranks)"
     if running_s is None:
         summary = f"{what} ran at {gbps(measured)} bus bandwidth, {measured / usual:.0%} of its usual {gbps(usual)}"
     else:
@@ -380,7 +380,8 @@ def _link_finding(op: str, ranks: list[int], slow: set[str], medians: Mapping[st
     )
 
 
-def _size(nbytes: int | None) -> str:
+def size_text(nbytes: int | None) -> str:
+    """``1.0 MiB``, ``512 B``; ``size unknown`` for None."""
     if nbytes is None:
         return "size unknown"
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):

@@ -59,6 +59,21 @@ class EvidenceFile(BaseModel):
     duration_s: float | None = None
 
 
+class PerfNote(BaseModel):
+    """A performance finding (``engine/perf.py``) the live watchdog held when the report was written: not the verdict."""
+
+    kind: str  # slow_collective, slow_link, straggler, transport_anomaly, ib_port
+    key: str
+    summary: str
+    detail: str
+    ranks: list[int] = Field(default_factory=list)
+    hosts: list[str] = Field(default_factory=list)
+    links: list[str] = Field(default_factory=list)
+    communicator: str | None = None
+    measured: float | None = None
+    expected: float | None = None
+
+
 class InputFile(BaseModel):
     path: str
     kinds: list[str]
@@ -94,6 +109,11 @@ class Report(BaseModel):
         None, description="the same on every node of a multi-node job for one hang (job round + stalled collective): the alert's dedup key"
     )
     headline: str | None = Field(None, description="one sentence: what happened, which rank, where in its code, what to do next")
+    performance: list[PerfNote] = Field(
+        default_factory=list,
+        description="slow collectives and links, stragglers, transport and InfiniBand port findings of the live watchdog's "
+        "latest look before the hang (none from ncclwatch analyze)",
+    )
 
     @property
     def exit_code(self) -> int:
@@ -228,7 +248,11 @@ def render_text(report: Report, max_evidence: int = 12, columns: int = TERMINAL_
                 lines += _wrap(item.cite, columns, "      ")
         if len(report.evidence) > max_evidence:
             lines.append(f"  ... {len(report.evidence) - max_evidence} more (--json shows all)")
-    for title, items in (("could not see", report.missing), ("notes", report.notes)):
+    for title, items in (
+        ("could not see", report.missing),
+        ("notes", report.notes),
+        ("performance (before the hang)", [f"[{p.kind}] {p.summary}" for p in report.performance]),
+    ):
         if items:
             lines.append("")
             lines.append(f"{title}:")

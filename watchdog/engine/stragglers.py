@@ -8,7 +8,12 @@ at least ``share`` of the last ``window`` rounds is a straggler.
 
 Which signal shows what: arrival at collectives is the primary one (a
 rank slow in its forward pass arrives late at the gradient all-reduce
-while the others wait inside it).  Heartbeats, taken after the optimizer
+while the others wait inside it).  Each recurring collective (same group,
+op and size) is a series of its own (``arrival_series``): a step has
+several collectives and the straggler is late only at the first one after
+its slow part; at the rest every rank enters together, having just left
+the same wait, so over all collectives it would be last in a third of
+them at best.  Heartbeats, taken after the optimizer
 step, show a straggler only where the slow part comes after the step's
 last collective or where ranks do not synchronise every step: in a
 synchronous job the all-reduce lines every rank's step end up.
@@ -27,10 +32,11 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ncclwatch.watchdog.engine.bandwidth import CollectiveTiming
+from ncclwatch.watchdog.engine.bandwidth import CollectiveTiming, size_bucket, size_text
 from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind, ranks_text, where
 
 Round = Mapping[int, float]  # rank -> seconds (any common origin)
+MIN_ROUNDS = 10  # fewer rounds than this say nothing about who is usually last
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class LastArrivals:
     margin_s: float
     last_counts: Mapping[int, int]
     mean_lead_s: Mapping[int, float]  # over the rounds the rank was last by the margin
+    what: str | None = None  # the collective the rounds are instances of, when one ("AllReduce (1.0 MiB) of process group 0")
 
     def share(self, rank: int) -> float:
         return self.last_counts.get(rank, 0) / self.rounds if self.rounds else 0.0
@@ -66,9 +73,25 @@ def arrival_rounds(timings: Sequence[CollectiveTiming], pg: str | None = None) -
     ]
 
 
+def arrival_series(timings: Sequence[CollectiveTiming]) -> dict[str, list[dict[int, float]]]:
+    """One series of rounds per recurring collective (group, op, size within a factor of two), named for people.
+
+    A round is an instance every rank of its group arrived at, in sequence order.
+    """
+    series: dict[tuple[str, str, int], list[CollectiveTiming]] = defaultdict(list)
+    for t in timings:
+        if t.all_arrived:
+            series[(t.pg, t.op, size_bucket(t.nbytes or 0))].append(t)
+    return {
+        f"{op} ({size_text(ts[-1].nbytes)}) of process group {pg}": [{rank: ns / 1e9 for rank, ns in t.arrivals.items()} for t in ts]
+        for (pg, op, _), ts in series.items()
+    }
+
+
 def last_arrivals(
-    rounds: Sequence[Round], *, source: str, window: int = 20, margin_s: float = 0.01, rel_margin: float = 0.1
-) -> LastArrivals:
+    rounds: Sequence[Round], *, source: str, window: int = 20, margin_s: float = 0.01, rel_margin: float = 0.1,
+    what: str | None = None,
+) -> LastArrivals:  # fmt: skip
     """Who was last, by more than the margin, in each of the last ``window`` rounds.
 
     The margin is the larger of ``margin_s`` and ``rel_margin`` x the median
@@ -92,6 +115,7 @@ def last_arrivals(
         margin_s=margin,
         last_counts=dict(counts),
         mean_lead_s={rank: statistics.fmean(values) for rank, values in leads.items()},
+        what=what,
     )
 
 
@@ -108,7 +132,7 @@ def stragglers(
     hosts: Mapping[int, str] = {},
     links: Mapping[int, Sequence[str]] = {},
     share: float = 0.6,
-    min_rounds: int = 10,
+    min_rounds: int = MIN_ROUNDS,
 ) -> list[PerfFinding]:
     """The ranks last by the margin in at least ``share`` of the rounds (at most one can pass 0.5)."""
     if stats.rounds < min_rounds:
@@ -124,7 +148,9 @@ def stragglers(
                 kind=PerfKind.straggler,
                 key=f"straggler-{rank}",
                 summary=f"{ranks_text([rank], hosts)} was last in {count} of the last {stats.rounds} "
-                f"{'steps' if stats.source == 'heartbeat' else 'collectives'}, on average {lead * 1e3:.0f} ms "
+                f"{'steps' if stats.source == 'heartbeat' else 'collectives'}"
+                + (f" at {stats.what}" if stats.what else "")
+                + f", on average {lead * 1e3:.0f} ms "
                 f"after the next rank (margin {stats.margin_s * 1e3:.0f} ms)",
                 detail="the others wait for it every step: look at that rank's data loading, CPU and GPU clocks "
                 "and throttling (NVML), and its stacks between collectives",

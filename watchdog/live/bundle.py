@@ -21,7 +21,7 @@ import sys
 import tarfile
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +29,9 @@ from ncclwatch.watchdog.analyze import resolve_citations
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.engine.classify import Decision
 from ncclwatch.watchdog.engine.detectors import Finding
+from ncclwatch.watchdog.engine.perf import PerfFinding
 from ncclwatch.watchdog.engine.report import (
-    TERMINAL_COLUMNS, EvidenceFile, RankRow, Report, build_report, gpu_of, headline, iso, main_frame, render_text,
+    TERMINAL_COLUMNS, EvidenceFile, PerfNote, RankRow, Report, build_report, gpu_of, headline, iso, main_frame, render_text,
 )  # fmt: skip
 from ncclwatch.watchdog.engine.snapshot import Snapshot
 from ncclwatch.watchdog.evidence import EvidenceContext, RankTarget, collect_all
@@ -41,8 +42,9 @@ log = logging.getLogger("ncclwatch")
 
 
 def live_report(
-    finding: Finding, snapshot: Snapshot, view: LiveView, *, job: str, host: str, started_at: float, held: str | None = None
-) -> Report:
+    finding: Finding, snapshot: Snapshot, view: LiveView, *, job: str, host: str, started_at: float, held: str | None = None,
+    performance: Sequence[PerfFinding] = (),
+) -> Report:  # fmt: skip
     report = build_report(finding, snapshot, inputs=[], cited={})
     rows = {row.rank: row for row in report.ranks}
     for worker in snapshot.workers:  # every node's, when the verdict is job-wide
@@ -65,6 +67,7 @@ def live_report(
             "detected_at": iso(view.observed_at),
             "stall_timeout_s": round(view.stall_timeout, 2),
             "notes": notes,
+            "performance": [PerfNote.model_validate(f.to_dict()) for f in performance],
         }
     )
     return live.model_copy(update={"headline": headline(live)})  # from the live rows: host, pid, stack
@@ -129,6 +132,10 @@ def report_markdown(report: Report) -> str:
     for title, items in (("Could not see", report.missing), ("Notes", report.notes)):
         if items:
             out += [f"## {title}", ""] + [f"- {i}" for i in items] + [""]
+    if report.performance:
+        out += ["## Performance before the hang", ""]
+        out += [f"- [{p.kind}] {p.summary}" + (f" (links: {', '.join(p.links)})" if p.links else "") + f" — {p.detail}"
+                for p in report.performance] + [""]  # fmt: skip
     return "\n".join(out)
 
 
@@ -172,13 +179,15 @@ class BundleWriter:
     host: str
     worker_log_dir: Path | None = None  # torchrun's --log-dir, when the user gave one
     dumpless: Callable[[], frozenset[int]] = frozenset  # pids whose Flight Recorder did not answer the probe
+    performance: Callable[[], Sequence[PerfFinding]] = tuple  # the latest performance look's findings (live/perf.py)
 
     async def __call__(
         self, decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float, incident_key: str | None
     ) -> tuple[Report, Path | None]:
         report = live_report(
-            decision.finding, snapshot, view, job=self.job_name, host=self.host, started_at=started_at, held=decision.held
-        ).model_copy(update={"incident_key": incident_key})
+            decision.finding, snapshot, view, job=self.job_name, host=self.host, started_at=started_at, held=decision.held,
+            performance=self.performance(),
+        ).model_copy(update={"incident_key": incident_key})  # fmt: skip
         print(terminal_text(report), file=sys.stderr, flush=True)
         settings = self.settings
         staging = settings.bundle_dir / ("." + bundle_name(self.job_name, self.host, view.observed_at, report.verdict.value))

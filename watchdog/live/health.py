@@ -2,7 +2,8 @@
 
 Built from the sidecar's ``LiveJob`` and its open incident at scrape time
 (no copy is kept), so a scrape always sees the latest state and costs only
-this walk over ranks and communicators.
+this walk over ranks and communicators.  The performance fields are the
+latest look's (``PerfHealth``, once per ``perf_interval``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,17 @@ class IbPortHealth:
 
 
 @dataclass(frozen=True)
+class PerfHealth:
+    """The latest performance look (``live/perf.py``), as the ``Health`` fields of the same names carry it."""
+
+    comm_bandwidth: tuple[CommBandwidth, ...] = ()
+    rank_perf: tuple[RankPerf, ...] = ()
+    arrival_skew_s: float | None = None
+    perf_findings: tuple[PerfFinding, ...] = ()
+    ib_ports: tuple[IbPortHealth, ...] = ()
+
+
+@dataclass(frozen=True)
 class Health:
     observed_at: float
     job: str
@@ -79,7 +91,7 @@ class Health:
 
 
 def health_of(live: LiveJob, now: float, *, job: str, host: str, verdict: str | None, culprits: tuple[int, ...], hang: bool,
-              bundles_written: int) -> Health:  # fmt: skip
+              bundles_written: int, perf: PerfHealth = PerfHealth()) -> Health:  # fmt: skip
     view = live.view(now)
     ranks = tuple(
         RankHealth(
@@ -112,4 +124,9 @@ def health_of(live: LiveJob, now: float, *, job: str, host: str, verdict: str | 
         culprits=culprits,
         sources_down=view.down,
         bundles_written=bundles_written,
+        comm_bandwidth=perf.comm_bandwidth,
+        rank_perf=perf.rank_perf,
+        arrival_skew_s=perf.arrival_skew_s,
+        perf_findings=perf.perf_findings,
+        ib_ports=perf.ib_ports,
     )

@@ -8,12 +8,16 @@ clock; the machine answers with actions, which the tick performs: probe
 (``Prober``: dumps, stacks, GPU sample), page (the ``Reporter`` writes the
 verdict and the bundle, then the alert goes out), resolve, or say a line on
 the terminal.  Every probe's inputs go to the journal, so ``ncclwatch
-analyze`` replays the same decision offline.
+analyze`` replays the same decision offline.  While no incident is open, a
+tick may also take the performance look (``live/perf.py``): its new
+findings are logged and paged only where the operator asked for them, never
+through the reporter (a slow job is not a hang: no bundle, no kill).
 
-Sources, prober, reporter and clock are injected: a test drives the sidecar
-tick by tick with scripted events and a fake clock, no sleeps.  Nothing here
-raises out of ``run`` for bad input: a broken source is a ``SourceDown``; a
-broken probe is a missing piece of evidence; a broken reporter is logged.
+Sources, prober, reporter, performance look and clock are injected: a test
+drives the sidecar tick by tick with scripted events and a fake clock, no
+sleeps.  Nothing here raises out of ``run`` for bad input: a broken source
+is a ``SourceDown``; a broken probe is a missing piece of evidence; a broken
+reporter or performance look is logged.
 """
 
 from __future__ import annotations
@@ -32,16 +36,18 @@ from ncclwatch.watchdog.cluster.peers import PUBLISH_S, TAIL_SHARED, Cluster, Me
 from ncclwatch.watchdog.cluster.store import StoreError
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.engine.classify import Decision, judge
+from ncclwatch.watchdog.engine.perf import pages
 from ncclwatch.watchdog.engine.report import Report
 from ncclwatch.watchdog.engine.snapshot import Snapshot, take_snapshot
 from ncclwatch.watchdog.engine.state import JobState
 from ncclwatch.watchdog.events import Event, SourceDown, SourceUp, Stall
-from ncclwatch.watchdog.live.health import Health, health_of
+from ncclwatch.watchdog.live.health import Health, PerfHealth, health_of
 from ncclwatch.watchdog.live.incident import WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick
 from ncclwatch.watchdog.live.job import LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import Journal, live_inputs
+from ncclwatch.watchdog.live.perf import PerfWatch
 from ncclwatch.watchdog.live.probe import Prober
-from ncclwatch.watchdog.sinks.alert import Alert, resolve_for, trigger_from_report
+from ncclwatch.watchdog.sinks.alert import Alert, resolve_for, trigger_from_finding, trigger_from_report
 from ncclwatch.watchdog.sinks.delivery import Dispatcher
 
 log = logging.getLogger("ncclwatch")
@@ -85,6 +91,7 @@ class Sidecar:
     host: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
     clock: Callable[[], float] = time.time
     join_cluster: ClusterFactory | None = None  # several nodes: meet the other sidecars through the job's store
+    perf: PerfWatch | None = None  # bandwidth, arrival skew, transports while healthy; None: not looked at
 
     def __post_init__(self) -> None:
         self.live = LiveJob(self.settings, started_at=self.clock())
@@ -184,6 +191,8 @@ class Sidecar:
         if self.incident.phase is Phase.suspect and actions:
             log.info("stall: nothing moved for %.1f s (stall timeout %.1f s, learned gap %s)", view.stalled_for, view.stall_timeout, view.learned_gap)
         await self._perform(actions, view)
+        if self.perf is not None and self.incident.phase is Phase.watching and self.perf.due(view.observed_at):
+            await self._look_at_performance(view)
 
     async def _perform(self, actions: list, view: LiveView) -> None:  # type: ignore[type-arg]
         for action in actions:
@@ -273,6 +282,21 @@ class Sidecar:
             return
         self._alert(reported)
 
+    async def _look_at_performance(self, view: LiveView) -> None:
+        """One performance look; each new finding is one log line, and a page where its ``page_on_*`` setting says so."""
+        assert self.perf is not None
+        try:
+            new = await self.perf.look(view.workers, self.live.state.global_ranks(), self.host, view.observed_at)
+        except Exception:  # the look is a nicety; the watch for hangs goes on
+            log.exception("performance look failed")
+            return
+        for finding in new:
+            through = f" (links: {', '.join(finding.links)})" if finding.links else ""
+            log.warning("performance: %s: %s%s", finding.kind.value, finding.summary, through)
+            if self.dispatcher is not None and pages(finding, self.settings):
+                alert = trigger_from_finding(finding, job=self.job_name, host=self.host, run_started_at=self.live.started_at)
+                self.dispatcher.submit(alert)
+
     def _alert(self, reported: Reported) -> None:
         """Page (delivery is retried and spooled by the dispatcher)."""
         if self.dispatcher is None:
@@ -307,6 +331,7 @@ class Sidecar:
             culprits=decision.finding.culprits if decision else (),
             hang=self.incident.phase is Phase.paged,
             bundles_written=sum(1 for r in self.reported if r.bundle is not None),
+            perf=self.perf.health if self.perf is not None else PerfHealth(),
         )
 
     def _say(self, text: str | None) -> None:

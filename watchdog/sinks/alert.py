@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, field_validator
 
 if TYPE_CHECKING:  # the report pulls in the whole engine; an alert needs only its fields
+    from ncclwatch.watchdog.engine.perf import PerfFinding
     from ncclwatch.watchdog.engine.report import Report
 
 SUMMARY_MAX = 1024  # PagerDuty's limit on payload.summary
@@ -36,6 +37,7 @@ class Alert(BaseModel):
 
     action: Literal["trigger", "resolve"]
     dedup_key: str
+    problem: Literal["hang", "performance"] = "hang"  # performance: slow, a straggler, a transport or port finding
     job: str
     host: str
     verdict: str | None = None
@@ -122,6 +124,44 @@ def trigger_from_report(
         slurm_job_id=slurm_job_id,
         created_at=time.time(),
         report=report.model_dump(mode="json"),
+    )
+
+
+def perf_dedup_key(job: str, finding_key: str, run_started_at: float, slurm_job_id: str | None) -> str:
+    """``ncclwatch-perf-<job>[-slurm<id>]-<finding key>-<12 hex>``: one page per problem per run of the job.
+
+    The finding's key is stable across looks; the run's start keeps next
+    week's run of the same job from being folded into this one (the spool
+    remembers keys it sent), and the digest tells apart keys that slug alike.
+    """
+    digest = hashlib.sha256(f"{job}\0{slurm_job_id or ''}\0{run_started_at:.3f}\0{finding_key}".encode()).hexdigest()[:12]
+    slurm = f"-slurm{_slug(slurm_job_id)}" if slurm_job_id else ""
+    return f"ncclwatch-perf-{_slug(job)[:JOB_IN_KEY_MAX]}{slurm}-{_slug(finding_key)[:JOB_IN_KEY_MAX]}-{digest}"
+
+
+def trigger_from_finding(
+    finding: PerfFinding, *, job: str, host: str, run_started_at: float, environ: Mapping[str, str] = os.environ
+) -> Alert:
+    """The page for a slow, straggler, transport or port finding (only where the operator asked for it).
+
+    ``verdict`` is the finding's kind, never a hang verdict: receivers that
+    route on it tell a slow job from a hung one.
+    """
+    slurm_job_id = environ.get("SLURM_JOB_ID") or None
+    return Alert(
+        action="trigger",
+        dedup_key=perf_dedup_key(job, finding.key, run_started_at, slurm_job_id),
+        problem="performance",
+        job=job,
+        host=host,
+        verdict=finding.kind.value,
+        culprit_ranks=list(finding.ranks),
+        communicator=finding.communicator,
+        summary=f"ncclwatch: {finding.kind.value} in {job} on {host}: {finding.summary}",
+        reason=finding.detail,
+        slurm_job_id=slurm_job_id,
+        created_at=time.time(),
+        report=finding.to_dict(),
     )
 
 

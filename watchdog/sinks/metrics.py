@@ -208,8 +208,10 @@ _HELP: dict[str, str] = {
     "ncclwatch_comm_bus_bandwidth_bytes_per_second": "Median bus bandwidth (nccl-tests' busbw) of the communicator's recent "
     "collectives of at least 1 MiB, per operation.",
     "ncclwatch_rank_bus_bandwidth_bytes_per_second": "Median bus bandwidth of the collectives the rank took part in.",
-    "ncclwatch_rank_last_arrival_ratio": "Share of recent rounds (collectives or steps) in which the rank was last by the margin.",
-    "ncclwatch_rank_arrival_lead_seconds": "How far behind the next rank the rank arrived, on average, when it was last by the margin.",
+    "ncclwatch_rank_last_arrival_ratio": "Share of the recent instances of a recurring collective in which the rank was last by "
+    "the margin, at the collective where it is so most often.",
+    "ncclwatch_rank_arrival_lead_seconds": "How far behind the next rank the rank arrived, on average, when it was last by the "
+    "margin (at that same collective).",
     "ncclwatch_rank_straggler": "1 while the rank is reported as a straggler (last by a margin in most recent rounds).",
     "ncclwatch_arrival_skew_seconds": "Last minus first arrival at the latest collective every rank entered.",
     "ncclwatch_perf_findings": "Open findings of each kind: slow_collective, slow_link, straggler, transport_anomaly, ib_port.",

@@ -34,7 +34,7 @@ def event_for(alert: Alert, routing_key: str, client_url: str | None = None) -> 
         return head
     payload: dict[str, Any] = {
         "summary": alert.summary,
-        "severity": "critical",
+        "severity": "critical" if alert.problem == "hang" else "warning",  # a slow job is not a stopped one
         "source": alert.host,
         "component": "ncclwatch",
         "group": alert.job,

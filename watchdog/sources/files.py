@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ncclwatch.watchdog.parsing.heartbeat import parse_heartbeat
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
+from ncclwatch.watchdog.parsing.transport import RankTransport, TransportScanner
 from ncclwatch.watchdog.events import Citation, Unusable
 from ncclwatch.watchdog.sources import DownOnce, Emit, PollingSource
 
@@ -74,6 +75,54 @@ class NcclFileSource(PollingSource):
         if tail.parser.garbled > tail.garbled_seen:
             tail.garbled_seen = tail.parser.garbled
             emit(Unusable(reason=f"{tail.garbled_seen} garbled operation line(s) skipped", cite=Citation(file=path)))
+
+
+@dataclass
+class _TransportTail:
+    scanner: TransportScanner
+    inode: int
+    offset: int = 0
+
+
+class TransportReader:
+    """The transports NCCL chose (init and channel lines) in every debug file of ``folder``, read when asked.
+
+    Not a source: transports matter once a minute (the performance look,
+    ``live/perf.py``), and scanning for them costs about what parsing the
+    operations does, so they are read then, from where the last call stopped,
+    off the per-poll path.  ``read_limit`` bounds one call per file; a
+    backlog is caught up over later calls.  Call it from one thread at a time.
+    """
+
+    def __init__(self, folder: Path, read_limit: int = 8 * READ_LIMIT) -> None:
+        self.folder = folder
+        self.read_limit = read_limit
+        self._tails: dict[str, _TransportTail] = {}
+
+    def facts(self) -> list[RankTransport]:
+        try:
+            entries = [e for e in os.scandir(self.folder) if e.is_file()]
+        except OSError:
+            return []  # the NCCL source says the folder is unreadable
+        for entry in entries:
+            try:
+                stat = entry.stat()
+            except OSError:
+                continue
+            tail = self._tails.get(entry.path)
+            if tail is None or stat.st_ino != tail.inode or stat.st_size < tail.offset:
+                tail = self._tails[entry.path] = _TransportTail(TransportScanner(), inode=stat.st_ino)
+            if stat.st_size == tail.offset:
+                continue
+            try:
+                with open(entry.path, "rb") as handle:
+                    handle.seek(tail.offset)
+                    data = handle.read(self.read_limit)
+            except OSError:
+                continue
+            tail.offset += len(data)
+            tail.scanner.feed(data)
+        return [fact for tail in self._tails.values() for fact in tail.scanner.facts()]
 
 
 class HeartbeatSource(PollingSource):

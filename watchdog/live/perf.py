@@ -1,0 +1,232 @@
+"""The performance look: while the job is healthy, bandwidth, arrival skew, transports and ports, once a minute.
+
+Every ``perf_interval`` seconds the sidecar, when no incident is open, asks
+``PerfWatch.look``: every rank of this node is asked for one Flight
+Recorder dump (the hang probe's doors, waited for at most ``DUMP_WAIT_S``),
+the dumps are matched into collectives and the pure detectors run over
+them (``engine.bandwidth``, ``engine.stragglers``, ``engine.links``),
+together with the transports NCCL chose (its init lines) and this node's
+InfiniBand ports (counter deltas since the previous look).  The result is
+kept as ``health`` (metrics) and ``findings`` (the hang bundle); the look
+returns the findings not seen before in this run, which the sidecar logs
+and, where the operator asked for it, pages.  Nothing here judges hangs,
+and nothing here feeds the hang detectors' state: a look's dumps are its
+own.
+
+What it cannot see: other nodes' ranks (each node looks at its own, so
+arrival skew, stragglers and bandwidth come from groups whose ranks are all
+on this node; see ``collective_health``); bandwidth needs
+completed entries with durations (NCCL with ``TORCH_NCCL_ENABLE_TIMING=1``,
+which the wrapper sets): gloo's Flight Recorder leaves its entries
+``scheduled`` with no completion time, so a gloo job shows arrival skew
+and stragglers only.
+
+Failure modes: a rank that does not answer in time is left out of that
+look (its collectives then lack an arrival and are not rounds; a look no
+rank answers shows no bandwidth or arrivals until the next); a dump that
+cannot be read is skipped; no InfiniBand, no NCCL log: those parts are
+empty, never an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ncclwatch.watchdog.engine.bandwidth import (
+    CollectiveTiming, comm_bandwidth, match_collectives, rank_bandwidth, slow_collectives, slow_links,
+)  # fmt: skip
+from ncclwatch.watchdog.engine.links import ib_port_findings, rank_links, transport_anomalies
+from ncclwatch.watchdog.engine.perf import PerfFinding
+from ncclwatch.watchdog.engine.snapshot import WorkerView
+from ncclwatch.watchdog.engine.stragglers import MIN_ROUNDS, LastArrivals, arrival_series, last_arrivals, stragglers
+from ncclwatch.watchdog.events import STOPPED_STATES, FrDump, ProcKey
+from ncclwatch.watchdog.live.health import CommBandwidth, IbPortHealth, PerfHealth, RankPerf
+from ncclwatch.watchdog.parsing.transport import RankTransport
+from ncclwatch.watchdog.probes.infiniband import SYS_INFINIBAND, ib_delta, rate_bytes_per_s, read_ib_counters, state_name
+from ncclwatch.watchdog.sources.files import TransportReader
+from ncclwatch.watchdog.sources.flight_recorder import read_dump, request_dumps
+
+log = logging.getLogger("ncclwatch")
+
+# A look blocks the sidecar's tick while the ranks dump (a primed dump takes well under a second), so the
+# wait is short: a rank slower than this sits out one look rather than delay hang detection.
+DUMP_WAIT_S = 2.0
+
+DumpRequest = Callable[[Mapping[int, int]], Awaitable[list[FrDump]]]  # rank -> pid: the dumps that came
+IbReading = dict  # probes.infiniband.read_ib_counters
+
+
+def flight_recorder_dumps(fr_dir: Path, wait_s: float = DUMP_WAIT_S) -> DumpRequest:
+    """Ask ranks for dumps through their Flight Recorder FIFOs, read what came (parsed off the event loop)."""
+
+    async def dumps(ranks: Mapping[int, int]) -> list[FrDump]:
+        fresh, errors = await request_dumps(fr_dir, ranks, wait_s)
+        for rank, error in sorted(errors.items()):
+            log.info("performance look: rank %d: %s", rank, error)
+        events = await asyncio.to_thread(lambda: [e for path in fresh.values() for e in read_dump(path)])
+        return [e for e in events if isinstance(e, FrDump)]
+
+    return dumps
+
+
+@dataclass
+class PerfWatch:
+    """The latest look's results, when the next look is due, and which findings were already told."""
+
+    interval: float  # seconds between looks; 0: never
+    dumps: DumpRequest
+    transport: Callable[[], Sequence[RankTransport]] = tuple  # NCCL's transport facts so far (TransportReader.facts)
+    ib_ports: Callable[[], IbReading | None] = lambda: None  # this node's InfiniBand ports (read_ib_counters)
+    ib_hca: str | None = None  # the job's NCCL_IB_HCA
+    health: PerfHealth = field(default_factory=PerfHealth, init=False)
+    _next_look: float | None = field(default=None, init=False)
+    _told: set[str] = field(default_factory=set, init=False)  # finding keys reported in this run
+    _ib_before: tuple[float, IbReading] | None = field(default=None, init=False)  # the previous look's port reading
+
+    def findings(self) -> tuple[PerfFinding, ...]:
+        return self.health.perf_findings
+
+    def due(self, now: float) -> bool:
+        """The first look comes one interval after the first question (the job's start), then one per interval."""
+        if self.interval <= 0:
+            return False
+        if self._next_look is None:
+            self._next_look = now + self.interval
+        return now >= self._next_look
+
+    async def look(
+        self, workers: Sequence[WorkerView], global_ranks: Mapping[ProcKey, int], host: str, now: float
+    ) -> list[PerfFinding]:
+        """One look at this node's ranks; the findings whose key this run has not reported before."""
+        self._next_look = now + self.interval
+        answering = {w.rank: w.pid for w in workers if not w.gone and w.state not in STOPPED_STATES}
+        dumps = await self.dumps(answering)
+        facts, ib_now = await asyncio.to_thread(lambda: (list(self.transport()), self.ib_ports()))
+        hosts = {w.rank: w.host or host for w in workers}
+        links = rank_links(facts, global_ranks)
+        # Thousands of entries per rank: matched off the event loop, which also serves /metrics and the cluster.
+        perf = await asyncio.to_thread(
+            lambda: collective_health(match_collectives(dumps), _labels(dumps), now=now, hosts=hosts, links=links)
+        )
+        ports, port_findings = self._ports(host, ib_now, links, hosts, now)
+        active = {host: [p.port for p in ports if p.active]} if ports else {}
+        found = list(perf.perf_findings) + transport_anomalies(facts, global_ranks=global_ranks, ib_hca=self.ib_hca,
+                                                               active_ib_ports=active) + port_findings  # fmt: skip
+        self.health = replace(perf, perf_findings=tuple(found), ib_ports=tuple(ports))
+        new = [f for f in found if f.key not in self._told]
+        self._told.update(f.key for f in new)
+        return new
+
+    def _ports(
+        self, host: str, reading: IbReading | None, links: Mapping[int, Sequence[str]], hosts: Mapping[int, str], now: float
+    ) -> tuple[list[IbPortHealth], list[PerfFinding]]:
+        if reading is None:
+            return [], []
+        before, self._ib_before = self._ib_before, (now, reading)
+        delta = ib_delta(before[1], reading, now - before[0]) if before is not None and now > before[0] else None
+        users: dict[str, list[int]] = {}  # port -> this node's ranks whose NCCL traffic goes through it
+        for rank, labels in links.items():
+            if hosts.get(rank) == host:
+                for label in labels:
+                    users.setdefault(label, []).append(rank)
+        findings = ib_port_findings(host, reading, delta, used=users.keys(), port_ranks=users)
+        return port_health(reading, delta), findings
+
+
+def collective_health(
+    timings: Sequence[CollectiveTiming], labels: Mapping[str, str], *, now: float, hosts: Mapping[int, str],
+    links: Mapping[int, Sequence[str]],
+) -> PerfHealth:  # fmt: skip
+    """Bandwidth per communicator and rank, arrival skew, stragglers, slow collectives and links; pure.
+
+    Only collectives every rank of the group was seen arriving at are used.  A group with ranks on
+    other nodes is seen in part: the time its data took is the last rank's kernel time, and when the
+    last rank is elsewhere every kernel seen here includes waiting for it, so a remote straggler
+    would read as a slow link.
+    """
+    whole = [t for t in timings if t.all_arrived]
+    series = [last_arrivals(rounds, source="arrival", what=what) for what, rounds in arrival_series(whole).items()]
+    late: dict[str, PerfFinding] = {}
+    # A rank late at several collectives is one finding: the one where it is last most often.
+    for stats in sorted(series, key=lambda s: -max(map(s.share, s.last_counts), default=0.0)):
+        for finding in stragglers(stats, hosts=hosts, links=links):
+            late.setdefault(finding.key, finding)
+    straggling = {rank for f in late.values() for rank in f.ranks}
+    per_rank = rank_bandwidth(whole)
+    rank_perf = []
+    for rank in sorted({rank for t in whole for rank in t.arrivals}):
+        worst = _worst_series(series, rank)
+        rank_perf.append(
+            RankPerf(
+                rank=rank,
+                busbw_bytes_per_s=per_rank.get(rank),
+                last_arrival_share=worst.share(rank) if worst else None,
+                arrival_lead_s=worst.mean_lead_s.get(rank) if worst else None,
+                straggler=rank in straggling,
+            )
+        )
+    latest = max(whole, key=lambda t: min(t.arrivals.values()), default=None)
+    slow = slow_collectives(whole, now_ns=int(now * 1e9), hosts=hosts, links=links) + slow_links(whole, hosts=hosts, links=links)
+    bandwidth = comm_bandwidth(whole)
+    return PerfHealth(
+        comm_bandwidth=tuple(CommBandwidth(labels.get(pg, f"process group {pg}"), op, bw) for (pg, op), bw in bandwidth.items()),
+        rank_perf=tuple(rank_perf),
+        arrival_skew_s=latest.skew_s if latest is not None else None,
+        perf_findings=tuple(slow + list(late.values())),
+    )
+
+
+def _worst_series(series: Sequence[LastArrivals], rank: int) -> LastArrivals | None:
+    """The collective at which this rank was last most often (metrics show the rank's worst case), among those
+    with enough rounds to tell: a one-off collective (start-up's broadcast of the model) says nothing."""
+    enough = [s for s in series if s.rounds >= MIN_ROUNDS]
+    return max(enough, key=lambda s: (s.share(rank), s.rounds), default=None)
+
+
+def _labels(dumps: Sequence[FrDump]) -> dict[str, str]:
+    """Process group -> the label the engine's state gives it, so metrics of one group share one label."""
+    out: dict[str, str] = {}
+    for dump in dumps:
+        for pg_id, pg in dump.process_groups.items():
+            out.setdefault(pg_id, f"process group {pg_id}" + (f" ({pg.desc})" if pg.desc else ""))
+    return out
+
+
+def port_health(reading: IbReading, delta: Mapping | None) -> list[IbPortHealth]:
+    """Each port's state and rate, and over the last window its throughput and error counters' rise."""
+    moved = (delta or {}).get("ports", {})
+    out = []
+    for dev, ports in sorted(reading.items()):
+        for port, info in sorted(ports.items()):
+            label = f"{dev}/{port}"
+            window = moved.get(label, {})
+            out.append(
+                IbPortHealth(
+                    port=label,
+                    active=state_name(info.get("state")) == "ACTIVE",
+                    rate_bytes_per_s=rate_bytes_per_s(info.get("rate")),
+                    xmit_bytes_per_s=window.get("xmit_bytes_per_s"),
+                    rcv_bytes_per_s=window.get("rcv_bytes_per_s"),
+                    errors=sum(window.get("errors", {}).values()),
+                )
+            )
+    return out
+
+
+def perf_watch(interval: float, fr_dir: Path, nccl_dir: Path, ib_root: Path = SYS_INFINIBAND) -> PerfWatch:
+    """The look as a job runs it: its ranks' Flight Recorder, its NCCL debug files, this node's sysfs.
+
+    The wrapper runs with the job's environment, so its ``NCCL_IB_HCA`` is the job's.
+    """
+    return PerfWatch(
+        interval=interval,
+        dumps=flight_recorder_dumps(fr_dir),
+        transport=TransportReader(nccl_dir).facts,
+        ib_ports=lambda: read_ib_counters(ib_root),
+        ib_hca=os.environ.get("NCCL_IB_HCA"),
+    )
