@@ -221,7 +221,23 @@ class TestStraggler:
         rig = Rig()
         rig.dumps.dumps = training(30, late_rank=1)
         rig.tick(INTERVAL + 1)
+        rig.tick(2 * INTERVAL + 1)
         assert [f.ranks for f in rig.sidecar.health().perf_findings] == [(1,)]
+
+    def test_one_look_is_not_consistently_last(self, caplog: pytest.LogCaptureFixture) -> None:
+        rig = Rig()
+        rig.dumps.dumps = training(30, late_rank=2)
+        with caplog.at_level(logging.WARNING, logger="ncclwatch"):
+            rig.tick(INTERVAL + 1)
+            assert rig.sidecar.health().perf_findings == () and straggler_lines(caplog) == []
+            assert not any(p.straggler for p in rig.sidecar.health().rank_perf)
+            rig.dumps.dumps = training(30)  # the next window is even: never told
+            rig.tick(2 * INTERVAL + 1)
+            rig.dumps.dumps = training(30, late_rank=2)
+            rig.tick(3 * INTERVAL + 1)
+            assert straggler_lines(caplog) == []
+            rig.tick(4 * INTERVAL + 1)  # two looks in a row
+        assert len(straggler_lines(caplog)) == 1
 
     def test_an_even_job_has_no_straggler(self) -> None:
         rig = Rig()
@@ -342,6 +358,7 @@ def test_a_hang_report_carries_the_latest_findings(tmp_path: Path) -> None:
     rig = Rig()
     rig.dumps.dumps = training(30, late_rank=2)
     rig.tick(INTERVAL + 1)
+    rig.tick(2 * INTERVAL + 1)
     view = rig.sidecar.live.view(rig.clock())
     snapshot = take_snapshot(rig.sidecar.live.state, observed_at=rig.clock())
     finding = Finding(Verdict.rank_behind, "rank 2 is behind", culprits=(2,))

@@ -41,7 +41,7 @@ from ncclwatch.watchdog.engine.bandwidth import (
     CollectiveTiming, comm_bandwidth, match_collectives, rank_bandwidth, slow_collectives, slow_links,
 )  # fmt: skip
 from ncclwatch.watchdog.engine.links import ib_port_findings, rank_links, transport_anomalies
-from ncclwatch.watchdog.engine.perf import PerfFinding
+from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind
 from ncclwatch.watchdog.engine.snapshot import WorkerView
 from ncclwatch.watchdog.engine.stragglers import MIN_ROUNDS, LastArrivals, arrival_series, last_arrivals, stragglers
 from ncclwatch.watchdog.events import STOPPED_STATES, FrDump, ProcKey
@@ -86,6 +86,7 @@ class PerfWatch:
     health: PerfHealth = field(default_factory=PerfHealth, init=False)
     _next_look: float | None = field(default=None, init=False)
     _told: set[str] = field(default_factory=set, init=False)  # finding keys reported in this run
+    _found_last: set[str] = field(default_factory=set, init=False)  # finding keys the previous look made
     _ib_before: tuple[float, IbReading] | None = field(default=None, init=False)  # the previous look's port reading
 
     def findings(self) -> tuple[PerfFinding, ...]:
@@ -117,7 +118,14 @@ class PerfWatch:
         active = {host: [p.port for p in ports if p.active]} if ports else {}
         found = list(perf.perf_findings) + transport_anomalies(facts, global_ranks=global_ranks, ib_hca=self.ib_hca,
                                                                active_ib_ports=active) + port_findings  # fmt: skip
-        self.health = replace(perf, perf_findings=tuple(found), ib_ports=tuple(ports))
+        # A straggler is "consistently" last: two looks in a row, never one window of rounds (on the 2-core
+        # CI machine one healthy run in three had a rank last in 13 of 20 rounds by chance and load).
+        confirmed = [f for f in found if f.kind is not PerfKind.straggler or f.key in self._found_last]
+        self._found_last = {f.key for f in found}
+        found = confirmed
+        straggling = {rank for f in found if f.kind is PerfKind.straggler for rank in f.ranks}
+        rank_perf = tuple(replace(r, straggler=r.rank in straggling) for r in perf.rank_perf)
+        self.health = replace(perf, perf_findings=tuple(found), ib_ports=tuple(ports), rank_perf=rank_perf)
         new = [f for f in found if f.key not in self._told]
         self._told.update(f.key for f in new)
         return new
