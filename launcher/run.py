@@ -156,6 +156,7 @@ def _sidecar(settings: Settings, dirs: RunDirs, torchrun_pid: int, job_name: str
     # RAS is asked only on NCCL versions known to survive it: the versions the job's NCCL logs name.
     prober.nccl_versions = lambda: {p.nccl_version for p in sidecar.live.state.procs.values() if p.nccl_version}
     prober.nccl_errored = lambda: comm_errored(sidecar.live.state.warnings)
+    prober.nccl_logged = lambda: any(dirs.nccl.iterdir())
     return sidecar
 
 

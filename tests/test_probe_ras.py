@@ -88,3 +88,19 @@ class TestProbe:
             return await prober.probe([worker(0, 1)], with_gpus=True)
 
         assert not [e for e in asyncio.run(go()) if isinstance(e, RasReport | Unusable)]
+
+
+@pytest.mark.parametrize("nccl_logged, noted", [(False, False), (True, True)])
+def test_a_job_without_nccl_gets_no_ras_note(tmp_path: Path, nccl_logged: bool, noted: bool) -> None:
+    """A gloo job (no NCCL debug file) says nothing of RAS; an NCCL job whose version is unknown says why it was not asked."""
+    server = RasServer(TEXT)
+
+    async def go() -> list:  # type: ignore[type-arg]
+        async with server:
+            prober = JobProber(tmp_path, pyspy=str(tmp_path / "no-py-spy"), ras_port=server.port,
+                               nccl_logged=lambda: nccl_logged)  # fmt: skip
+            return await prober.probe([worker(0, 1), worker(1, 1)], with_gpus=True)
+
+    notes = [e for e in asyncio.run(go()) if isinstance(e, RasReport | Unusable)]
+    assert server.commands == []
+    assert [isinstance(n, Unusable) and "no NCCL version" in n.reason for n in notes] == ([True] if noted else [])

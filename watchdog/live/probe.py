@@ -90,14 +90,17 @@ class JobProber:
     def __init__(
         self, fr_dir: Path, pyspy: str | None, ras_port: int | None = None,
         nccl_versions: Callable[[], Collection[str]] = tuple, nccl_errored: Callable[[], bool] = bool,
+        nccl_logged: Callable[[], bool] = lambda: True,
     ) -> None:  # fmt: skip
         """``ras_port`` None: never ask RAS; ``nccl_versions``: the job's NCCL versions as its logs say them;
-        ``nccl_errored``: whether those logs reported a communicator error (shortens the wait for dumps)."""
+        ``nccl_errored``: whether those logs reported a communicator error (shortens the wait for dumps);
+        ``nccl_logged``: whether NCCL wrote any debug file (no: a job without NCCL, no RAS to speak of)."""
         self.fr_dir = fr_dir
         self.pyspy = pyspy
         self.ras_port = ras_port
         self.nccl_versions = nccl_versions
         self.nccl_errored = nccl_errored
+        self.nccl_logged = nccl_logged
         self._primed: set[int] = set()  # worker pids whose Flight Recorder was primed
         self._ras_asked_at: tuple[tuple[int, int | None], ...] | None = None  # (pid, step) of each worker then
         self._unanswered: set[int] = set()  # pids whose dump did not come on the last look
@@ -155,8 +158,11 @@ class JobProber:
         if seen == self._ras_asked_at:
             return []
         self._ras_asked_at = seen
+        versions = self.nccl_versions()
+        if not versions and not self.nccl_logged():
+            return []  # a gloo job: a note on NCCL RAS in its report would only puzzle the reader
         cite = Citation(file=f"NCCL RAS 127.0.0.1:{self.ras_port}")
-        why = ras_skip_reason(self.nccl_versions())
+        why = ras_skip_reason(versions)
         if why is not None:
             log.info("RAS %s", why)
             return [Unusable(reason=why, cite=cite)]
