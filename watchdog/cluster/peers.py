@@ -17,6 +17,9 @@ the node count.  Through that store:
   Flight Recorder dumps trimmed to their last entries, the newest collectives
   of each rank's NCCL log with their absolute positions), and every sidecar
   gathers the others' to judge the whole job with the same engine.
+- after each performance look, each sidecar sets ``perf/<n>``, its ranks'
+  newest collectives (``perf_records``), and the leader reads the others'
+  to judge the job's arrival skew, stragglers, bandwidth and slow links.
 
 A store that cannot be reached is said (``SourceDown``) and the sidecar
 judges alone ("degraded"); it never stays silent.
@@ -29,9 +32,11 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from ncclwatch.watchdog.cluster.perf_records import PerfRecord
 from ncclwatch.watchdog.cluster.store import StoreClient, StoreError
 from ncclwatch.watchdog.engine.state import JobState
 from ncclwatch.watchdog.events import Event, FrDump, FrEntry, StackDump
@@ -39,9 +44,14 @@ from ncclwatch.watchdog.parsing.journal import HEADER, JOURNALED, journal_line, 
 
 log = logging.getLogger("ncclwatch")
 
+T = TypeVar("T")
+
 PUBLISH_S = 2.5
 LOST_AFTER_S = 7.5  # three missed summaries: that node's sidecar is gone (or its whole node is frozen)
 EVIDENCE_WAIT_S = 4.0  # how long a probe waits for the other nodes' evidence
+# How long the leader's performance look waits for the other nodes' records of the same round; it holds the
+# tick (hang detection) that long at most, once per perf_interval.  The others look at the same moment.
+PERF_WAIT_S = 3.0
 FR_ENTRIES_SHARED = 32  # per process group: enough to align the pending collective across nodes
 FR_FRAMES_SHARED = 4  # entries (the newest) that keep their recorded stack
 STACK_FRAMES_SHARED = 24
@@ -87,6 +97,7 @@ class NodeSummary(BaseModel):
     last_progress: float
     phase: str
     world_size: int | None = None
+    started_at: float | None = None  # when its sidecar started (the job's start is the earliest)
 
 
 def fresh(summary: NodeSummary, now: float) -> bool:
@@ -143,6 +154,7 @@ class Cluster:
         self.clock = clock
         self.client = client or StoreClient(membership.store_host, membership.store_port)
         self.summaries: dict[int, NodeSummary] = {}  # the other nodes', as last read
+        self._perf_left_out: set[int] = set()  # nodes the latest job-wide performance look went without
 
     @property
     def me(self) -> int:
@@ -193,20 +205,67 @@ class Cluster:
 
     async def gather_evidence(self, since: float) -> dict[int, list[Event]]:
         """Every answering node's evidence taken at or after ``since``; waits up to EVIDENCE_WAIT_S for it."""
-        deadline = self.clock() + EVIDENCE_WAIT_S
-        wanted = self.answering()
-        found: dict[int, list[Event]] = {}
+        return await self._gather("evidence", self.answering(), since, EVIDENCE_WAIT_S,
+                                  lambda node, raw: parse_journal(raw, f"node {node} (via the store)"))  # fmt: skip
+
+    async def share_perf(self, record: PerfRecord) -> None:
+        await self.client.set(self.key("perf", self.me), record.model_dump_json().encode())
+        await self.client.set(self.key("perf-at", self.me), repr(record.at).encode())
+
+    async def exchange_perf(self, record: PerfRecord, interval: float) -> dict[int, PerfRecord] | None:
+        """Publish this node's performance record; the other nodes' when this node leads, else None."""
+        await self.share_perf(record)
+        return await self.gather_perf(record.at, interval) if self.leader() == self.me else None
+
+    async def gather_perf(self, look_at: float, interval: float) -> dict[int, PerfRecord]:
+        """The other nodes' performance records for the leader's look at ``look_at``.
+
+        Looks are aligned to the same wall-clock grid on every node (``PerfWatch``), so each answering node's
+        record of this round (newer than half an interval ago) is waited for, up to PERF_WAIT_S; a node that
+        did not publish this round gives its latest if it is at most two intervals old.  Older or none: left
+        out, said once.
+        """
+        found = await self._gather("perf", self.answering(), look_at - interval / 2, PERF_WAIT_S, _perf_record)
+        others = {n for n in range(self.membership.nnodes) if n != self.me}
+        found |= await self._gather("perf", others - set(found), look_at - 2 * interval, 0.0, _perf_record)
+        left_out = others - set(found)
+        if newly := sorted(left_out - self._perf_left_out):
+            log.warning("performance look: node(s) %s published no record in two intervals: the job-wide view "
+                        "leaves their ranks out", ", ".join(map(str, newly)))  # fmt: skip
+        self._perf_left_out = left_out
+        return {node: record for node, record in found.items() if record is not None}
+
+    async def _gather(
+        self, what: str, wanted: set[int], since: float, wait_s: float, parse: Callable[[int, bytes], T]
+    ) -> dict[int, T]:
+        """``what`` of each wanted node, published at or after ``since`` (its ``<what>-at`` key); waits up to
+        ``wait_s`` for all of them."""
+        deadline = self.clock() + wait_s
+        found: dict[int, T] = {}
         while True:
             for node in sorted(wanted - set(found)):
-                at = await self.client.get(self.key("evidence-at", node))
+                at = await self.client.get(self.key(f"{what}-at", node))
                 if at is None or float(at) < since:
                     continue
-                raw = await self.client.get(self.key("evidence", node))
+                raw = await self.client.get(self.key(what, node))
                 if raw is not None:
-                    found[node] = parse_journal(raw, f"node {node} (via the store)")
+                    found[node] = parse(node, raw)
             if set(found) >= wanted or self.clock() >= deadline:
                 return found
             await asyncio.sleep(0.2)
+
+    def job_started_at(self, own: float) -> float:
+        """When the job's first sidecar started, as far as this one has heard: the same on every node, so a
+        page keyed on it deduplicates whichever node sends it."""
+        return min([own] + [s.started_at for s in self.summaries.values() if s.started_at is not None])
+
+
+def _perf_record(node: int, raw: bytes) -> PerfRecord | None:
+    try:
+        return PerfRecord.model_validate_json(raw)
+    except ValidationError:
+        log.warning("node %s published a performance record that does not validate; ignored", node)
+        return None
 
 
 async def exchange_or_degrade(cluster: Cluster, summary: NodeSummary) -> str | None:

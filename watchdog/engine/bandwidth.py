@@ -158,41 +158,73 @@ class CollectiveTiming:
         return busbw(self.op, self.nbytes, self.nranks, self.transfer_s)
 
 
-def match_collectives(dumps: Iterable[FrDump]) -> list[CollectiveTiming]:
-    """Flight Recorder dumps of several ranks -> one ``CollectiveTiming`` per (group, collective_seq_id).
+@dataclass(frozen=True)
+class RankEntry:
+    """One rank's record of one collective: what matching needs, read from a dump or from another node's record."""
 
-    Only collectives (no p2p, no coalescing markers) with a known sequence
-    number and creation time; ordered by group, then sequence.  Dumps without
-    a rank are skipped: their arrivals could not be attributed.
-    """
-    seen: dict[tuple[str, int], dict[int, FrEntry]] = defaultdict(dict)
-    sizes: dict[str, int] = {}
+    rank: int  # global
+    pg: str
+    seq: int  # collective_seq_id
+    op: str
+    created_ns: int  # time_created_ns: when the rank enqueued it (its host's wall clock)
+    state: OpState
+    nbytes: int | None = None  # nccl-tests' size S (fr_collective_bytes)
+    nranks: int | None = None  # the group's member count, where the rank's dump listed the group
+    duration_ms: float | None = None
+    completed_ns: int | None = None  # when its watchdog thread saw it complete (this host's clock)
+
+
+def rank_entries(dumps: Iterable[FrDump]) -> list[RankEntry]:
+    """The collectives in Flight Recorder dumps, per rank: no p2p, no coalescing markers, none without a
+    sequence number or creation time; dumps without a rank are skipped (their arrivals could not be attributed)."""
+    out = []
     for dump in dumps:
         if dump.rank is None:
             continue
-        for pg, group in dump.process_groups.items():
-            if group.ranks:
-                sizes[pg] = len(group.ranks)
-        for entry in dump.entries:
-            if entry.is_p2p or entry.op == "Coalesced" or entry.collective_seq_id is None or entry.time_created_ns is None:
+        for e in dump.entries:
+            if e.is_p2p or e.op == "Coalesced" or e.collective_seq_id is None or e.time_created_ns is None:
                 continue
-            seen[(entry.pg_id, entry.collective_seq_id)][dump.rank] = entry
+            group = dump.process_groups.get(e.pg_id)
+            nranks = len(group.ranks) if group is not None and group.ranks else None
+            out.append(
+                RankEntry(
+                    rank=dump.rank, pg=e.pg_id, seq=e.collective_seq_id, op=e.op, created_ns=e.time_created_ns,
+                    state=e.state, nbytes=fr_collective_bytes(e), nranks=nranks, duration_ms=e.duration_ms,
+                    completed_ns=e.time_completed_ns,
+                )
+            )  # fmt: skip
+    return out
+
+
+def match_collectives(dumps: Iterable[FrDump]) -> list[CollectiveTiming]:
+    """Flight Recorder dumps of several ranks -> one ``CollectiveTiming`` per (group, collective_seq_id)."""
+    return match_entries(rank_entries(dumps))
+
+
+def match_entries(entries: Iterable[RankEntry]) -> list[CollectiveTiming]:
+    """Per-rank entries (of one node or several) -> one ``CollectiveTiming`` per (group, sequence), ordered by
+    group, then sequence.  A group's size is what a rank's dump listed, else the ranks seen in it."""
+    seen: dict[tuple[str, int], dict[int, RankEntry]] = defaultdict(dict)
+    sizes: dict[str, int] = {}
     ranks_per_pg: dict[str, set[int]] = defaultdict(set)
-    for (pg, _), by_rank in seen.items():
-        ranks_per_pg[pg].update(by_rank)
+    for entry in entries:
+        seen[(entry.pg, entry.seq)][entry.rank] = entry
+        ranks_per_pg[entry.pg].add(entry.rank)
+        if entry.nranks:
+            sizes[entry.pg] = entry.nranks
     return [
         _timing(pg, seq, by_rank, sizes.get(pg, len(ranks_per_pg[pg])))
         for (pg, seq), by_rank in sorted(seen.items(), key=lambda item: (item[0][0], item[0][1]))
     ]
 
 
-def _timing(pg: str, seq: int, by_rank: Mapping[int, FrEntry], nranks: int) -> CollectiveTiming:
+def _timing(pg: str, seq: int, by_rank: Mapping[int, RankEntry], nranks: int) -> CollectiveTiming:
     entries = list(by_rank.values())
-    arrivals = {rank: e.time_created_ns for rank, e in by_rank.items() if e.time_created_ns is not None}
+    arrivals = {rank: e.created_ns for rank, e in by_rank.items()}
     completed = all(e.state == OpState.completed for e in entries)
     last_arrival = max(arrivals.values())
     durations = [e.duration_ms for e in entries if e.duration_ms is not None]
-    done = [e.time_completed_ns for e in entries if e.time_completed_ns is not None]
+    done = [e.completed_ns for e in entries if e.completed_ns is not None]
     if durations:
         transfer = min(durations) / 1e3
     elif done and len(arrivals) >= nranks and min(done) > last_arrival:
@@ -204,7 +236,7 @@ def _timing(pg: str, seq: int, by_rank: Mapping[int, FrEntry], nranks: int) -> C
         seq=seq,
         op=entries[0].op,
         nranks=nranks,
-        nbytes=fr_collective_bytes(entries[0]),
+        nbytes=entries[0].nbytes,
         arrivals=arrivals,
         completed=completed,
         transfer_s=transfer,

@@ -13,9 +13,22 @@ and, where the operator asked for it, pages.  Nothing here judges hangs,
 and nothing here feeds the hang detectors' state: a look's dumps are its
 own.
 
-What it cannot see: other nodes' ranks (each node looks at its own, so
-arrival skew, stragglers and bandwidth come from groups whose ranks are all
-on this node; see ``collective_health``); bandwidth needs
+Several nodes (``JobLook``): a group spanning nodes is seen in part here,
+so after its look each node publishes a compact record of its ranks'
+newest collectives (``cluster.perf_records``) and the leader, after its own
+look, merges the others' records of the same round into its entries and
+runs the same ``collective_health`` over the whole job.  Its findings are
+the job's: the leader alone logs and pages them (a member logs and pages
+its node's transports and ports only, and keeps its own ranks' view for
+its metrics).  Every node looks at the same wall-clock moments (multiples
+of the interval), so their newest entries cover the same collectives.
+Arrival times compared across hosts carry NTP's error (a few ms): the
+straggler margin, max(10 ms, 10 % of the period), stays above it.  A
+single node, or a store that cannot be reached, looks as one node alone.
+
+What it cannot see alone: other nodes' ranks (arrival skew, stragglers and
+bandwidth then come from groups whose ranks are all on this node; see
+``collective_health``); bandwidth needs
 completed entries with durations (NCCL with ``TORCH_NCCL_ENABLE_TIMING=1``,
 which the wrapper sets): gloo's Flight Recorder leaves its entries
 ``scheduled`` with no completion time, so a gloo job shows arrival skew
@@ -32,13 +45,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ncclwatch.watchdog.cluster.perf_records import PerfRecord, group_label, perf_record
 from ncclwatch.watchdog.engine.bandwidth import (
-    CollectiveTiming, comm_bandwidth, match_collectives, rank_bandwidth, slow_collectives, slow_links,
+    CollectiveTiming, RankEntry, comm_bandwidth, match_entries, rank_bandwidth, rank_entries, slow_collectives, slow_links,
 )  # fmt: skip
 from ncclwatch.watchdog.engine.links import ib_port_findings, rank_links, transport_anomalies
 from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind
@@ -59,6 +74,16 @@ DUMP_WAIT_S = 2.0
 
 DumpRequest = Callable[[Mapping[int, int]], Awaitable[list[FrDump]]]  # rank -> pid: the dumps that came
 IbReading = dict  # probes.infiniband.read_ib_counters
+# Publishes this node's record; answers the other nodes' records when this node judges the job, None when another does.
+PerfExchange = Callable[[PerfRecord], Awaitable[Mapping[int, PerfRecord] | None]]
+
+
+@dataclass(frozen=True)
+class JobLook:
+    """How this node takes part in a job-wide look: its node rank and the exchange through the job's store."""
+
+    node: int
+    exchange: PerfExchange
 
 
 def flight_recorder_dumps(fr_dir: Path, wait_s: float = DUMP_WAIT_S) -> DumpRequest:
@@ -101,23 +126,36 @@ class PerfWatch:
         return now >= self._next_look
 
     async def look(
-        self, workers: Sequence[WorkerView], global_ranks: Mapping[ProcKey, int], host: str, now: float
-    ) -> list[PerfFinding]:
-        """One look at this node's ranks; the findings whose key this run has not reported before."""
-        self._next_look = now + self.interval
+        self, workers: Sequence[WorkerView], global_ranks: Mapping[ProcKey, int], host: str, now: float,
+        job: JobLook | None = None,
+    ) -> list[PerfFinding]:  # fmt: skip
+        """One look at this node's ranks (and, on the leader of several nodes, the job's); the findings whose
+        key this run has not reported before."""
+        # Several nodes look at the same wall-clock moments (multiples of the interval, at least half an interval
+        # apart), so the newest entries each one shares cover the same collectives.
+        step = self.interval
+        self._next_look = now + step if job is None else math.ceil((now + step / 2) / step) * step
         answering = {w.rank: w.pid for w in workers if not w.gone and w.state not in STOPPED_STATES}
         dumps = await self.dumps(answering)
         facts, ib_now = await asyncio.to_thread(lambda: (list(self.transport()), self.ib_ports()))
         hosts = {w.rank: w.host or host for w in workers}
         links = rank_links(facts, global_ranks)
-        # Thousands of entries per rank: matched off the event loop, which also serves /metrics and the cluster.
-        perf = await asyncio.to_thread(
-            lambda: collective_health(match_collectives(dumps), _labels(dumps), now=now, hosts=hosts, links=links)
-        )
+        descs = _descs(dumps)
+        # Thousands of entries per rank: read and matched off the event loop (it also serves /metrics and the cluster).
+        entries = await asyncio.to_thread(rank_entries, dumps)
+        others: Mapping[int, PerfRecord] | None = {}
+        if job is not None:
+            mine = await asyncio.to_thread(perf_record, job.node, host, now, entries, descs=descs, hosts=hosts, links=links)
+            others = await job.exchange(mine)
+        remote = (others or {}).values()
+        perf = await asyncio.to_thread(lambda: job_health(entries, descs, hosts, links, remote, now=now))
         ports, port_findings = self._ports(host, ib_now, links, hosts, now)
         active = {host: [p.port for p in ports if p.active]} if ports else {}
-        found = list(perf.perf_findings) + transport_anomalies(facts, global_ranks=global_ranks, ib_hca=self.ib_hca,
-                                                               active_ib_ports=active) + port_findings  # fmt: skip
+        node_found = transport_anomalies(
+            facts, global_ranks=global_ranks, ib_hca=self.ib_hca, active_ib_ports=active
+        ) + port_findings
+        # A member of several nodes keeps its ranks' view for its metrics; the collectives' findings are the leader's.
+        found = node_found if others is None else list(perf.perf_findings) + node_found
         # A straggler is "consistently" last: two looks in a row, never one window of rounds (on the 2-core
         # CI machine one healthy run in three had a rank last in 13 of 20 rounds by chance and load).
         confirmed = [f for f in found if f.kind is not PerfKind.straggler or f.key in self._found_last]
@@ -146,6 +184,23 @@ class PerfWatch:
         return port_health(reading, delta), findings
 
 
+def job_health(
+    entries: Sequence[RankEntry], descs: Mapping[str, str | None], hosts: Mapping[int, str],
+    links: Mapping[int, Sequence[str]], others: Iterable[PerfRecord], *, now: float,
+) -> PerfHealth:  # fmt: skip
+    """``collective_health`` over this node's entries and the other nodes' records: each rank lives on one node,
+    so the union is every rank's view of each collective (none: this node alone)."""
+    every_rank = list(entries)
+    labels = {pg: group_label(pg, desc) for pg, desc in descs.items()}
+    all_hosts, all_links = dict(hosts), dict(links)
+    for record in others:
+        every_rank += record.rank_entries()
+        labels = record.labels() | labels
+        all_hosts |= record.hosts
+        all_links |= record.links
+    return collective_health(match_entries(every_rank), labels, now=now, hosts=all_hosts, links=all_links)
+
+
 def collective_health(
     timings: Sequence[CollectiveTiming], labels: Mapping[str, str], *, now: float, hosts: Mapping[int, str],
     links: Mapping[int, Sequence[str]],
@@ -155,7 +210,7 @@ def collective_health(
     Only collectives every rank of the group was seen arriving at are used.  A group with ranks on
     other nodes is seen in part: the time its data took is the last rank's kernel time, and when the
     last rank is elsewhere every kernel seen here includes waiting for it, so a remote straggler
-    would read as a slow link.
+    would read as a slow link (``job_health`` adds the other nodes' ranks).
     """
     whole = [t for t in timings if t.all_arrived]
     series = [last_arrivals(rounds, source="arrival", what=what) for what, rounds in arrival_series(whole).items()]
@@ -196,12 +251,12 @@ def _worst_series(series: Sequence[LastArrivals], rank: int) -> LastArrivals | N
     return max(enough, key=lambda s: (s.share(rank), s.rounds), default=None)
 
 
-def _labels(dumps: Sequence[FrDump]) -> dict[str, str]:
-    """Process group -> the label the engine's state gives it, so metrics of one group share one label."""
-    out: dict[str, str] = {}
+def _descs(dumps: Sequence[FrDump]) -> dict[str, str | None]:
+    """Process group -> its description (``default_pg``), from the first dump that lists it."""
+    out: dict[str, str | None] = {}
     for dump in dumps:
         for pg_id, pg in dump.process_groups.items():
-            out.setdefault(pg_id, f"process group {pg_id}" + (f" ({pg.desc})" if pg.desc else ""))
+            out.setdefault(pg_id, pg.desc)
     return out
 
 

@@ -11,7 +11,9 @@ the terminal.  Every probe's inputs go to the journal, so ``ncclwatch
 analyze`` replays the same decision offline.  While no incident is open, a
 tick may also take the performance look (``live/perf.py``): its new
 findings are logged and paged only where the operator asked for them, never
-through the reporter (a slow job is not a hang: no bundle, no kill).
+through the reporter (a slow job is not a hang: no bundle, no kill).  With
+several nodes each look is shared through the store and the leader judges
+the job's collectives (``JobLook``).
 
 Sources, prober, reporter, performance look and clock are injected: a test
 drives the sidecar tick by tick with scripted events and a fake clock, no
@@ -26,12 +28,13 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, TextIO
 
 from ncclwatch.watchdog.cluster.judge import degraded, incident_key, job_state, with_lost_nodes
+from ncclwatch.watchdog.cluster.perf_records import PerfRecord
 from ncclwatch.watchdog.cluster.peers import PUBLISH_S, TAIL_SHARED, Cluster, Membership, NodeSummary, exchange_or_degrade
 from ncclwatch.watchdog.cluster.store import StoreError
 from ncclwatch.watchdog.config import Settings
@@ -45,7 +48,7 @@ from ncclwatch.watchdog.live.health import Health, PerfHealth, health_of
 from ncclwatch.watchdog.live.incident import WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick
 from ncclwatch.watchdog.live.job import LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import Journal, live_inputs
-from ncclwatch.watchdog.live.perf import PerfWatch
+from ncclwatch.watchdog.live.perf import JobLook, PerfWatch
 from ncclwatch.watchdog.live.probe import Prober
 from ncclwatch.watchdog.sinks.alert import Alert, resolve_for, trigger_from_finding, trigger_from_report
 from ncclwatch.watchdog.sinks.delivery import Dispatcher
@@ -166,6 +169,7 @@ class Sidecar:
         return NodeSummary(
             node=self.cluster.me, host=self.host, at=view.observed_at, ranks=[w.rank for w in view.workers],
             last_progress=view.last_progress, phase=self.incident.phase.value, world_size=self.live.state.world_size(),
+            started_at=self.live.started_at,
         )  # fmt: skip
 
     def _drain(self) -> None:
@@ -285,17 +289,33 @@ class Sidecar:
     async def _look_at_performance(self, view: LiveView) -> None:
         """One performance look; each new finding is one log line, and a page where its ``page_on_*`` setting says so."""
         assert self.perf is not None
+        cluster = self.cluster
+        job = None
+        if cluster is not None and "cluster" not in self.live.down:  # several nodes: share the look, the leader judges
+            job = JobLook(cluster.me, self._exchange_perf)
         try:
-            new = await self.perf.look(view.workers, self.live.state.global_ranks(), self.host, view.observed_at)
+            new = await self.perf.look(view.workers, self.live.state.global_ranks(), self.host, view.observed_at, job)
         except Exception:  # the look is a nicety; the watch for hangs goes on
             log.exception("performance look failed")
             return
+        # The job's start, not this sidecar's: whichever node leads pages a finding under the same key.
+        run_started_at = cluster.job_started_at(self.live.started_at) if cluster is not None else self.live.started_at
         for finding in new:
             through = f" (links: {', '.join(finding.links)})" if finding.links else ""
             log.warning("performance: %s: %s%s", finding.kind.value, finding.summary, through)
             if self.dispatcher is not None and pages(finding, self.settings):
-                alert = trigger_from_finding(finding, job=self.job_name, host=self.host, run_started_at=self.live.started_at)
+                alert = trigger_from_finding(finding, job=self.job_name, host=self.host, run_started_at=run_started_at)
                 self.dispatcher.submit(alert)
+
+    async def _exchange_perf(self, record: PerfRecord) -> Mapping[int, PerfRecord] | None:
+        """Share this node's look; the leader gets the other nodes' records, a member None, and a store that
+        fails mid-way leaves this node judging alone (an empty mapping), as when it cannot be reached."""
+        assert self.cluster is not None and self.perf is not None
+        try:
+            return await self.cluster.exchange_perf(record, self.perf.interval)
+        except StoreError as exc:
+            self.emit(SourceDown(source="cluster", reason=str(exc)))
+            return {}
 
     def _alert(self, reported: Reported) -> None:
         """Page (delivery is retried and spooled by the dispatcher)."""
