@@ -31,11 +31,11 @@ NPROC = 3
 TIMEOUT_S = 150
 
 
-def wrapper_command(tmp_path: Path, fault: str, *options: str, job_args: tuple[str, ...] = ()) -> list[str]:
+def wrapper_command(tmp_path: Path, fault: str, *options: str, job_args: tuple[str, ...] = (), nproc: int = NPROC) -> list[str]:
     return [
         sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"), "--run-dir", str(tmp_path / "run"),
         *options,
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}", "--monitor-interval=0.2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--monitor-interval=0.2",
         demo_job.__file__, f"--fault={fault}", "--fault-step=10", "--step-time=0.05", "--steps=30", *job_args,
     ]  # fmt: skip
 
@@ -52,10 +52,12 @@ def job_processes(run_dir: Path) -> list[psutil.Process]:
     return found
 
 
-def run_wrapper(tmp_path: Path, fault: str, *options: str, job_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+def run_wrapper(
+    tmp_path: Path, fault: str, *options: str, job_args: tuple[str, ...] = (), nproc: int = NPROC
+) -> subprocess.CompletedProcess[str]:
     try:
         done = subprocess.run(
-            wrapper_command(tmp_path, fault, *options, job_args=job_args),
+            wrapper_command(tmp_path, fault, *options, job_args=job_args, nproc=nproc),
             capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
         )  # fmt: skip
     finally:
@@ -138,7 +140,7 @@ def test_elastic_restart_is_followed_and_the_new_attempt_judged(tmp_path: Path) 
 def test_crashing_rank_keeps_torchrun_exit_code_and_no_bundle(tmp_path: Path) -> None:
     done = run_wrapper(tmp_path, "exit")
     bare = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}", "--monitor-interval=0.2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--monitor-interval=0.2",
          demo_job.__file__, "--fault=exit", "--fault-step=10", "--step-time=0.05", "--steps=30", "--mark-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=TIMEOUT_S,
     )  # fmt: skip
@@ -149,7 +151,7 @@ def test_crashing_rank_keeps_torchrun_exit_code_and_no_bundle(tmp_path: Path) ->
 def test_healthy_job_exits_zero_without_bundle_and_cleans_up(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"),
-         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}", "--monitor-interval=0.2",
+         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--monitor-interval=0.2",
          demo_job.__file__, "--fault=uneven", "--step-time=0.05", "--steps=30", "--mark-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
     )  # fmt: skip

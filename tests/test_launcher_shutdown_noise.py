@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES
-from test_e2e_cpu import TIMEOUT_S, job_processes, wrapper_command
+from test_e2e_cpu import run_wrapper
 
 from ncclwatch.launcher.shutdown_noise import MAX_HELD_LINES, ShutdownNoiseFilter, StderrRelay
 from ncclwatch.watchdog.engine.report import EXIT_KILLED_ON_HANG
@@ -187,22 +187,9 @@ def test_on_a_terminal_the_job_keeps_a_terminal_of_its_size_and_the_notice_is_di
     assert os.waitstatus_to_exitcode(status) == 1  # Python's status for an uncaught exception, as torchrun's
 
 
-def two_ranks(command: list[str]) -> list[str]:
-    return [("--nproc_per_node=2" if arg.startswith("--nproc_per_node=") else arg) for arg in command]
-
-
 def run_two_ranks(tmp_path: Path, fault: str) -> subprocess.CompletedProcess[str]:
     """The real wrapper with ``--on-hang kill`` on 2 gloo ranks of the demo job."""
-    try:
-        return subprocess.run(
-            two_ranks(wrapper_command(tmp_path, fault, "--on-hang", "kill")),
-            capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
-        )  # fmt: skip
-    finally:
-        leftovers = job_processes(tmp_path / "run")
-        for process in leftovers:
-            process.kill()
-        assert not leftovers, f"processes outlived the wrapper: {leftovers}"
+    return run_wrapper(tmp_path, fault, "--on-hang", "kill", nproc=2)
 
 
 def test_after_the_kill_the_verdict_is_the_last_word(tmp_path: Path) -> None:
