@@ -156,7 +156,12 @@ class Rig:
                     self.sidecar.emit(Heartbeat(pid=100 + r, rank=r, step=self.beaten, time=NOW + self.beaten))
                 self.beaten += 1
         self.clock.now = NOW + seconds
-        asyncio.run(self.sidecar.tick())
+
+        async def both() -> None:  # as the sidecar's run loop and its performance task would
+            await self.sidecar.tick()
+            await self.sidecar.perf_tick()
+
+        asyncio.run(both())
 
     def metric(self, name: str, **labels: str) -> float | None:
         registry = CollectorRegistry(auto_describe=False)
@@ -193,6 +198,35 @@ class TestLookTiming:
         rig.tick(INTERVAL + 1, beating=False)  # nothing moved for 40 s: suspect, probed for a hang
         assert rig.sidecar.incident.phase is not Phase.watching and rig.prober.calls >= 1
         assert rig.dumps.asked == []
+
+    def test_a_look_stuck_waiting_never_holds_the_watch_for_hangs(self) -> None:
+        """The sidecar's own run loop: while a look waits (dumps, the other nodes), a stall is still probed."""
+        rig = Rig(Settings(perf_interval=INTERVAL, poll_interval=0.01))
+        rig.tick(INTERVAL - 1)
+        rig.clock.now = NOW + INTERVAL + 1  # a look is due; the job is healthy
+
+        async def run() -> tuple[int, Phase]:
+            entered, never = asyncio.Event(), asyncio.Event()
+
+            async def stuck(ranks):  # type: ignore[no-untyped-def]
+                entered.set()
+                await never.wait()
+                return []
+
+            rig.perf.dumps = stuck
+            running = asyncio.create_task(rig.sidecar.run())
+            await asyncio.wait_for(entered.wait(), 5)
+            rig.clock.now += 60  # then nothing moves for a minute
+            for _ in range(500):  # the ticks go on beside the stuck look
+                if rig.prober.calls:
+                    break
+                await asyncio.sleep(0.01)
+            rig.sidecar.stop()
+            await asyncio.wait_for(running, 5)
+            return rig.prober.calls, rig.sidecar.incident.phase
+
+        calls, phase = asyncio.run(run())
+        assert calls >= 1 and phase is not Phase.watching
 
 
 class TestStraggler:

@@ -9,7 +9,7 @@ clock; the machine answers with actions, which the tick performs: probe
 verdict and the bundle, then the alert goes out), resolve, or say a line on
 the terminal.  Every probe's inputs go to the journal, so ``ncclwatch
 analyze`` replays the same decision offline.  While no incident is open, a
-tick may also take the performance look (``live/perf.py``): its new
+task beside the ticks takes the performance look (``live/perf.py``): its new
 findings are logged and paged only where the operator asked for them, never
 through the reporter (a slow job is not a hang: no bundle, no kill).  With
 several nodes each look is shared through the store and the leader judges
@@ -114,6 +114,8 @@ class Sidecar:
         tasks = [asyncio.create_task(self._supervise(s), name=f"source:{s.name}") for s in self.sources]
         if self.join_cluster is not None:
             tasks.append(asyncio.create_task(self._cluster_loop(), name="cluster"))
+        if self.perf is not None:
+            tasks.append(asyncio.create_task(self._perf_loop(), name="performance"))
         try:
             while not self._stopping.is_set():
                 await self.tick()
@@ -195,8 +197,6 @@ class Sidecar:
         if self.incident.phase is Phase.suspect and actions:
             log.info("stall: nothing moved for %.1f s (stall timeout %.1f s, learned gap %s)", view.stalled_for, view.stall_timeout, view.learned_gap)
         await self._perform(actions, view)
-        if self.perf is not None and self.incident.phase is Phase.watching and self.perf.due(view.observed_at):
-            await self._look_at_performance(view)
 
     async def _perform(self, actions: list, view: LiveView) -> None:  # type: ignore[type-arg]
         for action in actions:
@@ -285,6 +285,24 @@ class Sidecar:
             self._say(f"node {cluster.me}: this node's evidence is in its bundle; node {leader} pages the job-wide verdict")
             return
         self._alert(reported)
+
+    async def perf_tick(self) -> None:
+        """The performance look, when one is due and no incident is open.
+
+        ``run`` calls it from a task of its own, beside ``tick``: a look waits
+        seconds for dumps (and, on the leader, for the other nodes' records),
+        which must never delay the watch for hangs.
+        """
+        if self.perf is None or self.incident.phase is not Phase.watching:
+            return
+        view = self.live.view(self.clock())
+        if view.workers and view.alive and self.perf.due(view.observed_at):
+            await self._look_at_performance(view)
+
+    async def _perf_loop(self) -> None:
+        while True:
+            await self.perf_tick()
+            await asyncio.sleep(self.settings.poll_interval)
 
     async def _look_at_performance(self, view: LiveView) -> None:
         """One performance look; each new finding is one log line, and a page where its ``page_on_*`` setting says so."""
