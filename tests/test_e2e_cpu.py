@@ -140,7 +140,7 @@ def test_elastic_restart_is_followed_and_the_new_attempt_judged(tmp_path: Path) 
 def test_crashing_rank_keeps_torchrun_exit_code_and_no_bundle(tmp_path: Path) -> None:
     done = run_wrapper(tmp_path, "exit")
     bare = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--monitor-interval=0.2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}", "--monitor-interval=0.2",
          demo_job.__file__, "--fault=exit", "--fault-step=10", "--step-time=0.05", "--steps=30", "--mark-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=TIMEOUT_S,
     )  # fmt: skip
@@ -151,7 +151,7 @@ def test_crashing_rank_keeps_torchrun_exit_code_and_no_bundle(tmp_path: Path) ->
 def test_healthy_job_exits_zero_without_bundle_and_cleans_up(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"),
-         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--monitor-interval=0.2",
+         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}", "--monitor-interval=0.2",
          demo_job.__file__, "--fault=uneven", "--step-time=0.05", "--steps=30", "--mark-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
     )  # fmt: skip
