@@ -18,7 +18,9 @@ from ncclwatch.watchdog.events import (
     FrProcessGroup,
     OpState,
     ProcessState,
+    StackDump,
     Stall,
+    ThreadStack,
     WorkerSeen,
 )
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
@@ -44,6 +46,27 @@ class TestPointToPoint:
         assert decision.finding.verdict == Verdict.p2p_deadlock and decision.finding.culprits == (0, 1)
         assert "each wait for the other" in decision.finding.summary and "Send #2" in decision.finding.summary
         assert decision.page
+
+    @staticmethod
+    def stacks_in(*calls: str) -> list[Event]:
+        """Two live ranks whose main threads sit in these torch.distributed calls, and the stall's clock."""
+        events: list[Event] = [STALL]
+        for rank, call in enumerate(calls):
+            frames = [f"{call} (torch/distributed/distributed_c10d.py:2500)", "exchange (train.py:88)"]
+            events += [WorkerSeen(pid=1000 + rank, rank=rank, host="node1", at=NOW - 60),
+                       StackDump(pid=1000 + rank, threads=[ThreadStack(name="MainThread", frames=frames)],
+                                 cite=Citation(file="py-spy"))]  # fmt: skip
+        return events
+
+    def test_without_sequences_every_rank_blocked_in_recv_is_a_p2p_deadlock(self) -> None:
+        """gloo: its Flight Recorder records no send/recv, so only the stacks can tell."""
+        finding = judged(*self.stacks_in("recv", "recv")).finding
+        assert (finding.verdict, finding.culprits) == (Verdict.p2p_deadlock, (0, 1))
+        assert "all wait in recv, called from exchange (train.py:88)" in finding.summary
+
+    def test_without_sequences_a_rank_sending_or_in_a_collective_is_not_a_deadlock_by_stacks(self) -> None:
+        for calls in (("recv", "send"), ("recv", "all_reduce"), ("all_reduce", "all_reduce")):
+            assert judged(*self.stacks_in(*calls)).finding.verdict == Verdict.stuck_in_collective, calls
 
     def test_one_missing_send_stays_rank_behind(self) -> None:
         logs = {0: L.init(0, 2, COMM) + L.op(0, "Recv", 64, COMM, root=1), 1: L.init(1, 2, COMM)}

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, Fact, Finding, Verdict
 from ncclwatch.watchdog.engine.snapshot import Snapshot, WorkerView
-from ncclwatch.watchdog.engine.stacks import Whereabouts, whereabouts
+from ncclwatch.watchdog.engine.stacks import Whereabouts, short_frame, split_frame, whereabouts
 from ncclwatch.watchdog.engine.verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
 from ncclwatch.watchdog.events import STOPPED_STATES, OpState, Stall
 
@@ -62,7 +62,7 @@ def judge(snapshot: Snapshot) -> Decision:
         in_collective = sorted(r for r, w in where.items() if w.kind == "collective" or signatures.get(r) == NCCL_SPIN)
         if not in_collective:
             return _pause(finding, stall, where)
-        finding = _stuck_from_stacks(finding, in_collective)
+        finding = _p2p_deadlock_from_stacks(finding, where, snapshot) or _stuck_from_stacks(finding, in_collective)
     if finding.verdict == Verdict.stuck_in_collective:
         if not finding.culprits:  # decide() names a lead from signatures only when the sequences said "stuck"
             finding = lead_from_signatures(snapshot, finding)
@@ -159,6 +159,34 @@ def _stuck_from_stacks(finding: Finding, in_collective: list[int]) -> Finding:
         "signatures). " + finding.summary,
         missing=finding.missing + ("which operation: NCCL debug files or Flight Recorder dumps",),
     )
+
+
+def _p2p_deadlock_from_stacks(finding: Finding, where: Mapping[int, Whereabouts], snapshot: Snapshot) -> Finding | None:
+    """Every live rank blocked in the same side of a point-to-point call (all ``recv``, or all ``send``): nobody
+    can post the side they wait for.  The sequences could not say it (gloo's Flight Recorder records no
+    send/recv; NCCL's logs name the peers, and decide() judges those), so the stacks do."""
+    alive = {w.rank for w in snapshot.workers if not w.gone}
+    sides = {split_frame(w.frame)[0] for r, w in where.items() if r in alive and w.kind == "collective" and w.frame}
+    in_p2p = [r for r, w in sorted(where.items()) if r in alive and w.kind == "collective" and w.frame]
+    if len(alive) < 2 or len(in_p2p) != len(alive) or len(sides) != 1 or not sides <= _BLOCKING_P2P:
+        return None
+    (side,) = sides
+    callers = sorted({short_frame(w.user_frame) for r, w in where.items() if r in alive and w.user_frame})
+    called = f", called from {'; '.join(callers)}" if callers else ""
+    return replace(
+        finding,
+        verdict=Verdict.p2p_deadlock,
+        culprits=tuple(in_p2p),
+        summary=f"Point-to-point deadlock: rank {', '.join(map(str, in_p2p))} all wait in {side}{called}, so none "
+        f"reaches the {_OTHER_SIDE[side]} its peer waits for.",
+        reason=f"Each rank posted {side} first: reorder them (one side sends first), or post both with batch_isend_irecv.",
+        evidence=finding.evidence + tuple(Fact("py-spy", f"rank {r}: {side} at {where[r].frame}") for r in in_p2p),
+        missing=finding.missing + ("which peer each rank waits for: Flight Recorder with NCCL, or NCCL's debug lines",),
+    )
+
+
+_BLOCKING_P2P = frozenset({"send", "recv"})  # torch.distributed's blocking calls; their i* forms return at once
+_OTHER_SIDE = {"send": "recv", "recv": "send"}
 
 
 def _lead_from_stacks(finding: Finding, where: Mapping[int, Whereabouts]) -> Finding:

@@ -1,0 +1,45 @@
+"""End to end on CPU: both ranks call ``recv`` first (a real gloo p2p deadlock) under the real wrapper.
+
+gloo's Flight Recorder records no send/recv, so the sequences show every
+collective completed; the stacks (py-spy) show every rank blocked in
+``recv``: that is ``p2p_deadlock`` naming both ranks, not a rank "stuck in
+a collective" with no culprit (what the watchdog said before).  The same
+verdict comes offline from the kept run folder and the bundle.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from test_e2e_cpu import TIMEOUT_S, assert_offline_parity, job_processes, only_report
+
+from ncclwatch.watchdog.engine.report import EXIT_KILLED_ON_HANG
+
+pytest.importorskip("torch")
+
+
+def test_both_ranks_receiving_first_is_a_p2p_deadlock_naming_both(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"), "--run-dir", str(tmp_path / "run"),
+        "--on-hang", "kill",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=0.2",
+        str(REPO / "bench" / "gpu_job.py"), "--device", "cpu", "--size", "tiny", "--steps", "60",
+        "--fault", "p2p_deadlock", "--fault-step", "10", "--mark-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
+    finally:
+        leftovers = job_processes(tmp_path / "run")
+        for process in leftovers:
+            process.kill()
+    assert not leftovers, f"processes outlived the wrapper: {leftovers}"
+    assert done.returncode == EXIT_KILLED_ON_HANG, done.stderr[-3000:]
+    assert "P2P DEADLOCK" in done.stderr
+    report = only_report(tmp_path)
+    assert (report["verdict"], report["culprit_ranks"]) == ("p2p_deadlock", [0, 1])
+    assert "all wait in recv, called from" in report["summary"] and "gpu_job.py" in report["summary"]
+    assert_offline_parity(tmp_path, report)
