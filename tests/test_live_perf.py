@@ -401,7 +401,7 @@ def test_a_hang_report_carries_the_latest_findings(tmp_path: Path) -> None:
     assert (note.kind, note.key, note.ranks, note.hosts) == ("straggler", "straggler-2", [2], ["node1"])
     assert type(report).model_validate_json(report.model_dump_json()).performance == report.performance
     text = render_text(report)
-    assert "performance (before the hang):\n  - [straggler] rank 2 (node1) was last in 20 of the last 20" in text
-    assert "## Performance before the hang\n\n- [straggler] rank 2 (node1)" in report_markdown(report)
+    assert "performance (slow, not hung):\n  - [straggler] rank 2 (node1) was last in 20 of the last 20" in text
+    assert "## Performance (slow, not hung)\n\n- [straggler] rank 2 (node1)" in report_markdown(report)
     quiet = live_report(finding, snapshot, view, job="train", host="node1", started_at=NOW)
     assert quiet.performance == [] and "performance" not in render_text(quiet)

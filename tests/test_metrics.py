@@ -21,7 +21,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind
-from ncclwatch.watchdog.live.health import CommBandwidth, CommPosition, Health, IbPortHealth, RankHealth, RankPerf
+from ncclwatch.watchdog.engine.performance import CommBandwidth, IbPortHealth, RankPerf
+from ncclwatch.watchdog.live.health import CommPosition, Health, RankHealth
 from ncclwatch.watchdog.sinks.metrics import SOURCES, HealthCollector, TextfileError, TextfileWriter
 
 JOB = {"job_name": "train", "host": "node1"}

@@ -1,7 +1,9 @@
 """``ncclwatch analyze``: files a hung job left behind -> one report.
 
 The same engine the live sidecar runs: parse (``parsing``) -> fold
-(``state.JobState``) -> freeze (``snapshot``) -> judge (``classify``).  A
+(``state.JobState``) -> freeze (``snapshot``) -> judge (``classify``); and,
+from the Flight Recorder dumps given, the performance findings the live
+look makes (``engine.performance``).  A
 kept run folder or a bundle holds the sidecar's journal (``journal.jsonl``),
 so the live-only inputs (process state, stacks, GPU samples, the stall's
 clock) reach the classifier here too.  The
@@ -22,10 +24,12 @@ from pathlib import Path
 from ncclwatch.watchdog.bundles_in import expand_bundles
 from ncclwatch.watchdog.engine.classify import judge
 from ncclwatch.watchdog.engine.detectors import Finding, OpRef
-from ncclwatch.watchdog.engine.report import InputFile, Report, build_report
+from ncclwatch.watchdog.engine.bandwidth import match_collectives
+from ncclwatch.watchdog.engine.performance import collective_health
+from ncclwatch.watchdog.engine.report import InputFile, PerfNote, Report, build_report
 from ncclwatch.watchdog.engine.snapshot import take_snapshot
 from ncclwatch.watchdog.engine.state import DEFAULT_WINDOW, JobState
-from ncclwatch.watchdog.events import P2P_OPS, OpSig, ProcKey
+from ncclwatch.watchdog.events import P2P_OPS, FrDump, OpSig, ProcKey
 from ncclwatch.watchdog.inputs import CHUNK_BYTES, cleanup_stdin, ingest_file, iter_files, rescan_orphans
 from ncclwatch.watchdog.parsing.nccl_log import iter_op_lines
 
@@ -88,4 +92,19 @@ def analyze_paths(paths: Iterable[str], window: int = DEFAULT_WINDOW, now: float
         state.finish()
         snapshot = take_snapshot(state, observed_at=time.time() if now is None else now)
         finding = judge(snapshot).finding
-        return build_report(finding, snapshot, inputs, resolve_citations(finding))
+        report = build_report(finding, snapshot, inputs, resolve_citations(finding))
+        return report.model_copy(update={"performance": performance_notes(state.fr_dumps.values())})
+
+
+def performance_notes(dumps: Iterable[FrDump]) -> list[PerfNote]:
+    """What the live performance look would say of these dumps: stragglers, slow collectives and links.
+
+    Judged as of the newest entry, so the collective a hang left pending (its dumps end there) is
+    never "running slowly" for the hours between the dump and this run.
+    """
+    timings = match_collectives(dumps)
+    arrivals = [ns for t in timings for ns in t.arrivals.values()]
+    if not arrivals:
+        return []
+    health = collective_health(timings, {}, now=max(arrivals) / 1e9, hosts={}, links={})
+    return [PerfNote.model_validate(finding.to_dict()) for finding in health.perf_findings]

@@ -60,7 +60,7 @@ class EvidenceFile(BaseModel):
 
 
 class PerfNote(BaseModel):
-    """A performance finding (``engine/perf.py``) the live watchdog held when the report was written: not the verdict."""
+    """A performance finding (``engine/perf.py``): the live watchdog's latest look, or analyze's from the dumps; not the verdict."""
 
     kind: str  # slow_collective, slow_link, straggler, transport_anomaly, ib_port
     key: str
@@ -112,7 +112,8 @@ class Report(BaseModel):
     performance: list[PerfNote] = Field(
         default_factory=list,
         description="slow collectives and links, stragglers, transport and InfiniBand port findings of the live watchdog's "
-        "latest look before the hang (none from ncclwatch analyze)",
+        "latest look before the hang, or that ncclwatch analyze finds in the Flight Recorder dumps it was given; "
+        "not the verdict",
     )
 
     @property
@@ -251,7 +252,7 @@ def render_text(report: Report, max_evidence: int = 12, columns: int = TERMINAL_
     for title, items in (
         ("could not see", report.missing),
         ("notes", report.notes),
-        ("performance (before the hang)", [f"[{p.kind}] {p.summary}" for p in report.performance]),
+        ("performance (slow, not hung)", [f"[{p.kind}] {p.summary}" for p in report.performance]),
     ):
         if items:
             lines.append("")

@@ -209,6 +209,8 @@ class JobState:
         self.comms: dict[str, Communicator] = {}
         self.procs: dict[ProcKey, NcclProcess] = {}
         self.warnings: list[NcclWarning] = []
+        # The latest dump of each file, whole: bandwidth and arrival skew need its timings (engine/performance.py).
+        self.fr_dumps: dict[str, FrDump] = {}
         self.peer_closed: list[LocalPeerClosed] = []
         self.timeouts: list[WatchdogTimeout] = []
         self.failures: list[WorkerFailure] = []
@@ -319,6 +321,7 @@ class JobState:
         if dump.rank is None:
             self._note(f"{dump.cite.file}: Flight Recorder dump without a rank (file name has no rank suffix); skipped")
             return
+        self.fr_dumps[dump.cite.file] = dump
         by_pg: dict[str, list[FrEntry]] = {}
         for entry in dump.entries:
             by_pg.setdefault(entry.pg_id, []).append(entry)

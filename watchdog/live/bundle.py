@@ -133,7 +133,7 @@ def report_markdown(report: Report) -> str:
         if items:
             out += [f"## {title}", ""] + [f"- {i}" for i in items] + [""]
     if report.performance:
-        out += ["## Performance before the hang", ""]
+        out += ["## Performance (slow, not hung)", ""]
         out += [f"- [{p.kind}] {p.summary}" + (f" (links: {', '.join(p.links)})" if p.links else "") + f" — {p.detail}"
                 for p in report.performance] + [""]  # fmt: skip
     return "\n".join(out)

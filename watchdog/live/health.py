@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ncclwatch.watchdog.engine.perf import PerfFinding
+from ncclwatch.watchdog.engine.performance import CommBandwidth, IbPortHealth, PerfHealth, RankPerf
 from ncclwatch.watchdog.live.job import LiveJob
 
 
@@ -30,43 +31,6 @@ class CommPosition:
     communicator: str  # a human label: "commId 0x67..", "process group 0 (default_pg)"
     rank: int  # global rank
     position: int  # operations issued so far (the last one's 1-based sequence number)
-
-
-@dataclass(frozen=True)
-class CommBandwidth:
-    communicator: str
-    op: str  # NCCL's spelling: "AllReduce"
-    busbw_bytes_per_s: float  # median over recent collectives (engine.bandwidth.comm_bandwidth)
-
-
-@dataclass(frozen=True)
-class RankPerf:
-    rank: int
-    busbw_bytes_per_s: float | None = None  # engine.bandwidth.rank_bandwidth
-    last_arrival_share: float | None = None  # engine.stragglers.LastArrivals.share
-    arrival_lead_s: float | None = None  # mean lead when last by the margin
-    straggler: bool = False
-
-
-@dataclass(frozen=True)
-class IbPortHealth:
-    port: str  # "mlx5_0/1"
-    active: bool
-    rate_bytes_per_s: float | None = None
-    xmit_bytes_per_s: float | None = None  # over the last window (probes.infiniband.ib_delta)
-    rcv_bytes_per_s: float | None = None
-    errors: int = 0  # error counters' rise over the last window
-
-
-@dataclass(frozen=True)
-class PerfHealth:
-    """The latest performance look (``live/perf.py``), as the ``Health`` fields of the same names carry it."""
-
-    comm_bandwidth: tuple[CommBandwidth, ...] = ()
-    rank_perf: tuple[RankPerf, ...] = ()
-    arrival_skew_s: float | None = None
-    perf_findings: tuple[PerfFinding, ...] = ()
-    ib_ports: tuple[IbPortHealth, ...] = ()
 
 
 @dataclass(frozen=True)

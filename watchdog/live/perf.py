@@ -52,15 +52,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ncclwatch.watchdog.cluster.perf_records import PerfRecord, group_label, perf_record
-from ncclwatch.watchdog.engine.bandwidth import (
-    CollectiveTiming, RankEntry, comm_bandwidth, match_entries, rank_bandwidth, rank_entries, slow_collectives, slow_links,
-)  # fmt: skip
+from ncclwatch.watchdog.engine.bandwidth import RankEntry, match_entries, rank_entries
 from ncclwatch.watchdog.engine.links import ib_port_findings, rank_links, transport_anomalies
 from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind
 from ncclwatch.watchdog.engine.snapshot import WorkerView
-from ncclwatch.watchdog.engine.stragglers import MIN_ROUNDS, LastArrivals, arrival_series, last_arrivals, stragglers
 from ncclwatch.watchdog.events import STOPPED_STATES, FrDump, ProcKey
-from ncclwatch.watchdog.live.health import CommBandwidth, IbPortHealth, PerfHealth, RankPerf
+from ncclwatch.watchdog.engine.performance import IbPortHealth, PerfHealth, collective_health
 from ncclwatch.watchdog.parsing.transport import RankTransport
 from ncclwatch.watchdog.probes.infiniband import SYS_INFINIBAND, ib_delta, rate_bytes_per_s, read_ib_counters, state_name
 from ncclwatch.watchdog.sources.files import TransportReader
@@ -199,56 +196,6 @@ def job_health(
         all_hosts |= record.hosts
         all_links |= record.links
     return collective_health(match_entries(every_rank), labels, now=now, hosts=all_hosts, links=all_links)
-
-
-def collective_health(
-    timings: Sequence[CollectiveTiming], labels: Mapping[str, str], *, now: float, hosts: Mapping[int, str],
-    links: Mapping[int, Sequence[str]],
-) -> PerfHealth:  # fmt: skip
-    """Bandwidth per communicator and rank, arrival skew, stragglers, slow collectives and links; pure.
-
-    Only collectives every rank of the group was seen arriving at are used.  A group with ranks on
-    other nodes is seen in part: the time its data took is the last rank's kernel time, and when the
-    last rank is elsewhere every kernel seen here includes waiting for it, so a remote straggler
-    would read as a slow link (``job_health`` adds the other nodes' ranks).
-    """
-    whole = [t for t in timings if t.all_arrived]
-    series = [last_arrivals(rounds, source="arrival", what=what) for what, rounds in arrival_series(whole).items()]
-    late: dict[str, PerfFinding] = {}
-    # A rank late at several collectives is one finding: the one where it is last most often.
-    for stats in sorted(series, key=lambda s: -max(map(s.share, s.last_counts), default=0.0)):
-        for finding in stragglers(stats, hosts=hosts, links=links):
-            late.setdefault(finding.key, finding)
-    straggling = {rank for f in late.values() for rank in f.ranks}
-    per_rank = rank_bandwidth(whole)
-    rank_perf = []
-    for rank in sorted({rank for t in whole for rank in t.arrivals}):
-        worst = _worst_series(series, rank)
-        rank_perf.append(
-            RankPerf(
-                rank=rank,
-                busbw_bytes_per_s=per_rank.get(rank),
-                last_arrival_share=worst.share(rank) if worst else None,
-                arrival_lead_s=worst.mean_lead_s.get(rank) if worst else None,
-                straggler=rank in straggling,
-            )
-        )
-    latest = max(whole, key=lambda t: min(t.arrivals.values()), default=None)
-    slow = slow_collectives(whole, now_ns=int(now * 1e9), hosts=hosts, links=links) + slow_links(whole, hosts=hosts, links=links)
-    bandwidth = comm_bandwidth(whole)
-    return PerfHealth(
-        comm_bandwidth=tuple(CommBandwidth(labels.get(pg, f"process group {pg}"), op, bw) for (pg, op), bw in bandwidth.items()),
-        rank_perf=tuple(rank_perf),
-        arrival_skew_s=latest.skew_s if latest is not None else None,
-        perf_findings=tuple(slow + list(late.values())),
-    )
-
-
-def _worst_series(series: Sequence[LastArrivals], rank: int) -> LastArrivals | None:
-    """The collective at which this rank was last most often (metrics show the rank's worst case), among those
-    with enough rounds to tell: a one-off collective (start-up's broadcast of the model) says nothing."""
-    enough = [s for s in series if s.rounds >= MIN_ROUNDS]
-    return max(enough, key=lambda s: (s.share(rank), s.rounds), default=None)
 
 
 def _descs(dumps: Sequence[FrDump]) -> dict[str, str | None]:

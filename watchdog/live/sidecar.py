@@ -44,7 +44,8 @@ from ncclwatch.watchdog.engine.report import Report
 from ncclwatch.watchdog.engine.snapshot import Snapshot, take_snapshot
 from ncclwatch.watchdog.engine.state import JobState
 from ncclwatch.watchdog.events import Event, SourceDown, SourceUp, Stall
-from ncclwatch.watchdog.live.health import Health, PerfHealth, health_of
+from ncclwatch.watchdog.engine.performance import PerfHealth
+from ncclwatch.watchdog.live.health import Health, health_of
 from ncclwatch.watchdog.live.incident import WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick
 from ncclwatch.watchdog.live.job import LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import Journal, live_inputs
