@@ -365,7 +365,8 @@ def _value(path: Path, name: str) -> float | None:
 
 class TestDashboard:
     @pytest.fixture(scope="class")
-    def dashboard(self) -> dict:
+    @classmethod
+    def dashboard(cls) -> dict:
         return json.loads(DASHBOARD.read_text())
 
     @staticmethod
