@@ -298,6 +298,29 @@ class TestStraggler:
         assert event_for(alert, "key")["payload"]["severity"] == "warning"
         assert slack_message(alert)["blocks"][0]["text"]["text"] == "Performance: straggler in train"
 
+    def test_its_page_is_resolved_once_two_looks_in_a_row_no_longer_see_it(self) -> None:
+        rig = Rig(Settings(perf_interval=INTERVAL, page_on_straggler=True))
+        rig.dumps.dumps = training(30, late_rank=2)
+        rig.tick(INTERVAL + 1)
+        rig.tick(2 * INTERVAL + 1)
+        rig.dumps.dumps = training(30)  # rank 2 caught up
+        rig.tick(3 * INTERVAL + 1)
+        assert [a.action for a in rig.alerts.submitted] == ["trigger"]  # one look may miss a rank's dump
+        rig.tick(4 * INTERVAL + 1)
+        trigger, resolve = rig.alerts.submitted
+        assert (resolve.action, resolve.dedup_key) == ("resolve", trigger.dedup_key)
+        rig.sidecar.resolve_performance()  # the job ends: nothing left open to resolve
+        assert len(rig.alerts.submitted) == 2
+
+    def test_a_page_still_open_when_the_job_ends_is_resolved(self) -> None:
+        rig = Rig(Settings(perf_interval=INTERVAL, page_on_straggler=True))
+        rig.dumps.dumps = training(30, late_rank=2)
+        rig.tick(INTERVAL + 1)
+        rig.tick(2 * INTERVAL + 1)
+        rig.sidecar.resolve_performance(why="the job ended")
+        trigger, resolve = rig.alerts.submitted
+        assert (resolve.action, resolve.dedup_key, resolve.reason) == ("resolve", trigger.dedup_key, "the job ended")
+
     def test_another_run_of_the_job_pages_again(self) -> None:
         from ncclwatch.watchdog.engine.stragglers import last_arrivals, stragglers
 

@@ -56,6 +56,8 @@ from ncclwatch.watchdog.sinks.delivery import Dispatcher
 
 log = logging.getLogger("ncclwatch")
 
+PERF_RESOLVE_LOOKS = 2
+
 STOP_GRACE_S = 5.0
 
 
@@ -108,6 +110,8 @@ class Sidecar:
         self.cluster: Cluster | None = None  # once the workers say the job spans several nodes
         self._job_wide: JobState | None = None  # the latest probe's state merged with the other nodes' evidence
         self._probed: list[Event] = []  # the latest probe's events (Flight Recorder dumps travel to the other nodes)
+        self._perf_pages: dict[str, Alert] = {}  # finding key -> its open page
+        self._perf_unseen: dict[str, int] = {}  # finding key -> looks in a row without it
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -325,6 +329,23 @@ class Sidecar:
             if self.dispatcher is not None and pages(finding, self.settings):
                 alert = trigger_from_finding(finding, job=self.job_name, host=self.host, run_started_at=run_started_at)
                 self.dispatcher.submit(alert)
+                self._perf_pages[finding.key] = alert
+        self._resolve_perf_pages_gone({f.key for f in self.perf.findings()})
+
+    def _resolve_perf_pages_gone(self, seen: set[str]) -> None:
+        """A paged finding absent from two looks in a row is over (one look may miss a rank's dump)."""
+        for key in list(self._perf_pages):
+            self._perf_unseen[key] = 0 if key in seen else self._perf_unseen.get(key, 0) + 1
+            if self._perf_unseen[key] >= PERF_RESOLVE_LOOKS:
+                self.resolve_performance(key, "not seen at the last two performance looks")
+
+    def resolve_performance(self, key: str | None = None, why: str = "the job ended") -> None:
+        """Close the page of one performance finding (``key``), or of all of them."""
+        for open_key in [key] if key is not None else list(self._perf_pages):
+            alert = self._perf_pages.pop(open_key, None)
+            self._perf_unseen.pop(open_key, None)
+            if alert is not None and self.dispatcher is not None:
+                self.dispatcher.submit(resolve_for(alert, why))
 
     async def _exchange_perf(self, record: PerfRecord) -> Mapping[int, PerfRecord] | None:
         """Share this node's look; the leader gets the other nodes' records, a member None, and a store that
