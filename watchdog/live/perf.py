@@ -65,8 +65,8 @@ from ncclwatch.watchdog.sources.flight_recorder import read_dump, request_dumps
 
 log = logging.getLogger("ncclwatch")
 
-# A look blocks the sidecar's tick while the ranks dump (a primed dump takes well under a second), so the
-# wait is short: a rank slower than this sits out one look rather than delay hang detection.
+# A primed dump takes well under a second; a rank slower than this sits out one look rather than hold the
+# look (which runs beside the hang ticks, never in them) for the others.
 DUMP_WAIT_S = 2.0
 
 DumpRequest = Callable[[Mapping[int, int]], Awaitable[list[FrDump]]]  # rank -> pid: the dumps that came
