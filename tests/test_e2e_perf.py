@@ -50,7 +50,7 @@ async def run_straggler_job(tmp_path: Path) -> tuple[int, str, dict, list]:  # t
         "--listen", f"127.0.0.1:{port}", "--perf-interval", "3",
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=0.2",
         str(REPO / "bench" / "gpu_job.py"), "--device", "cpu", "--size", "tiny", "--batch", "16", "--seq", "64",
-        "--steps", "150", "--fault", "straggler", "--fault-step", "5",
+        "--steps", "300", "--fault", "straggler", "--fault-step", "5",
     ]  # fmt: skip
     async with Receiver() as receiver:
         env = {**os.environ, "NCCLWATCH_WEBHOOK_URL": receiver.url}
