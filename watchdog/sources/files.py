@@ -10,8 +10,10 @@ starts over and a note says so.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from ncclwatch.watchdog.parsing.heartbeat import parse_heartbeat
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
@@ -20,13 +22,61 @@ from ncclwatch.watchdog.events import Citation, Unusable
 from ncclwatch.watchdog.sources import DownOnce, Emit, PollingSource
 
 READ_LIMIT = 8 << 20  # bytes per file per poll: a burst is caught up over several polls
+R = TypeVar("R")
 
 
 @dataclass
-class _Tail:
-    parser: NcclLogParser
+class _Tail(Generic[R]):
+    reader: R
+    inode: int
     offset: int = 0
-    inode: int = 0
+
+
+class FolderTails(Generic[R]):
+    """The bytes appended to each file of ``folder`` since the last ``read``, each file with a reader of its own.
+
+    A file new to us, re-created (another inode) or truncated is read from
+    its start with a fresh reader (``new_reader(path)``).  At most ``limit``
+    bytes per file per read: a burst is caught up over several reads.
+    """
+
+    def __init__(self, folder: Path, new_reader: Callable[[str], R], limit: int = READ_LIMIT) -> None:
+        self.folder = folder
+        self.new_reader = new_reader
+        self.limit = limit
+        self.tails: dict[str, _Tail[R]] = {}
+
+    def read(self) -> list[tuple[str, R, bytes, bool]]:
+        """(path, its reader, the new bytes, whether it started over) per file that changed.
+
+        Raises ``OSError`` when the folder cannot be listed; a file gone between listing and reading is skipped.
+        """
+        changed = []
+        for entry in [e for e in os.scandir(self.folder) if e.is_file()]:
+            try:
+                stat = entry.stat()
+            except OSError:
+                continue
+            tail = self.tails.get(entry.path)
+            restarted = tail is not None and (stat.st_ino != tail.inode or stat.st_size < tail.offset)
+            if tail is None or restarted:
+                tail = self.tails[entry.path] = _Tail(self.new_reader(entry.path), inode=stat.st_ino)
+            if stat.st_size == tail.offset and not restarted:
+                continue
+            try:
+                with open(entry.path, "rb") as handle:
+                    handle.seek(tail.offset)
+                    data = handle.read(self.limit)
+            except OSError:
+                continue  # gone between scandir and open; the next read sees it
+            tail.offset += len(data)
+            changed.append((entry.path, tail.reader, data, restarted))
+        return changed
+
+
+@dataclass
+class _NcclLog:
+    parser: NcclLogParser
     garbled_seen: int = 0
 
 
@@ -38,50 +88,28 @@ class NcclFileSource(PollingSource):
     def __init__(self, folder: Path, interval: float = 0.25) -> None:
         self.folder = folder
         self.interval = interval
-        self._tails: dict[str, _Tail] = {}
+        self._tails = FolderTails(folder, lambda path: _NcclLog(NcclLogParser(path)))
         self._down = DownOnce(self.name)
 
     @property
     def files(self) -> list[str]:
-        return sorted(self._tails)
+        return sorted(self._tails.tails)
 
     def poll(self, emit: Emit) -> None:
         try:
-            entries = [e for e in os.scandir(self.folder) if e.is_file()]
+            changed = self._tails.read()
         except OSError as exc:
             self._down(emit, f"cannot list {self.folder}: {exc.strerror}")
             return
         self._down(emit, None)
-        for entry in entries:
-            self._read(entry.path, entry.stat(), emit)
-
-    def _read(self, path: str, stat: os.stat_result, emit: Emit) -> None:
-        tail = self._tails.get(path)
-        if tail is None or stat.st_ino != tail.inode or stat.st_size < tail.offset:
-            if tail is not None:
+        for path, log, data, restarted in changed:
+            if restarted:
                 emit(Unusable(reason="file was truncated or re-created; reading it again from the start", cite=Citation(file=path)))
-            tail = self._tails[path] = _Tail(NcclLogParser(path), inode=stat.st_ino)
-        if stat.st_size == tail.offset:
-            return
-        try:
-            with open(path, "rb") as handle:
-                handle.seek(tail.offset)
-                data = handle.read(READ_LIMIT)
-        except OSError:
-            return  # gone between scandir and open; the next poll sees it
-        tail.offset += len(data)
-        for event in tail.parser.feed(data):
-            emit(event)
-        if tail.parser.garbled > tail.garbled_seen:
-            tail.garbled_seen = tail.parser.garbled
-            emit(Unusable(reason=f"{tail.garbled_seen} garbled operation line(s) skipped", cite=Citation(file=path)))
-
-
-@dataclass
-class _TransportTail:
-    scanner: TransportScanner
-    inode: int
-    offset: int = 0
+            for event in log.parser.feed(data):
+                emit(event)
+            if log.parser.garbled > log.garbled_seen:
+                log.garbled_seen = log.parser.garbled
+                emit(Unusable(reason=f"{log.garbled_seen} garbled operation line(s) skipped", cite=Citation(file=path)))
 
 
 class TransportReader:
@@ -95,34 +123,16 @@ class TransportReader:
     """
 
     def __init__(self, folder: Path, read_limit: int = 8 * READ_LIMIT) -> None:
-        self.folder = folder
-        self.read_limit = read_limit
-        self._tails: dict[str, _TransportTail] = {}
+        self._tails = FolderTails(folder, lambda path: TransportScanner(), read_limit)
 
     def facts(self) -> list[RankTransport]:
         try:
-            entries = [e for e in os.scandir(self.folder) if e.is_file()]
+            changed = self._tails.read()
         except OSError:
             return []  # the NCCL source says the folder is unreadable
-        for entry in entries:
-            try:
-                stat = entry.stat()
-            except OSError:
-                continue
-            tail = self._tails.get(entry.path)
-            if tail is None or stat.st_ino != tail.inode or stat.st_size < tail.offset:
-                tail = self._tails[entry.path] = _TransportTail(TransportScanner(), inode=stat.st_ino)
-            if stat.st_size == tail.offset:
-                continue
-            try:
-                with open(entry.path, "rb") as handle:
-                    handle.seek(tail.offset)
-                    data = handle.read(self.read_limit)
-            except OSError:
-                continue
-            tail.offset += len(data)
-            tail.scanner.feed(data)
-        return [fact for tail in self._tails.values() for fact in tail.scanner.facts()]
+        for _, scanner, data, _ in changed:
+            scanner.feed(data)
+        return [fact for tail in self._tails.tails.values() for fact in tail.reader.facts()]
 
 
 class HeartbeatSource(PollingSource):
