@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pydantic import BaseModel
 
 from ncclwatch.watchdog.engine.bandwidth import RankEntry
+from ncclwatch.watchdog.engine.state import group_label
 from ncclwatch.watchdog.events import OpState
 
 # Per group and rank.  The straggler detector reads the last 20 rounds of one recurring collective
@@ -59,11 +60,6 @@ class PerfRecord(BaseModel):
 
     def labels(self) -> dict[str, str]:
         return {pg: group_label(pg, group.desc) for pg, group in self.groups.items()}
-
-
-def group_label(pg: str, desc: str | None) -> str:
-    """Process group -> the label the engine's state gives it, so metrics of one group share one label."""
-    return f"process group {pg}" + (f" ({desc})" if desc else "")
 
 
 def perf_record(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ncclwatch.watchdog.engine.bandwidth import CollectiveTiming, comm_bandwidth, rank_bandwidth, slow_collectives, slow_links
 from ncclwatch.watchdog.engine.perf import PerfFinding
+from ncclwatch.watchdog.engine.state import group_label
 from ncclwatch.watchdog.engine.stragglers import MIN_ROUNDS, LastArrivals, arrival_series, last_arrivals, stragglers
 
 
@@ -52,7 +53,6 @@ class PerfHealth:
     ib_ports: tuple[IbPortHealth, ...] = ()
 
 
-
 def collective_health(
     timings: Sequence[CollectiveTiming], labels: Mapping[str, str], *, now: float, hosts: Mapping[int, str],
     links: Mapping[int, Sequence[str]],
@@ -89,7 +89,7 @@ def collective_health(
     slow = slow_collectives(whole, now_ns=int(now * 1e9), hosts=hosts, links=links) + slow_links(whole, hosts=hosts, links=links)
     bandwidth = comm_bandwidth(whole)
     return PerfHealth(
-        comm_bandwidth=tuple(CommBandwidth(labels.get(pg, f"process group {pg}"), op, bw) for (pg, op), bw in bandwidth.items()),
+        comm_bandwidth=tuple(CommBandwidth(labels.get(pg, group_label(pg, None)), op, bw) for (pg, op), bw in bandwidth.items()),
         rank_perf=tuple(rank_perf),
         arrival_skew_s=latest.skew_s if latest is not None else None,
         perf_findings=tuple(slow + list(late.values())),

@@ -201,6 +201,11 @@ class Worker:
         return (last.cpu_seconds - first.cpu_seconds) / seconds, io
 
 
+def group_label(pg: str, desc: str | None) -> str:
+    """A Flight Recorder process group as communicators, reports and metrics name it: "process group 0 (default_pg)"."""
+    return f"process group {pg}" + (f" ({desc})" if desc else "")
+
+
 class JobState:
     """Everything the engine knows about one job; fed one event at a time."""
 
@@ -330,7 +335,7 @@ class JobState:
             members = pg.ranks if pg and pg.ranks else []
             comm_rank = members.index(dump.rank) if dump.rank in members else dump.rank
             key = f"fr:{pg_id}"
-            label = f"process group {pg_id}" + (f" ({pg.desc})" if pg and pg.desc else "")
+            label = group_label(pg_id, pg.desc if pg else None)
             comm = self.comms.get(key)
             if comm is None:
                 # gloo dumps leave the member list empty: the default group is every rank of the job

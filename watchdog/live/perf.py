@@ -51,13 +51,14 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ncclwatch.watchdog.cluster.perf_records import PerfRecord, group_label, perf_record
+from ncclwatch.watchdog.cluster.perf_records import PerfRecord, perf_record
 from ncclwatch.watchdog.engine.bandwidth import RankEntry, match_entries, rank_entries
 from ncclwatch.watchdog.engine.links import ib_port_findings, rank_links, transport_anomalies
 from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind
-from ncclwatch.watchdog.engine.snapshot import WorkerView
-from ncclwatch.watchdog.events import STOPPED_STATES, FrDump, ProcKey
 from ncclwatch.watchdog.engine.performance import IbPortHealth, PerfHealth, collective_health
+from ncclwatch.watchdog.engine.snapshot import WorkerView
+from ncclwatch.watchdog.engine.state import group_label
+from ncclwatch.watchdog.events import STOPPED_STATES, FrDump, ProcKey
 from ncclwatch.watchdog.parsing.transport import RankTransport
 from ncclwatch.watchdog.probes.infiniband import SYS_INFINIBAND, ib_delta, rate_bytes_per_s, read_ib_counters, state_name
 from ncclwatch.watchdog.sources.files import TransportReader

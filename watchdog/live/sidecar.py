@@ -40,11 +40,11 @@ from ncclwatch.watchdog.cluster.store import StoreError
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.engine.classify import Decision, judge
 from ncclwatch.watchdog.engine.perf import pages
+from ncclwatch.watchdog.engine.performance import PerfHealth
 from ncclwatch.watchdog.engine.report import Report
 from ncclwatch.watchdog.engine.snapshot import Snapshot, take_snapshot
 from ncclwatch.watchdog.engine.state import JobState
 from ncclwatch.watchdog.events import Event, SourceDown, SourceUp, Stall
-from ncclwatch.watchdog.engine.performance import PerfHealth
 from ncclwatch.watchdog.live.health import Health, health_of
 from ncclwatch.watchdog.live.incident import WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick
 from ncclwatch.watchdog.live.job import LiveJob, LiveView
