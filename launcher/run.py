@@ -36,7 +36,7 @@ from ncclwatch.watchdog.engine.snapshot import Snapshot
 from ncclwatch.watchdog.live.bundle import BundleWriter
 from ncclwatch.watchdog.live.job import LiveView
 from ncclwatch.watchdog.live.journal import Journal
-from ncclwatch.watchdog.live.perf import perf_watch
+from ncclwatch.watchdog.live.perf import PerfWatch, perf_watch
 from ncclwatch.watchdog.live.probe import JobProber, comm_errored
 from ncclwatch.watchdog.live.sidecar import Reporter, Sidecar
 from ncclwatch.watchdog.server.app import make_app, start_server, stop_server
@@ -139,8 +139,9 @@ async def _operations(sidecar: Sidecar, settings: Settings, tasks: list) -> web.
 
 
 def _sidecar(settings: Settings, dirs: RunDirs, torchrun_pid: int, job_name: str, host: str, reporter: Reporter,
-             dispatcher: Dispatcher | None, prober: JobProber | None = None) -> Sidecar:  # fmt: skip
-    """The sidecar with its real sources, prober and journal."""
+             dispatcher: Dispatcher | None, prober: JobProber | None = None,
+             perf: PerfWatch | None = None) -> Sidecar:  # fmt: skip
+    """The sidecar with its real sources, prober, journal and performance look."""
     poll = settings.poll_interval
     sources = [
         WorkerSource(torchrun_pid, interval=poll, host=host),
@@ -151,7 +152,7 @@ def _sidecar(settings: Settings, dirs: RunDirs, torchrun_pid: int, job_name: str
     prober = prober or JobProber(dirs.fr, settings.pyspy, ras_port=settings.ras_port)
     sidecar = Sidecar(
         settings, job_name, sources, prober, reporter, journal=Journal(dirs.journal),
-        out=sys.stderr, dispatcher=dispatcher, host=host, join_cluster=Cluster,
+        out=sys.stderr, dispatcher=dispatcher, host=host, join_cluster=Cluster, perf=perf,
     )  # fmt: skip
     # RAS is asked only on NCCL versions known to survive it: the versions the job's NCCL logs name.
     prober.nccl_versions = lambda: {p.nccl_version for p in sidecar.live.state.procs.values() if p.nccl_version}
@@ -187,8 +188,7 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
             job.terminate(grace_s=10.0)
         return written
 
-    sidecar = _sidecar(settings, dirs, job.pid, job_name, host, reporter, alerts.dispatcher, prober)
-    sidecar.perf = perf
+    sidecar = _sidecar(settings, dirs, job.pid, job_name, host, reporter, alerts.dispatcher, prober, perf)
     ops: list[asyncio.Task] = []  # type: ignore[type-arg]
     runner = await _operations(sidecar, settings, ops)
     watching = asyncio.create_task(sidecar.run())

@@ -166,21 +166,21 @@ def _p2p_deadlock_from_stacks(finding: Finding, where: Mapping[int, Whereabouts]
     can post the side they wait for.  The sequences could not say it (gloo's Flight Recorder records no
     send/recv; NCCL's logs name the peers, and decide() judges those), so the stacks do."""
     alive = {w.rank for w in snapshot.workers if not w.gone}
-    sides = {split_frame(w.frame)[0] for r, w in where.items() if r in alive and w.kind == "collective" and w.frame}
-    in_p2p = [r for r, w in sorted(where.items()) if r in alive and w.kind == "collective" and w.frame]
-    if len(alive) < 2 or len(in_p2p) != len(alive) or len(sides) != 1 or not sides <= _BLOCKING_P2P:
+    inside = {r: w for r, w in sorted(where.items()) if r in alive and w.kind == "collective" and w.frame}
+    sides = {split_frame(w.frame)[0] for w in inside.values()}  # type: ignore[arg-type]
+    if len(alive) < 2 or len(inside) != len(alive) or len(sides) != 1 or not sides <= _BLOCKING_P2P:
         return None
     (side,) = sides
-    callers = sorted({short_frame(w.user_frame) for r, w in where.items() if r in alive and w.user_frame})
+    callers = sorted({short_frame(w.user_frame) for w in inside.values() if w.user_frame})
     called = f", called from {'; '.join(callers)}" if callers else ""
     return replace(
         finding,
         verdict=Verdict.p2p_deadlock,
-        culprits=tuple(in_p2p),
-        summary=f"Point-to-point deadlock: rank {', '.join(map(str, in_p2p))} all wait in {side}{called}, so none "
+        culprits=tuple(inside),
+        summary=f"Point-to-point deadlock: rank {', '.join(map(str, inside))} all wait in {side}{called}, so none "
         f"reaches the {_OTHER_SIDE[side]} its peer waits for.",
         reason=f"Each rank posted {side} first: reorder them (one side sends first), or post both with batch_isend_irecv.",
-        evidence=finding.evidence + tuple(Fact("py-spy", f"rank {r}: {side} at {where[r].frame}") for r in in_p2p),
+        evidence=finding.evidence + tuple(Fact("py-spy", f"rank {r}: {side} at {w.frame}") for r, w in inside.items()),
         missing=finding.missing + ("which peer each rank waits for: Flight Recorder with NCCL, or NCCL's debug lines",),
     )
 
