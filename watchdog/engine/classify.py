@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, Fact, Finding, Verdict
+from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, P2P_DEADLOCK_FIX, Fact, Finding, Verdict
 from ncclwatch.watchdog.engine.snapshot import Snapshot, WorkerView
 from ncclwatch.watchdog.engine.stacks import Whereabouts, short_frame, split_frame, whereabouts
 from ncclwatch.watchdog.engine.verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
@@ -179,7 +179,7 @@ def _p2p_deadlock_from_stacks(finding: Finding, where: Mapping[int, Whereabouts]
         culprits=tuple(inside),
         summary=f"Point-to-point deadlock: rank {', '.join(map(str, inside))} all wait in {side}{called}, so none "
         f"reaches the {_OTHER_SIDE[side]} its peer waits for.",
-        reason=f"Each rank posted {side} first: reorder them (one side sends first), or post both with batch_isend_irecv.",
+        reason=f"Each rank posted {side} first: {P2P_DEADLOCK_FIX}.",
         evidence=finding.evidence + tuple(Fact("py-spy", f"rank {r}: {side} at {w.frame}") for r, w in inside.items()),
         missing=finding.missing + ("which peer each rank waits for: Flight Recorder with NCCL, or NCCL's debug lines",),
     )

@@ -438,6 +438,9 @@ def _p2p_behind(comm: CommView, wait: _P2pWait) -> Finding:
     )
 
 
+P2P_DEADLOCK_FIX = "reorder them (one side sends first), or post both with batch_isend_irecv"
+
+
 def _p2p_deadlock(comm: CommView, waits: list[_P2pWait]) -> Finding | None:
     """Two ranks each waiting for the other's missing side: a cycle of waits."""
     for one in waits:
@@ -451,7 +454,7 @@ def _p2p_deadlock(comm: CommView, waits: list[_P2pWait]) -> Finding | None:
             Verdict.p2p_deadlock,
             summary=f"Point-to-point deadlock on {comm.label}: rank {pair[0]} and rank {pair[1]} each wait for the other. {first} {second}",
             reason="Each posted the side that waits (e.g. both recv first) and neither posted the side the other needs: "
-            "reorder them (one sends first), or post both with batch_isend_irecv.",
+            f"{P2P_DEADLOCK_FIX}.",
             culprits=pair,
             operation=one.sig.describe() if one.sig else None,
             evidence=(one_fact, other_fact),
