@@ -9,12 +9,17 @@ from pathlib import Path
 from ncclwatch.watchdog.bundles_in import expand_bundles
 
 
-def tarball(path: Path, members: dict[str, bytes]) -> Path:
+def tarball(path: Path, members: dict[str, bytes], links: dict[str, str] | None = None) -> Path:
+    """Regular files ``members``, and symbolic links ``links`` (name -> where it points)."""
     with tarfile.open(path, "w:gz") as tar:
         for name, data in members.items():
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
+        for name, pointed in (links or {}).items():
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, pointed
+            tar.addfile(info)
     return path
 
 
@@ -32,3 +37,15 @@ def test_escaping_members_are_refused_and_a_broken_tarball_is_said(tmp_path: Pat
     assert not (tmp_path / "outside.txt").exists() and (Path(paths[0]) / "ok" / "inside.txt").is_file()
     assert [path for path, _ in notes] == [str(bundle), str(tmp_path / "broken.tgz")]
     assert "refused" in notes[0][1] and notes[1][1].startswith("not unpacked") and paths[1] == str(tmp_path / "broken.tgz")
+
+
+def test_absolute_names_and_links_are_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "victim.txt"
+    bundle = tarball(tmp_path / "evil.tar.gz", {str(outside): b"x", "ok/inside.txt": b"y"}, links={"ok/link": "/etc/passwd"})
+    paths, notes = expand_bundles([str(bundle)], tmp_path / "out")
+    assert not outside.exists() and not (Path(paths[0]) / "ok" / "link").exists()
+    assert (Path(paths[0]) / "ok" / "inside.txt").read_bytes() == b"y"
+    assert [note for _, note in notes] == [
+        f"member {str(outside)!r} refused (outside the folder it is unpacked into)",
+        "member 'ok/link' refused (not a regular file or folder)",
+    ]
