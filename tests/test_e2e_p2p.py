@@ -4,7 +4,10 @@ gloo's Flight Recorder records no send/recv, so the sequences show every
 collective completed; the stacks (py-spy) show every rank blocked in
 ``recv``: that is ``p2p_deadlock`` naming both ranks, not a rank "stuck in
 a collective" with no culprit (what the watchdog said before).  The same
-verdict comes offline from the kept run folder and the bundle.
+verdict comes offline from the kept run folder and the bundle.  The fault
+comes at step 40: before the job has shown 8 steps of progress the stall
+timeout is the warm-up one (300 s), and on two busy cores the sidecar's
+first look at the heartbeats can come several steps in.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ def test_both_ranks_receiving_first_is_a_p2p_deadlock_naming_both(tmp_path: Path
         sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"), "--run-dir", str(tmp_path / "run"),
         "--on-hang", "kill",
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=0.2",
-        str(REPO / "bench" / "gpu_job.py"), "--device", "cpu", "--size", "tiny", "--steps", "60",
-        "--fault", "p2p_deadlock", "--fault-step", "10", "--mark-dir", str(tmp_path / "run"),
+        str(REPO / "bench" / "gpu_job.py"), "--device", "cpu", "--size", "tiny", "--steps", "90",
+        "--fault", "p2p_deadlock", "--fault-step", "40", "--mark-dir", str(tmp_path / "run"),
     ]  # fmt: skip
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
