@@ -175,7 +175,8 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     prober = JobProber(dirs.fr, settings.pyspy, ras_port=settings.ras_port)
     perf = perf_watch(settings.perf_interval, dirs.fr, dirs.nccl)
     write_bundle = BundleWriter(
-        settings, dirs.root, job_name, host, Path(log_dir) if log_dir else None, prober.unanswered, perf.findings
+        settings, dirs.root, job_name, host, Path(log_dir) if log_dir else None, prober.unanswered, perf.findings,
+        prober.ras_withheld,
     )
 
     async def reporter(

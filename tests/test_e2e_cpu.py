@@ -75,6 +75,8 @@ def only_report(tmp_path: Path) -> dict:
         member = next(m for m in tar.getmembers() if m.name.endswith("/report.json"))
         names = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
         report = json.load(tar.extractfile(member))  # type: ignore[arg-type]
+        index = next(m for m in tar.getmembers() if m.name.endswith("/evidence.json"))
+        report["_evidence"] = json.load(tar.extractfile(index))["records"]  # type: ignore[arg-type]
     report["_files"] = names
     return report
 
@@ -114,6 +116,9 @@ def test_hang_is_named_bundled_and_killed(tmp_path: Path, fault: str, verdict: s
     assert {"report.json", "report.md", "evidence.json", f"stacks/rank{NPROC - 1}.json", "proc/rank0.txt"} <= report["_files"]
     culprit = next(r for r in report["ranks"] if r["rank"] == NPROC - 1)
     assert culprit["state"] == ("T" if fault == "sigstop" else "S")
+    # The bundle keeps the probe's rule for RAS: a gloo job has none, so nothing waits on a server that is not there.
+    (ras,) = [r for r in report["_evidence"] if r["name"].startswith("ras")]
+    assert "wrote no NCCL log" in ras["note"] and not ras["paths"]
     # Hang start is the last progress, which follows the fault mark by at most a step.
     detected = datetime.datetime.fromisoformat(report["detected_at"]).timestamp()
     assert 0 < detected - fault_time(tmp_path) < 30

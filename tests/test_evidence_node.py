@@ -52,6 +52,20 @@ def test_no_ras_server_skips_the_json_query(tmp_path):
     ]
 
 
+def test_ras_withheld_is_never_asked_by_the_bundle(tmp_path):
+    """The bundle follows the probe's rule (an NCCL version RAS crashes): the live server sees no connection."""
+    why = "not queried: on NCCL 2.28.9+cuda13.0 VERBOSE STATUS can corrupt memory and crash the job (NVIDIA/nccl#1762)"
+
+    async def go():
+        async with RasServer((REAL / "python_stuck.txt").read_bytes()) as server:
+            records = await collect_ras(context(tmp_path, ras_port=server.port, ras_withheld=why))
+            return server, records
+
+    server, records = asyncio.run(go())
+    assert server.commands == []
+    assert [(r.name, r.error, r.paths, r.note) for r in records] == [("ras_text", None, [], why)]
+
+
 def test_infiniband_counters_and_a_moving_error_counter(tmp_path):
     sys_ib = tmp_path / "sys"
     make_port(sys_ib, counters__port_xmit_data=0)

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import nccl_lines as L
+import pytest
 from conftest import NOW
 
 from ncclwatch.watchdog.engine.classify import judge
@@ -125,6 +126,19 @@ class TestStallTimeout:
         worker(job, 10, 0, NOW)
         beats(job, 10, 0, [NOW + 4 * i for i in range(12)])
         assert job.stall_timeout(NOW + 50) == 3 * 4 + 2 * SETTINGS.poll_interval
+
+    def test_a_gap_the_watchdog_caused_is_not_learned(self) -> None:
+        """A 2.4 s step while the first Flight Recorder dump ran (seen on the H100: stall timeouts of 8 s, pages
+        2 s late) is the watchdog's doing; the same step outside that window is the job's and widens the timeout."""
+        times = [NOW + 0.1 * i for i in range(20)] + [NOW + 1.9 + 2.4] + [NOW + 4.3 + 0.1 * i for i in range(1, 10)]
+        excused, plain = LiveJob(SETTINGS, started_at=NOW), LiveJob(SETTINGS, started_at=NOW)
+        for job in (excused, plain):
+            worker(job, 10, 0, NOW)
+            beats(job, 10, 0, times)
+        excused.excuse(NOW + 2.0, 10.0)
+        assert excused.learned_gap(NOW + 6)[0] == pytest.approx(0.1, abs=1e-3)
+        assert excused.stall_timeout(NOW + 6) == SETTINGS.stall_timeout_floor
+        assert plain.learned_gap(NOW + 6)[0] == pytest.approx(2.4, abs=1e-3)
 
     def test_explicit_timeout_wins(self) -> None:
         job = LiveJob(Settings(stall_timeout=42), started_at=NOW)

@@ -104,3 +104,16 @@ def test_a_job_without_nccl_gets_no_ras_note(tmp_path: Path, nccl_logged: bool, 
     notes = [e for e in asyncio.run(go()) if isinstance(e, RasReport | Unusable)]
     assert server.commands == []
     assert [isinstance(n, Unusable) and "no NCCL version" in n.reason for n in notes] == ([True] if noted else [])
+
+
+@pytest.mark.parametrize(
+    "port, versions, logged, withheld",
+    [(None, ["2.30.1"], True, "no RAS port"), (28028, [], False, "no NCCL log"), (28028, ["2.28.9+cuda13.0"], True, "#1762"),
+     (28028, [], True, "no NCCL version"), (28028, ["2.30.1+cuda13.0"], True, None)],
+)  # fmt: skip
+def test_the_bundle_is_told_the_probes_reason_not_to_ask(
+    tmp_path: Path, port: int | None, versions: list[str], logged: bool, withheld: str | None
+) -> None:
+    prober = JobProber(tmp_path, pyspy=None, ras_port=port, nccl_versions=lambda: versions, nccl_logged=lambda: logged)
+    why = prober.ras_withheld()
+    assert why is None if withheld is None else (why is not None and withheld in why)

@@ -24,6 +24,7 @@ from ncclwatch.watchdog.engine.report import build_report
 from ncclwatch.watchdog.events import Citation, Event, Heartbeat, ProcessState, StackDump, Stall, ThreadStack, WorkerSeen
 from ncclwatch.watchdog.live.incident import CONFIRM_S, REPROBE_S, WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick
 from ncclwatch.watchdog.live.journal import Journal
+from ncclwatch.watchdog.live.probe import PRIME_EXCUSE_S
 from ncclwatch.watchdog.live.sidecar import Sidecar
 from ncclwatch.watchdog.parsing.journal import parse_journal
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
@@ -48,9 +49,12 @@ class ScriptedProber:
     def __init__(self) -> None:
         self.frames: dict[int, str] = {}
         self.calls: list[bool] = []  # with_gpus of each probe
+        self.primed: set[int] = set()
 
-    def prime(self, workers) -> None:  # type: ignore[no-untyped-def]
-        pass
+    def prime(self, workers) -> int:  # type: ignore[no-untyped-def]
+        new = {w.pid for w in workers} - self.primed
+        self.primed |= new
+        return len(new)
 
     async def probe(self, workers, with_gpus: bool) -> list[Event]:  # type: ignore[no-untyped-def]
         self.calls.append(with_gpus)
@@ -124,6 +128,16 @@ def stuck_frames(rig: Rig, lead: str = IN_TRAIN) -> None:
 
 
 class TestSidecarTicks:
+    def test_priming_excuses_the_gap_it_may_cause(self, tmp_path: Path) -> None:
+        """The first dumps are asked once the job has a rhythm; the next PRIME_EXCUSE_S of gaps are not learned."""
+        rig = Rig(tmp_path)
+        healthy_job(rig)
+        assert rig.prober.primed == {100, 101, 102}
+        (window,) = rig.sidecar.live.excused
+        assert window[1] - window[0] == PRIME_EXCUSE_S
+        rig.tick(21)
+        assert len(rig.sidecar.live.excused) == 1  # asked once per worker, excused once
+
     def test_quiet_until_the_stall_timeout(self, tmp_path: Path) -> None:
         rig = Rig(tmp_path)
         healthy_job(rig)

@@ -56,6 +56,7 @@ class EvidenceContext:
     ranks: tuple[RankTarget, ...]
     pyspy: str | None
     ras_port: int = RAS_PORT
+    ras_withheld: str | None = None  # why RAS must not be asked (an NCCL version it crashes...); None: ask it
     worker_logs: Mapping[int, list[Path]] = field(default_factory=dict)  # rank -> torchrun worker log files
     sys_infiniband: Path = SYS_INFINIBAND
     proc_root: Path = PROC

@@ -24,7 +24,7 @@ from ncclwatch.watchdog.evidence.base import EvidenceContext, EvidenceRecord, gu
 GPM_WINDOW_S = 1.0
 NVML_TIMEOUT_S = GPM_WINDOW_S + 4.0
 RAS_QUERY_S = 8.0
-RAS_SERVER_TIMEOUT_S = 5  # how long NCCL waits for unresponsive peers before it reports them
+RAS_SERVER_TIMEOUT_S = 3  # how long NCCL waits for unresponsive peers before it reports them (a stopped rank: all of it)
 RAS_TIMEOUT_S = 2 * RAS_QUERY_S + 1.0
 IB_INTERVAL_S = 1.0
 IB_TIMEOUT_S = IB_INTERVAL_S + 4.0
@@ -52,6 +52,9 @@ async def collect_ras(ctx: EvidenceContext) -> list[EvidenceRecord]:
 
     async def work() -> list[EvidenceRecord]:
         records: list[EvidenceRecord] = []
+        if ctx.ras_withheld is not None:
+            # The same rule as the live probe's: a bundle must never be what crashes the job.
+            return [record("ras_text", time.monotonic(), note=ctx.ras_withheld)]
         for name, rel, json_format in (("ras_text", "ras/ras.txt", False), ("ras_json", "ras/ras.json", True)):
             started = time.monotonic()
             if records and not records[0].paths:

@@ -180,6 +180,7 @@ class BundleWriter:
     worker_log_dir: Path | None = None  # torchrun's --log-dir, when the user gave one
     dumpless: Callable[[], frozenset[int]] = frozenset  # pids whose Flight Recorder did not answer the probe
     performance: Callable[[], Sequence[PerfFinding]] = tuple  # the latest performance look's findings (live/perf.py)
+    ras_withheld: Callable[[], str | None] = lambda: None  # why RAS must not be asked (the prober's rule); None: ask
 
     async def __call__(
         self, decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float, incident_key: str | None
@@ -200,7 +201,7 @@ class BundleWriter:
             context = EvidenceContext(
                 out_dir=folder, run_dir=self.run_dir, ranks=targets, pyspy=settings.pyspy,
                 ras_port=settings.ras_port, worker_logs=worker_logs, budget_s=settings.evidence_budget,
-                dumpless_pids=self.dumpless(),
+                dumpless_pids=self.dumpless(), ras_withheld=self.ras_withheld(),
             )
             records = await collect_all(context)
             journal = self.run_dir / JOURNAL_NAME

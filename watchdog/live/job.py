@@ -77,6 +77,11 @@ class LiveJob:
         self.progress: dict[int, Progress] = {}
         self.signals: set[str] = set()
         self.down: dict[str, str] = {}
+        self.excused: list[tuple[float, float]] = []  # (from, to): the watchdog's own doing slowed the job
+
+    def excuse(self, at: float, seconds: float) -> None:
+        """Gaps overlapping [at, at + seconds] were caused by the watchdog (a first Flight Recorder dump): not learned."""
+        self.excused.append((at, at + seconds))
 
     def of(self, pid: int) -> Progress:
         progress = self.progress.get(pid)
@@ -116,7 +121,10 @@ class LiveJob:
     def learned_gap(self, now: float) -> tuple[float | None, int]:
         """The longest recent gap between progress, and how much progress the job has shown."""
         progress = [self.of(w.pid) for w in self.state.current_workers()]
-        gaps = [g for p in progress for when, g in p.gaps if now - when <= GAP_MEMORY_S]
+        gaps = [
+            g for p in progress for when, g in p.gaps
+            if now - when <= GAP_MEMORY_S and not any(when - g < to and when > since for since, to in self.excused)
+        ]  # fmt: skip
         return (max(gaps) if gaps else None), sum(p.advances for p in progress)
 
     def stall_timeout(self, now: float) -> float:

@@ -38,6 +38,9 @@ from ncclwatch.watchdog.sources.gpus import gpu_snapshot
 log = logging.getLogger("ncclwatch")
 
 STACK_TIMEOUT_S = 5.0
+# A rank's first dump takes 4-5 s (H200: torch symbolises its C++ stacks) and can hold up its training thread;
+# the job's gaps in that time are ours, not its rhythm, and do not widen the learned stall timeout.
+PRIME_EXCUSE_S = 10.0
 DUMP_WAIT_S = 3.0  # a primed rank dumps in 0.02-1 s (H200, H100)
 ERRORED_DUMP_WAIT_S = 1.0
 RAS_QUERY_S = 4.0  # the whole query; RAS answers in milliseconds when it answers at all
@@ -83,7 +86,7 @@ def comm_errored(warnings: Sequence[NcclWarning]) -> bool:
 class Prober(Protocol):
     async def probe(self, workers: Sequence[WorkerView], with_gpus: bool) -> list[Event]: ...
 
-    def prime(self, workers: Sequence[WorkerView]) -> None: ...
+    def prime(self, workers: Sequence[WorkerView]) -> int: ...
 
 
 class JobProber:
@@ -109,13 +112,16 @@ class JobProber:
         """Pids whose Flight Recorder did not answer the latest first look (the bundle does not ask them again)."""
         return frozenset(self._unanswered)
 
-    def prime(self, workers: Sequence[WorkerView]) -> None:
-        """Ask each rank for one dump while healthy: the first is slow (seconds), later ones fast."""
+    def prime(self, workers: Sequence[WorkerView]) -> int:
+        """Ask each rank for one dump while healthy: the first is slow (seconds), later ones fast.
+        How many ranks were asked now (0: all were before)."""
         ranks = {w.rank: w.pid for w in workers if not w.gone}
         if self._primed >= set(ranks.values()):
-            return
+            return 0
         self._primed |= set(ranks.values())
-        log.info("primed Flight Recorder of %d rank(s)", prime(self.fr_dir, ranks))
+        asked = prime(self.fr_dir, ranks)
+        log.info("primed Flight Recorder of %d rank(s)", asked)
+        return asked
 
     async def probe(self, workers: Sequence[WorkerView], with_gpus: bool) -> list[Event]:
         alive = [w for w in workers if not w.gone]
@@ -158,11 +164,10 @@ class JobProber:
         if seen == self._ras_asked_at:
             return []
         self._ras_asked_at = seen
-        versions = self.nccl_versions()
-        if not versions and not self.nccl_logged():
+        if not self._nccl_job():
             return []  # a gloo job: a note on NCCL RAS in its report would only puzzle the reader
         cite = Citation(file=f"NCCL RAS 127.0.0.1:{self.ras_port}")
-        why = ras_skip_reason(versions)
+        why = self.ras_withheld()
         if why is not None:
             log.info("RAS %s", why)
             return [Unusable(reason=why, cite=cite)]
@@ -173,6 +178,17 @@ class JobProber:
         )
         events = parse_ras(data, f"{cite.file} (live)") if data else []
         return events + ([Unusable(reason=error, cite=cite)] if error else [])
+
+    def ras_withheld(self) -> str | None:
+        """Why RAS must not be asked now, by the probe or the bundle (None: it may be)."""
+        if self.ras_port is None:
+            return "not queried: no RAS port configured"
+        if not self._nccl_job():
+            return "not queried: the job wrote no NCCL log (without NCCL there is no RAS)"
+        return ras_skip_reason(self.nccl_versions())
+
+    def _nccl_job(self) -> bool:
+        return bool(self.nccl_versions()) or self.nccl_logged()
 
     async def _stack(self, pid: int) -> list[Event]:
         from ncclwatch.watchdog.probes.pyspy import pyspy_dump

@@ -50,7 +50,7 @@ from ncclwatch.watchdog.live.incident import WATCHING, Incident, Page, Phase, Pr
 from ncclwatch.watchdog.live.job import LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import Journal, live_inputs
 from ncclwatch.watchdog.live.perf import JobLook, PerfWatch
-from ncclwatch.watchdog.live.probe import Prober
+from ncclwatch.watchdog.live.probe import PRIME_EXCUSE_S, Prober
 from ncclwatch.watchdog.sinks.alert import Alert, resolve_for, trigger_from_finding, trigger_from_report
 from ncclwatch.watchdog.sinks.delivery import Dispatcher
 
@@ -193,7 +193,8 @@ class Sidecar:
         if not view.workers or not view.alive:
             return
         if view.stalled_for < view.stall_timeout and view.learned_gap is not None:
-            self.prober.prime(view.workers)
+            if self.prober.prime(view.workers):
+                self.live.excuse(view.observed_at, PRIME_EXCUSE_S)
         timeout = view.stall_timeout
         if self.cluster is not None and self.cluster.peer_suspects():
             # Another node is probing a stall and waits for this node's evidence: look now, not at our own timeout.
