@@ -65,6 +65,7 @@ ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "bench" / "gpu_job.py"
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 VERDICT_LINE = re.compile(r"^ncclwatch: ([A-Z][A-Z0-9 ]+?)(?: — culprit ranks? ([\d, ]+))?\s*$")  # P2P DEADLOCK
+PERF_LINE = re.compile(r"^ncclwatch .*? performance: (\w+): (.*)$")  # the performance look's findings (logged)
 LOG_TAIL_BYTES = 256 << 10
 
 
@@ -157,6 +158,7 @@ class Wrapper:
     def __init__(self, command: list[str], env: dict[str, str], cwd: Path, log: Path) -> None:
         self.log = log
         self.verdict_lines: list[tuple[float, str, list[int]]] = []
+        self.perf_lines: list[tuple[float, str, str]] = []  # (arrived, kind, summary)
         self.process = subprocess.Popen(
             command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -168,7 +170,10 @@ class Wrapper:
             for raw in self.process.stdout:  # type: ignore[union-attr]
                 arrived = time.time()
                 out.write(raw)
-                match = VERDICT_LINE.match(raw.decode(errors="replace").rstrip("\n"))
+                line = raw.decode(errors="replace").rstrip("\n")
+                if perf := PERF_LINE.match(line):
+                    self.perf_lines.append((arrived, perf.group(1), perf.group(2)))
+                match = VERDICT_LINE.match(line)
                 if match:
                     verdict = match.group(1).strip().lower().replace(" ", "_")
                     culprits = [int(x) for x in re.findall(r"\d+", match.group(2) or "")]
@@ -328,6 +333,7 @@ def node_result(wrapper: Wrapper, bundles: Path, fault_at: float | None) -> dict
         "returncode": wrapper.process.returncode,
         "page_verdict": first_line[1], "page_culprits": first_line[2], "page_s": since(first_line[0]),
         "verdict_lines": len(wrapper.verdict_lines), "verdict": None, "culprit_ranks": None,
+        "perf_findings": [{"kind": kind, "summary": text, "s": since(at)} for at, kind, text in wrapper.perf_lines],
     }  # fmt: skip
     found = sorted(bundles.glob("*.tar.gz"))
     node["bundles"] = len(found)
@@ -335,6 +341,13 @@ def node_result(wrapper: Wrapper, bundles: Path, fault_at: float | None) -> dict
         with tarfile.open(found[0]) as tar:
             member = next(m for m in tar.getmembers() if m.name.endswith("/report.json"))
             report = json.load(tar.extractfile(member))  # type: ignore[arg-type]
+            index = next((m for m in tar.getmembers() if m.name.endswith("/evidence.json")), None)
+            evidence = json.load(tar.extractfile(index))["records"] if index else []  # type: ignore[arg-type]
+        # What made the bundle slow, when it was: the three longest collectors.
+        node["slowest_evidence"] = [
+            {k: r.get(k) for k in ("name", "rank", "duration_s", "error")}
+            for r in sorted(evidence, key=lambda r: -r["duration_s"])[:3]
+        ]
         detected = dt.datetime.fromisoformat(report["detected_at"]).timestamp()
         node.update(
             verdict=report["verdict"], culprit_ranks=report["culprit_ranks"],
@@ -379,12 +392,24 @@ def outcome(node: dict) -> str:
     return f"{node['verdict']} {node['culprit_ranks']}" if node["verdict"] else f"none (rc {node['returncode']})"
 
 
+def perf_summary(runs: list[dict]) -> str:
+    """Per run, each kind the performance look logged with its first time: 'straggler 31.2'; '-' for none."""
+    told = []
+    for run in runs:
+        first: dict[str, float | None] = {}
+        for node in run["nodes"]:
+            for finding in node.get("perf_findings", ()):
+                first.setdefault(finding["kind"], finding["s"])
+        told.append(", ".join(f"{kind} {s}" for kind, s in first.items()) or "-")
+    return "; ".join(told)
+
+
 def summarize(records: list[dict]) -> str:
     lines = [
         "| scenario | nodes | runs | correct | expected | got (culprits) | page p50 / p90 (s) | report p50 / p90 (s) "
         "| bundle p50 / p90 (s) | webhook p50 / p90 (s) | triggers (dedup keys) | false pages | stall timeout (s) "
-        "| processes left behind |",
-        "|" + " --- |" * 14,
+        "| processes left behind | performance findings (first, s after the fault) |",
+        "|" + " --- |" * 15,
     ]
     groups: dict[tuple, list[dict]] = {}
     for record in records:
@@ -402,7 +427,8 @@ def summarize(records: list[dict]) -> str:
             f"{percentiles([r['page_s'] for r in runs])} | {percentiles([r['report_s'] for r in runs])} | "
             f"{percentiles([r['bundle_s'] for r in runs])} | {percentiles([r['webhook_s'] for r in runs])} | "
             f"{sum(r['webhook_triggers'] for r in runs)} ({sum(r['webhook_keys'] for r in runs)}) | "
-            f"{false_pages} | {percentiles(stall)} | {sum(r.get('leftover_processes', 0) for r in runs)} |"
+            f"{false_pages} | {percentiles(stall)} | {sum(r.get('leftover_processes', 0) for r in runs)} | "
+            f"{perf_summary(runs)} |"
         )
     return "\n".join(lines)
 

@@ -27,6 +27,11 @@ wrapper really sets:
   wrapper         python -m ncclwatch torchrun          (cumulative: all of it)
   wrapper_no_timing  the wrapper, the user having set TORCH_NCCL_ENABLE_TIMING=0 (their value wins)
   wrapper_lean    the wrapper with TORCH_NCCL_ENABLE_TIMING=0 and NCCL_DEBUG=WARN (no per-operation lines)
+  wrapper_perf_off, wrapper_perf5  the wrapper with its performance look off / every 5 s (default: 60 s)
+
+``--ab A,B`` compares any two configurations the same way (default
+``baseline,wrapper``); ``--ab wrapper_perf_off,wrapper_perf5`` is what the
+performance look costs.
 
 ``--mode fr_dump``: one-time cost of Flight Recorder: the job under plain
 torchrun with the wrapper's environment; once every rank's heartbeat passed
@@ -75,6 +80,9 @@ WRAPPED = {
     "wrapper": {},
     "wrapper_no_timing": {"TORCH_NCCL_ENABLE_TIMING": "0"},
     "wrapper_lean": {"TORCH_NCCL_ENABLE_TIMING": "0", "NCCL_DEBUG": "WARN"},
+    # The performance look (issue 14): off, and 12 times as often as its default of once a minute.
+    "wrapper_perf_off": {"NCCLWATCH_PERF_INTERVAL": "0"},
+    "wrapper_perf5": {"NCCLWATCH_PERF_INTERVAL": "5"},
 }
 CONFIGS = (*INJECTED_SUBSETS, *FIXED, "injected_env", *WRAPPED)
 
@@ -166,10 +174,13 @@ def median(values: list) -> str:
 
 
 def summarize_ab(records: list[dict]) -> str:
+    first = next((pair for size in dict.fromkeys(r["size"] for r in records) for pair in pairs_of(records, size)), None)
+    a, b = (first[0]["config"], first[1]["config"]) if first else ("A", "B")
+    a, b = ("torchrun" if a == "baseline" else a), ("ncclwatch" if b == "wrapper" else b)
     lines = [
-        "| size | pairs | torchrun steps/s (median) | ncclwatch steps/s (median) | ratio B/A median | ratio min - max "
-        "| launch to first step, torchrun / ncclwatch (s) | launch to job start, torchrun / ncclwatch (s) "
-        "| launcher CPU, torchrun / ncclwatch (% of a core) |",
+        f"| size | pairs | {a} steps/s (median) | {b} steps/s (median) | ratio B/A median | ratio min - max "
+        f"| launch to first step, {a} / {b} (s) | launch to job start, {a} / {b} (s) "
+        f"| launcher CPU, {a} / {b} (% of a core) |",
         "|" + " --- |" * 9,
     ]
     for size in dict.fromkeys(r["size"] for r in records):
@@ -187,11 +198,12 @@ def summarize_ab(records: list[dict]) -> str:
 
 
 def pairs_of(records: list[dict], size: str) -> list[tuple[dict, dict]]:
-    by_pair: dict[int, dict[str, dict]] = {}
+    """(A, B) of each pair of this size, in the order each pair ran them."""
+    by_pair: dict[int, list[dict]] = {}
     for record in records:
         if record["size"] == size:
-            by_pair.setdefault(record["pair"], {})[record["config"]] = record
-    return [(runs["baseline"], runs["wrapper"]) for runs in by_pair.values() if len(runs) == 2]
+            by_pair.setdefault(record["pair"], []).append(record)
+    return [(runs[0], runs[1]) for runs in by_pair.values() if len(runs) == 2]
 
 
 def summarize_ablation(records: list[dict]) -> str:
@@ -276,6 +288,7 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--sizes", help="gpu_job sizes (default: short,long on cuda, tiny on cpu; ablation: the first)")
     parser.add_argument("--pairs", type=int, default=5, help="ab: A B pairs per size")
+    parser.add_argument("--ab", default="baseline,wrapper", help="ab: the two configurations compared, A,B")
     parser.add_argument("--rounds", type=int, default=3, help="ablation: rounds of baseline + every configuration")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"ablation: any of {', '.join(CONFIGS)}")
     parser.add_argument("--steps", type=int, default=300, help="steps of a short/tiny run")
@@ -304,7 +317,7 @@ def main() -> int:
         table = "\n".join(["| rank | pipe | first dump (s) | second dump (s) | error |", "|" + " --- |" * 5, *rows])
     else:
         if args.mode == "ab":
-            ab = ("baseline", "wrapper")
+            ab = tuple(args.ab.split(","))
             # Pairs of every size alternate, so a budget cut leaves each size the same number of pairs.
             plan = [(size, n, config) for n in range(args.pairs) for size in sizes for config in ab]
         else:

@@ -1,32 +1,31 @@
-"""GPU figures for issue 14: preflight busbw, a straggler, a slow link; time from the fault to the finding; false reports.
+#!/usr/bin/env python3
+"""GPU figures for issue 14: the preflight busbw table, and the live performance look on a slow link and a straggler.
 
-Usage (on the GPU machine, from the repository root)::
+Usage (on the GPU machine, from the repository root, with ncclwatch installed)::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-        python bench/slow_links.py OUT_DIR [--backend nccl] [--steps 120]
+        python bench/slow_links.py OUT_DIR [--cases preflight,healthy,slowlink,straggler] [--nproc 4]
 
-Writes ``OUT_DIR/results.json`` (one entry per case) and, per case, the
-ranks' Flight Recorder dumps and NCCL logs under ``OUT_DIR/<case>/``.
-``--backend gloo`` runs the same on CPU (skew only: gloo records no
-durations), which is how it was checked off the GPU machine.
+Cases:
 
-Cases, each a 2-rank job; ranks share one GPU when there is only one,
-each with its own ``NCCL_HOSTID`` so NCCL connects them via NET/Socket:
+- ``preflight``: ``ncclwatch preflight`` sweep (1 MiB..256 MiB, all_reduce
+  and all_gather) and every pair at 64 MiB, two ranks (their own
+  ``NCCL_HOSTID`` each when they share a GPU).
+- ``healthy``, ``slowlink``, ``straggler``: ``python -m ncclwatch
+  --perf-interval P torchrun ... bench/pairs_job.py --fault CASE`` (the
+  real wrapper, its performance look every ``P`` s), ranks on a ring of pair
+  groups (see ``pairs_job.py``).  Every ``performance: KIND: ...`` line the
+  wrapper logs is stamped as it arrives.  ``slowlink``: the fault rank's
+  NCCL opens 1 socket per connection where the others open 16, from the
+  first step; ``straggler``: from ``--fault-after`` s the fault rank waits
+  40 % of its step before the next one.  Right: a finding of the expected
+  kind that names the fault rank, and no other finding; ``healthy``: no
+  finding at all (each one is a false report).  Latency: from the fault's
+  start (the first step for ``slowlink``) to the first right line; the
+  look's interval bounds it from below.
 
-- ``preflight``: ``ncclwatch preflight`` sweep (1 MiB..256 MiB) and pairs.
-- ``healthy``: 64 MiB all-reduces, every rank on time: any finding is a false report.
-- ``straggler``: from step ``fault_step`` rank 1 sleeps 50 ms before each all-reduce.
-- ``slowlink``: rank 1's NCCL opens 1 socket with 1 thread (NCCL_SOCKET_NTHREADS=1,
-  NCCL_NSOCKS_PERTHREAD=1) where rank 0 opens 4 x 4, and from ``fault_step`` a
-  second, hidden all-reduce of 4x the size is folded into the timed one on the
-  same group (the link does 5x the work: a collective at ~1/5 of its history);
-  ``tc`` is not used (it needs root and would slow every loopback user).
-
-Each rank dumps its Flight Recorder (JSON) every ``dump_every`` steps (``fr_step<N>_rank<R>.json``:
-the parser takes the rank from the trailing number); the
-analysis replays the dumps in time order through the same pure functions the
-sidecar uses (``match_collectives``, ``slow_collectives``, ``last_arrivals``,
-``stragglers``) and reports when the first finding appeared after the fault.
+Writes ``OUT_DIR/results.jsonl`` (one line per case), ``OUT_DIR/results.md``
+(the table) and each case's wrapper output ``OUT_DIR/<case>.log``.
 """
 
 from __future__ import annotations
@@ -34,124 +33,131 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
+import re
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
-from ncclwatch.watchdog.engine.bandwidth import match_collectives, slow_collectives
-from ncclwatch.watchdog.engine.stragglers import arrival_rounds, last_arrivals, stragglers
-from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
-
-JOB = r"""
-import json, os, sys, time
-import torch, torch.distributed as dist
-import torch._C._distributed_c10d as c
-out, case, backend, steps, fault_step, dump_every = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7])
-rank = int(os.environ["RANK"])
-os.environ["NCCL_HOSTID"] = f"bench-node{rank}"
-device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
-if backend == "nccl":
-    torch.cuda.set_device(device)
-dist.init_process_group(backend)
-numel = (64 << 20) // 4 if backend == "nccl" else (1 << 20) // 4
-buf = torch.ones(numel, device=device)
-extra = torch.ones(4 * numel, device=device)
-marks = {}
-for step in range(steps):
-    if step == fault_step:
-        marks["fault_ns"] = time.time_ns()
-    faulty = step >= fault_step
-    if faulty and case == "straggler" and rank == 1:
-        time.sleep(0.05)
-    if faulty and case == "slowlink":
-        dist.all_reduce(extra)  # same group, same stream: the next timed collective waits behind it
-    dist.all_reduce(buf)
-    if backend == "nccl":
-        torch.cuda.synchronize()
-    if step % dump_every == dump_every - 1:
-        with open(os.path.join(out, f"fr_step{step:05d}_rank{rank}.json"), "wb") as f:
-            f.write(c._dump_fr_trace_json())
-        marks.setdefault("dumps", []).append([step, time.time_ns()])
-json.dump(marks, open(os.path.join(out, f"marks_{rank}.json"), "w"))
-dist.barrier()
-dist.destroy_process_group()
-"""
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "bench" / "pairs_job.py"
+PERF_LINE = re.compile(r"^ncclwatch .*? performance: (\w+): (.*)$")
+EXPECTED = {"healthy": None, "slowlink": "slow_link", "straggler": "straggler"}
 
 
-def run_case(out: Path, case: str, backend: str, steps: int, fault_step: int, dump_every: int) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        threads = "1" if (case == "slowlink" and rank == 1) else "4"
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "TORCH_FR_BUFFER_SIZE": "4000", "TORCH_NCCL_ENABLE_TIMING": "1", "NCCL_DEBUG": "INFO",
-               "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_DEBUG_FILE": str(out / f"nccl.{rank}.log"),
-               "NCCL_SOCKET_NTHREADS": threads, "NCCL_NSOCKS_PERTHREAD": threads}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, "-c", JOB, str(out), case, backend, str(steps), str(fault_step), str(dump_every)], env=env))
-    codes = [p.wait(timeout=580) for p in procs]
-    if any(codes):
-        return {"case": case, "error": f"exit codes {codes}"}
-    return analyze(out, case, fault_step if case != "healthy" else None)
+def run_preflight(out: Path, nproc: int) -> dict:
+    result = out / "preflight.json"
+    command = [
+        sys.executable, "-m", "ncclwatch", "preflight", "--backend=nccl", f"--nproc={nproc}", "--pairs=64M",
+        "--sizes=1M,4M,16M,64M,256M", f"--out={result}", "--time-limit=150",
+    ]  # fmt: skip
+    env = {**os.environ, "NCCLWATCH_PREFLIGHT_HOSTID_PER_RANK": "1"}
+    began = time.monotonic()
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    (out / "preflight.txt").write_text(proc.stdout + proc.stderr)
+    return {"case": "preflight", "exit": proc.returncode, "wall_s": round(time.monotonic() - began, 1), "table": proc.stdout}
 
 
-def analyze(out: Path, case: str, fault_step: int | None) -> dict:
-    """Replay the dumps round by round; the first round with a finding of the expected kind, and every false one."""
-    marks = json.loads((out / "marks_0.json").read_text())
-    rounds = sorted({step for step, _ in marks["dumps"]})
-    first: dict[str, float | None] = {"slow_collective": None, "straggler": None}
-    false_reports = 0  # findings before the fault (or in the healthy case at all), counted per dump round
-    found_keys: set[str] = set()
-    fault_ns = marks.get("fault_ns") if fault_step is not None else None
-    for step, at_ns in marks["dumps"]:
-        dumps = []
-        for rank in range(2):
-            name = f"fr_step{step:05d}_rank{rank}.json"
-            dumps += [e for e in parse_flight_recorder((out / name).read_bytes(), name) if hasattr(e, "entries")]
-        timings = match_collectives(dumps)
-        findings = slow_collectives(timings, now_ns=at_ns) + stragglers(last_arrivals(arrival_rounds(timings), source="arrival"))
-        for f in findings:
-            found_keys.add(f.key)
-            if fault_ns is None or at_ns < fault_ns:
-                false_reports += 1
-            elif first.get(f.kind.value, 0.0) is None:
-                first[f.kind.value] = (at_ns - fault_ns) / 1e9
-    last = [out / f"fr_step{rounds[-1]:05d}_rank{rank}.json" for rank in range(2)]
-    timings = match_collectives(e for path in last for e in parse_flight_recorder(path.read_bytes(), path.name) if hasattr(e, "entries"))
-    busbw = [t.busbw for t in timings if t.busbw]
-    return {"case": case, "fault_step": fault_step, "dump_rounds": len(rounds), "seconds_to_first": first, "false_reports": false_reports,
-            "finding_keys": sorted(found_keys), "busbw_first_last_GBps": [b / 1e9 for b in busbw[:1] + busbw[-1:]]}  # fmt: skip
+def run_live(out: Path, case: str, args: argparse.Namespace) -> dict:
+    """One wrapped run of the pairs job; its performance lines with their arrival times."""
+    fault_rank = args.fault_rank % args.nproc
+    with tempfile.TemporaryDirectory(prefix=f"slow-{case}-") as folder:
+        work = Path(folder)
+        (work / "marks").mkdir()
+        command = [
+            sys.executable, "-m", "ncclwatch", "-v", f"--perf-interval={args.perf_interval}",
+            "--bundle-dir", str(work / "bundles"), "--run-dir", str(work / "run"),
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", str(JOB),
+            f"--fault={'none' if case == 'healthy' else case}", f"--fault-rank={fault_rank}",
+            f"--seconds={args.seconds}", f"--fault-after={args.fault_after}", f"--mark-dir={work / 'marks'}",
+            *args.job_arg,
+        ]  # fmt: skip
+        lines: list[tuple[float, str, str]] = []
+        began = time.time()
+        proc = subprocess.Popen(
+            command, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        log = (out / f"{case}.log").open("wb")
+
+        def read() -> None:
+            for raw in proc.stdout:  # type: ignore[union-attr]
+                log.write(raw)
+                if found := PERF_LINE.match(raw.decode(errors="replace").rstrip("\n")):
+                    lines.append((time.time(), found.group(1), found.group(2)))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            code = proc.wait(timeout=args.seconds + 150)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        reader.join(10)
+        log.close()
+        marks = {p.name: json.loads(p.read_text()) for p in (work / "marks").iterdir() if not p.name.endswith(".tmp")}
+    first_step = marks.get("first_step", {}).get("time")
+    fault = marks.get(f"fault.{fault_rank}", {}).get("time") if case == "straggler" else first_step
+    expected = EXPECTED[case]
+    right = [
+        (at, kind, text) for at, kind, text in lines
+        if kind == expected and re.search(rf"\brank {fault_rank}\b", text) and not re.search(r"\branks? (?!%d\b)\d" % fault_rank, text)
+    ]  # fmt: skip
+    false = [(kind, text) for at, kind, text in lines if (at, kind, text) not in right]
+    record = {
+        "case": case, "exit": code, "wall_s": round(time.time() - began, 1), "nproc": args.nproc,
+        "fault_rank": fault_rank if expected else None, "perf_interval_s": args.perf_interval,
+        "steps": marks.get("steps", {}).get("steps"), "train_s": marks.get("steps", {}).get("seconds"),
+        "findings": [{"s_after_fault": round(at - fault, 1) if fault else None, "kind": k, "summary": t} for at, k, t in lines],
+        "right": bool(right) if expected else not lines,
+        "first_right_s": round(right[0][0] - fault, 1) if right and fault else None,
+        "false_reports": len(false),
+    }  # fmt: skip
+    return record
+
+
+def table(records: list[dict]) -> str:
+    rows = [
+        "| case | ranks | look every (s) | exit | steps | expected | right | fault -> first right finding (s) | other findings "
+        "| first finding |",
+        "|" + " --- |" * 10,
+    ]
+    for r in records:
+        if r["case"] == "preflight":
+            continue
+        first = r["findings"][0] if r["findings"] else None
+        rows.append(
+            f"| {r['case']} | {r['nproc']} | {r['perf_interval_s']:g} | {r['exit']} | {r['steps']} | "
+            f"{EXPECTED[r['case']] or 'nothing'} | {r['right']} | {r['first_right_s'] if r['first_right_s'] is not None else '-'} | "
+            f"{r['false_reports']} | {first['kind'] + ': ' + first['summary'] if first else '-'} |"
+        )
+    return "\n".join(rows)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--backend", default="nccl")
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--dump-every", type=int, default=5)
-    parser.add_argument("--cases", default="preflight,healthy,straggler,slowlink")
+    parser.add_argument("--cases", default="preflight,healthy,slowlink,straggler")
+    parser.add_argument("--nproc", type=int, default=4, help="ranks of the live cases (they may share one GPU)")
+    parser.add_argument("--fault-rank", type=int, default=-1, help="-1: the last rank")
+    parser.add_argument("--perf-interval", type=float, default=10.0, help="the wrapper's --perf-interval")
+    parser.add_argument("--seconds", type=float, default=45.0, help="training time of a live case")
+    parser.add_argument("--fault-after", type=float, default=10.0, help="straggler: seconds after the first step")
+    parser.add_argument("--preflight-nproc", type=int, default=2)
+    parser.add_argument("--job-arg", action="append", default=[], help="one more pairs_job.py option (repeatable)")
     args = parser.parse_args()
-    results = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = []
     for case in args.cases.split(","):
-        started = time.monotonic()
-        if case == "preflight":
-            pf = args.out / "preflight.json"
-            cmd = [sys.executable, "-m", "ncclwatch", "preflight", f"--backend={args.backend}", "--nproc=2", "--pairs=64M",
-                   "--sizes=" + ("1M,4M,16M,64M,256M" if args.backend == "nccl" else "4K,64K,1M"), f"--out={pf}", "--time-limit=500"]  # fmt: skip
-            env = {**os.environ, "NCCLWATCH_PREFLIGHT_HOSTID_PER_RANK": "1"}
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            result = {"case": case, "exit": proc.returncode, "table": proc.stdout, "stderr": proc.stderr[-2000:]}
-        else:
-            result = run_case(args.out / case, case, args.backend, args.steps, args.steps // 2, args.dump_every)
-        result["wall_s"] = round(time.monotonic() - started, 1)
-        results.append(result)
-        print(json.dumps(result), flush=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    return 0
+        record = run_preflight(args.out, args.preflight_nproc) if case == "preflight" else run_live(args.out, case, args)
+        records.append(record)
+        print(json.dumps(record), flush=True)
+        with (args.out / "results.jsonl").open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+    (args.out / "results.md").write_text(table(records) + "\n")
+    print(table(records))
+    return 0 if all(r.get("right", r.get("exit") == 0) for r in records) else 1
 
 
 if __name__ == "__main__":
