@@ -60,8 +60,8 @@ class IdleProber:
     def __init__(self) -> None:
         self.calls = 0
 
-    def prime(self, workers) -> None:  # type: ignore[no-untyped-def]
-        pass
+    def prime(self, workers) -> int:  # type: ignore[no-untyped-def]
+        return 0
 
     async def probe(self, workers, with_gpus: bool) -> list[Event]:  # type: ignore[no-untyped-def]
         self.calls += 1
