@@ -100,3 +100,19 @@ class TestAnomalies:
         assert hca_spec_entries("^mlx5_3") == (True, False, [("mlx5_3", None)])
         assert hca_spec_entries("=mlx5_0:1,mlx5_1") == (False, True, [("mlx5_0", 1), ("mlx5_1", None)])
         assert transport_anomalies(facts("healthy-ib.log"), ib_hca="mlx5") == []  # a prefix matches every mlx5_*
+
+    def test_one_rank_with_fewer_sockets_is_named_among_ranks_of_one_host(self):
+        """As on the H100 run of bench/slow_links.py: four ranks on one machine (own NCCL_HOSTID each), rank 3's
+        environment limited to 1 thread x 1 socket; the host alone cannot say which rank, the finding must."""
+        lines = []
+        for rank in range(4):
+            threads = (1, 1) if rank == 3 else (4, 4)
+            prefix = f"vm:{700 + rank}:{700 + rank} [0] NCCL INFO "
+            lines += [
+                prefix + "Using network Socket",
+                prefix + f"NET/Socket: Using {threads[0]} threads and {threads[1]} sockets per thread",
+                prefix + f"comm 0x5{rank} rank {rank} nRanks 4 nNodes 4 localRanks 1 localRank 0 MNNVL 0",
+            ]
+        (finding,) = transport_anomalies(parse_transport("\n".join(lines) + "\n"))
+        assert finding.ranks == (3,) and finding.hosts == ("vm",)
+        assert finding.summary == "NCCL on rank 3 (vm) opens 1 socket per connection where the other ranks open 16"

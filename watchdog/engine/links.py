@@ -127,8 +127,9 @@ def _fewer_hcas(procs: Mapping[ProcKey, RankTransport], rank_of: RankOf) -> list
         names = next(n for p, n in listed.items() if p.host == host)
         missing = sorted(union - names)
         findings.append(
-            _finding("hcas", host, ranks, f"NCCL on {host} found {len(names)} InfiniBand devices where other nodes "
-                     f"found {most}" + (f" (missing: {', '.join(missing)})" if missing else ""),
+            _finding("hcas", host, ranks, f"NCCL on {ranks_text(ranks, {r: host for r in ranks})} found {len(names)} "
+                     f"InfiniBand devices where the other ranks found {most}"
+                     + (f" (missing: {', '.join(missing)})" if missing else ""),
                      "a missing HCA means fewer rails: check the device's port state and driver on that node",
                      missing)  # fmt: skip
         )
@@ -184,12 +185,14 @@ def _fewer_socket_threads(procs: Mapping[ProcKey, RankTransport], rank_of: RankO
     if found is None:
         return []
     usual, hosts = found
-    return [
-        _finding("sockets", host, ranks, f"NCCL on {host} opens {min(v for p, v in sockets.items() if p.host == host)} "
-                 f"sockets per connection where the other nodes open {usual}",
-                 "check NCCL_SOCKET_NTHREADS and NCCL_NSOCKS_PERTHREAD in that node's environment")  # fmt: skip
-        for host, ranks in hosts.items()
-    ]
+    out = []
+    for host, ranks in hosts.items():
+        fewer = min(v for p, v in sockets.items() if p.host == host)
+        # Ranks, not only the host: ranks of one host can differ (each reads its own environment).
+        out.append(_finding("sockets", host, ranks, f"NCCL on {ranks_text(ranks, {r: host for r in ranks})} opens {fewer} "
+                            f"socket{'' if fewer == 1 else 's'} per connection where the other ranks open {usual}",
+                            "check NCCL_SOCKET_NTHREADS and NCCL_NSOCKS_PERTHREAD in those ranks' environment"))  # fmt: skip
+    return out
 
 
 def hca_spec_entries(spec: str) -> tuple[bool, bool, list[tuple[str, int | None]]]:
