@@ -25,7 +25,7 @@ Cases:
   look's interval bounds it from below.
 
 Writes ``OUT_DIR/results.jsonl`` (one line per case), ``OUT_DIR/results.md``
-(the table) and each case's wrapper output ``OUT_DIR/<case>.log``.
+(the table) and each case's wrapper output ``<case>.log`` in ``OUT_DIR/logs.tar.gz``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -156,6 +157,11 @@ def main() -> int:
         with (args.out / "results.jsonl").open("a") as handle:
             handle.write(json.dumps(record) + "\n")
     (args.out / "results.md").write_text(table(records) + "\n")
+    # One archive, not a file per case: the lent machine returns a limited number of files.
+    with tarfile.open(args.out / "logs.tar.gz", "w:gz") as logs:
+        for log in sorted(args.out.glob("*.log")):
+            logs.add(log, arcname=log.name)
+            log.unlink()
     print(table(records))
     return 0 if all(r.get("right", r.get("exit") == 0) for r in records) else 1
 

@@ -140,6 +140,22 @@ class TestStallTimeout:
         assert excused.stall_timeout(NOW + 6) == SETTINGS.stall_timeout_floor
         assert plain.learned_gap(NOW + 6)[0] == pytest.approx(2.4, abs=1e-3)
 
+    def test_the_first_steps_are_warm_up_and_not_learned_once_the_job_has_a_rhythm(self) -> None:
+        """Seen on the H100 suite: the first step took 2.6 s (NCCL connecting on first use), every later one 0.1 s;
+        the learned stall timeout was 8.2 s instead of the 5 s floor, and the page came 3 s late."""
+        job = LiveJob(SETTINGS, started_at=NOW)
+        worker(job, 10, 0, NOW)
+        times = [NOW, NOW + 2.6] + [NOW + 2.6 + 0.1 * i for i in range(1, 20)]
+        beats(job, 10, 0, times)
+        assert job.learned_gap(NOW + 5)[0] == pytest.approx(0.1, abs=1e-3)
+        assert job.stall_timeout(NOW + 5) == SETTINGS.stall_timeout_floor
+
+    def test_warm_up_gaps_count_while_there_are_no_others(self) -> None:
+        job = LiveJob(SETTINGS, started_at=NOW)
+        worker(job, 10, 0, NOW)
+        beats(job, 10, 0, [NOW + 1, NOW + 4])  # the first step only: 3 s, all there is to learn from
+        assert job.learned_gap(NOW + 5)[0] == pytest.approx(3.0, abs=1e-3)
+
     def test_explicit_timeout_wins(self) -> None:
         job = LiveJob(Settings(stall_timeout=42), started_at=NOW)
         assert job.stall_timeout(NOW) == 42

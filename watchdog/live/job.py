@@ -27,6 +27,10 @@ from ncclwatch.watchdog.engine.state import DEFAULT_WINDOW, JobState
 from ncclwatch.watchdog.events import Event, Heartbeat, OpBatch, SourceDown, SourceUp
 
 MIN_PROGRESS = 8  # steps (or NCCL operation batches) the job must show before its own timing is trusted
+# A worker's first steps are its slowest and do not recur (CUDA and cuBLAS set up, NCCL connecting on first use,
+# DDP's buckets): 2-2.6 s on the H100 suite, tripling the stall timeout.  Gaps before a worker's heartbeat has
+# moved this many steps are learned only while the job has shown no others.
+WARMUP_STEPS = 2
 GAP_MEMORY_S = 900.0  # a gap older than this no longer widens the timeout
 STALL_MULTIPLIER = 3.0
 
@@ -39,11 +43,18 @@ class Progress:
     beat_at: float | None = None  # when the step of the latest heartbeat was taken
     ops: int = 0
     advances: int = 0  # progress seen since the first: steps moved, NCCL batches
-    gaps: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=256))  # (when, gap seconds)
+    gaps: deque[tuple[float, float, bool]] = field(default_factory=lambda: deque(maxlen=256))  # (when, seconds, warm)
+    first_step: int | None = None  # the first heartbeat step seen
+    warm: bool = False  # its heartbeat moved WARMUP_STEPS steps: later gaps are the job's rhythm
+
+    def stepped(self, step: int) -> None:
+        if self.first_step is None:
+            self.first_step = step
+        self.warm = self.warm or step - self.first_step >= WARMUP_STEPS
 
     def progressed(self, at: float, advances: int = 1) -> None:
         if self.last_progress is not None and at > self.last_progress:
-            self.gaps.append((at, at - self.last_progress))
+            self.gaps.append((at, at - self.last_progress, self.warm))
             self.advances += advances
         self.last_progress = max(at, self.last_progress or at)
 
@@ -102,6 +113,7 @@ class LiveJob:
                 # Several steps can pass between two reads of the file (it is written at most every 0.1 s).
                 moved = event.step - last if last is not None and event.step > last else 1
                 progress.beat_at = event.time
+                progress.stepped(event.step)
                 # The hook's own clock, not our poll: gaps are then the job's, not the poll interval's.
                 progress.progressed(min(event.time, now), moved)
                 self.signals.add("heartbeat")
@@ -119,13 +131,15 @@ class LiveJob:
                 self.of(worker.pid).progressed(now)
 
     def learned_gap(self, now: float) -> tuple[float | None, int]:
-        """The longest recent gap between progress, and how much progress the job has shown."""
+        """The longest recent gap between progress (past warm-up, when there is any), and how much progress the
+        job has shown.  Without heartbeats no worker is ever warm: every gap counts."""
         progress = [self.of(w.pid) for w in self.state.current_workers()]
         gaps = [
-            g for p in progress for when, g in p.gaps
+            (g, warm) for p in progress for when, g, warm in p.gaps
             if now - when <= GAP_MEMORY_S and not any(when - g < to and when > since for since, to in self.excused)
         ]  # fmt: skip
-        return (max(gaps) if gaps else None), sum(p.advances for p in progress)
+        steady = [g for g, warm in gaps if warm] or [g for g, _ in gaps]
+        return (max(steady) if steady else None), sum(p.advances for p in progress)
 
     def stall_timeout(self, now: float) -> float:
         return self._timeout(*self.learned_gap(now))
