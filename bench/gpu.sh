@@ -8,6 +8,7 @@
 #   bash bench/gpu.sh overhead [bench/overhead_ab.py args...]
 #   bash bench/gpu.sh latency  [bench/latency.py args...]   (the demo-job suite, one rank per GPU)
 #   bash bench/gpu.sh slow_links [bench/slow_links.py args...]   (issue 14: preflight, straggler, slow link)
+#     (its throttle case needs pyroute2's wheel in .whl/: pip download --no-deps -d .whl pyroute2)
 set -euo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"

@@ -19,7 +19,11 @@ Cases:
   NCCL opens 1 socket per connection where the others open 16, from the
   first step; ``straggler``: from ``--fault-after`` s the fault rank waits
   40 % of its step before the next one.  Right: a finding of the expected
-  kind that names the fault rank, and no other finding; ``healthy``: no
+  kind that names the fault rank, and no other finding; ``throttle``:
+  ``--fault-after`` s after the first step the loopback interface is
+  throttled to ``--throttle-rate`` (a token bucket set through netlink with
+  pyroute2, root only; the ranks of one machine talk through ``lo``), and any
+  ``slow_collective`` finding is right (every group slows alike); ``healthy``: no
   finding at all (each one is a false report).  Latency: from the fault's
   start (the first step for ``slowlink``) to the first right line; the
   look's interval bounds it from below.
@@ -45,7 +49,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "bench" / "pairs_job.py"
 PERF_LINE = re.compile(r"^ncclwatch .*? performance: (\w+): (.*)$")
-EXPECTED = {"healthy": None, "slowlink": "slow_link", "straggler": "straggler"}
+EXPECTED = {"healthy": None, "slowlink": "slow_link", "straggler": "straggler", "throttle": "slow_collective"}
+JOB_FAULT = {"healthy": "none", "throttle": "none"}  # cases whose fault is made outside the job
+
+
+class LoopbackThrottle:
+    """A token bucket on the loopback interface (``tc qdisc add dev lo root tbf``, through netlink: the lent
+    machines have no ``tc``): ranks of one machine reach each other's interface addresses through ``lo``, so
+    NCCL's socket transport between them runs at ``rate``.  Root only; removed on exit whatever happened."""
+
+    def __init__(self, rate: str) -> None:
+        from pyroute2 import IPRoute  # carried in .whl/ for the lent machine; only this case needs it
+
+        self.ip = IPRoute()
+        self.index = self.ip.link_lookup(ifname="lo")[0]
+        self.spec = {"rate": rate, "burst": 1 << 20, "latency": "100ms"}
+        self.on = False
+
+    def start(self) -> None:
+        self.ip.tc("add", "tbf", self.index, 0x10000, **self.spec)
+        self.on = True
+
+    def stop(self) -> None:
+        if self.on:
+            self.ip.tc("del", "tbf", self.index, 0x10000, **self.spec)  # pyroute2 wants the kind's arguments back
+            self.on = False
+        self.ip.close()
 
 
 def run_preflight(out: Path, nproc: int) -> dict:
@@ -71,7 +100,7 @@ def run_live(out: Path, case: str, args: argparse.Namespace) -> dict:
             sys.executable, "-m", "ncclwatch", "-v", f"--perf-interval={args.perf_interval}",
             "--bundle-dir", str(work / "bundles"), "--run-dir", str(work / "run"),
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", str(JOB),
-            f"--fault={'none' if case == 'healthy' else case}", f"--fault-rank={fault_rank}",
+            f"--fault={JOB_FAULT.get(case, case)}", f"--fault-rank={fault_rank}",
             f"--seconds={args.seconds}", f"--fault-after={args.fault_after}", f"--mark-dir={work / 'marks'}",
             *args.job_arg,
         ]  # fmt: skip
@@ -90,20 +119,30 @@ def run_live(out: Path, case: str, args: argparse.Namespace) -> dict:
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
+        throttle = LoopbackThrottle(args.throttle_rate) if case == "throttle" else None
+        throttled_at = None
         try:
+            if throttle is not None:
+                throttled_at = throttle_after_first_step(throttle, work / "marks" / "first_step", args.fault_after, proc)
             code = proc.wait(timeout=args.seconds + 150)
         except subprocess.TimeoutExpired:
             proc.kill()
             code = proc.wait()
+        finally:
+            if throttle is not None:
+                throttle.stop()
         reader.join(10)
         log.close()
         marks = {p.name: json.loads(p.read_text()) for p in (work / "marks").iterdir() if not p.name.endswith(".tmp")}
     first_step = marks.get("first_step", {}).get("time")
-    fault = marks.get(f"fault.{fault_rank}", {}).get("time") if case == "straggler" else first_step
+    fault = {"straggler": marks.get(f"fault.{fault_rank}", {}).get("time"), "throttle": throttled_at}.get(case, first_step)
     expected = EXPECTED[case]
+    # A throttled loopback slows every group alike: any slow collective is right.  Otherwise the finding names
+    # the fault rank and no other.
     right = [
         (at, kind, text) for at, kind, text in lines
-        if kind == expected and re.search(rf"\brank {fault_rank}\b", text) and not re.search(r"\branks? (?!%d\b)\d" % fault_rank, text)
+        if kind == expected and (case == "throttle" or (re.search(rf"\brank {fault_rank}\b", text)
+                                                        and not re.search(r"\branks? (?!%d\b)\d" % fault_rank, text)))
     ]  # fmt: skip
     false = [(kind, text) for at, kind, text in lines if (at, kind, text) not in right]
     record = {
@@ -116,6 +155,19 @@ def run_live(out: Path, case: str, args: argparse.Namespace) -> dict:
         "false_reports": len(false),
     }  # fmt: skip
     return record
+
+
+def throttle_after_first_step(throttle: LoopbackThrottle, first_step: Path, after_s: float, proc: subprocess.Popen) -> float | None:
+    """Throttle ``after_s`` seconds after the job's first step; when it was done (None: the job ended first)."""
+    while not first_step.exists():
+        if proc.poll() is not None:
+            return None
+        time.sleep(0.2)
+    time.sleep(after_s)
+    if proc.poll() is not None:
+        return None
+    throttle.start()
+    return time.time()
 
 
 def table(records: list[dict]) -> str:
@@ -145,6 +197,7 @@ def main() -> int:
     parser.add_argument("--perf-interval", type=float, default=10.0, help="the wrapper's --perf-interval")
     parser.add_argument("--seconds", type=float, default=45.0, help="training time of a live case")
     parser.add_argument("--fault-after", type=float, default=10.0, help="straggler: seconds after the first step")
+    parser.add_argument("--throttle-rate", default="1gbit", help="throttle: the loopback's rate once throttled (tc syntax)")
     parser.add_argument("--preflight-nproc", type=int, default=2)
     parser.add_argument("--job-arg", action="append", default=[], help="one more pairs_job.py option (repeatable)")
     args = parser.parse_args()
