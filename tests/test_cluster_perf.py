@@ -18,10 +18,12 @@ from conftest import NOW
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership, NodeSummary
 from ncclwatch.watchdog.cluster.perf_records import ENTRIES_SHARED, PerfRecord, perf_record
 from ncclwatch.watchdog.engine.bandwidth import RankEntry, rank_entries
+from ncclwatch.watchdog.engine.links import transport_anomalies
 from ncclwatch.watchdog.engine.perf import PerfKind
 from ncclwatch.watchdog.engine.snapshot import WorkerView
-from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState
+from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState, ProcKey
 from ncclwatch.watchdog.live.perf import JobLook, PerfWatch, job_health
+from ncclwatch.watchdog.parsing.transport import RankTransport, parse_transport
 
 MiB = 1 << 20
 INTERVAL = 60.0
@@ -119,14 +121,27 @@ class ScriptedDumps:
         return dumps(self.node, 40, late_rank=3)
 
 
-def test_two_nodes_share_their_looks_through_a_real_store_and_the_leader_names_the_straggler(torch_store) -> None:  # type: ignore[no-untyped-def]
+def nccl_choices(node: int, network: str) -> list[RankTransport]:
+    """What NCCL's init lines say on ``node``: each of its ranks on ``network``, in a 4-rank communicator."""
+    lines = []
+    for rank in NODES[node]:
+        prefix = f"node{node}:{100 + rank}:{100 + rank} [0] NCCL INFO "
+        lines += [prefix + f"Using network {network}", prefix + f"comm 0x{rank}a rank {rank} nRanks 4 nNodes 2 localRanks 2 "
+                  f"localRank {rank % 2} MNNVL 0"]  # fmt: skip
+    return parse_transport("\n".join(lines) + "\n")
+
+
+def two_node_looks(torch_store, networks: dict[int, str]) -> tuple[dict[int, list], dict[int, PerfWatch]]:  # type: ignore[no-untyped-def,type-arg]
+    """Two looks in a row on both nodes, sharing through the real store; what each node told, and its watch."""
+
     def workers(node: int) -> list[WorkerView]:
         return [WorkerView(rank=r, pid=100 + r, local_rank=None, world_size=4, host=f"node{node}", state="S", cpu_share=None,
                            io_rate=None, step=None, gone=False) for r in NODES[node]]  # fmt: skip
 
     async def run() -> tuple:  # type: ignore[type-arg]
         clusters = {n: Cluster(Membership("127.0.0.1", torch_store.port, "job", 0, n, 2), f"node{n}", clock=lambda: NOW + 200) for n in NODES}
-        watches = {n: PerfWatch(interval=INTERVAL, dumps=ScriptedDumps(n)) for n in NODES}
+        watches = {n: PerfWatch(interval=INTERVAL, dumps=ScriptedDumps(n), transport=partial(nccl_choices, n, networks[n]))
+                   for n in NODES}  # fmt: skip
         summaries = {n: NodeSummary(node=n, host=f"node{n}", at=NOW + 200, ranks=list(NODES[n]), last_progress=NOW,
                                     phase="watching", started_at=NOW + n * 1.3) for n in NODES}  # fmt: skip
         for n in (0, 1, 0):
@@ -137,14 +152,29 @@ def test_two_nodes_share_their_looks_through_a_real_store_and_the_leader_names_t
         for look in (NOW + 120.4, NOW + 180.4):  # two looks in a row make a straggler; node1 looks first
             for n in (1, 0):
                 job = JobLook(n, partial(clusters[n].exchange_perf, interval=INTERVAL))
-                told[n] += await watches[n].look(workers(n), {}, f"node{n}", look + n * 0.3, job)
+                global_ranks = {ProcKey(f"node{n}", 100 + r): r for r in NODES[n]}
+                told[n] += await watches[n].look(workers(n), global_ranks, f"node{n}", look + n * 0.3, job)
         for cluster in clusters.values():
             await cluster.client.close()
         return told, watches
 
-    told, watches = asyncio.run(run())
-    assert told[1] == [] and watches[1].health.perf_findings == ()  # a member tells only its node's ports and transports
+    return asyncio.run(run())
+
+
+def test_two_nodes_share_their_looks_through_a_real_store_and_the_leader_names_the_straggler(torch_store) -> None:  # type: ignore[no-untyped-def]
+    told, watches = two_node_looks(torch_store, {0: "IB", 1: "IB"})
+    assert told[1] == [] and watches[1].health.perf_findings == ()  # a member tells only its node's ports
     (late,) = told[0]
     assert (late.ranks, late.hosts) == ((3,), ("node1",))
     assert [p.rank for p in watches[0].health.rank_perf if p.straggler] == [3]
     assert watches[0]._next_look == watches[1]._next_look  # both look again at the same moment
+
+
+def test_the_leader_compares_transports_across_nodes(torch_store) -> None:  # type: ignore[no-untyped-def]
+    """node1 fell back to sockets: alone it sees two ranks that agree; the leader, with node1's record, names it."""
+    assert transport_anomalies(nccl_choices(1, "Socket")) == []
+    told, _ = two_node_looks(torch_store, {0: "IB", 1: "Socket"})
+    assert told[1] == []
+    (fallback,) = [f for f in told[0] if f.kind is PerfKind.transport_anomaly]
+    assert (fallback.ranks, fallback.hosts) == ((2, 3), ("node1",))
+    assert "uses network Socket while the other nodes use IB" in fallback.summary

@@ -8,12 +8,18 @@ member count and description, and per rank the newest ``ENTRIES_SHARED``
 collectives as rows ``(collective_seq_id, time_created_ns, duration_ms,
 state, op, bytes)``; plus its hosts and each rank's links
 (``engine.links.rank_links``), so the leader's findings name the other
-nodes' links.  ``at`` (the look's time, the publisher's clock) versions it.
+nodes' links; and what NCCL chose on this node (its ranks' init lines,
+``parsing.transport``) with the node's InfiniBand ports that are up, so the
+leader compares transports across nodes (a node on sockets among IB nodes,
+fewer channels or HCAs than its peers): a node alone only sees its own.
+``at`` (the look's time, the publisher's clock) versions it.
 
 Size: 8 ranks of one group, 64 NCCL rows each (durations, 64 MiB sizes),
 encode to 31.5 KB of JSON, about 61 bytes a row (``tests/test_cluster_perf.py``
 holds it under 40 KB): one set per ``perf_interval`` per node, and the
-leader reads one per other node (64 nodes: 2 MB a minute).  Completion times are left out: across hosts, completion minus the
+leader reads one per other node (64 nodes: 2 MB a minute).  NCCL's choices
+add about 0.5 KB per process and communicator (4 processes of the recorded
+socket-fallback log: 2.1 KB; 8 ranks in 3 communicators: about 12 KB).  Completion times are left out: across hosts, completion minus the
 last arrival would mix two clocks.  Pure apart from pydantic.
 """
 
@@ -25,7 +31,8 @@ from pydantic import BaseModel
 
 from ncclwatch.watchdog.engine.bandwidth import RankEntry
 from ncclwatch.watchdog.engine.state import group_label
-from ncclwatch.watchdog.events import OpState
+from ncclwatch.watchdog.events import OpState, ProcKey
+from ncclwatch.watchdog.parsing.transport import RankTransport
 
 # Per group and rank.  The straggler detector reads the last 20 rounds of one recurring collective
 # (stragglers.last_arrivals' window) and a data-parallel step issues about three collectives per group
@@ -48,6 +55,9 @@ class PerfRecord(BaseModel):
     hosts: dict[int, str]  # global rank -> host
     links: dict[int, list[str]]  # global rank -> the NICs its traffic goes through
     groups: dict[str, GroupRecord]
+    transport: list[RankTransport] = []  # NCCL's choices per process and communicator
+    global_ranks: list[tuple[ProcKey, int]] = []  # NCCL's process -> global rank (the transport facts' ranks)
+    ib_active: list[str] = []  # this node's InfiniBand ports that are up (sysfs)
 
     def rank_entries(self) -> list[RankEntry]:
         return [
@@ -64,7 +74,8 @@ class PerfRecord(BaseModel):
 
 def perf_record(
     node: int, host: str, at: float, entries: Iterable[RankEntry], *, descs: Mapping[str, str | None],
-    hosts: Mapping[int, str], links: Mapping[int, Sequence[str]],
+    hosts: Mapping[int, str], links: Mapping[int, Sequence[str]], transport: Sequence[RankTransport] = (),
+    global_ranks: Mapping[ProcKey, int] = {}, ib_active: Sequence[str] = (),
 ) -> PerfRecord:  # fmt: skip
     """This node's look as it travels: the newest ``ENTRIES_SHARED`` entries per group and rank."""
     groups: dict[str, GroupRecord] = {}
@@ -74,5 +85,6 @@ def perf_record(
     for group in groups.values():
         group.ranks = {rank: rows[-ENTRIES_SHARED:] for rank, rows in group.ranks.items()}
     return PerfRecord(
-        node=node, host=host, at=at, hosts=dict(hosts), links={r: list(ls) for r, ls in links.items()}, groups=groups
-    )
+        node=node, host=host, at=at, hosts=dict(hosts), links={r: list(ls) for r, ls in links.items()}, groups=groups,
+        transport=list(transport), global_ranks=list(global_ranks.items()), ib_active=list(ib_active),
+    )  # fmt: skip

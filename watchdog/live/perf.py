@@ -15,12 +15,12 @@ own.
 
 Several nodes (``JobLook``): a group spanning nodes is seen in part here,
 so after its look each node publishes a compact record of its ranks'
-newest collectives (``cluster.perf_records``) and the leader, after its own
-look, merges the others' records of the same round into its entries and
-runs the same ``collective_health`` over the whole job.  Its findings are
-the job's: the leader alone logs and pages them (a member logs and pages
-its node's transports and ports only, and keeps its own ranks' view for
-its metrics).  Every node looks at the same wall-clock moments (multiples
+newest collectives and of what NCCL chose there (``cluster.perf_records``)
+and the leader, after its own look, merges the others' records of the same
+round into its entries and runs the same ``collective_health`` and
+``transport_anomalies`` over the whole job.  Its findings are the job's:
+the leader alone logs and pages them (a member logs and pages its node's
+InfiniBand ports only, and keeps its own ranks' view for its metrics).  Every node looks at the same wall-clock moments (multiples
 of the interval), so their newest entries cover the same collectives.
 Arrival times compared across hosts carry NTP's error (a few ms): the
 straggler margin, max(10 ms, 10 % of the period), stays above it.  A
@@ -139,21 +139,24 @@ class PerfWatch:
         hosts = {w.rank: w.host or host for w in workers}
         links = rank_links(facts, global_ranks)
         descs = _descs(dumps)
+        ports, port_findings = self._ports(host, ib_now, links, hosts, now)
+        active = [p.port for p in ports if p.active]
         # Thousands of entries per rank: read and matched off the event loop (it also serves /metrics and the cluster).
         entries = await asyncio.to_thread(rank_entries, dumps)
         others: Mapping[int, PerfRecord] | None = {}
         if job is not None:
-            mine = await asyncio.to_thread(perf_record, job.node, host, now, entries, descs=descs, hosts=hosts, links=links)
+            mine = await asyncio.to_thread(
+                lambda: perf_record(job.node, host, now, entries, descs=descs, hosts=hosts, links=links, transport=facts,
+                                    global_ranks=global_ranks, ib_active=active)
+            )  # fmt: skip
             others = await job.exchange(mine)
         remote = (others or {}).values()
         perf = await asyncio.to_thread(lambda: job_health(entries, descs, hosts, links, remote, now=now))
-        ports, port_findings = self._ports(host, ib_now, links, hosts, now)
-        active = {host: [p.port for p in ports if p.active]} if ports else {}
-        node_found = transport_anomalies(
-            facts, global_ranks=global_ranks, ib_hca=self.ib_hca, active_ib_ports=active
-        ) + port_findings
-        # A member of several nodes keeps its ranks' view for its metrics; the collectives' findings are the leader's.
-        found = node_found if others is None else list(perf.perf_findings) + node_found
+        # A member of several nodes keeps its ranks' view for its metrics and tells its own ports; the collectives'
+        # findings and the transports compared across nodes are the leader's.
+        found = port_findings
+        if others is not None:
+            found = list(perf.perf_findings) + self._transports(host, facts, global_ranks, active, remote) + found
         # A straggler is "consistently" last: two looks in a row, never one window of rounds (on the 2-core
         # CI machine one healthy run in three had a rank last in 13 of 20 rounds by chance and load).
         confirmed = [f for f in found if f.kind is not PerfKind.straggler or f.key in self._found_last]
@@ -165,6 +168,19 @@ class PerfWatch:
         new = [f for f in found if f.key not in self._told]
         self._told.update(f.key for f in new)
         return new
+
+    def _transports(
+        self, host: str, facts: Sequence[RankTransport], global_ranks: Mapping[ProcKey, int], active: Sequence[str],
+        remote: Iterable[PerfRecord],
+    ) -> list[PerfFinding]:  # fmt: skip
+        """Transport anomalies over this node's NCCL choices and, on the leader, every other node's."""
+        every, ranks, up = list(facts), dict(global_ranks), {host: list(active)} if active else {}
+        for record in remote:
+            every += record.transport
+            ranks |= dict(record.global_ranks)
+            if record.ib_active:
+                up[record.host] = record.ib_active
+        return transport_anomalies(every, global_ranks=ranks, ib_hca=self.ib_hca, active_ib_ports=up)
 
     def _ports(
         self, host: str, reading: IbReading | None, links: Mapping[int, Sequence[str]], hosts: Mapping[int, str], now: float
