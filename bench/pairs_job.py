@@ -13,10 +13,11 @@ other, which names it.
 Faults (``--fault``):
 
   none       every rank on time.
-  slowlink   the fault rank's NCCL opens one socket per connection and no
+  fewer_sockets  the fault rank's NCCL opens one socket per connection and no
              helper threads (``NCCL_SOCKET_NTHREADS=1 NCCL_NSOCKS_PERTHREAD=1``)
-             where the others open 4 threads x 4 sockets: its links move less
-             per second from the first step (a node on a degraded path).
+             where the others open 4 threads x 4 sockets, from the first step
+             (a node configured unlike its peers; slower only where sockets
+             bound the transfer).
   straggler  from ``--fault-after`` seconds, the fault rank waits 40 % of its
              own step time before each step (slow data loading, a hot CPU).
 
@@ -47,7 +48,7 @@ def mark(folder: str, name: str, **data: object) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--fault", choices=("none", "slowlink", "straggler"), default="none")
+    parser.add_argument("--fault", choices=("none", "fewer_sockets", "straggler"), default="none")
     parser.add_argument("--fault-rank", type=int, default=-1, help="default: the last rank")
     parser.add_argument("--fault-after", type=float, default=15.0, help="straggler: seconds after the first step")
     parser.add_argument("--seconds", type=float, default=45.0, help="train this long after the first step")
@@ -59,7 +60,7 @@ def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     fault_rank = args.fault_rank % world
     os.environ.setdefault("NCCL_HOSTID", f"pairs-host{rank}")
-    slow = args.fault == "slowlink" and rank == fault_rank
+    slow = args.fault == "fewer_sockets" and rank == fault_rank
     # Read by NCCL's socket transport when the first communicator is made: set before init.
     os.environ["NCCL_SOCKET_NTHREADS"] = "1" if slow else "4"
     os.environ["NCCL_NSOCKS_PERTHREAD"] = "1" if slow else "4"

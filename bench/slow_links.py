@@ -4,29 +4,35 @@
 Usage (on the GPU machine, from the repository root, with ncclwatch installed)::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-        python bench/slow_links.py OUT_DIR [--cases preflight,healthy,slowlink,straggler] [--nproc 4]
+        python bench/slow_links.py OUT_DIR [--cases preflight,healthy,throttle,fewer_sockets,straggler] [--nproc 4]
 
 Cases:
 
 - ``preflight``: ``ncclwatch preflight`` sweep (1 MiB..256 MiB, all_reduce
   and all_gather) and every pair at 64 MiB, two ranks (their own
   ``NCCL_HOSTID`` each when they share a GPU).
-- ``healthy``, ``slowlink``, ``straggler``: ``python -m ncclwatch
-  --perf-interval P torchrun ... bench/pairs_job.py --fault CASE`` (the
-  real wrapper, its performance look every ``P`` s), ranks on a ring of pair
-  groups (see ``pairs_job.py``).  Every ``performance: KIND: ...`` line the
-  wrapper logs is stamped as it arrives.  ``slowlink``: the fault rank's
-  NCCL opens 1 socket per connection where the others open 16, from the
-  first step; ``straggler``: from ``--fault-after`` s the fault rank waits
-  40 % of its step before the next one.  Right: a finding of the expected
-  kind that names the fault rank, and no other finding; ``throttle``:
-  ``--fault-after`` s after the first step the loopback interface is
-  throttled to ``--throttle-rate`` (a token bucket set through netlink with
-  pyroute2, root only; the ranks of one machine talk through ``lo``), and any
-  ``slow_collective`` finding is right (every group slows alike); ``healthy``: no
-  finding at all (each one is a false report).  Latency: from the fault's
-  start (the first step for ``slowlink``) to the first right line; the
-  look's interval bounds it from below.
+- The others: ``python -m ncclwatch --perf-interval P torchrun ...
+  bench/pairs_job.py`` (the real wrapper, its performance look every ``P``
+  s), ranks on a ring of pair groups (see ``pairs_job.py``).  Every
+  ``performance: KIND: ...`` line the wrapper logs is stamped as it arrives.
+
+  - ``healthy``: every finding is a false report.
+  - ``throttle`` (a slow link): ``--fault-after`` s after the first step the
+    loopback interface is throttled to ``--throttle-rate`` (a token bucket
+    set through netlink with pyroute2, root only: the ranks of one machine
+    talk through ``lo``).  Every group slows alike: any ``slow_collective``
+    finding is right.
+  - ``fewer_sockets``: the fault rank's NCCL opens 1 socket per connection
+    where the others open 16, from the first step: a ``transport_anomaly``
+    naming that rank is right (its link is slower only where sockets bound
+    the transfer; on one shared GPU they did not).
+  - ``straggler``: from ``--fault-after`` s the fault rank waits 40 % of its
+    step before the next one: a ``straggler`` finding naming it is right.
+
+  Apart from ``throttle``, a right finding names the fault rank and no
+  other.  Latency: from the fault's start (the first step for
+  ``fewer_sockets``) to the first right line; the look's interval bounds it
+  from below.
 
 Writes ``OUT_DIR/results.jsonl`` (one line per case), ``OUT_DIR/results.md``
 (the table) and each case's wrapper output ``<case>.log`` in ``OUT_DIR/logs.tar.gz``.
@@ -49,7 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "bench" / "pairs_job.py"
 PERF_LINE = re.compile(r"^ncclwatch .*? performance: (\w+): (.*)$")
-EXPECTED = {"healthy": None, "slowlink": "slow_link", "straggler": "straggler", "throttle": "slow_collective"}
+EXPECTED = {"healthy": None, "throttle": "slow_collective", "fewer_sockets": "transport_anomaly", "straggler": "straggler"}
 JOB_FAULT = {"healthy": "none", "throttle": "none"}  # cases whose fault is made outside the job
 
 
@@ -191,7 +197,7 @@ def table(records: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--cases", default="preflight,healthy,slowlink,straggler")
+    parser.add_argument("--cases", default="preflight,healthy,throttle,fewer_sockets,straggler")
     parser.add_argument("--nproc", type=int, default=4, help="ranks of the live cases (they may share one GPU)")
     parser.add_argument("--fault-rank", type=int, default=-1, help="-1: the last rank")
     parser.add_argument("--perf-interval", type=float, default=10.0, help="the wrapper's --perf-interval")
