@@ -15,12 +15,14 @@ fewer channels or HCAs than its peers): a node alone only sees its own.
 ``at`` (the look's time, the publisher's clock) versions it.
 
 Size: 8 ranks of one group, 64 NCCL rows each (durations, 64 MiB sizes),
-encode to 31.5 KB of JSON, about 61 bytes a row (``tests/test_cluster_perf.py``
-holds it under 40 KB): one set per ``perf_interval`` per node, and the
-leader reads one per other node (64 nodes: 2 MB a minute).  NCCL's choices
-add about 0.5 KB per process and communicator (4 processes of the recorded
-socket-fallback log: 2.1 KB; 8 ranks in 3 communicators: about 12 KB).  Completion times are left out: across hosts, completion minus the
-last arrival would mix two clocks.  Pure apart from pydantic.
+encode to 31.5 KB of JSON, about 61 bytes a row
+(``tests/test_cluster_perf.py`` holds it under 40 KB): one set per
+``perf_interval`` per node, and the leader reads one per other node (64
+nodes: 2 MB a minute). NCCL's choices add 0.44-0.5 KB per process and
+communicator (the recorded 2-node IB/socket log and the real H200 capture),
+so 8 ranks in 3 communicators add about 12 KB. Completion times are left out:
+across hosts, completion minus the last arrival would mix two clocks. Pure
+apart from pydantic.
 """
 
 from __future__ import annotations

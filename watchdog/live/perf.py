@@ -18,13 +18,14 @@ so after its look each node publishes a compact record of its ranks'
 newest collectives and of what NCCL chose there (``cluster.perf_records``)
 and the leader, after its own look, merges the others' records of the same
 round into its entries and runs the same ``collective_health`` and
-``transport_anomalies`` over the whole job.  Its findings are the job's:
+``transport_anomalies`` over the whole job. Its findings are the job's:
 the leader alone logs and pages them (a member logs and pages its node's
-InfiniBand ports only, and keeps its own ranks' view for its metrics).  Every node looks at the same wall-clock moments (multiples
-of the interval), so their newest entries cover the same collectives.
-Arrival times compared across hosts carry NTP's error (a few ms): the
-straggler margin, max(10 ms, 10 % of the period), stays above it.  A
-single node, or a store that cannot be reached, looks as one node alone.
+InfiniBand ports only, and keeps its own ranks' view for its metrics).
+Every node looks at the same wall-clock moments (multiples of the
+interval), so their newest entries cover the same collectives. Arrival
+times compared across hosts carry NTP's error (a few ms): the straggler
+margin, max(10 ms, 10 % of the period), stays above it. A single node, or
+a store that cannot be reached, looks as one node alone.
 
 What it cannot see alone: other nodes' ranks (arrival skew, stragglers and
 bandwidth then come from groups whose ranks are all on this node; see
