@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.result + ".tmp", "w") as handle:
             json.dump(result, handle)
         os.replace(args.result + ".tmp", args.result)
+    dist.barrier()  # every rank past its last collective before any tears down (gloo aborted a rank at exit otherwise)
     dist.destroy_process_group()
     return 0
 
