@@ -1,10 +1,12 @@
 """``ncclwatch [OPTIONS] torchrun ...``: run the job as torchrun would, with the sidecar beside it.
 
-Top to bottom: make the run folder, start torchrun with the injected
+Top to bottom: make the run folder, with ``--preflight`` measure the
+node's bus bandwidth (``busbw``), start torchrun with the injected
 environment (its own output, signals forwarded; with ``--on-hang kill`` its
 stderr through a relay that hides torchrun's answer to being ended), start
 the sidecar, wait for torchrun, stop the sidecar (bounded), reap anything
-left behind, relay the job's last stderr output, and exit
+left behind (then, with ``--preflight`` after ``--on-hang kill``, measure
+again), relay the job's last stderr output, and exit
 with torchrun's status (``EXIT_KILLED_ON_HANG`` when ``--on-hang kill`` ended
 the job).  The run folder (a temp folder) is removed at the end, after a hang
 too (the bundle holds its evidence), unless ``--keep-run-dir`` or ``--run-dir``:
@@ -46,6 +48,7 @@ from ncclwatch.watchdog.sources.files import HeartbeatSource, NcclFileSource
 from ncclwatch.watchdog.sources.gpus import NvmlSource
 from ncclwatch.watchdog.sources.workers import WorkerSource
 
+from ncclwatch.launcher import busbw
 from ncclwatch.launcher.command import torchrun_log_dir
 from ncclwatch.launcher.env import RunDirs, injected_env
 from ncclwatch.launcher.process import JobProcess, exit_status
@@ -165,6 +168,7 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     root = settings.run_dir or Path(tempfile.mkdtemp(prefix=f"ncclwatch-{os.getpid()}-"))
     dirs = RunDirs.create(root)
     job = JobProcess()
+    baseline = await busbw.before_job(dirs.root) if settings.preflight else None
     env = injected_env(os.environ, dirs, wrapper_pid=os.getpid())
     job.start(command, env, hide_shutdown_noise=settings.on_hang == "kill")
     job.forward_signals(asyncio.get_running_loop())
@@ -176,7 +180,7 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     perf = perf_watch(settings.perf_interval, dirs.fr, dirs.nccl)
     write_bundle = BundleWriter(
         settings, dirs.root, job_name, host, Path(log_dir) if log_dir else None, prober.unanswered, perf.findings,
-        prober.ras_withheld,
+        prober.ras_withheld, [busbw.bundle_note(settings.on_hang)] if settings.preflight else [],
     )
 
     async def reporter(
@@ -206,6 +210,8 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     job.close_stderr()
     if leftovers:
         print(f"ncclwatch: killed {len(leftovers)} process(es) the job left behind: {leftovers}", file=sys.stderr)
+    if killed and settings.preflight and (bundle := next((r.bundle for r in sidecar.reported if r.bundle), None)):
+        await busbw.after_kill(baseline, bundle)  # the job and its ranks are gone: the GPUs are free again
     if returncode == 0 and not killed:
         for reported in sidecar.reported:
             sidecar.resolve(reported, "the job ended cleanly")

@@ -125,6 +125,23 @@ def test_hang_is_named_bundled_and_killed(tmp_path: Path, fault: str, verdict: s
     assert_offline_parity(tmp_path, report)
 
 
+def test_preflight_measures_before_the_job_and_again_after_the_kill(tmp_path: Path) -> None:
+    """--preflight on CPU (gloo, 2 ranks): the baseline before the job starts, kept in the bundle; once --on-hang kill
+    has ended the hung job, a second probe beside the bundle, compared with the baseline."""
+    done = run_wrapper(tmp_path, "skip", "--on-hang", "kill", "--preflight")
+    assert done.returncode == 3, done.stderr[-3000:]
+    said = done.stderr
+    assert said.index("--preflight: measuring") < said.index("[demo]") and "gloo 2 ranks x 1 nodes" in said
+    report = only_report(tmp_path)
+    assert "busbw/before.json" in report["_files"]
+    assert any(note.startswith("bus bandwidth: measured before the job") for note in report["notes"])
+    [bundle] = sorted((tmp_path / "bundles").glob("*.tar.gz"))
+    after = json.loads(bundle.with_name(bundle.name.removesuffix(".tar.gz") + "-busbw.json").read_text())
+    assert after["when"] == "after --on-hang kill ended the hung job" and after["rows"] and after["pairs"]
+    assert after["baseline"]["rows"] and isinstance(after["findings"], list)
+    assert said.index("ncclwatch: bus bandwidth after the hang:") > said.index("--on-hang kill: ending the job")
+
+
 def test_elastic_restart_is_followed_and_the_new_attempt_judged(tmp_path: Path) -> None:
     command = wrapper_command(tmp_path, "python_stuck", "--on-hang", "kill", job_args=("--crash-attempts=1",))
     command.insert(command.index("--standalone"), "--max-restarts=1")

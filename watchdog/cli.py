@@ -180,6 +180,7 @@ def add_watch_options(parser: argparse.ArgumentParser) -> None:
     add("--on-hang", choices=("report", "kill"))
     add("--run-dir", metavar="DIR")
     parser.add_argument("--keep-run-dir", action="store_const", const=True, default=None, help=fields["keep_run_dir"].description)
+    parser.add_argument("--preflight", action="store_const", const=True, default=None, help=fields["preflight"].description)
     add("--evidence-budget", type=float, metavar="SECONDS")
     add("--alert-drain-timeout", type=float, metavar="SECONDS")
     add("--pyspy", metavar="PATH")

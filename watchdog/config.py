@@ -58,6 +58,11 @@ class Settings(BaseSettings):
     evidence_budget: float = Field(30.0, gt=0, description="seconds all evidence collection may take")
     pyspy: str | None = Field(None, description="path to py-spy (default: PATH, then next to the Python interpreter)")
     ras_port: int = Field(28028, ge=1, le=65535, description="NCCL RAS port on 127.0.0.1")
+    preflight: bool = Field(
+        False,
+        description="measure this node's bus bandwidth (ncclwatch preflight) before the job starts and keep it as the "
+        "baseline; with --on-hang kill, measure again once the hung job has ended and compare",
+    )
 
     # Operations: server, alerts, metrics.
     listen: str | None = Field(

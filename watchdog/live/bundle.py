@@ -36,7 +36,7 @@ from ncclwatch.watchdog.engine.report import (
 from ncclwatch.watchdog.engine.snapshot import Snapshot
 from ncclwatch.watchdog.evidence import EvidenceContext, RankTarget, collect_all
 from ncclwatch.watchdog.live.job import LiveView
-from ncclwatch.watchdog.live.runfolder import JOURNAL_NAME
+from ncclwatch.watchdog.live.runfolder import JOURNAL_NAME, PREFLIGHT_NAME
 
 log = logging.getLogger("ncclwatch")
 
@@ -181,6 +181,7 @@ class BundleWriter:
     dumpless: Callable[[], frozenset[int]] = frozenset  # pids whose Flight Recorder did not answer the probe
     performance: Callable[[], Sequence[PerfFinding]] = tuple  # the latest performance look's findings (live/perf.py)
     ras_withheld: Callable[[], str | None] = lambda: None  # why RAS must not be asked (the prober's rule); None: ask
+    notes: Sequence[str] = ()  # said in every report of this run (what the bus-bandwidth probe measures, and when)
 
     async def __call__(
         self, decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float, incident_key: str | None
@@ -188,7 +189,8 @@ class BundleWriter:
         report = live_report(
             decision.finding, snapshot, view, job=self.job_name, host=self.host, started_at=started_at, held=decision.held,
             performance=self.performance(),
-        ).model_copy(update={"incident_key": incident_key})  # fmt: skip
+        )
+        report = report.model_copy(update={"incident_key": incident_key, "notes": [*report.notes, *self.notes]})
         print(terminal_text(report), file=sys.stderr, flush=True)
         settings = self.settings
         staging = settings.bundle_dir / ("." + bundle_name(self.job_name, self.host, view.observed_at, report.verdict.value))
@@ -207,6 +209,10 @@ class BundleWriter:
             journal = self.run_dir / JOURNAL_NAME
             if journal.is_file():  # the probe's inputs: `ncclwatch analyze` on the bundle replays the decision
                 await asyncio.to_thread(shutil.copyfile, journal, folder / JOURNAL_NAME)
+            baseline = self.run_dir / PREFLIGHT_NAME
+            if baseline.is_file():  # --preflight's measurement before the job
+                (folder / "busbw").mkdir(exist_ok=True)
+                await asyncio.to_thread(shutil.copyfile, baseline, folder / "busbw" / "before.json")
             return records
 
         began = time.monotonic()

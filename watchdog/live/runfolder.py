@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 JOURNAL_NAME = "journal.jsonl"
+PREFLIGHT_NAME = "preflight.json"  # --preflight's baseline, measured before the job (launcher/busbw.py)
 
 
 @dataclass(frozen=True)
