@@ -39,6 +39,16 @@ def write(tmp_path: Path):
     return _write
 
 
+class Clock:
+    """A settable clock for code that takes one (the sidecar): starts at NOW, moved by assigning ``now``."""
+
+    def __init__(self) -> None:
+        self.now = NOW
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
     """Poll ``predicate`` every 50 ms; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

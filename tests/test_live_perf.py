@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from conftest import DATA, NOW
+from conftest import DATA, NOW, Clock
 from prometheus_client import CollectorRegistry
 from test_evidence_support import make_port
 
@@ -44,14 +44,6 @@ MiB = 1 << 20
 INTERVAL = 60.0
 RANKS = (0, 1, 2)
 STEP_MS = 200.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = NOW
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class IdleProber:

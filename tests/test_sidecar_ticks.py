@@ -15,7 +15,7 @@ from pathlib import Path
 
 import nccl_lines as L
 import pytest
-from conftest import NOW
+from conftest import NOW, Clock
 
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.engine.classify import Decision
@@ -33,14 +33,6 @@ COMM = "0x5583d3a1f0e0"
 SETTINGS = Settings(stall_timeout_floor=5.0, warmup_stall_timeout=300.0, progress_timeout=600.0, poll_interval=0.25)
 IN_ALL_REDUCE = "all_reduce (torch/distributed/distributed_c10d.py:3252)"
 IN_TRAIN = "main (train.py:105)"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = NOW
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class ScriptedProber:
