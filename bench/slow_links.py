@@ -52,9 +52,10 @@ import threading
 import time
 from pathlib import Path
 
+from fault_suite import PERF_LINE  # the wrapper's performance lines, as the fault suite reads them
+
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "bench" / "pairs_job.py"
-PERF_LINE = re.compile(r"^ncclwatch .*? performance: (\w+): (.*)$")
 EXPECTED = {"healthy": None, "throttle": "slow_collective", "fewer_sockets": "transport_anomaly", "straggler": "straggler"}
 JOB_FAULT = {"healthy": "none", "throttle": "none"}  # cases whose fault is made outside the job
 
