@@ -20,6 +20,11 @@ Faults (``--fault``):
              bound the transfer).
   straggler  from ``--fault-after`` seconds, the fault rank waits 40 % of its
              own step time before each step (slow data loading, a hot CPU).
+  slow_link  the fault rank's NCCL (and gloo) listens on the loopback
+             interface (``NCCL_SOCKET_IFNAME=lo``, 127.0.0.1) where the others
+             listen on the machine's own interface, so a throttle on traffic
+             to 127.0.0.1 (``bench/slow_links.py``) slows only what the other
+             ranks send to it: one rank's link, as a faulty cable on one node.
 
 Without a GPU it runs on gloo (a dry run: gloo's Flight Recorder has no
 durations, so only the straggler can be found).  Every rank has its own ``NCCL_HOSTID``, so NCCL joins them over its network
@@ -46,9 +51,21 @@ def mark(folder: str, name: str, **data: object) -> None:
     path.with_suffix(".tmp").rename(path)
 
 
+def machine_interface() -> str:
+    """The first interface with an IPv4 address off the loopback (the one NCCL's default would take)."""
+    import socket
+
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and not a.address.startswith("127.") for a in addresses):
+            return name
+    raise SystemExit("slow_link needs an interface besides the loopback")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--fault", choices=("none", "fewer_sockets", "straggler"), default="none")
+    parser.add_argument("--fault", choices=("none", "fewer_sockets", "straggler", "slow_link"), default="none")
     parser.add_argument("--fault-rank", type=int, default=-1, help="default: the last rank")
     parser.add_argument("--fault-after", type=float, default=15.0, help="straggler: seconds after the first step")
     parser.add_argument("--seconds", type=float, default=45.0, help="train this long after the first step")
@@ -64,6 +81,10 @@ def main() -> int:
     # Read by NCCL's socket transport when the first communicator is made: set before init.
     os.environ["NCCL_SOCKET_NTHREADS"] = "1" if slow else "4"
     os.environ["NCCL_NSOCKS_PERTHREAD"] = "1" if slow else "4"
+    if args.fault == "slow_link":
+        # Both the fault rank's and the others' explicit: gloo would take the host name's address, often 127.0.0.1 too.
+        ifname = "lo" if rank == fault_rank else machine_interface()
+        os.environ["NCCL_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"] = ifname
 
     import torch
     import torch.distributed as dist

@@ -4,7 +4,7 @@
 Usage (on the GPU machine, from the repository root, with ncclwatch installed)::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-        python bench/slow_links.py OUT_DIR [--cases preflight,healthy,throttle,fewer_sockets,straggler] [--nproc 4]
+        python bench/slow_links.py OUT_DIR [--cases preflight,healthy,throttle,slow_link,fewer_sockets,straggler] [--nproc 4]
 
 Cases:
 
@@ -17,11 +17,17 @@ Cases:
   ``performance: KIND: ...`` line the wrapper logs is stamped as it arrives.
 
   - ``healthy``: every finding is a false report.
-  - ``throttle`` (a slow link): ``--fault-after`` s after the first step the
-    loopback interface is throttled to ``--throttle-rate`` (a token bucket
-    set through netlink with pyroute2, root only: the ranks of one machine
-    talk through ``lo``).  Every group slows alike: any ``slow_collective``
-    finding is right.
+  - ``throttle`` (every link slow): ``--fault-after`` s after the first
+    step the loopback interface is throttled to ``--throttle-rate`` (a token
+    bucket set through netlink with pyroute2, root only: the ranks of one
+    machine talk through ``lo``).  Every group slows alike: any
+    ``slow_collective`` finding is right.
+  - ``slow_link`` (one rank's link slow, as a faulty cable): the fault rank
+    listens on ``lo`` (127.0.0.1), the others on the machine's interface;
+    ``--fault-after`` s after the first step, only packets to 127.0.0.1 are
+    held to ``--throttle-rate``.  The two groups through the fault rank slow
+    down, the others do not: a ``slow_link`` finding naming that rank is
+    right.
   - ``fewer_sockets``: the fault rank's NCCL opens 1 socket per connection
     where the others open 16, from the first step: a ``transport_anomaly``
     naming that rank is right (its link is slower only where sockets bound
@@ -30,7 +36,7 @@ Cases:
     step before the next one: a ``straggler`` finding naming it is right.
 
   Apart from ``throttle``, a right finding names the fault rank and no
-  other.  Latency: from the fault's start (the first step for
+  other, and a finding that does not name it is false.  Latency: from the fault's start (the first step for
   ``fewer_sockets``) to the first right line; the look's interval bounds it
   from below.
 
@@ -44,6 +50,7 @@ import argparse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tarfile
@@ -56,31 +63,51 @@ from fault_suite import PERF_LINE  # the wrapper's performance lines, as the fau
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "bench" / "pairs_job.py"
-EXPECTED = {"healthy": None, "throttle": "slow_collective", "fewer_sockets": "transport_anomaly", "straggler": "straggler"}
-JOB_FAULT = {"healthy": "none", "throttle": "none"}  # cases whose fault is made outside the job
+EXPECTED = {
+    "healthy": None, "throttle": "slow_collective", "slow_link": "slow_link", "fewer_sockets": "transport_anomaly",
+    "straggler": "straggler",
+}  # fmt: skip
+JOB_FAULT = {"healthy": "none", "throttle": "none"}  # cases whose fault is made outside the job (or partly: slow_link)
+ETH_P_IP = 0x0800  # a tc filter's protocol is an ethertype (not socket.AF_INET, as pyroute2's own example has it)
+THROTTLED = {"throttle": None, "slow_link": "127.0.0.1"}  # case -> the address throttled (None: all of lo)
 
 
 class LoopbackThrottle:
-    """A token bucket on the loopback interface (``tc qdisc add dev lo root tbf``, through netlink: the lent
-    machines have no ``tc``): ranks of one machine reach each other's interface addresses through ``lo``, so
-    NCCL's socket transport between them runs at ``rate``.  Root only; removed on exit whatever happened."""
+    """A rate limit on the loopback interface, set through netlink (the lent machines have no ``tc``): ranks
+    of one machine reach each other's addresses through ``lo``.  Root only; removed on exit whatever happened.
 
-    def __init__(self, rate: str) -> None:
-        from pyroute2 import IPRoute  # carried in .whl/ for the lent machine; only this case needs it
+    ``only_to=None``: a token bucket on everything (``tc qdisc add dev lo root tbf``), every link slow.
+    ``only_to=ADDRESS``: an HTB class at ``rate`` for packets to that address (a u32 filter on the IPv4
+    destination) and nothing else: HTB sends unclassified packets straight through, unshaped.
+    """
+
+    def __init__(self, rate: str, only_to: str | None = None) -> None:
+        from pyroute2 import IPRoute  # carried in .whl/ for the lent machine; only these cases need it
 
         self.ip = IPRoute()
         self.index = self.ip.link_lookup(ifname="lo")[0]
-        self.spec = {"rate": rate, "burst": 1 << 20, "latency": "100ms"}
-        self.on = False
+        self.rate, self.only_to = rate, only_to
+        self.root: tuple[str, dict] | None = None
 
     def start(self) -> None:
-        self.ip.tc("add", "tbf", self.index, 0x10000, **self.spec)
-        self.on = True
+        if self.only_to is None:
+            self.root = ("tbf", {"rate": self.rate, "burst": 1 << 20, "latency": "100ms"})
+            self.ip.tc("add", "tbf", self.index, 0x10000, **self.root[1])
+            return
+        self.root = ("htb", {"default": 0})  # no default class: unclassified packets are not shaped
+        self.ip.tc("add", "htb", self.index, 0x10000, **self.root[1])
+        # lo's packets are up to 64 KiB: mtu and burst sized for them.
+        self.ip.tc("add-class", "htb", self.index, 0x10001, parent=0x10000, rate=self.rate, ceil=self.rate,
+                   burst=1 << 20, cburst=1 << 20, mtu=65536)  # fmt: skip
+        destination = int.from_bytes(socket.inet_aton(self.only_to), "big")
+        self.ip.tc("add-filter", "u32", self.index, parent=0x10000, prio=1, protocol=ETH_P_IP,
+                   target=0x10001, keys=[f"0x{destination:08x}/0xffffffff+16"])  # fmt: skip  # IPv4 destination
 
     def stop(self) -> None:
-        if self.on:
-            self.ip.tc("del", "tbf", self.index, 0x10000, **self.spec)  # pyroute2 wants the kind's arguments back
-            self.on = False
+        if self.root is not None:
+            kind, spec = self.root
+            self.ip.tc("del", kind, self.index, 0x10000, **spec)  # pyroute2 wants the kind's arguments back
+            self.root = None
         self.ip.close()
 
 
@@ -126,7 +153,7 @@ def run_live(out: Path, case: str, args: argparse.Namespace) -> dict:
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
-        throttle = LoopbackThrottle(args.throttle_rate) if case == "throttle" else None
+        throttle = LoopbackThrottle(args.throttle_rate, THROTTLED[case]) if case in THROTTLED else None
         throttled_at = None
         try:
             if throttle is not None:
@@ -142,16 +169,22 @@ def run_live(out: Path, case: str, args: argparse.Namespace) -> dict:
         log.close()
         marks = {p.name: json.loads(p.read_text()) for p in (work / "marks").iterdir() if not p.name.endswith(".tmp")}
     first_step = marks.get("first_step", {}).get("time")
-    fault = {"straggler": marks.get(f"fault.{fault_rank}", {}).get("time"), "throttle": throttled_at}.get(case, first_step)
+    if case in THROTTLED:
+        fault = throttled_at
+    else:
+        fault = marks.get(f"fault.{fault_rank}", {}).get("time") if case == "straggler" else first_step
     expected = EXPECTED[case]
-    # A throttled loopback slows every group alike: any slow collective is right.  Otherwise the finding names
-    # the fault rank and no other.
-    right = [
-        (at, kind, text) for at, kind, text in lines
-        if kind == expected and (case == "throttle" or (re.search(rf"\brank {fault_rank}\b", text)
-                                                        and not re.search(r"\branks? (?!%d\b)\d" % fault_rank, text)))
+    # A throttled loopback slows every group alike: any slow collective is right, anything else is false.
+    # Otherwise the right finding names the fault rank and no other, and a false one does not name it.
+    named = [(at, kind, text, ranks_named(text)) for at, kind, text in lines]
+    if case == "throttle":
+        right = [(at, kind, text) for at, kind, text, _ in named if kind == expected]
+    else:
+        right = [(at, kind, text) for at, kind, text, ranks in named if kind == expected and ranks == {fault_rank}]
+    false = [
+        (kind, text) for at, kind, text, ranks in named
+        if (kind != expected if case == "throttle" else expected is None or fault_rank not in ranks)
     ]  # fmt: skip
-    false = [(kind, text) for at, kind, text in lines if (at, kind, text) not in right]
     record = {
         "case": case, "exit": code, "wall_s": round(time.time() - began, 1), "nproc": args.nproc,
         "fault_rank": fault_rank if expected else None, "perf_interval_s": args.perf_interval,
@@ -162,6 +195,11 @@ def run_live(out: Path, case: str, args: argparse.Namespace) -> dict:
         "false_reports": len(false),
     }  # fmt: skip
     return record
+
+
+def ranks_named(summary: str) -> set[int]:
+    """The ranks a finding names: ``rank 3 (vm)``, ``ranks 2, 3 (vm)``, ``on rank 3 (vm)``."""
+    return {int(r) for listed in re.findall(r"\branks? ((?:\d+, )*\d+)", summary) for r in listed.split(", ")}
 
 
 def throttle_after_first_step(throttle: LoopbackThrottle, first_step: Path, after_s: float, proc: subprocess.Popen) -> float | None:
@@ -198,13 +236,13 @@ def table(records: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--cases", default="preflight,healthy,throttle,fewer_sockets,straggler")
+    parser.add_argument("--cases", default="preflight,healthy,throttle,slow_link,fewer_sockets,straggler")
     parser.add_argument("--nproc", type=int, default=4, help="ranks of the live cases (they may share one GPU)")
     parser.add_argument("--fault-rank", type=int, default=-1, help="-1: the last rank")
     parser.add_argument("--perf-interval", type=float, default=10.0, help="the wrapper's --perf-interval")
     parser.add_argument("--seconds", type=float, default=45.0, help="training time of a live case")
-    parser.add_argument("--fault-after", type=float, default=10.0, help="straggler: seconds after the first step")
-    parser.add_argument("--throttle-rate", default="1gbit", help="throttle: the loopback's rate once throttled (tc syntax)")
+    parser.add_argument("--fault-after", type=float, default=10.0, help="straggler, throttle, slow_link: seconds after the first step")
+    parser.add_argument("--throttle-rate", default="1gbit", help="throttle, slow_link: the rate once throttled (tc syntax)")
     parser.add_argument("--preflight-nproc", type=int, default=2)
     parser.add_argument("--job-arg", action="append", default=[], help="one more pairs_job.py option (repeatable)")
     args = parser.parse_args()
