@@ -15,8 +15,12 @@ evidence; the only merges are ``NCCL_DEBUG_SUBSYS`` and ``PYTHONPATH``.
 ``NCCL_DEBUG=INFO``
     NCCL prints one INFO line per enqueued operation and the communicator
     init/end lines: the per-rank operation sequence the detectors align.
-``NCCL_DEBUG_SUBSYS=INIT,COLL,DESTROY`` (added to a user's list)
-    INIT gives rank and communicator identity, COLL the operations.  NCCL
+``NCCL_DEBUG_SUBSYS=INIT,COLL,DESTROY,ENV`` (added to a user's list)
+    INIT gives rank and communicator identity, COLL the operations, ENV
+    the settings each process's NCCL read (``NCCL_IB_HCA set to ...``,
+    ``NCCL_P2P_DISABLE set by environment to 1``; a few lines, once per
+    process): the job's own values, even where a launch script or the
+    training code set them after the wrapper started.  NCCL
     after 2.29 prints Destroy/Abort under its own DESTROY subsystem; without
     it a clean exit reads as "no end line".  Older NCCL parses the list with
     ``strtok`` and a chain of ``strcasecmp`` and skips a name it does not know
@@ -63,7 +67,7 @@ from pathlib import Path
 
 from ncclwatch.watchdog.live.runfolder import RunDirs
 
-_SUBSYS_WANTED = ("INIT", "COLL", "DESTROY")
+_SUBSYS_WANTED = ("INIT", "COLL", "DESTROY", "ENV")
 _FR_SIZE_NAMES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 _FR_FILE_NAMES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 

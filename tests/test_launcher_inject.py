@@ -59,7 +59,7 @@ class TestInjectedEnv:
         env = injected_env({}, dirs)
         assert env == {
             "NCCL_DEBUG": "INFO",
-            "NCCL_DEBUG_SUBSYS": "INIT,COLL,DESTROY",
+            "NCCL_DEBUG_SUBSYS": "INIT,COLL,DESTROY,ENV",
             "NCCL_DEBUG_FILE": f"{dirs.nccl}/%h.%p",
             "TORCH_FR_BUFFER_SIZE": "2000",
             "TORCH_FR_DUMP_TEMP_FILE": f"{dirs.fr}/nccl_trace_rank_",
@@ -85,12 +85,12 @@ class TestInjectedEnv:
         assert env["HOME"] == "/home/u" and env["CUDA_VISIBLE_DEVICES"] == "0,1"
 
     @pytest.mark.parametrize("user, expected", [
-        ("INIT", "INIT,COLL,DESTROY"),
-        ("NET,GRAPH", "NET,GRAPH,INIT,COLL,DESTROY"),
-        ("coll,init", "coll,init,DESTROY"),  # NCCL compares names case-insensitively
-        ("INIT,COLL,DESTROY", "INIT,COLL,DESTROY"),
-        (" INIT , NET ", "INIT,NET,COLL,DESTROY"),
-        ("", "INIT,COLL,DESTROY"),  # set but empty prints nothing at all
+        ("INIT", "INIT,COLL,DESTROY,ENV"),
+        ("NET,GRAPH", "NET,GRAPH,INIT,COLL,DESTROY,ENV"),
+        ("coll,init", "coll,init,DESTROY,ENV"),  # NCCL compares names case-insensitively
+        ("INIT,COLL,DESTROY,env", "INIT,COLL,DESTROY,env"),
+        (" INIT , NET ", "INIT,NET,COLL,DESTROY,ENV"),
+        ("", "INIT,COLL,DESTROY,ENV"),  # set but empty prints nothing at all
         ("ALL", "ALL"),
         ("all", "all"),
         ("NET,ALL", "NET,ALL"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from conftest import CAPTURES, DATA
 
 from ncclwatch.watchdog.engine.links import hca_spec_entries, rank_links, transport_anomalies
@@ -70,7 +72,9 @@ GLOBAL = {ProcKey(h, 4100 + r): r for h, rs in (("node1", (0, 1)), ("node2", (2,
 
 class TestAnomalies:
     def test_healthy_two_node_ib_job_raises_nothing(self):
-        assert transport_anomalies(facts("healthy-ib.log"), global_ranks=GLOBAL, ib_hca="mlx5_0,mlx5_1") == []
+        records = facts("healthy-ib.log")
+        assert {r.ib_hca for r in records} == {"mlx5_0,mlx5_1"}  # "NCCL_IB_HCA set to", each process's own
+        assert transport_anomalies(records, global_ranks=GLOBAL) == []
 
     def test_a_node_on_sockets_among_ib_nodes(self):
         found = {f.key: f for f in transport_anomalies(facts("socket-fallback-node2.log"), global_ranks=GLOBAL)}
@@ -84,11 +88,22 @@ class TestAnomalies:
         assert "SHM" in finding.summary and "NCCL_P2P_DISABLE set by environment to 1" in finding.summary
 
     def test_missing_hca_fewer_channels_and_ib_hca_entry(self):
-        found = {f.key: f for f in transport_anomalies(facts("missing-hca-node2.log"), global_ranks=GLOBAL, ib_hca="=mlx5_0:1,mlx5_1:1")}
+        found = {f.key: f for f in transport_anomalies(facts("missing-hca-node2.log"), global_ranks=GLOBAL)}
         assert set(found) == {"transport-hcas-node2", "transport-channels-node2", "transport-ib_hca-node2"}
         assert found["transport-hcas-node2"].links == ("mlx5_1",)
         assert "8 channels" in found["transport-channels-node2"].summary and "have 16" in found["transport-channels-node2"].summary
-        assert "did not find mlx5_1:1" in found["transport-ib_hca-node2"].summary
+        assert "did not find mlx5_1:1 named in NCCL_IB_HCA==mlx5_0:1,mlx5_1:1" in found["transport-ib_hca-node2"].summary
+        assert found["transport-ib_hca-node2"].ranks == (2, 3)
+
+    def test_each_process_is_held_to_its_own_ib_hca(self):
+        """One rank's launch script named an HCA its node lacks; the others named none: only that rank is flagged,
+        and a process whose NCCL logged no NCCL_IB_HCA is never held to another's."""
+        records = [replace(r, ib_hca=None) for r in facts("healthy-ib.log")]
+        assert transport_anomalies(records, global_ranks=GLOBAL) == []
+        odd = [replace(r, ib_hca="mlx5_4:1") if r.proc == ProcKey("node2", 4103) else r for r in records]
+        (finding,) = transport_anomalies(odd, global_ranks=GLOBAL)
+        assert (finding.key, finding.ranks) == ("transport-ib_hca-node2", (3,))
+        assert "did not find mlx5_4:1 named in NCCL_IB_HCA=mlx5_4:1" in finding.summary
 
     def test_sockets_while_sysfs_shows_active_ib(self):
         records = [r for r in facts("socket-fallback-node2.log") if r.proc.host == "node2"]
@@ -99,7 +114,9 @@ class TestAnomalies:
     def test_ib_hca_syntax(self):
         assert hca_spec_entries("^mlx5_3") == (True, False, [("mlx5_3", None)])
         assert hca_spec_entries("=mlx5_0:1,mlx5_1") == (False, True, [("mlx5_0", 1), ("mlx5_1", None)])
-        assert transport_anomalies(facts("healthy-ib.log"), ib_hca="mlx5") == []  # a prefix matches every mlx5_*
+        prefixed = [replace(r, ib_hca="mlx5") for r in facts("healthy-ib.log")]
+        assert transport_anomalies(prefixed) == []  # a prefix matches every mlx5_*
+        assert transport_anomalies([replace(r, ib_hca="^mlx5_9") for r in prefixed]) == []  # an exclusion lists no need
 
     def test_one_rank_with_fewer_sockets_is_named_among_ranks_of_one_host(self):
         """As on the H100 run of bench/slow_links.py: four ranks on one machine (own NCCL_HOSTID each), rank 3's

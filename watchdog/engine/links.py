@@ -10,7 +10,8 @@ communicator with fewer channels than its look-alikes does.
 
 Failure modes: records without the fact in question (init lines not seen)
 take no part in that comparison; a single node has no peers to differ
-from, except for ``NCCL_IB_HCA`` entries that match no device NCCL listed,
+from, except for ``NCCL_IB_HCA`` entries (each process's own, as its NCCL
+logged it) that match no device NCCL listed,
 and for NCCL on sockets while the node's sysfs shows active InfiniBand ports.
 """
 
@@ -41,19 +42,16 @@ def transport_anomalies(
     facts: Sequence[RankTransport],
     *,
     global_ranks: Mapping[ProcKey, int] = {},
-    ib_hca: str | None = None,
     active_ib_ports: Mapping[str, Sequence[str]] = {},
 ) -> list[PerfFinding]:
-    """Every rule below, in order; ``ib_hca`` is the job's NCCL_IB_HCA, ``active_ib_ports`` host -> sysfs ports up."""
+    """Every rule below, in order; ``active_ib_ports``: host -> its sysfs ports that are up."""
     procs = {f.proc: f for f in facts}  # per-process facts are the same on each of its records
 
     def rank_of(proc: ProcKey) -> int | None:
         return global_ranks.get(proc, procs[proc].rank)
 
     findings = _network_outliers(procs, rank_of) + _fewer_hcas(procs, rank_of) + _p2p_outliers(facts, rank_of)
-    findings += _fewer_channels(facts, rank_of) + _fewer_socket_threads(procs, rank_of)
-    if ib_hca:
-        findings += _missing_hcas(procs, rank_of, ib_hca)
+    findings += _fewer_channels(facts, rank_of) + _fewer_socket_threads(procs, rank_of) + _missing_hcas(procs, rank_of)
     findings += _sockets_despite_ib(procs, rank_of, active_ib_ports)
     return findings
 
@@ -208,14 +206,16 @@ def hca_spec_entries(spec: str) -> tuple[bool, bool, list[tuple[str, int | None]
     return exclude, exact, entries
 
 
-def _missing_hcas(procs: Mapping[ProcKey, RankTransport], rank_of: RankOf, spec: str) -> list[PerfFinding]:
-    exclude, exact, entries = hca_spec_entries(spec)
-    if exclude:
-        return []
+def _missing_hcas(procs: Mapping[ProcKey, RankTransport], rank_of: RankOf) -> list[PerfFinding]:
+    """Each process against its own NCCL_IB_HCA, as its NCCL logged it: a launch script or the training code
+    may set it per node or per rank, so the wrapper's environment is not the job's."""
     missing_by_proc = {}
     for p, f in procs.items():
-        if f.network != "IB" and not f.ib_devices and not f.ib_absent:
-            continue  # this process's network lines were not seen
+        if f.ib_hca is None or (f.network != "IB" and not f.ib_devices and not f.ib_absent):
+            continue  # no NCCL_IB_HCA, or this process's network lines were not seen
+        exclude, exact, entries = hca_spec_entries(f.ib_hca)
+        if exclude:
+            continue
         missing = [
             f"{name}" + (f":{port}" if port is not None else "")
             for name, port in entries
@@ -223,11 +223,13 @@ def _missing_hcas(procs: Mapping[ProcKey, RankTransport], rank_of: RankOf, spec:
         ]
         if missing:
             missing_by_proc[p] = tuple(missing)
-    return [
-        _finding("ib_hca", host, ranks, f"NCCL on {host} did not find {', '.join(missing_by_proc[next(p for p in missing_by_proc if p.host == host)])} "
-                 f"named in NCCL_IB_HCA={spec}", "check that HCA's port state, link and driver on that node (ibstat)")  # fmt: skip
-        for host, ranks in _by_host(missing_by_proc, rank_of).items()
-    ]
+    out = []
+    for host, ranks in _by_host(missing_by_proc, rank_of).items():
+        first = next(p for p in missing_by_proc if p.host == host)
+        out.append(_finding("ib_hca", host, ranks, f"NCCL on {host} did not find {', '.join(missing_by_proc[first])} "
+                            f"named in NCCL_IB_HCA={procs[first].ib_hca}",
+                            "check that HCA's port state, link and driver on that node (ibstat)"))  # fmt: skip
+    return out
 
 
 def _sockets_despite_ib(procs: Mapping[ProcKey, RankTransport], rank_of: RankOf, active: Mapping[str, Sequence[str]]) -> list[PerfFinding]:

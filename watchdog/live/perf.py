@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -106,7 +105,6 @@ class PerfWatch:
     dumps: DumpRequest
     transport: Callable[[], Sequence[RankTransport]] = tuple  # NCCL's transport facts so far (TransportReader.facts)
     ib_ports: Callable[[], IbReading | None] = lambda: None  # this node's InfiniBand ports (read_ib_counters)
-    ib_hca: str | None = None  # the job's NCCL_IB_HCA
     health: PerfHealth = field(default_factory=PerfHealth, init=False)
     _next_look: float | None = field(default=None, init=False)
     _told: set[str] = field(default_factory=set, init=False)  # finding keys reported in this run
@@ -181,7 +179,7 @@ class PerfWatch:
             ranks |= dict(record.global_ranks)
             if record.ib_active:
                 up[record.host] = record.ib_active
-        return transport_anomalies(every, global_ranks=ranks, ib_hca=self.ib_hca, active_ib_ports=up)
+        return transport_anomalies(every, global_ranks=ranks, active_ib_ports=up)
 
     def _ports(
         self, host: str, reading: IbReading | None, links: Mapping[int, Sequence[str]], hosts: Mapping[int, str], now: float
@@ -247,14 +245,10 @@ def port_health(reading: IbReading, delta: Mapping | None) -> list[IbPortHealth]
 
 
 def perf_watch(interval: float, fr_dir: Path, nccl_dir: Path, ib_root: Path = SYS_INFINIBAND) -> PerfWatch:
-    """The look as a job runs it: its ranks' Flight Recorder, its NCCL debug files, this node's sysfs.
-
-    The wrapper runs with the job's environment, so its ``NCCL_IB_HCA`` is the job's.
-    """
+    """The look as a job runs it: its ranks' Flight Recorder, its NCCL debug files, this node's sysfs."""
     return PerfWatch(
         interval=interval,
         dumps=flight_recorder_dumps(fr_dir),
         transport=TransportReader(nccl_dir).facts,
         ib_ports=lambda: read_ib_counters(ib_root),
-        ib_hca=os.environ.get("NCCL_IB_HCA"),
     )

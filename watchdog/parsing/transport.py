@@ -6,6 +6,7 @@ Formats, from NCCL's source (2.18-2.29; file:format at v2.28.9)::
     init.cc         %d coll channels, %d collnet channels, %d nvls channels, %d p2p channels, %d p2p channels per peer
                     (2.18: no collnet)
     init.cc         Using network %s                                  ("IB", "Socket", a plugin's name)
+    net_ib.cc       NCCL_IB_HCA set to %s                             (NET|ENV subsystem, once per process)
     net_ib.cc       NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/RoCE [RO]; OOB ib0:10.0.0.1<0>
                     (2.29: "[0]mlx5_0:1:<rail>/IB" or "[0]mlx5_0:1::<plane>/IB" may follow the port)
                     NET/IB : No device found.
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 
 from ncclwatch.watchdog.events import ProcKey
 
-_MARKER_RE = re.compile(rb" via |NET/|coll channels|nNodes|Using network|P2P is disabled|set by environment| - Init START")
+_MARKER_RE = re.compile(rb" via |NET/|coll channels|nNodes|Using network|P2P is disabled|set by environment|IB_HCA set| - Init START")
 _LINE_RE = re.compile(r"(?:\[[^\]\n]*\]:? ?)*([^:\s\[\]]+):(\d+):\d+ \[(\d+)\] NCCL INFO (.*)")
 _TOPO_RE = re.compile(r"comm (\S+) rank (\d+) nRanks (\d+) nNodes (\d+) localRanks (\d+) localRank \d+")
 _INIT_RE = re.compile(r"comm (\S+) rank (\d+) nranks (\d+)(?: cudaDev (-?\d+))?(?: nvmlDev -?\d+)?(?: busId (\w+))?.*- Init START")
@@ -82,6 +83,7 @@ class RankTransport:
     ib_absent: bool = False  # "NET/IB : No device found."
     socket_devices: tuple[NetDevice, ...] = ()
     socket_threads: tuple[int, int] | None = None  # (threads, sockets per thread)
+    ib_hca: str | None = None  # NCCL_IB_HCA as this process's NCCL read it (None: unset, or its line not seen)
     coll_channels: int | None = None
     nvls_channels: int | None = None
     p2p_channels: int | None = None
@@ -105,6 +107,7 @@ class _Process:
     ib_absent: bool = False
     socket_devices: tuple[NetDevice, ...] = ()
     socket_threads: tuple[int, int] | None = None
+    ib_hca: str | None = None
     p2p_disabled: str | None = None
     current: str | None = None  # the communicator whose init started last
 
@@ -156,6 +159,8 @@ class TransportScanner:
             info.network = message.removeprefix("Using network ").strip()
         elif message.startswith("NET/IB : Using"):
             info.ib_devices = tuple(NetDevice(int(i), name, int(port), ll) for i, name, port, ll in _IB_DEV_RE.findall(message.partition(";")[0]))
+        elif message.startswith("NCCL_IB_HCA set to "):
+            info.ib_hca = message.removeprefix("NCCL_IB_HCA set to ").strip()
         elif message.startswith("NET/IB : No device found"):
             info.ib_absent = True
         elif message.startswith("NET/Socket : Using"):
@@ -200,6 +205,7 @@ class TransportScanner:
                     ib_absent=info.ib_absent,
                     socket_devices=info.socket_devices,
                     socket_threads=info.socket_threads,
+                    ib_hca=info.ib_hca,
                     p2p_disabled=info.p2p_disabled,
                 )
             )

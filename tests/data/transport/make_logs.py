@@ -14,12 +14,14 @@ NODES = {"node1": ("10.0.0.1", (0, 1)), "node2": ("10.0.0.2", (2, 3))}
 
 
 def rank_lines(host: str, addr: str, rank: int, *, network="IB", hcas=("mlx5_0", "mlx5_1"), channels=16,
-               p2p_env=False, comm="0x5581c0a0", comm_id="0x8d2c5b0e11f7a3c4", nranks=4):
+               p2p_env=False, ib_hca=None, comm="0x5581c0a0", comm_id="0x8d2c5b0e11f7a3c4", nranks=4):
     pid, dev = 4100 + rank, rank % 2
     p = f"{host}:{pid}:{pid} [{dev}] NCCL INFO "
     out = [p + "NCCL version 2.28.9+cuda13.0", p + "NET/Plugin: Could not find: libnccl-net.so"]
     if p2p_env:
         out.append(p + "NCCL_P2P_DISABLE set by environment to 1")
+    if ib_hca is not None:  # net_ib.cc, NCCL_NET|NCCL_ENV, once per process, before the device list
+        out.append(p + f"NCCL_IB_HCA set to {ib_hca}")
     if network == "IB":
         out.append(p + IB.format(devs=" ".join(f"[{i}]{h}:1/IB" for i, h in enumerate(hcas)), addr=addr))
         out += [p + "Initialized NET plugin IB", p + "Assigned NET plugin IB to comm", p + "Using network IB"]
@@ -50,21 +52,22 @@ def rank_lines(host: str, addr: str, rank: int, *, network="IB", hcas=("mlx5_0",
     return out
 
 
-def job(**node2) -> str:
+def job(ib_hca=None, **node2) -> str:
+    """Every node as node1 except for ``node2``'s differences; ``ib_hca``: the job's NCCL_IB_HCA, on every rank."""
     lines = []
     for host, (addr, ranks) in NODES.items():
         for rank in ranks:
-            lines += rank_lines(host, addr, rank, **(node2 if host == "node2" else {}))
+            lines += rank_lines(host, addr, rank, ib_hca=ib_hca, **(node2 if host == "node2" else {}))
     return "\n".join(lines) + "\n"
 
 
 FAULTS = {
-    "healthy-ib.log": {},
+    "healthy-ib.log": {"ib_hca": "mlx5_0,mlx5_1"},
     "socket-fallback-node2.log": {"network": "Socket", "hcas": ()},
     "p2p-disabled-node2.log": {"p2p_env": True},
     # Within one communicator NCCL agrees on one channel count: node2's ranks here form another
     # communicator of the same shape (4 ranks, 2 nodes), as a second data-parallel replica would.
-    "missing-hca-node2.log": {"hcas": ("mlx5_0",), "channels": 8, "comm_id": "0x3b9e4f0c2a6d8e17"},
+    "missing-hca-node2.log": {"hcas": ("mlx5_0",), "channels": 8, "comm_id": "0x3b9e4f0c2a6d8e17", "ib_hca": "=mlx5_0:1,mlx5_1:1"},
 }
 
 if __name__ == "__main__":
