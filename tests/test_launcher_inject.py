@@ -23,6 +23,7 @@ from conftest import REPO, wait_for
 
 from ncclwatch.launcher.env import RunDirs, inject_dir, injected_env
 from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
+from ncclwatch.watchdog.probes.flight_recorder import QUIET_REQUEST
 
 HB_KEYS = {"pid", "rank", "local_rank", "restart", "step", "time", "beats"}
 
@@ -403,6 +404,16 @@ def test_fr_responder_dumps_a_rank_blocked_in_gloo(dirs: RunDirs, tmp_path: Path
         # gloo leaves every entry "scheduled"; the group status says where it is.
         default_pg = fr.process_groups["0"]
         assert (default_pg.last_enqueued, default_pg.last_completed) == (2, 1)
+        assert all(e["frames"] for e in pickle.loads(dump.read_bytes())["entries"])  # asked with "x": everything
+        # The performance look's quiet request ("-"): the same entries, no stack traces.
+        before = dump.stat().st_mtime_ns, dump.stat().st_ino
+        fd = os.open(dirs.fr / f"ncclwatch_pipe.{pid0}", os.O_WRONLY | os.O_NONBLOCK)
+        os.write(fd, QUIET_REQUEST)
+        os.close(fd)
+        wait_for(lambda: (dump.stat().st_mtime_ns, dump.stat().st_ino) != before, 10, "the quiet dump")
+        time.sleep(0.05)
+        quiet = pickle.loads(dump.read_bytes())["entries"]
+        assert [e["collective_seq_id"] for e in quiet] == [1, 2] and not any(e.get("frames") for e in quiet)
         (dirs.root / "go").touch()
         output, _ = job.communicate(timeout=40)
     finally:

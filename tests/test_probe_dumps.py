@@ -18,6 +18,8 @@ from ncclwatch.watchdog.engine.snapshot import WorkerView
 from ncclwatch.watchdog.events import NcclWarning
 from ncclwatch.watchdog.live.probe import DUMP_WAIT_S, ERRORED_DUMP_WAIT_S, JobProber, comm_errored
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
+from ncclwatch.watchdog.probes.flight_recorder import FULL_REQUEST, QUIET_REQUEST
+from ncclwatch.watchdog.sources.flight_recorder import request_dumps
 
 TRUNCATED = (
     b"vm:2072:2301 [0] include/socket.h:409 NCCL WARN NET/Socket : peer 192.0.2.2<37060> message truncated : "
@@ -55,3 +57,32 @@ def test_a_rank_that_never_dumps_is_waited_for_less_once_nccl_reported_an_error(
         assert f"no new dump within {wait_s:g} s of the trigger" in caplog.text
     finally:
         os.close(reader)
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_the_quiet_request_goes_to_ncclwatchs_door_even_where_torchs_exists(tmp_path: Path, quiet: bool) -> None:
+    """torch's pipe prints '[E] ... preparing to dump debug info' into the job's stderr at every dump: the
+    performance look of a healthy job asks ncclwatch's responder, without stack traces, and nothing else."""
+    pid = os.getpid()
+    doors = {name: tmp_path / name for name in ("pipe_0.pipe", f"ncclwatch_pipe.{pid}")}
+    readers = {}
+    for name, fifo in doors.items():
+        os.mkfifo(fifo, 0o600)
+        readers[name] = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+    try:
+        asyncio.run(request_dumps(tmp_path, {0: pid}, wait_s=0.2, quiet=quiet))
+
+        def read(name: str) -> bytes:
+            try:
+                return os.read(readers[name], 64)
+            except BlockingIOError:
+                return b""
+
+        asked = {name: read(name) for name in doors}
+    finally:
+        for fd in readers.values():
+            os.close(fd)
+    if quiet:
+        assert asked == {"pipe_0.pipe": b"", f"ncclwatch_pipe.{pid}": QUIET_REQUEST}
+    else:
+        assert asked == {"pipe_0.pipe": FULL_REQUEST, f"ncclwatch_pipe.{pid}": b""}

@@ -14,12 +14,17 @@ worker, see below), and there it:
    can read this process under Yama's ``ptrace_scope=1``;
 3. starts a Flight Recorder responder: a daemon thread reading the FIFO
    ``<run_dir>/fr/ncclwatch_pipe.<pid>``.  Any write to it makes this process
-   dump ``torch._C._distributed_c10d._dump_fr_trace()`` (every backend's
-   recorder, gloo included; NCCL ranks also have torch's own pipe from
-   ``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``) to ``<run_dir>/fr/ncclwatch_trace_<rank>``
-   (tmp file + ``os.replace``; the rank is the name's trailing digits, as the
-   parser reads it).  A writer should open the FIFO with
-   ``O_WRONLY|O_NONBLOCK``: ENXIO then means no responder is alive.
+   dump its Flight Recorder to ``<run_dir>/fr/ncclwatch_trace_<rank>`` (tmp
+   file + ``os.replace``; the rank is the name's trailing digits, as the
+   parser reads it): NCCL's recorder (``_dump_nccl_trace``) in a job on
+   NCCL, else the one gloo records into (``_dump_fr_trace``); torch keeps
+   one per kind of event.  Writes made only of ``-`` ask for no stack
+   traces (the performance look's quiet request); anything else for
+   everything.  NCCL ranks also have torch's own pipe
+   (``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``), which works without the GIL but
+   prints a line into the job's stderr at every dump.  A writer should open
+   the FIFO with ``O_WRONLY|O_NONBLOCK``: ENXIO then means no responder is
+   alive.
 
 A worker's own children inherit ``RANK`` and ``NCCLWATCH_RUN_DIR`` (spawned
 DataLoader workers, inductor compile workers): a responder there would
@@ -132,12 +137,21 @@ class _AfterImport:
         return spec
 
 
-def _dump_fr(fr_dir, rank):
+def _recorder_dump():
+    """The dump function of the recorder this job fills; None before torch.distributed is imported."""
     c10d = sys.modules.get("torch._C._distributed_c10d")
-    dump = getattr(c10d, "_dump_fr_trace", None)
+    dist = sys.modules.get("torch.distributed")
+    nccl = getattr(c10d, "_dump_nccl_trace", None)
+    if nccl is not None and dist is not None and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        return nccl
+    return getattr(c10d, "_dump_fr_trace", None)
+
+
+def _dump_fr(fr_dir, rank, stacks):
+    dump = _recorder_dump()
     if dump is None:
         return  # torch (with distributed) not imported yet: no process group to dump
-    data = dump()
+    data = dump(includeCollectives=True, includeStackTraces=stacks, onlyActive=False)
     final = os.path.join(fr_dir, f"ncclwatch_trace_{rank}")
     tmp = os.path.join(fr_dir, f".ncclwatch_trace_{rank}.tmp")
     with open(tmp, "wb") as out:
@@ -157,10 +171,10 @@ def _serve_fr(fd, fr_dir, rank, dumping):
     short job ended during the sidecar's first, slow dump).
     """
     try:
-        while os.read(fd, 4096):
+        while request := os.read(fd, 4096):
             with dumping:
                 try:
-                    _dump_fr(fr_dir, rank)
+                    _dump_fr(fr_dir, rank, stacks=bool(request.strip(b"-")))
                 except Exception:  # noqa: BLE001, S110 - a failed dump must not end the responder
                     pass
     except Exception:  # noqa: BLE001, S110 - an uncaught error would print a traceback into the job's stderr

@@ -85,10 +85,10 @@ class JobLook:
 
 
 def flight_recorder_dumps(fr_dir: Path, wait_s: float = DUMP_WAIT_S) -> DumpRequest:
-    """Ask ranks for dumps through their Flight Recorder FIFOs, read what came (parsed off the event loop)."""
+    """Ask ranks for dumps, quietly (nothing in the job's output), read what came (parsed off the event loop)."""
 
     async def dumps(ranks: Mapping[int, int]) -> list[FrDump]:
-        fresh, errors = await request_dumps(fr_dir, ranks, wait_s)
+        fresh, errors = await request_dumps(fr_dir, ranks, wait_s, quiet=True)
         for rank, error in sorted(errors.items()):
             log.info("performance look: rank %d: %s", rank, error)
         events = await asyncio.to_thread(lambda: [e for path in fresh.values() for e in read_dump(path)])

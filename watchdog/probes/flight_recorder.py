@@ -4,11 +4,17 @@ Two responders listen on FIFOs in ``run_dir/fr``:
 
 - torch's, for NCCL process groups (``TORCH_NCCL_DEBUG_INFO_PIPE_FILE=run_dir/fr/pipe_``):
   ``pipe_<rank>.pipe`` -> ``nccl_trace_rank_<rank>`` (``TORCH_FR_DUMP_TEMP_FILE`` prefix);
-- ncclwatch's own, for gloo (launcher/inject/sitecustomize.py):
+- ncclwatch's own, in every rank (launcher/inject/sitecustomize.py):
   ``ncclwatch_pipe.<pid>`` -> ``ncclwatch_trace_<rank>``.
 
 One byte written to the FIFO (``O_WRONLY|O_NONBLOCK``: never block on a rank
-that does not read) makes the rank dump and run on.  A rank's first dump
+that does not read) makes the rank dump and run on.  torch's door works
+without the GIL (a C++ thread), so a hang's evidence goes through it where it
+exists; but every dump through it prints ``[E] ... ProcessGroupNCCL preparing
+to dump debug info`` into the job's stderr, one line per rank, and no setting
+turns that line off.  So the performance look of a healthy job asks *quietly*
+(``quiet=True``): ncclwatch's door, and ``QUIET_REQUEST``, which that
+responder answers without stack traces (the look needs only sizes and times).  A rank's first dump
 took 4.2-4.7 s on H200 (torch 2.11 symbolises C++ stack traces once), later
 ones <= 1 s: the sidecar primes every rank once the job runs, so a hang finds
 the fast path.  A stopped rank cannot answer.
@@ -25,12 +31,14 @@ from pathlib import Path
 
 FR_WAIT_S = 10.0
 POLL_S = 0.1
+FULL_REQUEST = b"1"
+QUIET_REQUEST = b"-"  # ncclwatch's responder: no stack traces (launcher/inject/sitecustomize.py reads it)
 
 
-def fr_files(fr_dir: Path, rank: int, pid: int) -> tuple[Path, Path]:
-    """(FIFO, dump) of a rank: torch's when its FIFO exists, else ncclwatch's."""
+def fr_files(fr_dir: Path, rank: int, pid: int, *, quiet: bool = False) -> tuple[Path, Path]:
+    """(FIFO, dump) of a rank: torch's when its FIFO exists and ``quiet`` is off, else ncclwatch's."""
     torch_pipe = fr_dir / f"pipe_{rank}.pipe"
-    if torch_pipe.exists():
+    if not quiet and torch_pipe.exists():
         return torch_pipe, fr_dir / f"nccl_trace_rank_{rank}"
     return fr_dir / f"ncclwatch_pipe.{pid}", fr_dir / f"ncclwatch_trace_{rank}"
 
@@ -44,7 +52,7 @@ def signature(path: Path) -> tuple[int, int, int] | None:
     return (st.st_ino, st.st_mtime_ns, st.st_size) if st.st_size > 0 else None
 
 
-def trigger(pipe: Path) -> str | None:
+def trigger(pipe: Path, request: bytes = FULL_REQUEST) -> str | None:
     try:
         if not stat.S_ISFIFO(pipe.stat().st_mode):
             return f"{pipe.name} is not a FIFO: not written to"
@@ -56,7 +64,7 @@ def trigger(pipe: Path) -> str | None:
             return f"nobody reads {pipe.name} (ENXIO): the rank is not listening"
         return f"cannot open {pipe.name}: {exc.strerror}"
     try:
-        os.write(fd, b"1")
+        os.write(fd, request)
     except OSError as exc:  # EAGAIN: 64 KiB of earlier triggers unread, the reader is stuck
         return f"cannot write to {pipe.name}: {exc.strerror}"
     finally:

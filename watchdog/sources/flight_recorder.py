@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
-from ncclwatch.watchdog.probes.flight_recorder import fr_files, signature, trigger, wait_for_new
+from ncclwatch.watchdog.probes.flight_recorder import FULL_REQUEST, QUIET_REQUEST, fr_files, signature, trigger, wait_for_new
 from ncclwatch.watchdog.events import Event
 
 
@@ -24,13 +24,19 @@ def prime(fr_dir: Path, ranks: Mapping[int, int]) -> int:
     return sum(trigger(fr_files(fr_dir, rank, pid)[0]) is None for rank, pid in ranks.items())
 
 
-async def request_dumps(fr_dir: Path, ranks: Mapping[int, int], wait_s: float = 3.0) -> tuple[dict[int, Path], dict[int, str]]:
-    """Ask every rank (rank -> pid) for a dump; the fresh dump files, and why the others are missing."""
+async def request_dumps(
+    fr_dir: Path, ranks: Mapping[int, int], wait_s: float = 3.0, *, quiet: bool = False
+) -> tuple[dict[int, Path], dict[int, str]]:
+    """Ask every rank (rank -> pid) for a dump; the fresh dump files, and why the others are missing.
+
+    ``quiet``: through ncclwatch's own responder, which prints nothing into the job's output (see
+    ``probes/flight_recorder.py``), for a job that is running well.
+    """
 
     async def one(rank: int, pid: int) -> tuple[int, Path, str | None]:
-        pipe, dump = fr_files(fr_dir, rank, pid)
+        pipe, dump = fr_files(fr_dir, rank, pid, quiet=quiet)
         before = signature(dump)
-        problem = trigger(pipe)
+        problem = trigger(pipe, QUIET_REQUEST if quiet else FULL_REQUEST)
         if problem is None:
             problem, _ = await wait_for_new(dump, before, wait_s)
         return rank, dump, problem
