@@ -10,7 +10,8 @@ Cases:
 
 - ``preflight``: ``ncclwatch preflight`` sweep (1 MiB..256 MiB, all_reduce
   and all_gather) and every pair at 64 MiB, two ranks (their own
-  ``NCCL_HOSTID`` each when they share a GPU).
+  ``NCCL_HOSTID`` each when they share a GPU, so NCCL uses sockets; with a
+  GPU each, its NVLink or PCIe path).
 - The others: ``python -m ncclwatch --perf-interval P torchrun ...
   bench/pairs_job.py`` (the real wrapper, its performance look every ``P``
   s), ranks on a ring of pair groups (see ``pairs_job.py``).  Every
@@ -117,7 +118,11 @@ def run_preflight(out: Path, nproc: int) -> dict:
         sys.executable, "-m", "ncclwatch", "preflight", "--backend=nccl", f"--nproc={nproc}", "--pairs=64M",
         "--sizes=1M,4M,16M,64M,256M", f"--out={result}", "--time-limit=150",
     ]  # fmt: skip
-    env = {**os.environ, "NCCLWATCH_PREFLIGHT_HOSTID_PER_RANK": "1"}
+    import torch
+
+    # Ranks sharing a GPU must pose as hosts of their own (NET/Socket); one GPU each, NCCL takes NVLink or PCIe.
+    shared = nproc > torch.cuda.device_count()
+    env = {**os.environ, **({"NCCLWATCH_PREFLIGHT_HOSTID_PER_RANK": "1"} if shared else {})}
     began = time.monotonic()
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     (out / "preflight.txt").write_text(proc.stdout + proc.stderr)
