@@ -46,6 +46,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -292,24 +293,29 @@ def run_once(
             info = tarfile.TarInfo(f"{scenario}-{n}-node{i}.log")
             info.size, info.mtime = len(data), int(time.time())
             logs.addfile(info, io.BytesIO(data))
-    posts = receiver.for_job(job)
-    triggers = [p for p in posts if p["event"] == "trigger"]
-    record = {
-        "scenario": scenario, "repeat": n, "nnodes": args.nnodes, "rdzv": args.rdzv if args.nnodes > 1 else None,
-        "nproc_per_node": args.nproc, "device": args.device, "size": args.size, "fault_rank": rank, "fault_step": step,
-        "expected_verdict": expect.verdict, "expect_crash": expect.crash,
-        "expected_culprits": [rank] if expect.verdict and expect.names_culprit else None,
-        "fault_at": fault_at, "wall_s": round(time.time() - began, 1), "timed_out": timed_out, "nodes": nodes,
-        "webhook_triggers": len(triggers), "webhook_resolves": sum(p["event"] == "resolve" for p in posts),
-        "webhook_keys": len({p["id"] for p in triggers}), "steps_per_s": steps_per_s, "leftover_processes": leftovers,
-    }  # fmt: skip
-    pages = [node for node in nodes if node["page_verdict"] or node["verdict"]]
-    record["pages"] = len(pages)
-    for key in ("page_s", "report_s", "bundle_s"):
-        values = [node[key] for node in nodes if node.get(key) is not None]
-        record[key] = min(values) if values else None
-    record["webhook_s"] = round(min(p["time"] for p in triggers) - fault_at, 2) if triggers and fault_at else None
-    record["correct"] = judge(expect, record, rank)
+        posts = receiver.for_job(job)
+        triggers = [p for p in posts if p["event"] == "trigger"]
+        record = {
+            "scenario": scenario, "repeat": n, "nnodes": args.nnodes, "rdzv": args.rdzv if args.nnodes > 1 else None,
+            "nproc_per_node": args.nproc, "device": args.device, "size": args.size, "fault_rank": rank, "fault_step": step,
+            "expected_verdict": expect.verdict, "expect_crash": expect.crash,
+            "expected_culprits": [rank] if expect.verdict and expect.names_culprit else None,
+            "fault_at": fault_at, "wall_s": round(time.time() - began, 1), "timed_out": timed_out, "nodes": nodes,
+            "webhook_triggers": len(triggers), "webhook_resolves": sum(p["event"] == "resolve" for p in posts),
+            "webhook_keys": len({p["id"] for p in triggers}), "steps_per_s": steps_per_s, "leftover_processes": leftovers,
+        }  # fmt: skip
+        pages = [node for node in nodes if node["page_verdict"] or node["verdict"]]
+        record["pages"] = len(pages)
+        for key in ("page_s", "report_s", "bundle_s"):
+            values = [node[key] for node in nodes if node.get(key) is not None]
+            record[key] = min(values) if values else None
+        record["webhook_s"] = round(min(p["time"] for p in triggers) - fault_at, 2) if triggers and fault_at else None
+        record["correct"] = judge(expect, record, rank)
+        if not record["correct"]:
+            # A wrong verdict needs its evidence to be understood: the bundles (NCCL logs, dumps, stacks) come back.
+            for i in range(len(wrappers)):
+                for bundle in sorted((work / f"bundles{i}").glob("*.tar.gz")):
+                    shutil.copy(bundle, Path(args.out_dir) / f"wrong-{scenario}-{n}-node{i}-{bundle.name}")
     return record
 
 

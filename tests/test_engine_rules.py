@@ -74,6 +74,67 @@ class TestPointToPoint:
         assert (finding.verdict, finding.culprits) == (Verdict.rank_behind, (1,))
 
 
+def p2p(index: int, op: str, rank: int, peer: int, seq: int, state: OpState) -> FrEntry:
+    arrow = "<-" if op == "Recv" else "->"
+    return FrEntry(index=index, pg_id="0", collective_seq_id=0, p2p_seq_id=seq, is_p2p=True, op=op, peer=peer,
+                   profiling_name=f"nccl:{op.lower()} {rank}{arrow}{peer}", input_sizes=[[1024]],
+                   input_dtypes=["Float"], state=state)  # fmt: skip
+
+
+def coll(index: int, seq: int, state: OpState, op: str = "AllReduce") -> FrEntry:
+    return FrEntry(index=index, pg_id="0", collective_seq_id=seq, profiling_name=f"nccl:{op.lower()}", op=op,
+                   is_p2p=False, input_sizes=[[4096]], input_dtypes=["BFloat16"], state=state)  # fmt: skip
+
+
+def dumps_of(entries_of) -> list[FrDump]:  # type: ignore[no-untyped-def]
+    group = {"0": FrProcessGroup(pg_id="0", ranks=[0, 1])}
+    return [FrDump(rank=r, version="2.10", process_groups=group, entries=entries_of(r), cite=Citation(file=f"fr/rank{r}"))
+            for r in (0, 1)]  # fmt: skip
+
+
+class TestPointToPointInFlightRecorder:
+    """Seen on 2 x H200 over NVLink (bench/results/2026-11-23-h200x2-s4, p2p_deadlock): both ranks' recv and send
+    returned at once, the ranks blocked later in ``.item()``, and the step's loss all_reduce never started.  Flight
+    Recorder's entries, as that run's report showed them, are all that says why."""
+
+    @staticmethod
+    def nvlink_deadlock(rank: int) -> list[FrEntry]:
+        return [coll(0, 286, OpState.completed), p2p(1, "Recv", rank, 1 - rank, 1, OpState.started),
+                p2p(2, "Send", rank, 1 - rank, 2, OpState.scheduled), coll(3, 287, OpState.scheduled),
+                coll(4, 288, OpState.scheduled, "Broadcast")]  # fmt: skip
+
+    def test_both_first_pending_ops_recv_from_each_other_is_a_p2p_deadlock(self) -> None:
+        stacks = [StackDump(pid=1000 + r, threads=[ThreadStack(name="MainThread", frames=["main (gpu_job.py:214)"])],
+                            cite=Citation(file="py-spy")) for r in (0, 1)]  # fmt: skip
+        seen = [WorkerSeen(pid=1000 + r, rank=r, host="node1", at=NOW - 60) for r in (0, 1)]
+        decision = judged(*seen, *dumps_of(self.nvlink_deadlock), *stacks, STALL)
+        finding = decision.finding
+        assert (finding.verdict, finding.culprits) == (Verdict.p2p_deadlock, (0, 1)) and decision.page
+        assert "each wait in a recv from the other" in finding.summary
+        assert {f.fact for f in finding.evidence} >= {
+            "rank 0: first pending op with rank 1 is Recv #1 (Recv count=1024 Float from=1, started); behind it: Send (scheduled)",
+            "rank 1: first pending op with rank 0 is Recv #1 (Recv count=1024 Float from=0, started); behind it: Send (scheduled)",
+        }
+
+    def test_a_recv_waiting_for_a_peer_that_sends_first_is_no_deadlock(self) -> None:
+        def entries(rank: int) -> list[FrEntry]:
+            first, second = ("Recv", "Send") if rank == 0 else ("Send", "Recv")
+            return [coll(0, 286, OpState.completed), p2p(1, first, rank, 1 - rank, 1, OpState.started),
+                    p2p(2, second, rank, 1 - rank, 2, OpState.scheduled), coll(3, 287, OpState.scheduled)]  # fmt: skip
+
+        assert judged(*dumps_of(entries), STALL).finding.verdict != Verdict.p2p_deadlock
+
+    def test_a_pending_batch_isend_irecv_group_is_no_deadlock(self) -> None:
+        """Ops of one coalesced group run together: recv before send inside it orders nothing."""
+        def entries(rank: int) -> list[FrEntry]:
+            marker = FrEntry(index=3, pg_id="0", collective_seq_id=0, p2p_seq_id=1, profiling_name="nccl:coalesced",
+                             op="Coalesced", is_p2p=False, state=OpState.started)  # fmt: skip
+            return [coll(0, 286, OpState.completed), p2p(1, "Recv", rank, 1 - rank, 1, OpState.scheduled),
+                    p2p(2, "Send", rank, 1 - rank, 1, OpState.scheduled), marker]  # fmt: skip
+
+        assert judged(*dumps_of(entries), STALL).finding.verdict != Verdict.p2p_deadlock
+
+
 def workers(cpu_busy_rank: int) -> list[Event]:
     events: list[Event] = []
     for rank in range(3):

@@ -350,12 +350,15 @@ class _P2pWait:
 
 
 def check_point_to_point(comm: CommView) -> Finding | None:
-    """Sends r->p against recvs on p from r; NCCL logs only (Flight Recorder counts are relative).
+    """Sends r->p against recvs on p from r in NCCL's logs; Flight Recorder's counts are relative, so there
+    only the order of the ops still pending is read (``_pending_recv_cycle``).
 
     A mismatch in size or type wins; then a rank waiting on a peer that never posted its side.
     When those waits form a cycle (both ranks recv first), it is a ``p2p_deadlock``: no rank is
     behind, the program's order is wrong.
     """
+    if comm.source == "flight_recorder":
+        return _pending_recv_cycle(comm)
     if comm.source != "nccl_log":
         return None
     ranks = comm.by_comm_rank()
@@ -365,7 +368,7 @@ def check_point_to_point(comm: CommView) -> Finding | None:
             receiver = ranks.get(peer)
             if receiver is None:
                 continue
-            recvs = receiver.received.get(sender.comm_rank, PeerView(0, 0, (), {}))
+            recvs = receiver.received.get(sender.comm_rank, PeerView(0, 0, (), {}, {}))
             found = _compare_pair(comm, sender, receiver, sends, recvs)
             if isinstance(found, Finding):
                 return found
@@ -459,6 +462,75 @@ def _p2p_deadlock(comm: CommView, waits: list[_P2pWait]) -> Finding | None:
             operation=one.sig.describe() if one.sig else None,
             evidence=(one_fact, other_fact),
         )
+    return None
+
+
+@dataclass(frozen=True)
+class _PendingP2p:
+    """A rank's first point-to-point op with one peer that has not completed, issued alone (not in a group)."""
+
+    kind: Literal["Send", "Recv"]
+    index: int  # among this kind with this peer, from the dump's first entry
+    sig: OpSig
+    state: OpState
+    then: str | None  # the next op with that peer, pending behind it: "Send (scheduled)"
+
+
+def _first_pending(rank: RankView, peer: int) -> _PendingP2p | None:
+    pending = []
+    for kind, logs in (("Send", rank.sent), ("Recv", rank.received)):
+        log = logs.get(peer)
+        if log is None:
+            continue
+        for index, order in log.alone.items():
+            state = log.states.get(index)
+            if state not in (None, OpState.completed):
+                pending.append((order, kind, index, log.sigs[index - log.base], state))
+    if not pending:
+        return None
+    pending.sort()
+    _, kind, index, sig, state = pending[0]
+    then = f"{pending[1][1]} ({pending[1][4]})" if len(pending) > 1 else None
+    return _PendingP2p(kind, index, sig, state, then)  # type: ignore[arg-type]
+
+
+def _pending_recv_cycle(comm: CommView) -> Finding | None:
+    """Flight Recorder: two ranks whose first pending op with each other is a recv from each other.
+
+    A rank's point-to-point ops with one peer run in order on one stream (NCCL, torch.distributed's
+    ``send``/``recv``, not ``batch_isend_irecv``, whose group runs as one), so each recv waits for a send that is
+    queued behind the other's recv, or was never posted: a deadlock whatever the counts.  Seen on 2 x H200 over
+    NVLink: both ranks' ``recv`` and ``send`` returned at once on the host, and the ranks blocked later, at the
+    next synchronisation, behind collectives that never started; only these entries tell why.
+    """
+    ranks = comm.by_comm_rank()
+    for a in comm.ranks:
+        for b_rank in sorted(a.received):
+            b = ranks.get(b_rank)
+            if b is None or b_rank <= a.comm_rank:
+                continue  # each pair once
+            mine, theirs = _first_pending(a, b_rank), _first_pending(b, a.comm_rank)
+            if mine is None or theirs is None or mine.kind != "Recv" or theirs.kind != "Recv":
+                continue
+
+            def told(rank: RankView, other: RankView, wait: _PendingP2p) -> Fact:
+                behind = f"; behind it: {wait.then}" if wait.then else "; no send to it posted"
+                return Fact(comm.source, f"{rank.name}: first pending op with {other.name} is Recv #{wait.index + 1} "
+                            f"({wait.sig.describe()}, {wait.state}){behind}", Citation(file=rank.file))  # fmt: skip
+
+            pair = tuple(sorted((a.rank, b.rank)))
+            return _comm_finding(
+                comm,
+                Verdict.p2p_deadlock,
+                summary=f"Point-to-point deadlock on {comm.label}: rank {pair[0]} and rank {pair[1]} each wait in a "
+                f"recv from the other, and the send each needs is queued behind the other's recv (or was never "
+                f"posted).",
+                reason=f"Each posted its recv first (Flight Recorder: the first op still pending between them, on both "
+                f"sides): {P2P_DEADLOCK_FIX}.",
+                culprits=pair,
+                operation=mine.sig.describe(),
+                evidence=(told(a, b, mine), told(b, a, theirs)),
+            )
     return None
 
 

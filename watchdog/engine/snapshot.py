@@ -37,6 +37,7 @@ class PeerView:
     base: int
     sigs: tuple[OpSig, ...]
     states: Mapping[int, OpState]
+    alone: Mapping[int, int]  # position -> Flight Recorder index, of ops issued outside a group
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ class Snapshot:
 
 
 def _peer(log: PeerLog) -> PeerView:
-    return PeerView(log.count, log.base, tuple(log.sigs), MappingProxyType(dict(log.states)))
+    return PeerView(log.count, log.base, tuple(log.sigs), MappingProxyType(dict(log.states)), MappingProxyType(dict(log.alone)))
 
 
 def _rank(seq: RankSeq, global_rank: int | None) -> RankView:

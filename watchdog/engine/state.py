@@ -99,6 +99,9 @@ class PeerLog:
     base: int = 0
     sigs: list[OpSig] = field(default_factory=list)
     states: dict[int, OpState] = field(default_factory=dict)  # position -> state (Flight Recorder)
+    # position -> Flight Recorder entry index, for ops issued alone (not in a coalesced group): the order in which
+    # one rank's sends and recvs to a peer queue on its stream
+    alone: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -539,14 +542,14 @@ def _fold_fr_entries(seq: RankSeq, entries: list[FrEntry], last_completed: int |
     ``last_completed_collective`` advances: a collective at or below it completed.
     """
     seq.digest = None  # the ring buffer forgot what came before its first entry
-    states = _effective_states(entries)
+    states, grouped = _effective_states(entries)
     if last_completed is not None:
         states = [
             OpState.completed if not e.is_p2p and e.collective_seq_id and e.collective_seq_id <= last_completed else st
             for e, st in zip(entries, states, strict=True)
         ]
     completed = 0
-    for entry, state in zip(entries, states, strict=True):
+    for i, (entry, state) in enumerate(zip(entries, states, strict=True)):
         if entry.op == "Coalesced":
             continue
         sig = _fr_sig(entry)
@@ -557,6 +560,8 @@ def _fold_fr_entries(seq: RankSeq, entries: list[FrEntry], last_completed: int |
             # relative; detectors compare only the pending ones across ranks.
             log = logs.setdefault(entry.peer if entry.peer is not None else -1, PeerLog())
             log.states[log.count] = state
+            if i not in grouped:
+                log.alone[log.count] = entry.index
             log.count += 1
             log.sigs.append(sig)
             continue
@@ -570,17 +575,20 @@ def _fold_fr_entries(seq: RankSeq, entries: list[FrEntry], last_completed: int |
     seq.completed = completed if seq.coll else None
 
 
-def _effective_states(entries: list[FrEntry]) -> list[OpState]:
-    """p2p ops inside a coalesced group stay 'scheduled' forever; their marker completes."""
+def _effective_states(entries: list[FrEntry]) -> tuple[list[OpState], set[int]]:
+    """p2p ops inside a coalesced group stay 'scheduled' forever; their marker completes.  Also which entries
+    (list positions) are such members."""
     states = [e.state for e in entries]
+    grouped = set()
     for i, entry in enumerate(entries):
         if entry.op != "Coalesced":
             continue
         j = i - 1
         while j >= 0 and entries[j].is_p2p and entries[j].p2p_seq_id == entry.p2p_seq_id:
             states[j] = entry.state
+            grouped.add(j)
             j -= 1
-    return states
+    return states, grouped
 
 
 _HANDLERS = {
