@@ -74,13 +74,15 @@ def test_a_failing_rank_ends_the_run_with_its_status_and_stderr(tmp_path):
 
 class TestReading:
     def test_expected_from_nvlink_and_ib(self):
-        h200 = [{"index": i, "links": 18, "version": 4} for i in range(4)]
+        h200 = [{"index": i, "links": 18, "version": 6} for i in range(4)]  # as NVML reported them on 2 x H200
         port = {"state": "4: ACTIVE", "rate": "400 Gb/sec (4X NDR)"}
         ib = {"mlx5_0": {"1": port}, "mlx5_1": {"1": port}, "mlx5_2": {"1": {**port, "state": "1: DOWN"}}}
         assert expected_busbw(h200, ib, local_ranks=4, nnodes=1) == {"intra": 450e9, "inter": None, "expected": 450e9, "basis": "NVLink"}
         both = expected_busbw(h200, ib, local_ranks=4, nnodes=2)
         assert (both["inter"], both["expected"], both["basis"]) == (100e9, 100e9, "NVLink and InfiniBand")
         assert expected_busbw(None, None, local_ranks=1, nnodes=1)["expected"] is None
+        b200 = [{"index": i, "links": 18, "version": 7} for i in range(2)]
+        assert expected_busbw(b200, None, local_ranks=2, nnodes=1)["intra"] == 900e9
 
     def test_slower_than_baseline_and_not_idle(self):
         base = {"mode": "idle", "rows": [{"op": "AllReduce", "bytes": 1 << 28, "busbw": 336e9}]}

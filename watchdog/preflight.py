@@ -40,9 +40,10 @@ from pathlib import Path
 from ncclwatch.watchdog.engine.perf import gbps
 from ncclwatch.watchdog.probes.infiniband import SYS_INFINIBAND, rate_bytes_per_s, read_ib_counters, state_name
 
-# One-way bandwidth of one NVLink, bytes/s, by the generation NVML reports (nvmlDeviceGetNvLinkVersion):
-# P100 (1) 20 GB/s; V100 (2), A100 (3), H100/H200 (4) 25 GB/s; B200 (5) 50 GB/s.
-NVLINK_LINK_BYTES_PER_S = {1: 20e9, 2: 25e9, 3: 25e9, 4: 25e9, 5: 50e9}
+# One-way bandwidth of one NVLink, bytes/s, by NVML's nvmlNvlinkVersion_t (nvmlDeviceGetNvLinkVersion), which
+# counts point releases: 1 = NVLink 1.0 (P100) 20 GB/s; 2 = 2.0 (V100), 3 = 2.2, 4 = 3.0 (A100), 5 = 3.1,
+# 6 = 4.0 (H100, H200: NVML said 6 on the lent 2 x H200, 18 links) 25 GB/s; 7 = 5.0 (B200) 50 GB/s.
+NVLINK_LINK_BYTES_PER_S = {1: 20e9, 2: 25e9, 3: 25e9, 4: 25e9, 5: 25e9, 6: 25e9, 7: 50e9}
 DEFAULT_SIZES = tuple(1 << p for p in range(20, 31, 2))  # 1 MiB .. 1 GiB, as nccl-tests -b 1M -e 1G -f 4
 CPU_SIZES = (1 << 12, 1 << 16, 1 << 20)
 SLOW_RATIO = 0.8  # below 80 % of the baseline at the same op and size is worth a look
