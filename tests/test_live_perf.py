@@ -328,7 +328,7 @@ class TestBandwidthTransportsAndPorts:
         nccl.mkdir()
         (nccl / "node1.4100").write_bytes((DATA / "transport" / "healthy-ib.log").read_bytes())
         rig = Rig(transport=TransportReader(nccl).facts)
-        rig.dumps.dumps = training(12, durations_ms=[2.0] * 11 + [40.0])
+        rig.dumps.dumps = training(12, durations_ms=[2.0] * 9 + [40.0] * 3)
         rig.tick(INTERVAL + 1)
         health = rig.sidecar.health()
         busbw = 64 * MiB * 2 * 2 / 3 / 2e-3  # nccl-tests: all-reduce factor 2(n-1)/n, 2 ms
@@ -345,7 +345,7 @@ class TestBandwidthTransportsAndPorts:
     def test_a_group_with_ranks_on_another_node_is_not_judged_from_this_node(self) -> None:
         """Its kernels here include waiting for the ranks elsewhere: a remote straggler is not a slow link."""
         rig = Rig()
-        dumps = training(12, durations_ms=[2.0] * 11 + [40.0])
+        dumps = training(12, durations_ms=[2.0] * 9 + [40.0] * 3)
         groups = {"0": FrProcessGroup(pg_id="0", desc="default_pg", ranks=[0, 1, 2, 3])}  # rank 3 runs on node2
         rig.dumps.dumps = [d.model_copy(update={"process_groups": groups}) for d in dumps]
         rig.tick(INTERVAL + 1)

@@ -284,13 +284,17 @@ def slow_collectives(
     links: Mapping[int, Sequence[str]] = {},
     ratio: float = 0.25,
     min_history: int = 5,
+    recent: int = 3,
     min_bytes: int = MIN_BYTES,
     min_elapsed_s: float = 10.0,
 ) -> list[PerfFinding]:
     """A collective far slower than the same group's same op at about the same size did before.
 
-    Two cases.  Finished: the latest one's busbw is under ``ratio`` x the
-    median of its history.  Still running (``now_ns`` given): every rank
+    Two cases.  Finished: the median busbw of the latest ``recent`` is under
+    ``ratio`` x the median of the history before them.  One slow instance is
+    a hiccup, not a slow collective: on 2 x H200 a healthy job had one
+    all-reduce at 7-18 % of its usual speed in every group at once, and the
+    first look of a job sees its warm-up.  Still running (``now_ns`` given): every rank
     arrived, and it has run longer than ``min_elapsed_s`` and than its
     usual time / ``ratio``.  Whether a running one still moves data (IB
     counters, GPU) or is hung is for the caller: this says only "slow".
@@ -302,12 +306,13 @@ def slow_collectives(
         groups[(t.pg, t.op, size_bucket(t.nbytes))].append(t)  # type: ignore[arg-type]
     findings: list[PerfFinding] = []
     for (pg, op, _), series in groups.items():
-        history, latest = series[:-1][-50:], series[-1]
-        if len(history) < min_history:
+        history, latest = series[:-recent][-50:], series[-recent:]
+        if len(history) < min_history or len(latest) < recent:
             continue
         usual = statistics.median(t.busbw for t in history)  # type: ignore[misc]
-        if latest.busbw < ratio * usual:  # type: ignore[operator]
-            findings.append(_slow_finding(latest, latest.busbw, usual, hosts, links, running_s=None))
+        now = statistics.median(t.busbw for t in latest)  # type: ignore[misc]
+        if now < ratio * usual:
+            findings.append(_slow_finding(latest[-1], now, usual, hosts, links, running_s=None, over=recent))
     if now_ns is not None:
         findings += _slow_running(timings, groups, now_ns, hosts, links, ratio, min_history, min_bytes, min_elapsed_s)
     return findings
@@ -331,12 +336,13 @@ def _slow_running(timings, groups, now_ns, hosts, links, ratio, min_history, min
     return findings
 
 
-def _slow_finding(t: CollectiveTiming, measured: float, usual: float, hosts, links, running_s: float | None) -> PerfFinding:  # type: ignore[no-untyped-def]
+def _slow_finding(t: CollectiveTiming, measured: float, usual: float, hosts, links, running_s: float | None, over: int = 1) -> PerfFinding:  # type: ignore[no-untyped-def]
     ranks = tuple(sorted(t.arrivals))
     host_names, link_names = where(ranks, hosts, links)
     what = f"{t.op} #{t.seq} of process group {t.pg} ({size_text(t.nbytes)}, {t.nranks} ranks)"
     if running_s is None:
-        summary = f"{what} ran at {gbps(measured)} bus bandwidth, {measured / usual:.0%} of its usual {gbps(usual)}"
+        summary = (f"{what} and the {over - 1} before it ran at {gbps(measured)} bus bandwidth (median), "
+                   f"{measured / usual:.0%} of their usual {gbps(usual)}")  # fmt: skip
     else:
         summary = (
             f"{what} has run for {running_s:.0f} s since the last rank arrived (at most {gbps(measured)}, "
