@@ -151,7 +151,10 @@ def _dump_fr(fr_dir, rank, stacks):
     dump = _recorder_dump()
     if dump is None:
         return  # torch (with distributed) not imported yet: no process group to dump
-    data = dump(includeCollectives=True, includeStackTraces=stacks, onlyActive=False)
+    try:
+        data = dump(includeCollectives=True, includeStackTraces=stacks, onlyActive=False)
+    except TypeError:  # a torch whose binding takes no options: everything
+        data = dump()
     final = os.path.join(fr_dir, f"ncclwatch_trace_{rank}")
     tmp = os.path.join(fr_dir, f".ncclwatch_trace_{rank}.tmp")
     with open(tmp, "wb") as out:

@@ -477,21 +477,26 @@ class _PendingP2p:
 
 
 def _first_pending(rank: RankView, peer: int) -> _PendingP2p | None:
-    pending = []
+    pending = []  # (Flight Recorder index, kind, index among the kind, sig, state)
     for kind, logs in (("Send", rank.sent), ("Recv", rank.received)):
         log = logs.get(peer)
         if log is None:
             continue
         for index, order in log.alone.items():
-            state = log.states.get(index)
-            if state not in (None, OpState.completed):
-                pending.append((order, kind, index, log.sigs[index - log.base], state))
+            if log.states[index] is not OpState.completed:
+                pending.append((order, kind, index, log.sigs[index - log.base], log.states[index]))
     if not pending:
         return None
     pending.sort()
-    _, kind, index, sig, state = pending[0]
-    then = f"{pending[1][1]} ({pending[1][4]})" if len(pending) > 1 else None
+    (_, kind, index, sig, state), behind = pending[0], pending[1:]
+    then = f"{behind[0][1]} ({behind[0][4]})" if behind else None
     return _PendingP2p(kind, index, sig, state, then)  # type: ignore[arg-type]
+
+
+def _pending_fact(comm: CommView, rank: RankView, other: RankView, wait: _PendingP2p) -> Fact:
+    behind = f"; behind it: {wait.then}" if wait.then else "; nothing posted behind it"
+    return Fact(comm.source, f"{rank.name}: first pending op with {other.name} is Recv #{wait.index + 1} "
+                f"({wait.sig.describe()}, {wait.state}){behind}", Citation(file=rank.file))  # fmt: skip
 
 
 def _pending_recv_cycle(comm: CommView) -> Finding | None:
@@ -512,12 +517,6 @@ def _pending_recv_cycle(comm: CommView) -> Finding | None:
             mine, theirs = _first_pending(a, b_rank), _first_pending(b, a.comm_rank)
             if mine is None or theirs is None or mine.kind != "Recv" or theirs.kind != "Recv":
                 continue
-
-            def told(rank: RankView, other: RankView, wait: _PendingP2p) -> Fact:
-                behind = f"; behind it: {wait.then}" if wait.then else "; no send to it posted"
-                return Fact(comm.source, f"{rank.name}: first pending op with {other.name} is Recv #{wait.index + 1} "
-                            f"({wait.sig.describe()}, {wait.state}){behind}", Citation(file=rank.file))  # fmt: skip
-
             pair = tuple(sorted((a.rank, b.rank)))
             return _comm_finding(
                 comm,
@@ -529,7 +528,7 @@ def _pending_recv_cycle(comm: CommView) -> Finding | None:
                 f"sides): {P2P_DEADLOCK_FIX}.",
                 culprits=pair,
                 operation=mine.sig.describe(),
-                evidence=(told(a, b, mine), told(b, a, theirs)),
+                evidence=(_pending_fact(comm, a, b, mine), _pending_fact(comm, b, a, theirs)),
             )
     return None
 
