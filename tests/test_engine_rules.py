@@ -8,6 +8,7 @@ from conftest import NOW
 
 from ncclwatch.watchdog.engine.classify import judge
 from ncclwatch.watchdog.engine.detectors import Verdict
+from ncclwatch.watchdog.engine.report import build_report, headline
 from ncclwatch.watchdog.engine.snapshot import take_snapshot
 from ncclwatch.watchdog.engine.state import JobState
 from ncclwatch.watchdog.events import (
@@ -15,6 +16,7 @@ from ncclwatch.watchdog.events import (
     Event,
     FrDump,
     FrEntry,
+    FrFrame,
     FrProcessGroup,
     OpState,
     ProcessState,
@@ -76,9 +78,12 @@ class TestPointToPoint:
 
 def p2p(index: int, op: str, rank: int, peer: int, seq: int, state: OpState) -> FrEntry:
     arrow = "<-" if op == "Recv" else "->"
+    line = 269 if op == "Recv" else 270  # the job's dist.recv / dist.send, as Flight Recorder records the stack
+    frames = [FrFrame(name=op.lower(), filename="/usr/lib/python3/torch/distributed/distributed_c10d.py", line=2597),
+              FrFrame(name="inject", filename="/job/gpu_job.py", line=line)]  # fmt: skip
     return FrEntry(index=index, pg_id="0", collective_seq_id=0, p2p_seq_id=seq, is_p2p=True, op=op, peer=peer,
                    profiling_name=f"nccl:{op.lower()} {rank}{arrow}{peer}", input_sizes=[[1024]],
-                   input_dtypes=["Float"], state=state)  # fmt: skip
+                   input_dtypes=["Float"], state=state, frames=frames)  # fmt: skip
 
 
 def coll(index: int, seq: int, state: OpState, op: str = "AllReduce") -> FrEntry:
@@ -110,10 +115,16 @@ class TestPointToPointInFlightRecorder:
         decision = judged(*seen, *dumps_of(self.nvlink_deadlock), *stacks, STALL)
         finding = decision.finding
         assert (finding.verdict, finding.culprits) == (Verdict.p2p_deadlock, (0, 1)) and decision.page
-        assert "each wait in a recv from the other" in finding.summary
+        line = headline(build_report(finding, take_snapshot(JobState(), observed_at=NOW), [], {}))
+        assert line.startswith("ncclwatch: P2P DEADLOCK ranks 0, 1: Point-to-point deadlock") and ".." not in line
+        # The ranks block in .item() (py-spy); where each posted its recv is Flight Recorder's recorded stack.
+        assert ("each wait in a recv from the other (rank 0: called from inject (gpu_job.py:269); rank 1: called from "
+                "inject (gpu_job.py:269))") in finding.summary  # fmt: skip
         assert {f.fact for f in finding.evidence} >= {
-            "rank 0: first pending op with rank 1 is Recv #1 (Recv count=1024 Float from=1, started); behind it: Send (scheduled)",
-            "rank 1: first pending op with rank 0 is Recv #1 (Recv count=1024 Float from=0, started); behind it: Send (scheduled)",
+            "rank 0: first pending op with rank 1 is Recv #1 (Recv count=1024 Float from=1, started), called from "
+            "inject (gpu_job.py:269); behind it: Send (scheduled)",
+            "rank 1: first pending op with rank 0 is Recv #1 (Recv count=1024 Float from=0, started), called from "
+            "inject (gpu_job.py:269); behind it: Send (scheduled)",
         }
 
     def test_a_recv_waiting_for_a_peer_that_sends_first_is_no_deadlock(self) -> None:

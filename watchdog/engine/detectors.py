@@ -474,29 +474,36 @@ class _PendingP2p:
     sig: OpSig
     state: OpState
     then: str | None  # the next op with that peer, pending behind it: "Send (scheduled)"
+    called_from: str | None  # the user's frame Flight Recorder recorded: "inject (train.py:269)"
 
 
 def _first_pending(rank: RankView, peer: int) -> _PendingP2p | None:
-    pending = []  # (Flight Recorder index, kind, index among the kind, sig, state)
+    pending = []  # (Flight Recorder index, kind, index among the kind, op)
     for kind, logs in (("Send", rank.sent), ("Recv", rank.received)):
         log = logs.get(peer)
         if log is None:
             continue
-        for index, order in log.alone.items():
-            if log.states[index] is not OpState.completed:
-                pending.append((order, kind, index, log.sigs[index - log.base], log.states[index]))
+        pending += [(op.line, kind, index, op) for index, op in log.alone.items() if op.state is not OpState.completed]
     if not pending:
         return None
-    pending.sort()
-    (_, kind, index, sig, state), behind = pending[0], pending[1:]
-    then = f"{behind[0][1]} ({behind[0][4]})" if behind else None
-    return _PendingP2p(kind, index, sig, state, then)  # type: ignore[arg-type]
+    pending.sort(key=lambda p: p[0])
+    (_, kind, index, op), behind = pending[0], pending[1:]
+    then = f"{behind[0][1]} ({behind[0][3].state})" if behind else None
+    mine = user_frame(op.frames)
+    return _PendingP2p(kind, index, op.sig, op.state, then, short_frame(mine) if mine else None)  # type: ignore[arg-type]
 
 
 def _pending_fact(comm: CommView, rank: RankView, other: RankView, wait: _PendingP2p) -> Fact:
     behind = f"; behind it: {wait.then}" if wait.then else "; nothing posted behind it"
+    called = f", called from {wait.called_from}" if wait.called_from else ""
     return Fact(comm.source, f"{rank.name}: first pending op with {other.name} is Recv #{wait.index + 1} "
-                f"({wait.sig.describe()}, {wait.state}){behind}", Citation(file=rank.file))  # fmt: skip
+                f"({wait.sig.describe()}, {wait.state}){called}{behind}", Citation(file=rank.file))  # fmt: skip
+
+
+def _call_sites(waits: Sequence[tuple[RankView, _PendingP2p]]) -> str:
+    """`` (rank 0: called from inject (train.py:269); ...)``, where Flight Recorder recorded the user's frame."""
+    sites = [f"{rank.name}: called from {wait.called_from}" for rank, wait in waits if wait.called_from]
+    return f" ({'; '.join(sites)})" if sites else ""
 
 
 def _pending_recv_cycle(comm: CommView) -> Finding | None:
@@ -522,8 +529,8 @@ def _pending_recv_cycle(comm: CommView) -> Finding | None:
                 comm,
                 Verdict.p2p_deadlock,
                 summary=f"Point-to-point deadlock on {comm.label}: rank {pair[0]} and rank {pair[1]} each wait in a "
-                f"recv from the other, and the send each needs is queued behind the other's recv (or was never "
-                f"posted).",
+                f"recv from the other{_call_sites(((a, mine), (b, theirs)))}, and the send each needs is queued "
+                f"behind the other's recv (or was never posted).",
                 reason=f"Each posted its recv first (Flight Recorder: the first op still pending between them, on both "
                 f"sides): {P2P_DEADLOCK_FIX}.",
                 culprits=pair,

@@ -405,7 +405,7 @@ def headline(report: Report) -> str:
         does = _DOES.get(report.verdict)
         if report.verdict == Verdict.collective_mismatch:
             does = _mismatch_words(_op_at(first, report.position), report.operation, report.position)
-        what = f"{who} {does.format(op=op)}" if does else f"{who}: {report.summary}"
+        what = f"{who} {does.format(op=op)}" if does else f"{who}: {report.summary.rstrip('.')}"
         mine = _user_site(first.stack) if first else None
         if mine:
             what += f" — {'it is' if len(culprits) == 1 else f'rank {culprits[0]} is'} at {mine}"

@@ -37,7 +37,7 @@ class PeerView:
     base: int
     sigs: tuple[OpSig, ...]
     states: Mapping[int, OpState]
-    alone: Mapping[int, int]  # position -> Flight Recorder index, of ops issued outside a group
+    alone: Mapping[int, Op]  # position -> the Flight Recorder op, of ops issued outside a group
 
 
 @dataclass(frozen=True)

@@ -99,9 +99,9 @@ class PeerLog:
     base: int = 0
     sigs: list[OpSig] = field(default_factory=list)
     states: dict[int, OpState] = field(default_factory=dict)  # position -> state (Flight Recorder)
-    # position -> Flight Recorder entry index, for ops issued alone (not in a coalesced group): the order in which
-    # one rank's sends and recvs to a peer queue on its stream
-    alone: dict[int, int] = field(default_factory=dict)
+    # position -> the Flight Recorder op, for ops issued alone (not in a coalesced group): its entry index is the
+    # order in which one rank's sends and recvs to a peer queue on its stream; its frames, where it was called
+    alone: dict[int, Op] = field(default_factory=dict)
 
 
 @dataclass
@@ -561,7 +561,7 @@ def _fold_fr_entries(seq: RankSeq, entries: list[FrEntry], last_completed: int |
             log = logs.setdefault(entry.peer if entry.peer is not None else -1, PeerLog())
             log.states[log.count] = state
             if i not in grouped:
-                log.alone[log.count] = entry.index
+                log.alone[log.count] = op
             log.count += 1
             log.sigs.append(sig)
             continue
