@@ -168,6 +168,17 @@ class TestStallTimeout:
         assert [w.pid for w in job.state.current_workers()] == [20]
         assert job.last_progress() == NOW + 30  # the new attempt's start, not the old progress
 
+    def test_a_restarted_attempt_keeps_the_jobs_rhythm_once_it_moves(self) -> None:
+        """Seen in CI on a loaded machine: the restarted ranks were first read at step 11, already stuck; on their
+        own they showed no gap, and the warm-up timeout (300 s) held the page back past the test's 150 s."""
+        job = LiveJob(SETTINGS, started_at=NOW)
+        worker(job, 10, 0, NOW)
+        beats(job, 10, 0, [NOW + 0.1 * i for i in range(20)], first_step=1)
+        worker(job, 20, 0, NOW + 30, restart=1)
+        assert job.stall_timeout(NOW + 35) == SETTINGS.warmup_stall_timeout  # starting up: no step yet
+        beats(job, 20, 0, [NOW + 36], first_step=11)
+        assert job.stall_timeout(NOW + 40) == SETTINGS.stall_timeout_floor  # the first attempt's 0.1 s steps
+
     def test_nccl_operations_are_progress(self) -> None:
         job = LiveJob(SETTINGS, started_at=NOW)
         worker(job, 1000, 0, NOW)

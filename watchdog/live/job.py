@@ -132,8 +132,15 @@ class LiveJob:
 
     def learned_gap(self, now: float) -> tuple[float | None, int]:
         """The longest recent gap between progress (past warm-up, when there is any), and how much progress the
-        job has shown.  Without heartbeats no worker is ever warm: every gap counts."""
-        progress = [self.of(w.pid) for w in self.state.current_workers()]
+        job has shown.  Without heartbeats no worker is ever warm: every gap counts.
+
+        After an elastic restart the job's rhythm is the one its earlier attempts showed, once the new attempt
+        has moved at all (before that it is starting up, and gets the warm-up timeout).  Seen in CI on a loaded
+        machine: the new attempt's ranks were first read at step 11, already stuck, so they alone had no gaps
+        and the warm-up timeout (300 s) held the page back.
+        """
+        current = [self.of(w.pid) for w in self.state.current_workers()]
+        progress = list(self.progress.values()) if any(p.last_progress is not None for p in current) else current
         gaps = [
             (g, warm) for p in progress for when, g, warm in p.gaps
             if now - when <= GAP_MEMORY_S and not any(when - g < to and when > since for since, to in self.excused)
