@@ -115,8 +115,16 @@ class Job:
     def tree(self) -> dict:
         """Wait for both workers to be up; the driver's view of the tree."""
         wait_for(lambda: all((self.dir / f"up_{r}").exists() for r in (0, 1)), 40, "workers up")
-        wait_for(lambda: (self.dir / "children.json").exists(), 5, "the driver's report")
-        tree = json.loads((self.dir / "children.json").read_text())
+        up = {int((self.dir / f"up_{r}").read_text()) for r in (0, 1)}
+
+        def report() -> dict | None:
+            # The driver rewrites it every 0.1 s: on a loaded machine the one there may predate a worker.
+            path = self.dir / "children.json"
+            tree = json.loads(path.read_text()) if path.exists() else None
+            return tree if tree is not None and up <= set(tree["workers"]) else None
+
+        wait_for(lambda: report() is not None, 10, "the driver's report of both workers")
+        tree = report()
         self.seen |= {tree["torchrun"], *tree["workers"]}
         return tree
 
