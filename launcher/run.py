@@ -30,7 +30,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from ncclwatch.watchdog.cluster.peers import Cluster
+from ncclwatch.watchdog.cluster.peers import Cluster, Membership
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.engine.classify import Decision
 from ncclwatch.watchdog.engine.report import EXIT_KILLED_ON_HANG, Report
@@ -41,6 +41,7 @@ from ncclwatch.watchdog.live.journal import Journal
 from ncclwatch.watchdog.live.perf import PerfWatch, perf_watch
 from ncclwatch.watchdog.live.probe import JobProber, comm_errored
 from ncclwatch.watchdog.live.sidecar import Reporter, Sidecar
+from ncclwatch.watchdog.probes.procfs import listens_on
 from ncclwatch.watchdog.server.app import make_app, start_server, stop_server
 from ncclwatch.watchdog.sinks.delivery import Dispatcher, sinks_from_settings, spool_dir_for
 from ncclwatch.watchdog.sinks.metrics import HealthCollector, TextfileWriter
@@ -153,9 +154,12 @@ def _sidecar(settings: Settings, dirs: RunDirs, torchrun_pid: int, job_name: str
         NvmlSource(),
     ]
     prober = prober or JobProber(dirs.fr, settings.pyspy, ras_port=settings.ras_port)
+    def join_cluster(membership: Membership, host: str) -> Cluster:
+        return Cluster(membership, host, serves_store=listens_on(torchrun_pid, membership.store_port))
+
     sidecar = Sidecar(
         settings, job_name, sources, prober, reporter, journal=Journal(dirs.journal),
-        out=sys.stderr, dispatcher=dispatcher, host=host, join_cluster=Cluster, perf=perf,
+        out=sys.stderr, dispatcher=dispatcher, host=host, join_cluster=join_cluster, perf=perf,
     )  # fmt: skip
     # RAS is asked only on NCCL versions known to survive it: the versions the job's NCCL logs name.
     prober.nccl_versions = lambda: {p.nccl_version for p in sidecar.live.state.procs.values() if p.nccl_version}
@@ -187,7 +191,7 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
         decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float, incident_key: str | None
     ) -> tuple[Report, Path | None]:
         written = await write_bundle(decision, snapshot, view, started_at, incident_key)
-        if settings.on_hang == "kill":
+        if settings.on_hang == "kill" and job.returncode is None:
             print("ncclwatch: --on-hang kill: ending the job", file=sys.stderr, flush=True)
             killed.append(True)
             job.terminate(grace_s=10.0)
@@ -198,6 +202,7 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     runner = await _operations(sidecar, settings, ops)
     watching = asyncio.create_task(sidecar.run())
     returncode = await job.wait()
+    await sidecar.farewell(job_failed=returncode != 0 and not killed)
     sidecar.stop()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(watching, SIDECAR_STOP_S)

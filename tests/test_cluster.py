@@ -8,23 +8,35 @@ from datetime import timedelta
 import pytest
 from conftest import NOW
 
-from ncclwatch.watchdog.cluster.judge import degraded, incident_key, job_state, with_lost_nodes
-from ncclwatch.watchdog.cluster.peers import (
+from ncclwatch.watchdog.cluster.judge import degraded, focus, incident_key, job_state, with_lost_nodes
+from ncclwatch.watchdog.cluster.lifeline import Lifeline, ask
+from ncclwatch.watchdog.cluster.payload import (
+    FR_ENTRIES_COMPACT,
     FR_ENTRIES_SHARED,
     FR_FRAMES_SHARED,
-    LOST_AFTER_S,
-    Cluster,
-    Membership,
-    NodeSummary,
     encode,
-    leader_of,
+    pack,
     shareable,
+    unpack,
 )
+from ncclwatch.watchdog.cluster.peers import Cluster, Membership
 from ncclwatch.watchdog.cluster.store import StoreClient, StoreError
+from ncclwatch.watchdog.cluster.view import LOST_AFTER_S, Contact, JobView, NodeSummary, compose, may_lead, pager_order
 from ncclwatch.watchdog.engine.classify import Decision
-from ncclwatch.watchdog.engine.detectors import Finding, Verdict
+from ncclwatch.watchdog.engine.detectors import Finding, RankStatus, Verdict
 from ncclwatch.watchdog.engine.state import JobState
-from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrFrame, OpState, Stall, Unusable, WorkerSeen
+from ncclwatch.watchdog.events import (
+    Citation,
+    FrDump,
+    FrEntry,
+    FrFrame,
+    FrProcessGroup,
+    OpState,
+    ProcessState,
+    Stall,
+    Unusable,
+    WorkerSeen,
+)
 from ncclwatch.watchdog.parsing.journal import parse_journal
 
 dist = pytest.importorskip("torch.distributed")
@@ -63,31 +75,55 @@ class TestStoreClient:
             asyncio.run(talk())
 
 
-def summary(node: int, at: float, ranks: list[int]) -> NodeSummary:
-    return NodeSummary(node=node, host=f"node{node}", at=at, ranks=ranks, last_progress=at - 1, phase="watching")
+def summary(node: int, at: float, ranks: list[int], phase: str = "watching") -> NodeSummary:
+    return NodeSummary(node=node, host=f"node{node}", at=at, ranks=ranks, last_progress=at - 1, phase=phase)
 
 
-class TestMembership:
-    def test_every_node_computes_the_same_round_from_torchruns_variables(self) -> None:
-        state = JobState()
-        state.apply(WorkerSeen(pid=10, rank=2, host="b", at=NOW, restart_count=1, node_rank=1, nnodes=2, store="10.0.0.1:29500", run_id="none"))
-        membership = Membership.of(state)
-        assert membership == Membership("10.0.0.1", 29500, "none", 1, 1, 2)
-        assert membership.prefix == "ncclwatch/none/1/" and membership.job_key == "10.0.0.1:29500/1"
-
-    def test_a_single_node_job_has_no_cluster(self) -> None:
-        state = JobState()
-        state.apply(WorkerSeen(pid=10, rank=0, host="a", at=NOW, node_rank=0, nnodes=1, store="127.0.0.1:29500"))
-        assert Membership.of(state) is None
+def view(leader: int = 0, lost: tuple[int, ...] = (), **kw) -> JobView:  # type: ignore[no-untyped-def]
+    return JobView(leader=leader, term=0, seq=3, nnodes=4, lost=[Contact(node=n, host=f"node{n}") for n in lost], **kw)
 
 
-class TestLeader:
-    def test_lowest_fresh_node_leads(self) -> None:
-        assert leader_of({0: summary(0, NOW, [0]), 2: summary(2, NOW, [2])}, me=1, now=NOW + 1) == 0
+class TestLeadership:
+    def test_without_a_view_node_zero_leads_at_once_and_node_k_after_k_silent_periods(self) -> None:
+        assert may_lead(None, 0, 4, stale_s=0.0)
+        assert not may_lead(None, 2, 4, stale_s=LOST_AFTER_S)
+        assert may_lead(None, 2, 4, stale_s=2 * LOST_AFTER_S + 0.1)
 
-    def test_a_lost_leader_hands_over_to_the_next_node(self) -> None:
-        stale = summary(0, NOW - LOST_AFTER_S - 1, [0, 1])
-        assert leader_of({0: stale, 2: summary(2, NOW, [4])}, me=1, now=NOW) == 1
+    def test_the_leader_keeps_leading_and_a_fresh_view_keeps_the_others_members(self) -> None:
+        assert may_lead(view(leader=0), 0, 4, stale_s=100.0)
+        assert not may_lead(view(leader=0), 1, 4, stale_s=LOST_AFTER_S - 0.1)
+
+    def test_a_stale_view_hands_over_to_the_next_fresh_node_then_the_one_after(self) -> None:
+        stale = view(leader=0, lost=(1,))
+        assert may_lead(stale, 2, 4, stale_s=LOST_AFTER_S + 0.1)  # node 1 was lost already: node 2 is next
+        assert not may_lead(stale, 3, 4, stale_s=LOST_AFTER_S + 0.1)
+        assert may_lead(stale, 3, 4, stale_s=2 * LOST_AFTER_S + 0.1)  # node 2 did not take it either
+
+    def test_the_view_counts_what_it_cannot_list_and_names_the_store_node(self) -> None:
+        own = summary(0, NOW, [0, 1])
+        others = {n: summary(n, NOW, [2 * n, 2 * n + 1]) for n in range(1, 100)}
+        others[7] = others[7].model_copy(update={"serves_store": True, "lifeline": "10.0.0.7:4000"})
+        fresh = set(range(1, 50))
+        composed = compose(None, 0, 100, others, fresh, own, since_start_s=60)
+        assert composed.lost_count == 50 and len(composed.lost) == 32 and composed.lost[0].node == 50
+        assert composed.store is not None and composed.store.node == 7 and composed.store.lifeline == "10.0.0.7:4000"
+        assert [c.node for c in composed.candidates] == list(range(8)) and composed.joined == 100
+        assert len(composed.model_dump_json()) < 6000  # every member reads it every round
+
+    def test_nodes_that_never_published_are_lost_only_after_the_others_had_time_to_join(self) -> None:
+        own = summary(0, NOW, [0])
+        assert compose(None, 0, 3, {1: summary(1, NOW, [1])}, {1}, own, since_start_s=2).lost_count == 0
+        assert [c.node for c in compose(None, 0, 3, {1: summary(1, NOW, [1])}, {1}, own, since_start_s=30).lost] == [2]
+
+    def test_a_node_whose_job_ended_is_not_lost(self) -> None:
+        own = summary(0, NOW, [0])
+        composed = compose(None, 0, 2, {1: summary(1, NOW - 60, [1], phase="ended")}, set(), own, since_start_s=90)
+        assert composed.lost_count == 0 and composed.ended == 1
+
+    def test_without_the_store_the_store_node_then_the_candidates_page_in_order(self) -> None:
+        v = view(store=Contact(node=0, host="a"), candidates=[Contact(node=n, host=f"h{n}") for n in (0, 1, 2)])
+        assert [c.node for c in pager_order(v, 2, lost={0})] == [1, 2]
+        assert [c.node for c in pager_order(v, 2, lost=set())] == [0, 1, 2]
 
 
 def entry(index: int, seq: int) -> FrEntry:
@@ -97,7 +133,7 @@ def entry(index: int, seq: int) -> FrEntry:
     )  # fmt: skip
 
 
-class TestSharing:
+class TestPayload:
     def test_dumps_travel_trimmed_to_their_newest_entries_and_stacks(self) -> None:
         dump = FrDump(rank=3, version="2.10", process_groups={}, entries=[entry(i, i + 1) for i in range(500)], cite=Citation(file="d"))
         noise = Unusable(reason="py-spy denied", cite=Citation(file="p"))
@@ -108,23 +144,193 @@ class TestSharing:
         [back] = parse_journal(encode([shared]), "node 1")
         assert back == shared
 
-    def test_sidecars_exchange_summaries_and_evidence_through_a_real_store(self, torch_store) -> None:  # type: ignore[no-untyped-def]
-        def cluster(node: int) -> Cluster:
-            return Cluster(Membership("127.0.0.1", torch_store.port, "job", 0, node, 2), f"node{node}", clock=lambda: NOW)
+    def test_compact_evidence_keeps_where_each_rank_is_and_the_latest_samples(self) -> None:
+        dump = FrDump(rank=3, version="2.10", process_groups={}, entries=[entry(i, i + 1) for i in range(500)], cite=Citation(file="d"))
+        samples = [ProcessState(pid=9, rank=3, state="S", cpu_seconds=float(i), at=NOW + i) for i in range(10)]
+        shared = shareable([dump, *samples], "compact")
+        assert [e.collective_seq_id for e in shared[0].entries] == list(range(501 - FR_ENTRIES_COMPACT, 501))
+        assert [s.cpu_seconds for s in shared[1:]] == [7.0, 8.0, 9.0]  # the newest, in order
+
+    def test_a_payload_round_trips_compressed_with_its_probe_time(self) -> None:
+        group = {"0": FrProcessGroup(pg_id="0", ranks=list(range(8192)))}
+        dumps = [FrDump(rank=r, version="2.10", process_groups=group, entries=[entry(0, 1)], cite=Citation(file=f"d{r}")) for r in range(8)]
+        raw = pack(5, "compact", NOW, dumps)
+        assert len(raw) < 4000  # 8 dumps naming 8,192 members each: runs, then zlib
+        payload = unpack(raw, "node 5")
+        assert payload is not None and (payload.node, payload.kind, payload.stall_at) == (5, "compact", NOW)
+        assert payload.events == dumps
+
+    def test_a_payload_that_does_not_parse_is_none_not_an_exception(self) -> None:
+        assert unpack(b'{"node": 1}\nnot zlib', "x") is None and unpack(b"", "x") is None
+
+
+def cluster(port: int, node: int, nnodes: int = 3, clock=lambda: NOW, run: str = "job", restart: int = 0) -> Cluster:  # type: ignore[no-untyped-def]
+    return Cluster(Membership("127.0.0.1", port, run, restart, node, nnodes), f"node{node}", clock=clock)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = NOW
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TestExchange:
+    def test_members_read_one_view_and_only_the_leader_reads_the_summaries(self, torch_store) -> None:  # type: ignore[no-untyped-def]
+        clock = Clock()
 
         async def talk():  # type: ignore[no-untyped-def]
-            zero, one = cluster(0), cluster(1)
-            await zero.exchange(summary(0, NOW, [0, 1]))
-            await one.exchange(summary(1, NOW, [2, 3]))
-            await zero.exchange(summary(0, NOW, [0, 1]))
-            stall = Stall(at=NOW, stalled_for_s=6, stall_timeout_s=5, progress_timeout_s=600)
-            await one.share_evidence([stall], stall_at=NOW)
-            return zero.summaries, one.summaries, await zero.gather_evidence(since=NOW - 10), zero.leader(), one.leader()
+            nodes = [cluster(torch_store.port, n, nnodes=6, clock=clock) for n in range(6)]
+            for _ in range(3):
+                clock.now += 2.5
+                for c in nodes:
+                    await c.exchange(summary(c.me, clock.now, [c.me]))
+            before = [c.client.requests for c in nodes]
+            clock.now += 2.5
+            for c in nodes:
+                await c.exchange(summary(c.me, clock.now, [c.me]))
+            per_round = [c.client.requests - b for c, b in zip(nodes, before)]
+            return nodes, per_round
 
-        zeros, ones, evidence, leader0, leader1 = asyncio.run(talk())
-        assert zeros[1].ranks == [2, 3] and ones[0].ranks == [0, 1]
-        assert [type(e).__name__ for e in evidence[1]] == ["Stall"]
-        assert leader0 == leader1 == 0
+        nodes, per_round = asyncio.run(talk())
+        assert {c.leader() for c in nodes} == {0} and nodes[0].leads()
+        assert per_round[1:] == [2] * 5  # set the summary, read the view: whatever the job's size
+        # plus the view's compare-and-set and every summary: one MULTI_GET on libuv, CHECK + GET each on classic
+        assert per_round[0] == (4 if nodes[0].client.sparse_reads else 3 + 2 * 5)
+        assert nodes[3].view is not None and nodes[3].view.joined == 6 and nodes[3].lost() == {}
+        assert nodes[0].summaries[5].ranks == [5] and nodes[1].summaries == {}
+
+    def test_a_silent_leader_is_replaced_by_the_next_node_and_the_others_follow(self, torch_store) -> None:  # type: ignore[no-untyped-def]
+        clock = Clock()
+
+        async def talk():  # type: ignore[no-untyped-def]
+            nodes = [cluster(torch_store.port, n, clock=clock) for n in range(3)]
+            for _ in range(3):
+                clock.now += 2.5
+                for c in nodes:
+                    await c.exchange(summary(c.me, clock.now, [c.me]))
+            for _ in range(7):  # node 0 stops publishing
+                clock.now += 2.5
+                for c in nodes[1:]:
+                    await c.exchange(summary(c.me, clock.now, [c.me]))
+            return nodes
+
+        nodes = asyncio.run(talk())
+        assert nodes[1].leads() and nodes[2].leader() == 1 and nodes[2].view is not None and nodes[2].view.term == 1
+        assert set(nodes[2].lost()) == {0}
+
+    def test_two_nodes_taking_over_at_once_end_with_one_leader(self, torch_store) -> None:  # type: ignore[no-untyped-def]
+        async def talk():  # type: ignore[no-untyped-def]
+            one, two = cluster(torch_store.port, 1), cluster(torch_store.port, 2)
+            # Neither has seen a view for long: both may create it; the compare-and-set lets one win.
+            one._view_changed_at = two._view_changed_at = NOW - 100
+            await asyncio.gather(one.exchange(summary(1, NOW, [1])), two.exchange(summary(2, NOW, [2])))
+            await one.exchange(summary(1, NOW, [1]))
+            await two.exchange(summary(2, NOW, [2]))
+            return one, two
+
+        one, two = asyncio.run(talk())
+        assert one.leader() == two.leader() and one.leads() != two.leads()
+
+    def test_evidence_on_demand_then_the_verdict_for_every_member_then_the_keys_go(self, torch_store) -> None:  # type: ignore[no-untyped-def]
+        clock = Clock()
+
+        async def talk():  # type: ignore[no-untyped-def]
+            nodes = [cluster(torch_store.port, n, clock=clock) for n in range(3)]
+            for _ in range(2):
+                clock.now += 2.5
+                for c in nodes:
+                    await c.exchange(summary(c.me, clock.now, [c.me]))
+            keys_watching = await nodes[0].client.num_keys()
+            leader = nodes[0]
+            await leader.open_incident(clock.now)
+            for c in nodes[1:]:
+                await c.exchange(summary(c.me, clock.now, [c.me], phase="suspect"))
+                await c.share("compact", [WorkerSeen(pid=10 + c.me, rank=c.me, host=c.host, at=NOW)], stall_at=clock.now)
+            compact = await leader.gather("compact", {1, 2}, since=clock.now - 1, wait_s=1.0)
+            await leader.open_incident(clock.now, want=[2])
+            await nodes[2].exchange(summary(2, clock.now, [2], phase="suspect"))
+            await nodes[1].exchange(summary(1, clock.now, [1], phase="suspect"))
+            asked = (nodes[1].full_wanted(), nodes[2].full_wanted())
+            await nodes[2].share("full", [Stall(at=clock.now, stalled_for_s=9, stall_timeout_s=5, progress_timeout_s=600)], clock.now)
+            full = await leader.gather("full", {2}, since=clock.now - 1, wait_s=1.0)
+            found = decision(Verdict.rank_behind, (2,), rows=tuple(RankStatus(r, "h", r, 5, "x", "ok") for r in range(100)))
+            await leader.publish_verdict("job/0|pg#5", found)
+            for c in nodes[1:]:
+                await c.exchange(summary(c.me, clock.now, [c.me], phase="suspect"))
+            verdicts = [await c.read_verdict() for c in nodes[1:]]
+            for c in nodes[1:]:
+                await c.drop_own_evidence()
+            again = await nodes[1].read_verdict()
+            keys_paged = await leader.client.num_keys()
+            await leader.close_incident()
+            return compact, asked, full, verdicts, again, keys_watching, keys_paged, await leader.client.num_keys()
+
+        compact, asked, full, verdicts, again, watching, paged, closed = asyncio.run(talk())
+        assert sorted(compact) == [1, 2] and [type(e).__name__ for e in full[2]] == ["Stall"]
+        assert asked[0] is None and asked[1] == NOW + 5.0  # only node 2 was asked for its full evidence
+        for key, shared in verdicts:  # type: ignore[misc]
+            assert key == "job/0|pg#5" and shared.finding.culprits == (2,) and len(shared.finding.rows) == 64
+        assert again is None  # each verdict is followed once
+        assert paged == watching + 1 and closed == watching  # evidence goes with the verdict, the verdict at the end
+
+    def test_a_new_round_removes_this_nodes_keys_of_the_round_before(self, torch_store) -> None:  # type: ignore[no-untyped-def]
+        async def talk():  # type: ignore[no-untyped-def]
+            first = cluster(torch_store.port, 0, nnodes=2)
+            await first.exchange(summary(0, NOW, [0]))
+            await first.share("compact", [], NOW)
+            before = await first.client.num_keys()
+            second = cluster(torch_store.port, 0, nnodes=2, restart=1)
+            await second.exchange(summary(0, NOW, [0]))
+            return before, await second.client.num_keys()
+
+        before, after = asyncio.run(talk())
+        assert after == before - 1  # node, view and compact of round 0 gone; node and view of round 1 set
+
+    def test_unreachable_store_raises(self) -> None:
+        from test_sinks_webhooks import free_port
+
+        async def talk() -> None:
+            await cluster(free_port(), 1).exchange(summary(1, NOW, [1]))
+
+        with pytest.raises(StoreError):
+            asyncio.run(talk())
+
+
+class TestLifelines:
+    def test_a_live_sidecar_answers_a_dead_one_does_not(self) -> None:
+        async def talk():  # type: ignore[no-untyped-def]
+            state = ["running"]
+            line = Lifeline(4, lambda: state[0])
+            port = await line.start("127.0.0.1")
+            running = await ask(f"127.0.0.1:{port}")
+            state[0] = "ended"
+            ended = await ask(f"127.0.0.1:{port}")
+            await line.close()
+            return running, ended, await ask(f"127.0.0.1:{port}", timeout_s=0.5)
+
+        assert asyncio.run(talk()) == ("running", "ended", None)
+
+    def test_without_the_store_the_lowest_answering_node_pages_once(self) -> None:
+        async def talk():  # type: ignore[no-untyped-def]
+            lines = [Lifeline(n, lambda: "ended") for n in range(4)]
+            ports = [await line.start("127.0.0.1") for line in lines]
+            contacts = [Contact(node=n, host=f"h{n}", ranks=[n], lifeline=f"127.0.0.1:{p}") for n, p in enumerate(ports)]
+            await lines[0].close()  # the store's node is gone
+            await lines[1].close()  # and so is the lowest candidate
+            nodes = [cluster(1, n, nnodes=4) for n in range(4)]
+            for c in nodes:
+                c.view = view(store=contacts[0], candidates=contacts)
+            lost = await nodes[3].store_node_lost()
+            pagers = [await c.pages_alone({0}) for c in nodes[2:]]
+            for line in lines[2:]:
+                await line.close()
+            return lost, pagers
+
+        lost, pagers = asyncio.run(talk())
+        assert lost is not None and lost.node == 0 and lost.ranks == [0]
+        assert pagers == [True, False]  # node 2 pages; node 3 finds node 2 alive
 
 
 def decision(verdict: Verdict, culprits: tuple[int, ...] = (), **kw) -> Decision:  # type: ignore[no-untyped-def]
@@ -133,17 +339,17 @@ def decision(verdict: Verdict, culprits: tuple[int, ...] = (), **kw) -> Decision
 
 class TestJobWideVerdict:
     def test_a_silent_node_is_node_lost_naming_its_ranks(self) -> None:
-        lost = with_lost_nodes(decision(Verdict.inconclusive), {1: summary(1, NOW - 20, [2, 3])}, remote={})
+        lost = with_lost_nodes(decision(Verdict.inconclusive), {1: summary(1, NOW - 20, [2, 3]).contact()}, remote={})
         assert lost.page and lost.finding.verdict == Verdict.node_lost and lost.finding.culprits == (2, 3)
         assert "node1" in lost.finding.summary
 
     def test_a_culprit_named_elsewhere_stands(self) -> None:
         named = decision(Verdict.rank_behind, (0,))
-        assert with_lost_nodes(named, {1: summary(1, NOW - 20, [2, 3])}, remote={}) is named
+        assert with_lost_nodes(named, {1: summary(1, NOW - 20, [2, 3]).contact()}, remote={}) is named
 
     def test_a_node_that_shared_its_evidence_is_not_lost(self) -> None:
         quiet = decision(Verdict.inconclusive)
-        assert with_lost_nodes(quiet, {1: summary(1, NOW - 20, [2, 3])}, remote={1: []}) is quiet
+        assert with_lost_nodes(quiet, {1: summary(1, NOW - 20, [2, 3]).contact()}, remote={1: []}) is quiet
 
     def test_judging_alone_is_said(self) -> None:
         alone = degraded(decision(Verdict.rank_behind, (2,)), "store 10.0.0.1:29500: ConnectionRefusedError")
@@ -153,6 +359,20 @@ class TestJobWideVerdict:
         membership = Membership("10.0.0.1", 29500, "job7", 0, 0, 2)
         d = decision(Verdict.collective_mismatch, (3,), comm_label="process group 0", position=57)
         assert incident_key(membership, d) == incident_key(Membership("10.0.0.1", 29500, "job7", 0, 1, 2), d) == "job7/0|process group 0#57"
+
+    def test_a_lost_node_is_one_key_whoever_sees_it(self) -> None:
+        membership = Membership("10.0.0.1", 29500, "job7", 0, 0, 4)
+        seen_by_leader = decision(Verdict.node_lost, (2, 3))
+        seen_across_a_partition = decision(Verdict.node_lost, (0, 1))
+        assert incident_key(membership, seen_by_leader) == incident_key(membership, seen_across_a_partition) == "job7/0|node_lost"
+
+    def test_full_evidence_is_asked_of_the_culprits_and_odd_ranks_nodes_only(self) -> None:
+        rows = tuple(RankStatus(r, "h", r, 10 if r != 5 else 9, "x", "waiting" if r != 5 else "behind") for r in range(8))
+        d = decision(Verdict.rank_behind, (5,), rows=rows)
+        nodes_of = {r: r // 2 for r in range(8)}
+        assert focus(d, nodes_of, lost=set(), limit=8) == [2]
+        assert focus(decision(Verdict.inconclusive, rows=rows[:4]), nodes_of, lost=set(), limit=8) == []  # a tie names no one
+        assert focus(d, nodes_of, lost={2}, limit=8) == []
 
     def test_remote_workers_join_the_local_state(self) -> None:
         local = JobState()

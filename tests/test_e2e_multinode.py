@@ -30,52 +30,87 @@ TIMEOUT_S = 150
 PER_NODE = 2
 
 
-async def start_node(tmp_path: Path, node: int, port: int, hook: str, fault: str, fault_rank: int, *job_args: str):
+async def start_node(tmp_path: Path, node: int, nnodes: int, per_node: int, port: int, hook: str, job: list[str]):
     env = dict(os.environ, NCCLWATCH_WEBHOOK_URL=hook, NCCLWATCH_WEBHOOK_SECRET="s3cret")
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "ncclwatch", "--job-name", "twonodes", "--bundle-dir", str(tmp_path / f"bundles{node}"),
         "--run-dir", str(tmp_path / f"run{node}"), "--on-hang", "kill",
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", f"--nproc-per-node={PER_NODE}",
-        "--master-addr=127.0.0.1", f"--master-port={port}", "--monitor-interval=0.2",
-        demo_job.__file__, f"--fault={fault}", f"--fault-rank={fault_rank}", "--fault-step=12", "--step-time=0.05",
-        "--steps=40", "--backend=gloo", *job_args,
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node}",
+        f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={port}", "--monitor-interval=0.2",
+        demo_job.__file__, *job,
         env=env, cwd=tmp_path, stderr=asyncio.subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
 
 
+async def training(run_dir: Path, ranks: int, timeout_s: float = 120.0) -> None:
+    """Until the node's ranks have taken a step (their heartbeats exist): start-up time varies with the load."""
+    for _ in range(int(timeout_s / 0.2)):
+        if len(list((run_dir / "hb").glob("*"))) >= ranks:
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"{run_dir}: no heartbeat in {timeout_s} s")
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    """A wrapper and everything under it: its torchrun and ranks run in sessions of their own."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
 def freeze(pid: int) -> list[psutil.Process]:
     """SIGSTOP a wrapper and everything under it: a node that hangs whole."""
-    root = psutil.Process(pid)
-    tree = [root, *root.children(recursive=True)]
-    for process in tree:
+    processes = tree(pid)
+    for process in processes:
         process.send_signal(signal.SIGSTOP)
-    return tree
+    return processes
 
 
-async def two_nodes(tmp_path: Path, fault: str, fault_rank: int, *job_args: str, freeze_node1_after_s: float | None = None):
+def kill(pid: int) -> list[psutil.Process]:
+    """SIGKILL a wrapper and everything under it: a node that dies whole (with the store, on node 0)."""
+    processes = tree(pid)
+    for process in processes:
+        process.kill()
+    return []
+
+
+async def run_nodes(
+    tmp_path: Path, fault: str, fault_rank: int, *job_args: str, nnodes: int = 2, per_node: int = PER_NODE,
+    act_on: int | None = None, act=freeze, after_s: float = 3.0,
+):  # fmt: skip
+    """``nnodes`` wrappers of one job; ``act`` on node ``act_on`` (freeze, kill) ``after_s`` into its training.
+    The exit codes and stderr of the nodes that ran to the end, and the webhook's triggers."""
+    job = [f"--fault={fault}", f"--fault-rank={fault_rank}", "--fault-step=12", "--step-time=0.05", "--steps=40",
+           "--backend=gloo", *job_args]  # fmt: skip
     async with Receiver() as receiver:
         port = free_port()
-        nodes = [await start_node(tmp_path, n, port, receiver.url, fault, fault_rank, *job_args) for n in (0, 1)]
-        frozen: list[psutil.Process] = []
-        if freeze_node1_after_s is not None:
-            await asyncio.sleep(freeze_node1_after_s)
-            frozen = freeze(nodes[1].pid)
+        nodes = [await start_node(tmp_path, n, nnodes, per_node, port, receiver.url, job) for n in range(nnodes)]
+        stopped: list[psutil.Process] = []
+        if act_on is not None:
+            await training(tmp_path / f"run{act_on}", per_node)
+            await asyncio.sleep(after_s)
+            stopped = act(nodes[act_on].pid)
         try:
-            first = await asyncio.wait_for(nodes[0].communicate(), TIMEOUT_S)
-            for process in frozen:  # the frozen node cannot end itself
-                process.kill()
-            second = await asyncio.wait_for(nodes[1].communicate(), TIMEOUT_S)
+            ends = []
+            for n, node in enumerate(nodes):
+                if n == act_on:
+                    continue
+                ends.append(await asyncio.wait_for(node.communicate(), TIMEOUT_S))
         finally:
             for node in nodes:
                 if node.returncode is None:
                     os.killpg(node.pid, signal.SIGKILL)
-            for process in frozen:
+            for process in stopped:
                 if process.is_running():
                     process.kill()
         await asyncio.sleep(0.5)  # a late delivery would still be counted
         triggers = [json.loads(s.body) for s in receiver.seen if json.loads(s.body)["action"] == "trigger"]
-    stderr = [first[1].decode(errors="replace"), second[1].decode(errors="replace")]
-    return [n.returncode for n in nodes], stderr, triggers
+    stderr = [end[1].decode(errors="replace") for end in ends]
+    codes = [node.returncode for n, node in enumerate(nodes) if n != act_on]
+    return codes, stderr, triggers
+
+
+async def two_nodes(tmp_path: Path, fault: str, fault_rank: int, *job_args: str, freeze_node1: bool = False):
+    return await run_nodes(tmp_path, fault, fault_rank, *job_args, act_on=1 if freeze_node1 else None)
 
 
 def reports(tmp_path: Path, node: int) -> list[dict]:
@@ -106,10 +141,10 @@ def test_one_verdict_and_one_page_for_a_fault_on_the_second_node(tmp_path: Path,
 
 
 def test_a_frozen_node_is_node_lost(tmp_path: Path) -> None:
-    codes, stderr, triggers = asyncio.run(two_nodes(tmp_path, "none", 0, "--steps=400", freeze_node1_after_s=12.0))
+    codes, stderr, triggers = asyncio.run(two_nodes(tmp_path, "none", 0, "--steps=4000", freeze_node1=True))
     assert len(triggers) == 1, (triggers, stderr[0][-3000:])
     assert (triggers[0]["verdict"], triggers[0]["culprit_ranks"]) == ("node_lost", [2, 3]), stderr[0][-3000:]
-    assert codes[0] == 3
+    assert codes == [3]
 
 
 @pytest.mark.parametrize("fault", ["none", "pause"])

@@ -308,17 +308,18 @@ def test_the_journal_starts_over_past_its_bound(tmp_path: Path, monkeypatch) -> 
 
 def test_a_peer_node_probing_a_stall_makes_this_node_look_at_the_floor(tmp_path: Path) -> None:
     """A node whose own learned timeout is longer would keep the leader waiting for its evidence."""
-    from ncclwatch.watchdog.cluster.peers import Cluster, Membership, NodeSummary
+    from ncclwatch.watchdog.cluster.peers import Cluster, Membership
+    from ncclwatch.watchdog.cluster.view import JobView
 
     rig = Rig(tmp_path)
     for rank in range(2):
         rig.emit(WorkerSeen(pid=100 + rank, rank=rank, host="node1", at=NOW))
     rig.tick(6)  # no rhythm learned yet: the warm-up timeout (300 s) applies
-    rig.sidecar.cluster = Cluster(Membership("127.0.0.1", 1, "job", 0, 1, 2), "node1", clock=rig.clock)
-    rig.sidecar.cluster.summaries[0] = NodeSummary(node=0, host="node0", at=NOW + 6, ranks=[0], last_progress=NOW, phase="watching")
+    cluster = rig.sidecar.cluster = Cluster(Membership("127.0.0.1", 1, "job", 0, 1, 2), "node1", clock=rig.clock)
+    cluster.view, cluster._view_changed_at = JobView(leader=0, term=0, seq=1, nnodes=2), NOW + 6
     rig.tick(6.5)
     assert rig.phase is Phase.watching
-    rig.sidecar.cluster.summaries[0] = NodeSummary(node=0, host="node0", at=NOW + 6.5, ranks=[0], last_progress=NOW, phase="suspect")
+    cluster.view, cluster._view_changed_at = JobView(leader=0, term=0, seq=2, nnodes=2, probing=[0]), NOW + 6.5
     rig.sidecar.live.down["cluster"] = "test: judge alone"  # no store here: this node judges its own ranks
     rig.tick(7)
     assert rig.phase is not Phase.watching and rig.prober.calls  # probed at the 5 s floor, not 300 s

@@ -18,7 +18,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 
 class Event(BaseModel):
@@ -257,10 +257,39 @@ class FrEntry(Event):
 class FrProcessGroup(Event):
     pg_id: str
     desc: str | None = None
-    ranks: list[int] = Field(default_factory=list)  # global ranks, group order
+    # global ranks, group order; in JSON a long list travels as runs, "0-1023,2048-3071" (every dump of a
+    # 1,024-node job names the default group's 8,192 members)
+    ranks: list[int] = Field(default_factory=list)
     last_enqueued: int | None = None
     last_started: int | None = None
     last_completed: int | None = None
+
+    @field_validator("ranks", mode="before")
+    @classmethod
+    def _expand_runs(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        ranks: list[int] = []
+        for run in filter(None, value.split(",")):
+            first, _, last = run.partition("-")
+            ranks.extend(range(int(first), int(last or first) + 1))
+        return ranks
+
+    @field_serializer("ranks", when_used="json")
+    def _as_runs(self, ranks: list[int]) -> list[int] | str:
+        if len(ranks) < 16:
+            return ranks
+        runs: list[str] = []
+        start = prev = ranks[0]
+        for rank in [*ranks[1:], None]:
+            if rank is not None and rank == prev + 1:
+                prev = rank
+                continue
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            if rank is not None:
+                start = prev = rank
+        text = ",".join(runs)
+        return text if len(text) < 4 * len(ranks) else ranks
 
 
 class FrDump(Event):

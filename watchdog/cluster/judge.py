@@ -2,18 +2,22 @@
 
 ``job_state`` folds the other nodes' shared evidence into a fresh state and
 unions this node's (each rank's sequence lives on one node, so the union
-is exact).  ``with_lost_nodes`` turns a node whose sidecar stopped answering,
+is exact).  ``focus`` picks the nodes whose full evidence decides the
+verdict.  ``with_lost_nodes`` turns a node whose sidecar stopped answering,
 while the others' ranks wait, into ``node_lost`` naming that node and its
 ranks.  ``degraded`` says, in the verdict itself, that a sidecar judged
 alone.  ``incident_key`` is what every node derives alike for one hang, so
-that two nodes paging the same hang page once.  Pure.
+that two nodes paging the same hang page once: a lost node is one key per
+round whoever sees it (the leader through the store, or the other side of a
+partition through lifelines).  Pure.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from ncclwatch.watchdog.cluster.peers import LOST_AFTER_S, Membership, NodeSummary
+from ncclwatch.watchdog.cluster.peers import Membership
+from ncclwatch.watchdog.cluster.view import LOST_AFTER_S, Contact
 from ncclwatch.watchdog.engine.classify import Decision
 from ncclwatch.watchdog.engine.detectors import Fact, Verdict
 from ncclwatch.watchdog.engine.state import JobState
@@ -32,14 +36,33 @@ def job_state(local: JobState, remote: dict[int, list[Event]], stall: Stall) -> 
     return merged
 
 
-def with_lost_nodes(decision: Decision, lost: dict[int, NodeSummary | None], remote: dict[int, list[Event]]) -> Decision:
+def focus(decision: Decision, nodes_of: dict[int, int], lost: set[int], limit: int) -> list[int]:
+    """The nodes whose full evidence decides: the culprits' and absent ranks', then those of ranks whose row
+    differs from the most common one (behind, diverged), at most ``limit``; never a lost node (it cannot answer)."""
+    finding = decision.finding
+    statuses = [row.status for row in finding.rows]
+    usual = max(set(statuses), key=statuses.count) if statuses else None
+    ranks = [*finding.culprits, *finding.absent, *(row.rank for row in finding.rows if row.status != usual)]
+    chosen: list[int] = []
+    for rank in ranks:
+        node = nodes_of.get(rank)
+        if node is not None and node not in lost and node not in chosen:
+            chosen.append(node)
+    return chosen[:limit]
+
+
+SILENT = "its sidecar has not published for over {s:.0f} s while the other nodes' ranks wait"
+STORE_GONE = "it served the job's store, which is gone, and its sidecar does not answer"
+
+
+def with_lost_nodes(decision: Decision, lost: dict[int, Contact], remote: dict[int, list[Event]], why: str = SILENT) -> Decision:
     """A node that neither publishes nor shares evidence while ranks wait is the job's problem, unless a
-    culprit elsewhere is already named."""
+    culprit elsewhere is already named (``why``: how it was found lost)."""
     gone = {node: summary for node, summary in lost.items() if node not in remote}
     if not gone:
         return decision
     finding = decision.finding
-    lost_ranks = sorted(r for s in gone.values() if s is not None for r in s.ranks)
+    lost_ranks = sorted(r for s in gone.values() for r in s.ranks)
     if finding.verdict not in QUIET and finding.culprits and not set(finding.culprits) <= set(lost_ranks):
         return decision
     nodes = ", ".join(_node(n, s) for n, s in sorted(gone.items()))
@@ -48,11 +71,10 @@ def with_lost_nodes(decision: Decision, lost: dict[int, NodeSummary | None], rem
         finding,
         verdict=Verdict.node_lost,
         culprits=tuple(lost_ranks),
-        summary=f"Node {nodes}{ranks} stopped answering: its sidecar has not published for over "
-        f"{LOST_AFTER_S:.0f} s while the other nodes' ranks wait.",
+        summary=f"Node {nodes}{ranks} stopped answering: {why.format(s=LOST_AFTER_S)}.",
         reason="The whole node is frozen, cut off the network, or its sidecar died; its ranks cannot be seen. "
         "Check the node (console, dmesg, its network) first. " + (f"Engine on the rest: {finding.summary}" if finding.summary else ""),
-        evidence=tuple(Fact("cluster", f"node {_node(n, s)}: last summary {'never' if s is None else f'at {s.at:.0f}'}")
+        evidence=tuple(Fact("cluster", f"node {_node(n, s)}: last summary {'never' if s.at is None else f'at {s.at:.0f}'}")
                        for n, s in sorted(gone.items())) + finding.evidence,  # fmt: skip
     )
     return Decision(lost, page=True)
@@ -67,6 +89,8 @@ def degraded(decision: Decision, why: str) -> Decision:
 def incident_key(membership: Membership, decision: Decision) -> str:
     """Job round + what stalled: the same on every node that judges the same evidence."""
     finding = decision.finding
+    if finding.verdict is Verdict.node_lost:
+        return f"{membership.job_key}|node_lost"
     if finding.comm_label and finding.position is not None:
         what = f"{finding.comm_label}#{finding.position}"
     else:
@@ -74,5 +98,5 @@ def incident_key(membership: Membership, decision: Decision) -> str:
     return f"{membership.job_key}|{what}"
 
 
-def _node(node: int, summary: NodeSummary | None) -> str:
-    return f"{node} ({summary.host})" if summary is not None else str(node)
+def _node(node: int, contact: Contact) -> str:
+    return f"{node} ({contact.host})" if contact.host != "?" else str(node)

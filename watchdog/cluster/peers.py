@@ -4,25 +4,27 @@ Every node computes the same facts from what torchrun gave its workers
 (``Membership``): the store (``MASTER_ADDR:MASTER_PORT``, the agent store
 both static and c10d rendezvous run), the run id and restart count (an
 elastic restart is a new round, under a new key prefix), the node's rank and
-the node count.  Through that store:
+the node count.  Through that store, with a load that grows with the node
+count, not its square (``view`` has the rules):
 
-- every ``PUBLISH_S`` each sidecar sets ``node/<n>``, a compact
-  ``NodeSummary`` (its ranks, when they last moved, its incident phase), and
-  reads the others': a few hundred bytes per node, so steady state stays
-  under 10 KB/s per sidecar at 64 nodes (bench/cluster.py measures it);
-- the leader is the lowest node rank whose summary is fresh: a rule every
-  node computes alike, so losing the leader makes the next node lead;
-- when a stall is probed, each sidecar sets ``evidence/<n>``: the probe's
-  inputs in the journal format (workers, /proc samples, stacks, GPU sample,
-  Flight Recorder dumps trimmed to their last entries, the newest collectives
-  of each rank's NCCL log with their absolute positions), and every sidecar
-  gathers the others' to judge the whole job with the same engine.
-- after each performance look, each sidecar sets ``perf/<n>``, its ranks'
-  newest collectives (``perf_records``), and the leader reads the others'
-  to judge the job's arrival skew, stragglers, bandwidth and slow links.
+- every ``PUBLISH_S`` (``HOT_S`` while a stall is probed) each sidecar sets
+  ``node/<n>``, its ``NodeSummary``, and reads ``view`` with one request;
+  the leader alone reads every summary (one ``MULTI_GET``) and publishes the
+  view by compare-and-set: about 2 requests per node per round;
+- at a stall every node sets ``compact/<n>``, where each of its ranks is;
+  the leader reads them all, judges, asks the nodes that decide the verdict
+  for ``full/<n>`` (``IncidentView.want``), judges again with the same
+  engine and publishes ``verdict``, which the members read and follow;
+- after each performance look each node sets ``perf/<n>``
+  (``perf_records``) and the leader reads them to judge the whole job;
+- evidence and verdict keys are deleted when the incident closes, a new
+  round deletes this node's keys of the previous one: the store keeps a
+  few keys per node, whatever the job's length.
 
-A store that cannot be reached is said (``SourceDown``) and the sidecar
-judges alone ("degraded"); it never stays silent.
+A store that cannot be reached is said (``SourceDown``); the sidecar judges
+alone and asks the other nodes' lifelines (``lifeline``) whether the store's
+node is lost and who pages.  Failure mode: every store call raises
+``StoreError``; nothing here is silent.
 """
 
 from __future__ import annotations
@@ -30,32 +32,45 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from ncclwatch.watchdog.cluster.lifeline import ask
+from ncclwatch.watchdog.cluster.payload import Kind, pack, unpack
 from ncclwatch.watchdog.cluster.perf_records import PerfRecord
 from ncclwatch.watchdog.cluster.store import StoreClient, StoreError
+from ncclwatch.watchdog.cluster.view import (
+    LOST_AFTER_S,
+    Contact,
+    IncidentView,
+    JobView,
+    NodeSummary,
+    compose,
+    may_lead,
+    pager_order,
+)
+from ncclwatch.watchdog.engine.classify import Decision
 from ncclwatch.watchdog.engine.state import JobState
-from ncclwatch.watchdog.events import Event, FrDump, FrEntry, StackDump
-from ncclwatch.watchdog.parsing.journal import HEADER, JOURNALED, journal_line, parse_journal
+from ncclwatch.watchdog.events import Event
 
 log = logging.getLogger("ncclwatch")
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
-PUBLISH_S = 2.5
-LOST_AFTER_S = 7.5  # three missed summaries: that node's sidecar is gone (or its whole node is frozen)
-EVIDENCE_WAIT_S = 4.0  # how long a probe waits for the other nodes' evidence
-# How long the leader's performance look waits for the other nodes' records of the same round; it holds the
-# tick (hang detection) that long at most, once per perf_interval.  The others look at the same moment.
+EVIDENCE_WAIT_S = 4.0  # how long the leader waits for every node's compact evidence
+FULL_WAIT_S = 2.5  # how long it waits for the full evidence it asked for
+FULL_NODES = 8  # nodes asked for full evidence at most: the culprits' and the lost ones' come first
+# How long the leader's performance look waits for the other nodes' records of the same round; the look runs
+# beside the ticks, so this never delays hang detection.  The others look at the same moment.
 PERF_WAIT_S = 3.0
-FR_ENTRIES_SHARED = 32  # per process group: enough to align the pending collective across nodes
-FR_FRAMES_SHARED = 4  # entries (the newest) that keep their recorded stack
-STACK_FRAMES_SHARED = 24
-TAIL_SHARED = 64  # newest collectives per rank and NCCL communicator: the divergence is near the end
+VERDICT_ROWS = 64  # rank rows a shared verdict carries (culprits first); the leader's bundle has them all
+GATHER_POLL_S = 0.2
+
+_DECISION = TypeAdapter(Decision)
 
 
 @dataclass(frozen=True)
@@ -69,7 +84,10 @@ class Membership:
 
     @property
     def prefix(self) -> str:
-        return f"ncclwatch/{self.run_id}/{self.restart}/"
+        return self.prefix_of(self.restart)
+
+    def prefix_of(self, restart: int) -> str:
+        return f"ncclwatch/{self.run_id}/{restart}/"
 
     @property
     def job_key(self) -> str:
@@ -89,133 +107,261 @@ class Membership:
         return None
 
 
-class NodeSummary(BaseModel):
-    node: int
-    host: str
-    at: float  # when it was published (the publisher's clock)
-    ranks: list[int]
-    last_progress: float
-    phase: str
-    world_size: int | None = None
-    started_at: float | None = None  # when its sidecar started (the job's start is the earliest)
+class SharedVerdict(BaseModel):
+    key: str
+    opened_at: float
+    decision: bytes  # Decision as JSON (a dataclass: pydantic's TypeAdapter)
 
 
-def fresh(summary: NodeSummary, now: float) -> bool:
-    return now - summary.at <= LOST_AFTER_S
-
-
-def leader_of(summaries: dict[int, NodeSummary], me: int, now: float) -> int:
-    """The lowest node rank with a fresh summary (this node counts as fresh)."""
-    return min([me] + [n for n, s in summaries.items() if fresh(s, now)])
-
-
-def shareable(events: Iterable[Event]) -> list[Event]:
-    """What travels, trimmed: the newest Flight Recorder entries per group, the innermost stack frames.
-
-    Only the journal's kinds travel (a probe's notes about what it could not read stay on its node).
-    """
-    out: list[Event] = []
-    for event in events:
-        if type(event).__name__ not in JOURNALED:
-            continue
-        if isinstance(event, FrDump):
-            out.append(event.model_copy(update={"entries": _newest_entries(event.entries)}))
-        elif isinstance(event, StackDump):
-            threads = [t.model_copy(update={"frames": t.frames[:STACK_FRAMES_SHARED]}) for t in event.threads]
-            out.append(event.model_copy(update={"threads": threads}))
-        else:
-            out.append(event)
-    return out
-
-
-def _newest_entries(entries: list[FrEntry]) -> list[FrEntry]:
-    by_pg: dict[str, list[FrEntry]] = {}
-    for entry in entries:
-        by_pg.setdefault(entry.pg_id, []).append(entry)
-    kept: list[FrEntry] = []
-    for group in by_pg.values():
-        newest = group[-FR_ENTRIES_SHARED:]
-        cut = len(newest) - FR_FRAMES_SHARED
-        kept += [e if i >= cut else e.model_copy(update={"frames": []}) for i, e in enumerate(newest)]
-    return sorted(kept, key=lambda e: e.index)
-
-
-def encode(events: Iterable[Event]) -> bytes:
-    return (HEADER.decode() + "\n" + "\n".join(journal_line(e) for e in events)).encode()
+def trimmed(decision: Decision) -> Decision:
+    """A verdict small enough for every node to read: the culprits' rows first, at most VERDICT_ROWS."""
+    finding = decision.finding
+    if len(finding.rows) <= VERDICT_ROWS:
+        return decision
+    culprits = set(finding.culprits)
+    rows = sorted(finding.rows, key=lambda r: r.rank not in culprits)[:VERDICT_ROWS]
+    note = f"{len(finding.rows) - VERDICT_ROWS} more rank rows in the leader's bundle"
+    return replace(decision, finding=replace(finding, rows=tuple(sorted(rows, key=lambda r: r.rank)), missing=finding.missing + (note,)))
 
 
 class Cluster:
     """This sidecar's side of the exchange; one store connection, requests serialised."""
 
     def __init__(self, membership: Membership, host: str, clock: Callable[[], float] = time.time,
-                 client: StoreClient | None = None) -> None:  # fmt: skip
+                 client: StoreClient | None = None, serves_store: bool = False) -> None:  # fmt: skip
         self.membership = membership
         self.host = host
         self.clock = clock
         self.client = client or StoreClient(membership.store_host, membership.store_port)
-        self.summaries: dict[int, NodeSummary] = {}  # the other nodes', as last read
-        self._perf_left_out: set[int] = set()  # nodes the latest job-wide performance look went without
+        self.serves_store = serves_store
+        self.lifeline_port: int | None = None  # once the sidecar's lifeline listens
+        self.view: JobView | None = None
+        self._view_raw: bytes | None = None
+        self._joined_at = clock()
+        self._view_changed_at = self._joined_at
+        self.summaries: dict[int, NodeSummary] = {}  # the others', as the leader last read them
+        self._changed_at: dict[int, float] = {}  # node -> when its summary last changed (this clock)
+        self._cleaned = False
+        self._shared_full_for: float | None = None  # the incident this node sent its full evidence for
+        self._verdicts_read: set[str] = set()
+        self._evidence_keys: set[str] = set()  # what the leader read during the open incident: deleted at its end
+        self._perf_left_out: set[int] = set()
 
     @property
     def me(self) -> int:
         return self.membership.node_rank
 
-    def key(self, what: str, node: int) -> str:
-        return f"{self.membership.prefix}{what}/{node}"
+    def key(self, what: str, node: int | None = None) -> str:
+        return f"{self.membership.prefix}{what}" + (f"/{node}" if node is not None else "")
+
+    # -- every round -------------------------------------------------------
 
     async def exchange(self, summary: NodeSummary) -> None:
-        """Publish this node's summary and read every other node's (raises StoreError)."""
+        """Publish this node's summary and read the view; the leader also reads every summary and publishes
+        the next view (raises StoreError)."""
+        address = self.client.local_address()  # the address facing the store: the others reach this node there
+        lifeline = f"{address}:{self.lifeline_port}" if address and self.lifeline_port else None
+        summary = summary.model_copy(update={"lifeline": lifeline, "serves_store": self.serves_store})
         await self.client.set(self.key("node", self.me), summary.model_dump_json().encode())
-        for node in range(self.membership.nnodes):
-            if node == self.me:
+        if not self._cleaned:
+            await self._forget_previous_round()
+        self._note_view(await self.client.peek(self.key("view")))
+        if may_lead(self.view, self.me, self.membership.nnodes, self.clock() - self._view_changed_at):
+            await self._lead(summary)
+
+    def _note_view(self, raw: bytes | None) -> None:
+        if raw == self._view_raw:
+            return
+        try:
+            view = JobView.model_validate_json(raw) if raw is not None else None
+        except ValidationError:
+            log.warning("the job view in the store does not validate; ignored")
+            return
+        if self.view is not None and view is not None and view.leader != self.view.leader:
+            log.info("node %d leads the sidecars now (was node %d)", view.leader, self.view.leader)
+        self.view, self._view_raw, self._view_changed_at = view, raw, self.clock()
+
+    async def _lead(self, own: NodeSummary) -> None:
+        others = [n for n in range(self.membership.nnodes) if n != self.me]
+        now = self.clock()
+        if self.view is not None and self.view.leader != self.me:
+            # Taking over: the old leader fell silent when its view stopped changing, not at this first read.
+            self._changed_at.setdefault(self.view.leader, self._view_changed_at)
+        for node, raw in zip(others, await self.client.multi_get([self.key("node", n) for n in others])):
+            summary = _parse(NodeSummary, raw) if raw is not None else None
+            if summary is None:
                 continue
-            raw = await self.client.get(self.key("node", node))
-            if raw is None:
-                continue
-            try:
-                self.summaries[node] = NodeSummary.model_validate_json(raw)
-            except ValidationError:
-                log.warning("node %s published a summary that does not validate; ignored", node)
+            previous = self.summaries.get(node)
+            if previous is None and node in self._changed_at:
+                pass  # seeded at the takeover; a changed summary from now on says it is alive
+            elif previous is None or previous.at != summary.at:
+                self._changed_at[node] = now
+            self.summaries[node] = summary
+        fresh = {n for n, at in self._changed_at.items() if now - at <= LOST_AFTER_S}
+        previous = self.view if self.view is not None and self.view.leader == self.me else None
+        view = compose(previous, self.me, self.membership.nnodes, self.summaries, fresh, own, now - self._joined_at)
+        if previous is None:  # taking over (or the first view): a new term
+            view = view.model_copy(update={"term": self.view.term + 1 if self.view else 0,
+                                           "seq": self.view.seq + 1 if self.view else 0,
+                                           "incident": self.view.incident if self.view else None})  # fmt: skip
+        await self._publish(view)
+
+    async def _publish(self, view: JobView) -> bool:
+        """Compare-and-set against the view last read: False (and that view noted) when another node's won."""
+        raw = view.model_dump_json().encode()
+        current = await self.client.compare_set(self.key("view"), self._view_raw or b"", raw)
+        self._note_view(current)
+        return current == raw
+
+    async def _forget_previous_round(self) -> None:
+        """An elastic restart is a new round: this node's keys of the round before go (and the view, by its
+        node 0)."""
+        self._cleaned = True
+        restart = self.membership.restart
+        if restart == 0:
+            return
+        old = self.membership.prefix_of(restart - 1)
+        names = [f"{what}/{self.me}" for what in ("node", "compact", "full", "perf")]
+        names += ["view", "verdict"] if self.me == 0 else []
+        for name in names:
+            await self.client.delete(old + name)
+
+    # -- what every node asks of the view ----------------------------------
 
     def leader(self) -> int:
-        return leader_of(self.summaries, self.me, self.clock())
+        return self.view.leader if self.view is not None else 0
+
+    def leads(self) -> bool:
+        return self.view is not None and self.view.leader == self.me
 
     def peer_suspects(self) -> bool:
-        """Some other node's sidecar is probing a stall (its latest fresh summary says so)."""
-        now = self.clock()
-        return any(s.phase in ("suspect", "confirming", "paged") and fresh(s, now) for s in self.summaries.values())
+        """Another node probes a stall, or the leader opened an incident: this node looks too."""
+        view = self.view
+        if view is None or self.clock() - self._view_changed_at > LOST_AFTER_S:
+            return False
+        return view.incident is not None or any(n != self.me for n in view.probing)
 
-    def lost(self) -> dict[int, NodeSummary | None]:
-        """Nodes whose sidecar has not published for LOST_AFTER_S (None: never published this round)."""
-        now = self.clock()
-        return {
-            node: self.summaries.get(node)
-            for node in range(self.membership.nnodes)
-            if node != self.me and (node not in self.summaries or not fresh(self.summaries[node], now))
-        }
-
-    async def share_evidence(self, events: list[Event], stall_at: float) -> None:
-        payload = encode(shareable(events))
-        await self.client.set(self.key("evidence", self.me), payload)
-        await self.client.set(self.key("evidence-at", self.me), repr(stall_at).encode())
+    def lost(self) -> dict[int, Contact]:
+        """Nodes whose sidecar stopped publishing (``at`` None: never published this round)."""
+        return {c.node: c for c in self.view.lost} if self.view is not None else {}
 
     def answering(self) -> set[int]:
-        """The other nodes whose sidecars publish: their evidence is worth waiting for."""
-        return {n for n in range(self.membership.nnodes) if n != self.me and n not in self.lost()}
+        """The other nodes whose sidecars publish and whose jobs run: their evidence is worth waiting for."""
+        now = self.clock()
+        return {n for n, at in self._changed_at.items()
+                if now - at <= LOST_AFTER_S and self.summaries[n].phase != "ended"}  # fmt: skip
 
-    async def gather_evidence(self, since: float) -> dict[int, list[Event]]:
-        """Every answering node's evidence taken at or after ``since``; waits up to EVIDENCE_WAIT_S for it."""
-        return await self._gather("evidence", self.answering(), since, EVIDENCE_WAIT_S,
-                                  lambda node, raw: parse_journal(raw, f"node {node} (via the store)"))  # fmt: skip
+    def job_started_at(self, own: float) -> float:
+        """When the job's first sidecar started: the same on every node, so a page keyed on it deduplicates
+        whichever node sends it."""
+        started = self.view.started_at if self.view is not None else None
+        return min(own, started) if started is not None else own
 
-    async def share_perf(self, record: PerfRecord) -> None:
-        await self.client.set(self.key("perf", self.me), record.model_dump_json().encode())
-        await self.client.set(self.key("perf-at", self.me), repr(record.at).encode())
+    # -- at a stall ---------------------------------------------------------
+
+    async def share(self, kind: Kind, events: list[Event], stall_at: float) -> None:
+        await self.client.set(self.key(kind, self.me), pack(self.me, kind, stall_at, events))
+
+    async def gather(self, kind: Kind, wanted: set[int], since: float, wait_s: float) -> dict[int, list[Event]]:
+        """``kind`` evidence of each wanted node from a probe at or after ``since``; waits up to ``wait_s``."""
+
+        def parse(node: int, raw: bytes) -> tuple[float, list[Event]] | None:
+            payload = unpack(raw, f"node {node} (via the store)")
+            return (payload.stall_at, payload.events) if payload is not None else None
+
+        found = await self._gather(kind, wanted, since, wait_s, parse)
+        self._evidence_keys |= {self.key(kind, n) for n in found}
+        return found
+
+    async def open_incident(self, opened_at: float, want: list[int] | None = None) -> None:
+        """The leader's incident, in the view: the others look now; ``want`` asks for full evidence."""
+        assert self.view is not None
+        incident = self.view.incident
+        if incident is None or incident.opened_at != opened_at:
+            incident = IncidentView(opened_at=opened_at)
+        if want is not None:
+            incident = incident.model_copy(update={"want": want})
+        if incident != self.view.incident:
+            await self._publish(self.view.model_copy(update={"incident": incident, "seq": self.view.seq + 1}))
+
+    def full_wanted(self) -> float | None:
+        """The incident (its opening) whose full evidence the leader asks of this node and has not had yet."""
+        incident = self.view.incident if self.view is not None else None
+        if incident is None or self.me not in incident.want or self._shared_full_for == incident.opened_at:
+            return None
+        return incident.opened_at
+
+    def full_shared(self, opened_at: float) -> None:
+        self._shared_full_for = opened_at
+
+    async def publish_verdict(self, key: str, decision: Decision) -> None:
+        """The leader's verdict for the open incident, for every member to follow."""
+        assert self.view is not None and self.view.incident is not None
+        incident = self.view.incident
+        shared = SharedVerdict(key=key, opened_at=incident.opened_at, decision=_DECISION.dump_json(trimmed(decision)))
+        await self.client.set(self.key("verdict"), shared.model_dump_json().encode())
+        self._verdicts_read.add(key)
+        await self._delete(self._evidence_keys)  # judged: the members need the verdict only
+        self._evidence_keys = set()
+        await self._publish(self.view.model_copy(update={"incident": incident.model_copy(update={"verdict": key}),
+                                                         "seq": self.view.seq + 1}))  # fmt: skip
+
+    async def read_verdict(self) -> tuple[str, Decision] | None:
+        """The leader's verdict, once per incident key, when the view announces one this node has not read."""
+        incident = self.view.incident if self.view is not None else None
+        if incident is None or incident.verdict is None or incident.verdict in self._verdicts_read:
+            return None
+        raw = await self.client.peek(self.key("verdict"))
+        shared = _parse(SharedVerdict, raw) if raw is not None else None
+        if shared is None or shared.key != incident.verdict:
+            return None
+        self._verdicts_read.add(shared.key)
+        try:
+            return shared.key, _DECISION.validate_json(shared.decision)
+        except ValidationError:
+            log.warning("the leader's verdict does not validate; this node judges on its own")
+            return None
+
+    async def drop_own_evidence(self) -> None:
+        """A member that followed the verdict: its evidence keys are no longer needed."""
+        await self._delete({self.key(kind, self.me) for kind in ("compact", "full")})
+
+    async def close_incident(self) -> None:
+        """The leader's incident is over (progress, or back to watching): its keys and the verdict go."""
+        await self._delete(self._evidence_keys | {self.key("verdict")})
+        self._evidence_keys = set()
+        if self.view is not None and self.view.incident is not None and self.leads():
+            await self._publish(self.view.model_copy(update={"incident": None, "seq": self.view.seq + 1}))
+
+    async def _delete(self, keys: set[str]) -> None:
+        for key in sorted(keys):
+            await self.client.delete(key)
+
+    # -- without the store --------------------------------------------------
+
+    async def store_node_lost(self) -> Contact | None:
+        """The node serving the store, when the store is gone and that node's lifeline does not answer."""
+        store = self.view.store if self.view is not None else None
+        if store is None or store.node == self.me or store.lifeline is None:
+            return None
+        return store if await ask(store.lifeline) is None else None
+
+    async def pages_alone(self, lost: set[int]) -> bool:
+        """Without the store: does this node page?  The first node of ``pager_order`` that answers does; if
+        none of them answers (all lost at once), every survivor does, under one dedup key."""
+        for contact in pager_order(self.view, self.me, lost):
+            if contact.node == self.me:
+                return True
+            if contact.lifeline is not None and await ask(contact.lifeline) is not None:
+                return False
+        return True
+
+    # -- performance looks --------------------------------------------------
 
     async def exchange_perf(self, record: PerfRecord, interval: float) -> dict[int, PerfRecord] | None:
         """Publish this node's performance record; the other nodes' when this node leads, else None."""
-        await self.share_perf(record)
-        return await self.gather_perf(record.at, interval) if self.leader() == self.me else None
+        await self.client.set(self.key("perf", self.me), record.model_dump_json().encode())
+        return await self.gather_perf(record.at, interval) if self.leads() else None
 
     async def gather_perf(self, look_at: float, interval: float) -> dict[int, PerfRecord]:
         """The other nodes' performance records for the leader's look at ``look_at``.
@@ -225,46 +371,44 @@ class Cluster:
         did not publish this round gives its latest if it is at most two intervals old.  Older or none: left
         out, said once.
         """
-        found = await self._gather("perf", self.answering(), look_at - interval / 2, PERF_WAIT_S, _perf_record)
+
+        def parse(node: int, raw: bytes) -> tuple[float, PerfRecord] | None:
+            record = _parse(PerfRecord, raw)
+            if record is None:
+                log.warning("node %s published a performance record that does not validate; ignored", node)
+            return (record.at, record) if record is not None else None
+
+        found = await self._gather("perf", self.answering(), look_at - interval / 2, PERF_WAIT_S, parse)
         others = {n for n in range(self.membership.nnodes) if n != self.me}
-        found |= await self._gather("perf", others - set(found), look_at - 2 * interval, 0.0, _perf_record)
+        found |= await self._gather("perf", others - set(found), look_at - 2 * interval, 0.0, parse)
         left_out = others - set(found)
         if newly := sorted(left_out - self._perf_left_out):
             log.warning("performance look: node(s) %s published no record in two intervals: the job-wide view "
                         "leaves their ranks out", ", ".join(map(str, newly)))  # fmt: skip
         self._perf_left_out = left_out
-        return {node: record for node, record in found.items() if record is not None}
+        return found
 
-    async def _gather(
-        self, what: str, wanted: set[int], since: float, wait_s: float, parse: Callable[[int, bytes], T]
-    ) -> dict[int, T]:
-        """``what`` of each wanted node, published at or after ``since`` (its ``<what>-at`` key); waits up to
-        ``wait_s`` for all of them."""
+    async def _gather(self, what: str, wanted: set[int], since: float, wait_s: float,
+                      parse: Callable[[int, bytes], tuple[float, T] | None]) -> dict[int, T]:  # fmt: skip
+        """``what`` of each wanted node, versioned at or after ``since``: one MULTI_GET a poll, up to ``wait_s``."""
         deadline = self.clock() + wait_s
         found: dict[int, T] = {}
         while True:
-            for node in sorted(wanted - set(found)):
-                at = await self.client.get(self.key(f"{what}-at", node))
-                if at is None or float(at) < since:
-                    continue
-                raw = await self.client.get(self.key(what, node))
-                if raw is not None:
-                    found[node] = parse(node, raw)
+            pending = sorted(wanted - set(found))
+            values = await self.client.multi_get([self.key(what, n) for n in pending])
+            for node, raw in zip(pending, values):
+                parsed = parse(node, raw) if raw is not None else None
+                if parsed is not None and parsed[0] >= since:
+                    found[node] = parsed[1]
             if set(found) >= wanted or self.clock() >= deadline:
                 return found
-            await asyncio.sleep(0.2)
-
-    def job_started_at(self, own: float) -> float:
-        """When the job's first sidecar started, as far as this one has heard: the same on every node, so a
-        page keyed on it deduplicates whichever node sends it."""
-        return min([own] + [s.started_at for s in self.summaries.values() if s.started_at is not None])
+            await asyncio.sleep(GATHER_POLL_S)
 
 
-def _perf_record(node: int, raw: bytes) -> PerfRecord | None:
+def _parse(model: type[M], raw: bytes) -> M | None:
     try:
-        return PerfRecord.model_validate_json(raw)
+        return model.model_validate_json(raw)
     except ValidationError:
-        log.warning("node %s published a performance record that does not validate; ignored", node)
         return None
 
 

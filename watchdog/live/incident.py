@@ -18,6 +18,10 @@ every edge is tested with a fake clock and no sleeps.
   resolved), and watching starts over with a fresh incident.
 
 Progress (any rank moved) in suspect or confirming goes back to watching.
+
+With several nodes, only the leader's sidecar decides; the others feed its
+verdict in with ``on_verdict``, which pages from any open phase (and from
+watching: the leader saw the job hang before this node's ranks did).
 """
 
 from __future__ import annotations
@@ -100,6 +104,15 @@ def on_probe(incident: Incident, now: float, decision: Decision, moved: bool, st
         return replace(incident, phase=Phase.paged, decision=decision), [Page(decision)]
     said = [] if decision.held == incident.held or decision.held is None else [Say(_held_line(decision, stalled_for))]
     return replace(incident, phase=Phase.suspect, decision=decision, held=decision.held, next_probe=now + REPROBE_S), said
+
+
+def on_verdict(incident: Incident, now: float, decision: Decision, last_progress: float) -> tuple[Incident, list[Action]]:
+    """The leader's job-wide verdict: paged here too (this node's bundle, its part of the kill), once."""
+    if incident.phase is Phase.paged:
+        return incident, []
+    started = incident.started_at if incident.started_at is not None and incident.phase is not Phase.resolved else last_progress
+    opened = incident.opened_at if incident.phase in (Phase.suspect, Phase.confirming) else now
+    return Incident(Phase.paged, started_at=started, opened_at=opened, next_probe=now, decision=decision), [Page(decision)]
 
 
 def _held_line(decision: Decision, stalled_for: float) -> str:

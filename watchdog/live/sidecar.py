@@ -15,6 +15,14 @@ through the reporter (a slow job is not a hang: no bundle, no kill).  With
 several nodes each look is shared through the store and the leader judges
 the job's collectives (``JobLook``).
 
+With several nodes (``cluster``) the leader's sidecar judges the whole job
+from every node's compact evidence and the full evidence of the few nodes
+that decide; the others share theirs, hold, and follow the leader's verdict
+(``on_verdict``): one verdict, one page.  Without the store each judges
+alone, asks whether the store's node is lost (``node_lost``), and one
+node, elected through the lifelines, pages.  ``farewell`` does the same when
+the job fails here after the store went away.
+
 Sources, prober, reporter, performance look and clock are injected: a test
 drives the sidecar tick by tick with scripted events and a fake clock, no
 sleeps.  Nothing here raises out of ``run`` for bad input: a broken source
@@ -33,10 +41,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, TextIO
 
-from ncclwatch.watchdog.cluster.judge import degraded, incident_key, job_state, with_lost_nodes
+from ncclwatch.watchdog.cluster.judge import STORE_GONE, degraded, focus, incident_key, job_state, with_lost_nodes
+from ncclwatch.watchdog.cluster.lifeline import LINGER_S, STORE_GONE_LINGER_S, Lifeline
+from ncclwatch.watchdog.cluster.payload import TAIL_SHARED
+from ncclwatch.watchdog.cluster.peers import (
+    EVIDENCE_WAIT_S,
+    FULL_NODES,
+    FULL_WAIT_S,
+    Cluster,
+    Membership,
+    exchange_or_degrade,
+)
 from ncclwatch.watchdog.cluster.perf_records import PerfRecord
-from ncclwatch.watchdog.cluster.peers import PUBLISH_S, TAIL_SHARED, Cluster, Membership, NodeSummary, exchange_or_degrade
 from ncclwatch.watchdog.cluster.store import StoreError
+from ncclwatch.watchdog.cluster.view import HOT_S, PUBLISH_S, Contact, NodeSummary
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.engine.classify import Decision, judge
 from ncclwatch.watchdog.engine.perf import pages
@@ -44,9 +62,10 @@ from ncclwatch.watchdog.engine.performance import PerfHealth
 from ncclwatch.watchdog.engine.report import Report
 from ncclwatch.watchdog.engine.snapshot import Snapshot, take_snapshot
 from ncclwatch.watchdog.engine.state import JobState
-from ncclwatch.watchdog.events import Event, SourceDown, SourceUp, Stall
+from ncclwatch.watchdog.engine.detectors import Finding, Verdict
+from ncclwatch.watchdog.events import Event, SourceDown, SourceUp, Stall, WorkerSeen
 from ncclwatch.watchdog.live.health import Health, health_of
-from ncclwatch.watchdog.live.incident import WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick
+from ncclwatch.watchdog.live.incident import WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick, on_verdict
 from ncclwatch.watchdog.live.job import LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import Journal, live_inputs
 from ncclwatch.watchdog.live.perf import JobLook, PerfWatch
@@ -112,6 +131,10 @@ class Sidecar:
         self._probed: list[Event] = []  # the latest probe's events (Flight Recorder dumps travel to the other nodes)
         self._perf_pages: dict[str, Alert] = {}  # finding key -> its open page
         self._perf_unseen: dict[str, int] = {}  # finding key -> looks in a row without it
+        self._shared: list[Event] = []  # what this node shared at its latest probe (its full evidence on request)
+        self._store_node_lost: Contact | None = None  # found lost through its lifeline, the store being gone
+        self._lifeline: Lifeline | None = None
+        self._wake = asyncio.Event()  # the incident's phase changed: exchange now, not at the next round
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -133,6 +156,11 @@ class Sidecar:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._drain()
+            if self._lifeline is not None:
+                # A node whose job failed a moment after this one's must still find it alive (``lifeline``);
+                # without the store, the nodes elect who pages by who answers: longer.
+                await asyncio.sleep(STORE_GONE_LINGER_S if "cluster" in self.live.down else LINGER_S)
+                await self._lifeline.close()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -155,27 +183,70 @@ class Sidecar:
                 backoff = min(backoff * 2, 30.0)
 
     async def _cluster_loop(self) -> None:
-        """Find the other nodes' sidecars once the workers name the store; publish and read summaries."""
+        """Find the other nodes' sidecars once the workers name the store; publish, read the view, follow it."""
         assert self.join_cluster is not None
         down: str | None = None
         while True:
             if self.cluster is None and (membership := Membership.of(self.live.state)) is not None:
-                self.cluster = self.join_cluster(membership, self.host)
-                log.info("node %d of %d; sidecars meet in the store at %s:%d", membership.node_rank, membership.nnodes,
-                         membership.store_host, membership.store_port)  # fmt: skip
+                await self._join(membership)
             if self.cluster is not None:
                 reason = await exchange_or_degrade(self.cluster, self._summary())
                 if reason != down:
                     self.emit(SourceDown(source="cluster", reason=reason) if reason else SourceUp(source="cluster"))
                     down = reason
-            await asyncio.sleep(PUBLISH_S)
+                if reason is None:
+                    await self._follow(self.cluster)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), HOT_S if self._hot() else PUBLISH_S)
+            except TimeoutError:
+                pass
+
+    async def _join(self, membership: Membership) -> None:
+        assert self.join_cluster is not None
+        self.cluster = cluster = self.join_cluster(membership, self.host)
+        log.info("node %d of %d; sidecars meet in the store at %s:%d", membership.node_rank, membership.nnodes,
+                 membership.store_host, membership.store_port)  # fmt: skip
+        self._lifeline = Lifeline(membership.node_rank, lambda: "running" if self.live.view(self.clock()).alive else "ended")
+        try:
+            cluster.lifeline_port = await self._lifeline.start()
+        except OSError as exc:
+            log.warning("no lifeline (%s): without the store, the other nodes will take this one for lost", exc)
+            self._lifeline = None
+
+    def _hot(self) -> bool:
+        """A stall is being probed somewhere: exchange every HOT_S, so verdicts and requests travel fast."""
+        return self.incident.phase is not Phase.watching or (self.cluster is not None and self.cluster.peer_suspects())
+
+    async def _follow(self, cluster: Cluster) -> None:
+        """Send the full evidence the leader asks for; page the leader's verdict; close the leader's incident."""
+        try:
+            if (opened := cluster.full_wanted()) is not None and self._shared:
+                await cluster.share("full", self._shared, self._shared_at())
+                cluster.full_shared(opened)
+            if cluster.leads():
+                if cluster.view is not None and cluster.view.incident is not None and self.incident.phase in (Phase.watching, Phase.resolved):
+                    await cluster.close_incident()
+            elif (verdict := await cluster.read_verdict()) is not None:
+                key, decision = verdict
+                log.info("node %d's job-wide verdict %s (%s)", cluster.leader(), decision.finding.verdict, key)
+                await cluster.drop_own_evidence()
+                view = self.live.view(self.clock())
+                self.incident, actions = on_verdict(self.incident, view.observed_at, decision, view.last_progress)
+                await self._perform(actions, view)
+        except StoreError as exc:
+            self.emit(SourceDown(source="cluster", reason=str(exc)))
+
+    def _shared_at(self) -> float:
+        return next((e.at for e in reversed(self._shared) if isinstance(e, Stall)), self.clock())
 
     def _summary(self) -> NodeSummary:
         view = self.live.view(self.clock())
         assert self.cluster is not None
+        phase = self.incident.phase.value if view.alive or not view.workers else "ended"
         return NodeSummary(
             node=self.cluster.me, host=self.host, at=view.observed_at, ranks=[w.rank for w in view.workers],
-            last_progress=view.last_progress, phase=self.incident.phase.value, world_size=self.live.state.world_size(),
+            last_progress=view.last_progress, phase=phase, world_size=self.live.state.world_size(),
             started_at=self.live.started_at,
         )  # fmt: skip
 
@@ -199,7 +270,10 @@ class Sidecar:
         if self.cluster is not None and self.cluster.peer_suspects():
             # Another node is probing a stall and waits for this node's evidence: look now, not at our own timeout.
             timeout = min(timeout, self.settings.stall_timeout_floor)
+        before = self.incident.phase
         self.incident, actions = on_tick(self.incident, view.observed_at, view.last_progress, view.stalled_for, timeout)
+        if self.incident.phase is not before:
+            self._wake.set()
         if self.incident.phase is Phase.suspect and actions:
             log.info("stall: nothing moved for %.1f s (stall timeout %.1f s, learned gap %s)", view.stalled_for, view.stall_timeout, view.learned_gap)
         await self._perform(actions, view)
@@ -239,25 +313,51 @@ class Sidecar:
         await self._perform(actions, view)
 
     async def _judge(self, stall: Stall) -> Decision:
-        """This node's view, or the whole job's when the other nodes' sidecars can be reached."""
+        """This node's view, or the whole job's: the leader judges it, the others share and wait for it."""
         cluster = self.cluster
-        if cluster is None or "cluster" in self.live.down:
-            decision = judge(take_snapshot(self.live.state, observed_at=stall.at))
-            return decision if cluster is None else degraded(decision, self.live.down["cluster"])
-        started = self.incident.started_at if self.incident.started_at is not None else stall.at
+        if cluster is None:
+            return judge(take_snapshot(self.live.state, observed_at=stall.at))
+        if "cluster" in self.live.down:
+            return await self._judge_without_store(cluster, stall, self.live.down["cluster"])
+        self._shared = live_inputs(self.live.state) + self.live.state.sequence_tails(TAIL_SHARED) + self._probed + [stall]
         try:
-            shared = live_inputs(self.live.state) + self.live.state.sequence_tails(TAIL_SHARED) + self._probed + [stall]
-            await cluster.share_evidence(shared, stall.at)
-            remote = await cluster.gather_evidence(since=started)
+            if cluster.leads():
+                return await self._judge_job(cluster, stall)
+            await cluster.share("compact", self._shared, stall.at)
         except StoreError as exc:
             self.emit(SourceDown(source="cluster", reason=str(exc)))
-            return degraded(judge(take_snapshot(self.live.state, observed_at=stall.at)), str(exc))
+            return await self._judge_without_store(cluster, stall, str(exc))
+        alone = judge(take_snapshot(self.live.state, observed_at=stall.at))
+        return replace(alone, page=False, held=f"node {cluster.leader()} judges the whole job; waiting for its verdict")
+
+    async def _judge_job(self, cluster: Cluster, stall: Stall) -> Decision:
+        """The leader: every node's compact evidence, then the full evidence of the nodes that decide."""
+        started = self.incident.started_at if self.incident.started_at is not None else stall.at
+        opened = self.incident.opened_at if self.incident.opened_at is not None else stall.at
+        await cluster.open_incident(opened)
+        answering = cluster.answering()
+        remote = await cluster.gather("compact", answering, since=started, wait_s=EVIDENCE_WAIT_S)
         self._job_wide = job_state(self.live.state, remote, stall)
-        decision = with_lost_nodes(judge(take_snapshot(self._job_wide, observed_at=stall.at)), cluster.lost(), remote)
-        if pending := sorted(cluster.answering() - set(remote)):
+        decision = judge(take_snapshot(self._job_wide, observed_at=stall.at))
+        nodes_of = {e.rank: node for node, events in remote.items() for e in events if isinstance(e, WorkerSeen)}
+        if want := focus(decision, nodes_of, set(cluster.lost()), FULL_NODES):
+            await cluster.open_incident(opened, want)
+            remote |= await cluster.gather("full", set(want), since=started, wait_s=FULL_WAIT_S)
+            self._job_wide = job_state(self.live.state, remote, stall)
+            decision = judge(take_snapshot(self._job_wide, observed_at=stall.at))
+        decision = with_lost_nodes(decision, cluster.lost(), remote)
+        if pending := sorted(answering - set(remote)):
             # Their sidecar still publishes but has not probed yet (a longer learned timeout): look again.
             return replace(decision, page=False, held=f"waiting for node {', '.join(map(str, pending))} to share its evidence")
         return decision
+
+    async def _judge_without_store(self, cluster: Cluster, stall: Stall, why: str) -> Decision:
+        """This node's ranks alone; the store's node named lost when its lifeline does not answer either."""
+        decision = degraded(judge(take_snapshot(self.live.state, observed_at=stall.at)), why)
+        self._store_node_lost = await cluster.store_node_lost()
+        if self._store_node_lost is None:
+            return decision
+        return with_lost_nodes(decision, {self._store_node_lost.node: self._store_node_lost}, {}, why=STORE_GONE)
 
     def _moved(self) -> bool:
         """Did any rank issue a collective since the last look (Flight Recorder)?  That is progress."""
@@ -280,6 +380,14 @@ class Sidecar:
         state = self._job_wide if job_wide and self._job_wide is not None else self.live.state
         snapshot = take_snapshot(state, observed_at=self.clock())
         key = incident_key(cluster.membership, decision) if cluster is not None else None
+        if job_wide and cluster is not None and key is not None and cluster.leads():
+            try:  # before the bundle: the members page (and, with --on-hang kill, end their ranks) meanwhile
+                await cluster.publish_verdict(key, decision)
+            except StoreError as exc:
+                self.emit(SourceDown(source="cluster", reason=str(exc)))
+        # Without the store, one node pages: elected before the bundle, while the others' lifelines still answer.
+        lost = {self._store_node_lost.node} if self._store_node_lost is not None else set()
+        pages = job_wide or cluster is None or await cluster.pages_alone(lost)
         try:
             report, bundle = await self.reporter(decision, snapshot, view, started_at, key)
         except Exception:  # a broken sink must not end the watch: the job may hang again
@@ -287,10 +395,37 @@ class Sidecar:
             return
         reported = Reported(started_at=started_at, decision=decision, report=report, bundle=bundle)
         self.reported.append(reported)
-        if job_wide and cluster is not None and (leader := cluster.leader()) != cluster.me:
+        if cluster is not None and job_wide and (leader := cluster.leader()) != cluster.me:
             self._say(f"node {cluster.me}: this node's evidence is in its bundle; node {leader} pages the job-wide verdict")
             return
+        if not pages:
+            self._say(f"node {cluster.me if cluster else '?'}: the store is gone; this node's evidence is in its bundle, "
+                      "and a lower node that answers pages")  # fmt: skip
+            return
         self._alert(reported)
+
+    async def farewell(self, job_failed: bool) -> None:
+        """The job ended here.  Say so to the other nodes; if it failed and the store is gone too, page the
+        store's node as lost when its lifeline does not answer (its ranks' peers fail at once when it dies, so
+        no hang is ever seen here)."""
+        cluster = self.cluster
+        if cluster is None:
+            return
+        self._drain()
+        reason = await exchange_or_degrade(cluster, self._summary())
+        if reason is None or not job_failed or any(r.decision.page for r in self.reported):
+            return
+        self.emit(SourceDown(source="cluster", reason=reason))
+        self._drain()
+        self._store_node_lost = lost = await cluster.store_node_lost()
+        if lost is None:
+            return
+        failed = Finding(Verdict.inconclusive, "this node's ranks failed after the job's store went away")
+        decision = degraded(with_lost_nodes(Decision(failed, page=True), {lost.node: lost}, {}, why=STORE_GONE), reason)
+        view = self.live.view(self.clock())
+        self.incident = Incident(Phase.paged, started_at=view.last_progress, opened_at=view.observed_at, decision=decision)
+        self._say(f"the job's store is gone and node {lost.node} ({lost.host}), which served it, does not answer")
+        await self._page(decision, view)
 
     async def perf_tick(self) -> None:
         """The performance look, when one is due and no incident is open.

@@ -212,3 +212,38 @@ def read_environ(pid: int, proc_root: Path = PROC) -> dict[str, str] | None:
     except OSError:
         return None
     return parse_environ(data)
+
+
+def parse_listening_inodes(table: str, port: int) -> set[int]:
+    """Socket inodes listening on ``port`` in a ``/proc/<pid>/net/tcp`` or ``tcp6`` table (state 0A = LISTEN)."""
+    inodes = set()
+    for line in table.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rpartition(":")[2], 16) == port:
+            inodes.add(int(fields[9]))
+    return inodes
+
+
+def listens_on(pid: int, port: int, proc_root: Path = PROC) -> bool:
+    """Does process ``pid`` hold a socket listening on TCP ``port``?  (Does torchrun there serve the store?)"""
+    base = proc_root / str(pid)
+    inodes: set[int] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            inodes |= parse_listening_inodes((base / "net" / table).read_text(), port)
+        except OSError:
+            continue
+    if not inodes:
+        return False
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    try:
+        fds = list((base / "fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd) in wanted:
+                return True
+        except OSError:  # closed while we looked
+            continue
+    return False

@@ -1,0 +1,125 @@
+"""What a node's evidence looks like on its way through the store: trimmed, compressed, dated.
+
+At a hang every node shares a *compact* record of its ranks (where each
+one is: its newest Flight Recorder entries and collectives, its process
+state, the innermost frames of its stacks); the leader asks the few nodes
+whose ranks decide the verdict (behind, diverging, absent) for their *full*
+evidence.  Both are the journal's events (``parsing.journal``), so the
+leader judges them with the same engine as its own ranks.
+
+On the wire: one JSON line of metadata (``node``, ``kind``, ``stall_at``:
+the probe it came from), a newline, then the journal lines compressed with
+zlib.  A process group's member list travels as runs ("0-8191"), so a job of
+8,192 ranks does not repeat 8,192 numbers in every rank's dump.  Decoding
+is bounded (``MAX_DECODED``) and never raises: a payload that does not parse
+is None.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from ncclwatch.watchdog.events import Event, FrDump, FrEntry, ProcessState, SequenceTail, StackDump
+from ncclwatch.watchdog.parsing.journal import HEADER, JOURNALED, journal_line, parse_journal
+
+Kind = Literal["compact", "full"]
+
+# Full evidence, per rank: enough to align the pending collective across nodes.
+FR_ENTRIES_SHARED = 32  # per process group
+FR_FRAMES_SHARED = 4  # entries (the newest) that keep their recorded stack
+STACK_FRAMES_SHARED = 24
+TAIL_SHARED = 64  # newest collectives per rank and NCCL communicator: the divergence is near the end
+# Compact, per rank: where it is and what it is doing, no history.
+FR_ENTRIES_COMPACT = 4
+FR_FRAMES_COMPACT = 1
+STACK_FRAMES_COMPACT = 8
+TAIL_COMPACT = 8
+SAMPLES_COMPACT = 3  # /proc samples per worker: CPU moving or not needs two
+
+MAX_DECODED = 64 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    fr_entries: int
+    fr_frames: int
+    stack_frames: int
+    tail: int
+    samples: int | None
+
+
+LIMITS: dict[Kind, Limits] = {
+    "full": Limits(FR_ENTRIES_SHARED, FR_FRAMES_SHARED, STACK_FRAMES_SHARED, TAIL_SHARED, None),
+    "compact": Limits(FR_ENTRIES_COMPACT, FR_FRAMES_COMPACT, STACK_FRAMES_COMPACT, TAIL_COMPACT, SAMPLES_COMPACT),
+}
+
+
+@dataclass(frozen=True)
+class Payload:
+    node: int
+    kind: Kind
+    stall_at: float
+    events: list[Event]
+
+
+def shareable(events: Iterable[Event], kind: Kind = "full") -> list[Event]:
+    """What travels, trimmed to ``kind``: only the journal's kinds (a probe's notes stay on its node)."""
+    limits = LIMITS[kind]
+    out: list[Event] = []
+    samples: dict[int, int] = {}
+    kept = [e for e in events if type(e).__name__ in JOURNALED]
+    for event in reversed(kept):  # newest first, so the sample limit keeps the latest
+        if isinstance(event, FrDump):
+            event = event.model_copy(update={"entries": _newest_entries(event.entries, limits)})
+        elif isinstance(event, StackDump):
+            threads = [t.model_copy(update={"frames": t.frames[: limits.stack_frames]}) for t in event.threads]
+            event = event.model_copy(update={"threads": threads})
+        elif isinstance(event, SequenceTail) and len(event.sigs) > limits.tail:
+            cut = len(event.sigs) - limits.tail
+            event = event.model_copy(update={"sigs": event.sigs[cut:], "base": event.base + cut})
+        elif isinstance(event, ProcessState) and limits.samples is not None:
+            samples[event.pid] = samples.get(event.pid, 0) + 1
+            if samples[event.pid] > limits.samples:
+                continue
+        out.append(event)
+    out.reverse()
+    return out
+
+
+def _newest_entries(entries: list[FrEntry], limits: Limits) -> list[FrEntry]:
+    by_pg: dict[str, list[FrEntry]] = {}
+    for entry in entries:
+        by_pg.setdefault(entry.pg_id, []).append(entry)
+    kept: list[FrEntry] = []
+    for group in by_pg.values():
+        newest = group[-limits.fr_entries :]
+        cut = len(newest) - limits.fr_frames
+        kept += [e if i >= cut else e.model_copy(update={"frames": []}) for i, e in enumerate(newest)]
+    return sorted(kept, key=lambda e: e.index)
+
+
+def encode(events: Iterable[Event]) -> bytes:
+    """The journal form (uncompressed): what ``parse_journal`` reads."""
+    return (HEADER.decode() + "\n" + "\n".join(journal_line(e) for e in events)).encode()
+
+
+def pack(node: int, kind: Kind, stall_at: float, events: Iterable[Event]) -> bytes:
+    meta = json.dumps({"node": node, "kind": kind, "stall_at": stall_at}).encode()
+    return meta + b"\n" + zlib.compress(encode(shareable(events, kind)), 6)
+
+
+def unpack(raw: bytes, name: str) -> Payload | None:
+    meta_line, _, body = raw.partition(b"\n")
+    try:
+        meta = json.loads(meta_line)
+        inflate = zlib.decompressobj()
+        data = inflate.decompress(body, MAX_DECODED)
+        if inflate.unconsumed_tail:
+            return None
+        return Payload(int(meta["node"]), meta["kind"], float(meta["stall_at"]), parse_journal(data, name))
+    except (ValueError, KeyError, TypeError, zlib.error):
+        return None
