@@ -176,20 +176,23 @@ class Clock:
         return self.now
 
 
+async def rounds(nodes: list[Cluster], clock: Clock, count: int, phase: str = "watching") -> None:
+    """``count`` publication rounds 2.5 s apart, every node in turn."""
+    for _ in range(count):
+        clock.now += 2.5
+        for c in nodes:
+            await c.exchange(summary(c.me, clock.now, [c.me], phase))
+
+
 class TestExchange:
     def test_members_read_one_view_and_only_the_leader_reads_the_summaries(self, torch_store) -> None:  # type: ignore[no-untyped-def]
         clock = Clock()
 
         async def talk():  # type: ignore[no-untyped-def]
             nodes = [cluster(torch_store.port, n, nnodes=6, clock=clock) for n in range(6)]
-            for _ in range(3):
-                clock.now += 2.5
-                for c in nodes:
-                    await c.exchange(summary(c.me, clock.now, [c.me]))
+            await rounds(nodes, clock, 3)
             before = [c.client.requests for c in nodes]
-            clock.now += 2.5
-            for c in nodes:
-                await c.exchange(summary(c.me, clock.now, [c.me]))
+            await rounds(nodes, clock, 1)
             per_round = [c.client.requests - b for c, b in zip(nodes, before)]
             return nodes, per_round
 
@@ -206,14 +209,8 @@ class TestExchange:
 
         async def talk():  # type: ignore[no-untyped-def]
             nodes = [cluster(torch_store.port, n, clock=clock) for n in range(3)]
-            for _ in range(3):
-                clock.now += 2.5
-                for c in nodes:
-                    await c.exchange(summary(c.me, clock.now, [c.me]))
-            for _ in range(7):  # node 0 stops publishing
-                clock.now += 2.5
-                for c in nodes[1:]:
-                    await c.exchange(summary(c.me, clock.now, [c.me]))
+            await rounds(nodes, clock, 3)
+            await rounds(nodes[1:], clock, 7)  # node 0 stops publishing
             return nodes
 
         nodes = asyncio.run(talk())
@@ -238,10 +235,7 @@ class TestExchange:
 
         async def talk():  # type: ignore[no-untyped-def]
             nodes = [cluster(torch_store.port, n, clock=clock) for n in range(3)]
-            for _ in range(2):
-                clock.now += 2.5
-                for c in nodes:
-                    await c.exchange(summary(c.me, clock.now, [c.me]))
+            await rounds(nodes, clock, 2)
             keys_watching = await nodes[0].client.num_keys()
             leader = nodes[0]
             await leader.open_incident(clock.now)

@@ -42,13 +42,21 @@ async def start_node(tmp_path: Path, node: int, nnodes: int, per_node: int, port
     )  # fmt: skip
 
 
-async def training(run_dir: Path, ranks: int, timeout_s: float = 120.0) -> None:
-    """Until the node's ranks have taken a step (their heartbeats exist): start-up time varies with the load."""
+async def training(run_dir: Path, ranks: int, steps: int = 20, timeout_s: float = 240.0) -> None:
+    """Until each of the node's ranks is ``steps`` into training (its heartbeat says so): the learned stall
+    timeout needs a few steps of rhythm (before them the 300 s warm-up timeout holds), and start-up time
+    varies with the machine's load."""
     for _ in range(int(timeout_s / 0.2)):
-        if len(list((run_dir / "hb").glob("*"))) >= ranks:
+        beats = []
+        for path in (run_dir / "hb").glob("*.json"):
+            try:
+                beats.append(json.loads(path.read_text())["step"])
+            except (OSError, ValueError, KeyError):
+                continue  # being written
+        if len(beats) >= ranks and min(beats) >= steps:
             return
         await asyncio.sleep(0.2)
-    raise TimeoutError(f"{run_dir}: no heartbeat in {timeout_s} s")
+    raise TimeoutError(f"{run_dir}: not {steps} steps into training after {timeout_s} s")
 
 
 def tree(pid: int) -> list[psutil.Process]:
@@ -75,7 +83,7 @@ def kill(pid: int) -> list[psutil.Process]:
 
 async def run_nodes(
     tmp_path: Path, fault: str, fault_rank: int, *job_args: str, nnodes: int = 2, per_node: int = PER_NODE,
-    act_on: int | None = None, act=freeze, after_s: float = 3.0,
+    act_on: int | None = None, act=freeze, after_s: float = 1.0,
 ):  # fmt: skip
     """``nnodes`` wrappers of one job; ``act`` on node ``act_on`` (freeze, kill) ``after_s`` into its training.
     The exit codes and stderr of the nodes that ran to the end, and the webhook's triggers."""

@@ -5,10 +5,10 @@ meet in torchrun's store on node 0 through the O(N) exchange: members read
 one job view a round, the leader judges the job from every node's compact
 evidence and the full evidence of the nodes that decide.  A skipped
 collective on node 5, a frozen node, a healthy job; and node 0 SIGKILLed
-whole (wrapper, torchrun with the store, its rank): the others' ranks fail
-at once, no hang is ever seen, and exactly one of them (the lowest that
-answers its lifeline) pages ``node_lost`` naming node 0, as the page
-counter at a loopback webhook shows.
+whole (wrapper, torchrun with the store, its rank): the others lose the
+store at once, their ranks fail or hang, and exactly one of them (the
+lowest that answers its lifeline) pages ``node_lost`` naming node 0, as the
+page counter at a loopback webhook shows.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def test_the_store_node_killed_whole_is_one_page_from_one_survivor(tmp_path: Pat
     [page] = triggers
     assert (page["verdict"], page["culprit_ranks"]) == ("node_lost", [0]), stderr[0][-3000:]
     assert "does not answer" in stderr[0]  # node 1, the lowest survivor, said why it pages
-    assert all(code not in (0, 3) for code in codes), codes  # torchrun's own failure, not ours
+    # Survivors whose ranks failed end with torchrun's status, those whose ranks hung are ended (3): none is clean.
+    assert 0 not in codes, codes
 
 
 def test_a_healthy_job_of_8_pages_nothing(tmp_path: Path) -> None:

@@ -241,6 +241,16 @@ class Cluster:
             return False
         return view.incident is not None or any(n != self.me for n in view.probing)
 
+    def hurry(self) -> bool:
+        """Exchange at HOT_S: the leader while any node probes (it must hear them), a member while the leader
+        judges (a request for its full evidence, then the verdict, come within a second)."""
+        view = self.view
+        if view is None:
+            return False
+        if self.leads():
+            return view.probing_count > 0 or view.incident is not None
+        return view.incident is not None and view.incident.judging and self.clock() - self._view_changed_at <= LOST_AFTER_S
+
     def lost(self) -> dict[int, Contact]:
         """Nodes whose sidecar stopped publishing (``at`` None: never published this round)."""
         return {c.node: c for c in self.view.lost} if self.view is not None else {}
@@ -273,14 +283,14 @@ class Cluster:
         self._evidence_keys |= {self.key(kind, n) for n in found}
         return found
 
-    async def open_incident(self, opened_at: float, want: list[int] | None = None) -> None:
-        """The leader's incident, in the view: the others look now; ``want`` asks for full evidence."""
+    async def open_incident(self, opened_at: float, want: list[int] | None = None, judging: bool = True) -> None:
+        """The leader's incident, in the view: the others look now; ``want`` asks for full evidence; not
+        ``judging`` while the stall is held (a pause), so the members go back to their usual pace."""
         assert self.view is not None
         incident = self.view.incident
         if incident is None or incident.opened_at != opened_at:
             incident = IncidentView(opened_at=opened_at)
-        if want is not None:
-            incident = incident.model_copy(update={"want": want})
+        incident = incident.model_copy(update={"judging": judging, **({"want": want} if want is not None else {})})
         if incident != self.view.incident:
             await self._publish(self.view.model_copy(update={"incident": incident, "seq": self.view.seq + 1}))
 
@@ -303,8 +313,8 @@ class Cluster:
         self._verdicts_read.add(key)
         await self._delete(self._evidence_keys)  # judged: the members need the verdict only
         self._evidence_keys = set()
-        await self._publish(self.view.model_copy(update={"incident": incident.model_copy(update={"verdict": key}),
-                                                         "seq": self.view.seq + 1}))  # fmt: skip
+        judged = incident.model_copy(update={"verdict": key, "judging": False})
+        await self._publish(self.view.model_copy(update={"incident": judged, "seq": self.view.seq + 1}))
 
     async def read_verdict(self) -> tuple[str, Decision] | None:
         """The leader's verdict, once per incident key, when the view announces one this node has not read."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 PUBLISH_S = 2.5
-HOT_S = 0.5  # the exchange's period while a stall is probed anywhere in the job
+HOT_S = 0.5  # the exchange's period while the leader judges a stall (the leader's: while any node probes)
 LOST_AFTER_S = 7.5  # three missed summaries: that node's sidecar is gone (or its whole node is frozen)
 LISTED = 32  # lost or probing nodes named in the view; more are counted
 CANDIDATES = 8  # the lowest fresh nodes whose lifelines the view carries: who pages when the store is gone
@@ -55,6 +55,7 @@ class NodeSummary(BaseModel):
 
 class IncidentView(BaseModel):
     opened_at: float  # the leader's clock: names the incident
+    judging: bool = True  # the leader is gathering and judging now (False while a pause is held): members hurry
     want: list[int] = []  # nodes asked for their full evidence
     verdict: str | None = None  # the incident key, once the leader judged and paged (``verdict`` holds it)
 

@@ -215,8 +215,8 @@ class Sidecar:
             self._lifeline = None
 
     def _hot(self) -> bool:
-        """A stall is being probed somewhere: exchange every HOT_S, so verdicts and requests travel fast."""
-        return self.incident.phase is not Phase.watching or (self.cluster is not None and self.cluster.peer_suspects())
+        """Exchange every HOT_S while a stall is judged (``Cluster.hurry``): requests and verdicts travel fast."""
+        return self.cluster is not None and self.cluster.hurry()
 
     async def _follow(self, cluster: Cluster) -> None:
         """Send the full evidence the leader asks for; page the leader's verdict; close the leader's incident."""
@@ -348,7 +348,9 @@ class Sidecar:
         decision = with_lost_nodes(decision, cluster.lost(), remote)
         if pending := sorted(answering - set(remote)):
             # Their sidecar still publishes but has not probed yet (a longer learned timeout): look again.
-            return replace(decision, page=False, held=f"waiting for node {', '.join(map(str, pending))} to share its evidence")
+            decision = replace(decision, page=False, held=f"waiting for node {', '.join(map(str, pending))} to share its evidence")
+        if not decision.page:  # held (a pause, a busy rank): the members go back to their usual pace
+            await cluster.open_incident(opened, judging=False)
         return decision
 
     async def _judge_without_store(self, cluster: Cluster, stall: Stall, why: str) -> Decision:
