@@ -21,16 +21,32 @@ and no page; a crash (sigkill, exception) on one node is torchrun's to end
 right).  On gloo (``--device cpu``) dtype and conditional are crashes too:
 gloo checks message sizes and raises.
 
-Multi-node mode (``--nnodes 2``): two wrappers on this machine, one rank
-each, ``--node-rank 0|1 --master-addr 127.0.0.1 --master-port P`` (static
-rendezvous) or ``--rdzv-backend c10d``; each wrapper gets its own
-``NCCL_HOSTID`` so NCCL treats them as two hosts.  A hang there is right
-when some wrapper pages the expected verdict and culprit and no wrapper
-pages another culprit.
+Multi-node mode (``--nnodes N``, any N >= 2): N wrappers on this machine,
+``--nproc`` ranks each (default 1; global rank = node * nproc + local),
+``--node-rank k --master-addr 127.0.0.1 --master-port P`` (static rendezvous:
+node 0's torchrun serves the store) or ``--rdzv-backend c10d``; each wrapper
+gets its own ``NCCL_HOSTID=node<k>`` so NCCL treats them as N hosts.  A hang,
+on one node or several, is right when exactly one wrapper pages (the others
+say which node does) and one webhook trigger arrives, both with the expected
+verdict and culprit; a verdict in the bundle of a node that did not page is
+shown, not judged.
+
+Two scenarios act on a whole node, not through the job (which runs ``--fault
+none``): once that node's ranks have beaten past the fault step (their
+heartbeats in ``<run dir>/hb/``) the suite signals its wrapper and every
+process under it, and that moment is ``fault_at``.
+
+  freeze_node      SIGSTOP the node of the fault rank (rank 0: node 0, -1: the last
+                   node): ``node_lost`` naming its ranks, one page, the others exit 3
+  kill_store_node  SIGKILL node 0, the store's node: ``node_lost`` naming its ranks,
+                   one page (from one survivor), no wrapper exits 0
 
     python3 bench/fault_suite.py --device cpu --nproc 2 --scenarios skip,none      # CPU dry run
     python3 bench/fault_suite.py --scenarios skip,syscall,sigstop --repeats 2 --budget 500
     python3 bench/fault_suite.py --nnodes 2 --rdzv c10d --scenarios skip,sigkill --budget 500
+    python3 bench/fault_suite.py --nnodes 8 --size tiny --fault-ranks 4 \\
+        --scenarios skip,freeze_node,kill_store_node,none                          # 8 nodes on one GPU
+    python3 bench/fault_suite.py --device cpu --nnodes 3 --scenarios freeze_node,kill_store_node  # CPU dry run
     python3 bench/fault_suite.py --summarize a.jsonl b.jsonl                        # one table
 
 Writes ``<out-dir>/<name>.jsonl`` (one line per run), ``<name>.md`` (the
@@ -67,6 +83,10 @@ JOB = ROOT / "bench" / "gpu_job.py"
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 VERDICT_LINE = re.compile(r"^ncclwatch: ([A-Z][A-Z0-9 ]+?)(?: — culprit ranks? ([\d, ]+))?\s*$")  # P2P DEADLOCK
 PERF_LINE = re.compile(r"^ncclwatch .*? performance: (\w+): (.*)$")  # the performance look's findings (logged)
+# A node that shows the verdict but leaves the page to another ("node 0 pages the job-wide verdict", "a lower
+# node that answers pages"): every node writes a bundle, so only these lines tell which node paged.
+DEFER_LINE = re.compile(r"^ncclwatch: node \d+: .*\bpages\b")
+ACTION_TAIL_STEPS = 100_000  # a node action's job trains on until the action or the run's timeout ends it
 LOG_TAIL_BYTES = 256 << 10
 
 
@@ -78,6 +98,7 @@ class Expect:
     gpu_only: bool = False
     long: bool = False  # runs --pause-s longer
     gloo_raises: bool = False  # gloo checks sizes and raises: on CPU a crash, not a hang
+    node_action: str | None = None  # "freeze" (SIGSTOP) or "kill" (SIGKILL) a whole wrapper; the job runs healthy
 
 
 EXPECT = {
@@ -94,6 +115,8 @@ EXPECT = {
     "straggler": Expect(),
     "pause": Expect(long=True),
     "sigstop": Expect("process_stopped"),
+    "freeze_node": Expect("node_lost", node_action="freeze"),
+    "kill_store_node": Expect("node_lost", node_action="kill"),
 }
 HEALTHY = tuple(name for name, e in EXPECT.items() if e.verdict is None and not e.crash)
 
@@ -160,6 +183,7 @@ class Wrapper:
         self.log = log
         self.verdict_lines: list[tuple[float, str, list[int]]] = []
         self.perf_lines: list[tuple[float, str, str]] = []  # (arrived, kind, summary)
+        self.deferred = False  # said that another node pages
         self.process = subprocess.Popen(
             command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -174,20 +198,24 @@ class Wrapper:
                 line = raw.decode(errors="replace").rstrip("\n")
                 if perf := PERF_LINE.match(line):
                     self.perf_lines.append((arrived, perf.group(1), perf.group(2)))
+                self.deferred = self.deferred or bool(DEFER_LINE.match(line))
                 match = VERDICT_LINE.match(line)
                 if match:
                     verdict = match.group(1).strip().lower().replace(" ", "_")
                     culprits = [int(x) for x in re.findall(r"\d+", match.group(2) or "")]
                     self.verdict_lines.append((arrived, verdict, culprits))
 
-    def end(self) -> None:
-        """SIGTERM the wrapper (it forwards to torchrun), then SIGKILL whatever of its tree is left."""
+    def end(self, hard: bool = False) -> None:
+        """SIGTERM the wrapper (it forwards to torchrun), then SIGKILL whatever of its tree is left.
+
+        ``hard``: SIGKILL at once (a frozen node's tree would hold a SIGTERM until the wait ran out).
+        """
         try:
             tree = [psutil.Process(self.process.pid)]
             tree += tree[0].children(recursive=True)
         except psutil.NoSuchProcess:
             tree = []
-        if self.process.poll() is None:
+        if self.process.poll() is None and not hard:
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(10)
@@ -198,8 +226,8 @@ class Wrapper:
                 proc.kill()  # SIGKILL ends a stopped process too
             except psutil.NoSuchProcess:
                 pass
-        psutil.wait_procs(tree, timeout=20)
-        self.process.wait()
+        self.process.wait()  # reaped by Popen first: after psutil's wait Popen would read exit status 0
+        psutil.wait_procs(tree[1:], timeout=20)
         self._reader.join(10)
 
 
@@ -230,9 +258,10 @@ def free_port() -> int:
 def wrapper_commands(
     args: argparse.Namespace, scenario: str, rank: int, step: int, work: Path, job: str
 ) -> list[list[str]]:
+    fault, tail = (scenario, args.steps_after) if EXPECT[scenario].node_action is None else ("none", ACTION_TAIL_STEPS)
     job_args = [
-        str(JOB), f"--device={args.device}", f"--size={args.size}", f"--fault={scenario}", f"--fault-rank={rank}",
-        f"--fault-step={step}", f"--steps={step + args.steps_after}", f"--warmup-steps={min(20, step)}",
+        str(JOB), f"--device={args.device}", f"--size={args.size}", f"--fault={fault}", f"--fault-rank={rank}",
+        f"--fault-step={step}", f"--steps={step + tail}", f"--warmup-steps={min(20, step)}",
         f"--pause-s={args.pause_s}", f"--mark-dir={work / 'marks'}", f"--result={work / 'result.json'}",
     ]  # fmt: skip
     commands = []
@@ -247,12 +276,77 @@ def wrapper_commands(
         if args.nnodes == 1:
             torchrun.append("--standalone")
         elif args.rdzv == "static":
-            torchrun += ["--nnodes=2", f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={args.port}"]
+            torchrun += [f"--nnodes={args.nnodes}", f"--node-rank={node}", "--master-addr=127.0.0.1"]
+            torchrun.append(f"--master-port={args.port}")
         else:
-            torchrun += ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{args.port}"]
+            torchrun += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{args.port}"]
             torchrun.append(f"--rdzv-id={job}")
         commands.append(wrapper + args.wrapper_arg + torchrun + job_args)
     return commands
+
+
+def start_wrappers(
+    args: argparse.Namespace, hook: str, scenario: str, rank: int, step: int, work: Path, job: str
+) -> list[Wrapper]:
+    wrappers = []
+    for node, command in enumerate(wrapper_commands(args, scenario, rank, step, work, job)):
+        env = {**os.environ, **SAFE_ENV, "NCCLWATCH_WEBHOOK_URL": hook, "PYTHONUNBUFFERED": "1"}
+        if args.nnodes > 1:
+            env["NCCL_HOSTID"] = f"node{node}"
+        wrappers.append(Wrapper(command, env, work, work / f"wrapper{node}.log"))
+    return wrappers
+
+
+def target_node(expect: Expect, rank: int, nproc: int) -> int | None:
+    """The node a node action hits: the fault rank's (so repeats vary it), but always node 0 for the kill,
+    whose point is that the store dies with the node."""
+    if expect.node_action is None:
+        return None
+    return 0 if expect.node_action == "kill" else rank // nproc
+
+
+def reach_step(run_dir: Path, nproc: int, step: int, wrappers: list[Wrapper], deadline: float) -> bool:
+    """Wait until each of the node's ranks has beaten past ``step`` (``<run dir>/hb/<pid>.json``).
+
+    Past its warm-up, at the step where a job fault would strike, so the latencies compare with the job
+    faults'; the start-up time itself varies too much with the load for a fixed delay.  False when a
+    wrapper ended or the deadline passed first.
+    """
+    while time.time() < deadline and all(w.process.poll() is None for w in wrappers):
+        steps = []
+        for path in (run_dir / "hb").glob("*.json"):
+            try:
+                steps.append(json.loads(path.read_text()).get("step") or 0)
+            except (OSError, ValueError):  # not written yet: read it on the next round
+                pass
+        if len(steps) >= nproc and min(steps) >= step:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def act_on_node(wrapper: Wrapper, freeze: bool) -> None:
+    """SIGSTOP (freeze) or SIGKILL a wrapper and everything under it: a node that hangs or dies whole.
+
+    The tree is collected before any signal: the wrapper starts torchrun in a session of its own (its
+    process group is not enough), and a killed parent's children are reparented out of ``children()``.
+    """
+    root = psutil.Process(wrapper.process.pid)
+    tree = [root, *root.children(recursive=True)]
+    how = signal.SIGSTOP if freeze else signal.SIGKILL
+    for proc in tree:  # top down: no parent sees a child stop or die and reacts
+        try:
+            proc.send_signal(how)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def archive_logs(logs: tarfile.TarFile, wrappers: list[Wrapper], stem: str) -> None:
+    for i, wrapper in enumerate(wrappers):
+        data = wrapper.log.read_bytes()[-LOG_TAIL_BYTES:]
+        info = tarfile.TarInfo(f"{stem}-node{i}.log")
+        info.size, info.mtime = len(data), int(time.time())
+        logs.addfile(info, io.BytesIO(data))
 
 
 def run_once(
@@ -265,51 +359,40 @@ def run_once(
     logs: tarfile.TarFile,
 ) -> dict:
     expect = expectation(scenario, args.device)
+    node = target_node(expect, rank, args.nproc)
     job = f"bench-{scenario}-{n}-{os.getpid()}"
     timeout = args.timeout + (args.pause_s if expect.long else 0)
     with tempfile.TemporaryDirectory(prefix=f"fault-{scenario}-") as folder:
         work = Path(folder)
         (work / "marks").mkdir()
         args.port = free_port()
-        wrappers = []
         began = time.time()
-        for node, command in enumerate(wrapper_commands(args, scenario, rank, step, work, job)):
-            env = {**os.environ, **SAFE_ENV, "NCCLWATCH_WEBHOOK_URL": receiver.url, "PYTHONUNBUFFERED": "1"}
-            if args.nnodes > 1:
-                env["NCCL_HOSTID"] = f"node{node}"
-            wrappers.append(Wrapper(command, env, work, work / f"wrapper{node}.log"))
-        timed_out = wait_all(wrappers, began + timeout, args.peer_grace)
+        wrappers = start_wrappers(args, receiver.url, scenario, rank, step, work, job)
+        acted_at, hit = None, None  # the node action's time and the wrapper it hit
+        if node is not None and reach_step(work / f"run{node}", args.nproc, step, wrappers, began + timeout):
+            acted_at, hit = time.time(), wrappers[node]
+            act_on_node(hit, freeze=expect.node_action == "freeze")
+        # The node hit never ends by itself (frozen) or ended at once (killed): only the others are waited for.
+        timed_out = wait_all([w for w in wrappers if w is not hit], began + timeout, args.peer_grace)
         for wrapper in wrappers:
-            wrapper.end()
+            wrapper.end(hard=wrapper is hit)
         leftovers = kill_leftovers(work)
         time.sleep(0.5)  # a webhook the sidecar sent just before it exited
         marks = [json.loads(p.read_text()) for p in (work / "marks").glob("fault.*") if not p.name.endswith(".tmp")]
-        fault_at = min((m["time"] for m in marks), default=None)
+        fault_at = acted_at if node is not None else min((m["time"] for m in marks), default=None)
         nodes = [node_result(w, work / f"bundles{i}", fault_at) for i, w in enumerate(wrappers)]
         result_file = work / "result.json"
         steps_per_s = json.loads(result_file.read_text()).get("steps_per_s") if result_file.exists() else None
-        for i, wrapper in enumerate(wrappers):
-            data = wrapper.log.read_bytes()[-LOG_TAIL_BYTES:]
-            info = tarfile.TarInfo(f"{scenario}-{n}-node{i}.log")
-            info.size, info.mtime = len(data), int(time.time())
-            logs.addfile(info, io.BytesIO(data))
-        posts = receiver.for_job(job)
-        triggers = [p for p in posts if p["event"] == "trigger"]
+        archive_logs(logs, wrappers, f"{scenario}-{n}")
         record = {
             "scenario": scenario, "repeat": n, "nnodes": args.nnodes, "rdzv": args.rdzv if args.nnodes > 1 else None,
-            "nproc_per_node": args.nproc, "device": args.device, "size": args.size, "fault_rank": rank, "fault_step": step,
-            "expected_verdict": expect.verdict, "expect_crash": expect.crash,
-            "expected_culprits": [rank] if expect.verdict and expect.names_culprit else None,
+            "nproc_per_node": args.nproc, "device": args.device, "size": args.size, "fault_rank": rank,
+            "fault_step": step, "action": expect.node_action, "action_node": node, "expected_verdict": expect.verdict,
+            "expect_crash": expect.crash, "expected_culprits": expected_culprits(expect, rank, node, args.nproc),
             "fault_at": fault_at, "wall_s": round(time.time() - began, 1), "timed_out": timed_out, "nodes": nodes,
-            "webhook_triggers": len(triggers), "webhook_resolves": sum(p["event"] == "resolve" for p in posts),
-            "webhook_keys": len({p["id"] for p in triggers}), "steps_per_s": steps_per_s, "leftover_processes": leftovers,
+            "steps_per_s": steps_per_s, "leftover_processes": leftovers,
         }  # fmt: skip
-        pages = [node for node in nodes if node["page_verdict"] or node["verdict"]]
-        record["pages"] = len(pages)
-        for key in ("page_s", "report_s", "bundle_s"):
-            values = [node[key] for node in nodes if node.get(key) is not None]
-            record[key] = min(values) if values else None
-        record["webhook_s"] = round(min(p["time"] for p in triggers) - fault_at, 2) if triggers and fault_at else None
+        score(record, receiver.for_job(job))
         record["correct"] = judge(expect, record, rank)
         if not record["correct"]:
             # A wrong verdict needs its evidence to be understood: the bundles (NCCL logs, dumps, stacks) come back.
@@ -317,6 +400,30 @@ def run_once(
                 for bundle in sorted((work / f"bundles{i}").glob("*.tar.gz")):
                     shutil.copy(bundle, Path(args.out_dir) / f"wrong-{scenario}-{n}-node{i}-{bundle.name}")
     return record
+
+
+def expected_culprits(expect: Expect, rank: int, node: int | None, nproc: int) -> list[int] | None:
+    if node is not None:
+        return list(range(node * nproc, (node + 1) * nproc))
+    return [rank] if expect.verdict and expect.names_culprit else None
+
+
+def score(record: dict, posts: list[dict]) -> None:
+    """Pages (terminal and webhook) and latencies from the fault's mark, or the node action, into ``record``."""
+    nodes, fault_at = record["nodes"], record["fault_at"]
+    triggers = [p for p in posts if p["event"] == "trigger"]
+    reported = [i for i, node in enumerate(nodes) if node["page_verdict"] or node["verdict"]]
+    record.update(
+        reports=len(reported), paged_by=[i for i in reported if not nodes[i]["deferred"]],
+        webhook_triggers=len(triggers), webhook_resolves=sum(p["event"] == "resolve" for p in posts),
+        webhook_keys=len({p["id"] for p in triggers}),
+        webhook_pages=[[p["verdict"], p["culprit_ranks"]] for p in triggers],
+    )  # fmt: skip
+    record["pages"] = len(record["paged_by"])
+    for key in ("page_s", "report_s", "bundle_s"):
+        values = [node[key] for node in nodes if node.get(key) is not None]
+        record[key] = min(values) if values else None
+    record["webhook_s"] = round(min(p["time"] for p in triggers) - fault_at, 2) if triggers and fault_at else None
 
 
 def wait_all(wrappers: list[Wrapper], deadline: float, peer_grace: float) -> bool:
@@ -338,7 +445,8 @@ def node_result(wrapper: Wrapper, bundles: Path, fault_at: float | None) -> dict
     node = {
         "returncode": wrapper.process.returncode,
         "page_verdict": first_line[1], "page_culprits": first_line[2], "page_s": since(first_line[0]),
-        "verdict_lines": len(wrapper.verdict_lines), "verdict": None, "culprit_ranks": None,
+        "verdict_lines": len(wrapper.verdict_lines), "deferred": wrapper.deferred,
+        "verdict": None, "culprit_ranks": None,
         "perf_findings": [{"kind": kind, "summary": text, "s": since(at)} for at, kind, text in wrapper.perf_lines],
     }  # fmt: skip
     found = sorted(bundles.glob("*.tar.gz"))
@@ -370,9 +478,9 @@ def judge(expect: Expect, record: dict, rank: int) -> bool:
     if record["timed_out"] and not (expect.verdict and any(n["verdict"] for n in nodes)):
         return False
     if expect.verdict is None and not expect.crash:
-        return record["pages"] == 0 and record["webhook_triggers"] == 0 and all(n["returncode"] == 0 for n in nodes)
-    named = [n for n in nodes if n["verdict"]]
+        return record["reports"] == 0 and record["webhook_triggers"] == 0 and all(n["returncode"] == 0 for n in nodes)
     if expect.crash:
+        named = [n for n in nodes if n["verdict"]]
         # One node: torchrun ends the job.  Across nodes the survivor hangs and should name the dead rank.
         if any(n["culprit_ranks"] != [rank] for n in named):
             return False
@@ -380,10 +488,24 @@ def judge(expect: Expect, record: dict, rank: int) -> bool:
             ended_by_torchrun = not named and nodes[0]["returncode"] not in (0, 3)
             return ended_by_torchrun or [n["verdict"] for n in named] == ["process_dead"]
         return True
-    culprits_ok = lambda n: not expect.names_culprit or n["culprit_ranks"] == [rank]  # noqa: E731
-    right = [n for n in named if n["verdict"] == expect.verdict and culprits_ok(n)]
-    wrong_culprit = [n for n in named if expect.names_culprit and n["culprit_ranks"] and n["culprit_ranks"] != [rank]]
-    return bool(right) and not wrong_culprit
+    culprits = record["expected_culprits"]  # None: any (p2p_deadlock: every rank is in the cycle)
+    # What was paged is judged: the one wrapper that paged (its bundle) and the one webhook trigger.  A node
+    # that left the page to another may keep another verdict in its bundle (with the store gone each node
+    # judges alone); the table's "got" shows every node's.
+    pages = [(nodes[i]["verdict"], nodes[i]["culprit_ranks"]) for i in record["paged_by"]]
+    pages += [(verdict, ranks) for verdict, ranks in record["webhook_pages"]]
+    right = all(verdict == expect.verdict and culprits in (None, ranks) for verdict, ranks in pages)
+    return record["pages"] == 1 and record["webhook_triggers"] == 1 and right and spared_nodes_ok(expect, record)
+
+
+def spared_nodes_ok(expect: Expect, record: dict) -> bool:
+    """How the nodes a node action spared end: ended by ncclwatch (3) after a freeze; never as a clean
+    exit after the store's node died (gloo ranks crash and torchrun fails, unless a slow exit lets the
+    stall be paged first; NCCL ranks hang until ncclwatch ends them: 3)."""
+    codes = [n["returncode"] for i, n in enumerate(record["nodes"]) if i != record["action_node"]]
+    if expect.node_action == "freeze":
+        return all(code == 3 for code in codes)
+    return 0 not in codes
 
 
 def percentiles(values: list[float]) -> str:
@@ -395,7 +517,9 @@ def percentiles(values: list[float]) -> str:
 
 
 def outcome(node: dict) -> str:
-    return f"{node['verdict']} {node['culprit_ranks']}" if node["verdict"] else f"none (rc {node['returncode']})"
+    """``node_lost [0], rc 3``: after a node action the exit code says who ended the others (3: ncclwatch)."""
+    told = f"{node['verdict']} {node['culprit_ranks']}" if node["verdict"] else "none"
+    return f"{told}, rc {node['returncode']}"
 
 
 def perf_summary(runs: list[dict]) -> str:
@@ -410,44 +534,57 @@ def perf_summary(runs: list[dict]) -> str:
     return "; ".join(told)
 
 
+def expected_text(runs: list[dict]) -> str:
+    first = runs[0]
+    if first.get("action"):
+        hit = ", ".join(str(node) for node in sorted({r["action_node"] for r in runs}))
+        return f"{first['expected_verdict']} ({first['action']} node {hit})"
+    return first["expected_verdict"] or ("crash: torchrun's exit" if first.get("expect_crash") else "no page")
+
+
 def summarize(records: list[dict]) -> str:
     lines = [
-        "| scenario | nodes | runs | correct | expected | got (culprits) | page p50 / p90 (s) | report p50 / p90 (s) "
-        "| bundle p50 / p90 (s) | webhook p50 / p90 (s) | triggers (dedup keys) | false pages | stall timeout (s) "
-        "| processes left behind | performance findings (first, s after the fault) |",
-        "|" + " --- |" * 15,
+        "| scenario | nodes x ranks | runs | correct | expected | got (culprits) | fault -> first page p50 / p90 (s) "
+        "| report p50 / p90 (s) | bundle p50 / p90 (s) | fault -> webhook p50 / p90 (s) | triggers (dedup keys) "
+        "| paged by (node, per run) | false pages | stall timeout (s) | processes left behind "
+        "| performance findings (first, s after the fault) |",
+        "|" + " --- |" * 16,
     ]
     groups: dict[tuple, list[dict]] = {}
     for record in records:
-        nodes = record["nnodes"] if record["nnodes"] == 1 else f"{record['nnodes']} ({record['rdzv']})"
+        nodes = f"{record['nnodes']} x {record['nproc_per_node']}"
+        nodes += f" ({record['rdzv']})" if record["nnodes"] > 1 else ""
         groups.setdefault((record["scenario"], nodes), []).append(record)
     for (scenario, nodes), runs in groups.items():
         got = sorted({outcome(node) for r in runs for node in r["nodes"]})
-        crash = runs[0].get("expect_crash")
-        expected = runs[0]["expected_verdict"] or ("crash: torchrun's exit" if crash else "no page")
-        false_pages = sum(r["pages"] + r["webhook_triggers"] > 0 for r in runs) if scenario in HEALTHY else "-"
+        # Older records have no "reports": their "pages" counted every wrapper that showed a verdict.
+        false_pages = "-"
+        if scenario in HEALTHY:
+            false_pages = sum(r.get("reports", r["pages"]) + r["webhook_triggers"] > 0 for r in runs)
+        paged_by = "; ".join(",".join(map(str, r["paged_by"])) or "-" for r in runs) if "paged_by" in runs[0] else "?"
         stall = [n.get("stall_timeout_s") for r in runs for n in r["nodes"]]
         lines.append(
-            f"| {scenario} | {nodes} | {len(runs)} | {sum(r['correct'] for r in runs)} | {expected} | "
+            f"| {scenario} | {nodes} | {len(runs)} | {sum(r['correct'] for r in runs)} | {expected_text(runs)} | "
             f"{'; '.join(got)} | "
             f"{percentiles([r['page_s'] for r in runs])} | {percentiles([r['report_s'] for r in runs])} | "
             f"{percentiles([r['bundle_s'] for r in runs])} | {percentiles([r['webhook_s'] for r in runs])} | "
-            f"{sum(r['webhook_triggers'] for r in runs)} ({sum(r['webhook_keys'] for r in runs)}) | "
+            f"{sum(r['webhook_triggers'] for r in runs)} ({sum(r['webhook_keys'] for r in runs)}) | {paged_by} | "
             f"{false_pages} | {percentiles(stall)} | {sum(r.get('leftover_processes', 0) for r in runs)} | "
             f"{perf_summary(runs)} |"
         )
     return "\n".join(lines)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default="skip,syscall,sigstop,long_kernel,none")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--size", choices=("tiny", "short", "long"), help="default: short on cuda, tiny on cpu")
-    parser.add_argument("--nproc", type=int, help="ranks per node (default: 2 on one node, 1 with --nnodes 2)")
-    parser.add_argument("--nnodes", type=int, choices=(1, 2), default=1, help="2: two wrappers on this machine")
-    parser.add_argument("--rdzv", choices=("static", "c10d"), default="static", help="rendezvous with --nnodes 2")
+    sizes = ("tiny", "short", "short_compute", "long")
+    parser.add_argument("--size", choices=sizes, help="default: short on cuda, tiny on cpu")
+    parser.add_argument("--nproc", type=int, help="ranks per node (default: 2 on one node, 1 with several)")
+    parser.add_argument("--nnodes", type=int, default=1, help="N > 1: N wrappers on this machine")
+    parser.add_argument("--rdzv", choices=("static", "c10d"), default="static", help="rendezvous with several nodes")
     parser.add_argument("--fault-ranks", default="0,-1", help="cycled over repeats; -1 is the last rank")
     parser.add_argument("--fault-steps", default="60,200", help="cycled over repeats")
     parser.add_argument("--steps-after", type=int, default=150, help="steps the job runs past the fault step")
@@ -455,22 +592,31 @@ def main() -> int:
     parser.add_argument("--stall-timeout-floor", type=float, help="passed to the wrapper (its default: 5 s)")
     parser.add_argument("--wrapper-arg", action="append", default=[], help="one more wrapper option (repeatable)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per run (pause, checkpoint: + --pause-s)")
-    parser.add_argument("--peer-grace", type=float, default=60.0, help="2 nodes: seconds the other has once one ended")
+    parser.add_argument("--peer-grace", type=float, default=60.0, help="nodes: seconds the others have once one ended")
     parser.add_argument("--budget", type=float, default=480.0, help="start no run that could end after this (seconds)")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", str(ROOT / "bench" / "out")))
     parser.add_argument("--name", default="fault", help="output file stem")
     parser.add_argument("--summarize", nargs="+", metavar="JSONL", help="only print the table of these files")
     args = parser.parse_args()
+    if args.nnodes < 1:
+        parser.error("--nnodes must be 1 or more")
+    if args.nnodes == 1 and any(EXPECT[s].node_action for s in args.scenarios.split(",")):
+        parser.error("freeze_node and kill_store_node need --nnodes 2 or more")
+    args.size = args.size or ("short" if args.device == "cuda" else "tiny")
+    args.nproc = args.nproc or (2 if args.nnodes == 1 else 1)
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     if args.summarize:
         lines = [line for name in args.summarize for line in Path(name).read_text().splitlines() if line]
         print(summarize([json.loads(line) for line in lines]))
         return 0
-    args.size = args.size or ("short" if args.device == "cuda" else "tiny")
-    args.nproc = args.nproc or (2 if args.nnodes == 1 else 1)
+    scenarios = [s for s in args.scenarios.split(",") if not (EXPECT[s].gpu_only and args.device == "cpu")]
     world = args.nproc * args.nnodes
     ranks = [int(r) % world for r in args.fault_ranks.split(",")]
     steps = [int(s) for s in args.fault_steps.split(",")]
-    scenarios = [s for s in args.scenarios.split(",") if not (EXPECT[s].gpu_only and args.device == "cpu")]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     receiver = WebhookReceiver()

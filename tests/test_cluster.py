@@ -337,9 +337,15 @@ class TestJobWideVerdict:
         assert lost.page and lost.finding.verdict == Verdict.node_lost and lost.finding.culprits == (2, 3)
         assert "node1" in lost.finding.summary
 
-    def test_a_culprit_named_elsewhere_stands(self) -> None:
-        named = decision(Verdict.rank_behind, (0,))
+    def test_a_mismatch_named_elsewhere_stands(self) -> None:
+        named = decision(Verdict.collective_mismatch, (0,))
         assert with_lost_nodes(named, {1: summary(1, NOW - 20, [2, 3]).contact()}, remote={}) is named
+
+    def test_a_neighbour_behind_or_stuck_next_to_a_lost_node_is_its_symptom(self) -> None:
+        for symptom in (Verdict.rank_behind, Verdict.stuck_in_collective):
+            lost = with_lost_nodes(decision(symptom, (5,)), {4: summary(4, NOW - 20, [4]).contact()}, remote={})
+            assert (lost.finding.verdict, lost.finding.culprits) == (Verdict.node_lost, (4,))
+            assert "Engine on the rest" in lost.finding.reason
 
     def test_a_node_that_shared_its_evidence_is_not_lost(self) -> None:
         quiet = decision(Verdict.inconclusive)

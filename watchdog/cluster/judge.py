@@ -19,11 +19,10 @@ from dataclasses import replace
 from ncclwatch.watchdog.cluster.peers import Membership
 from ncclwatch.watchdog.cluster.view import LOST_AFTER_S, Contact
 from ncclwatch.watchdog.engine.classify import Decision
-from ncclwatch.watchdog.engine.detectors import Fact, Verdict
+from ncclwatch.watchdog.engine.detectors import PRIORITY, Fact, Verdict
 from ncclwatch.watchdog.engine.state import JobState
 from ncclwatch.watchdog.events import Event, Stall
 
-QUIET = (Verdict.no_hang, Verdict.inconclusive, Verdict.progress_stalled)
 
 
 def job_state(local: JobState, remote: dict[int, list[Event]], stall: Stall) -> JobState:
@@ -57,13 +56,16 @@ STORE_GONE = "it served the job's store, which is gone, and its sidecar does not
 
 def with_lost_nodes(decision: Decision, lost: dict[int, Contact], remote: dict[int, list[Event]], why: str = SILENT) -> Decision:
     """A node that neither publishes nor shares evidence while ranks wait is the job's problem, unless a
-    culprit elsewhere is already named (``why``: how it was found lost)."""
+    fault at least as strong (``PRIORITY``: a mismatch, a dead process) is named elsewhere.  What waiting on
+    a lost node looks like (a neighbour behind in enqueued collectives, ranks stuck in one) is its symptom:
+    on 8 GPU nodes a frozen node 4 was first paged as ``rank_behind [5]`` (``why``: how it was found lost)."""
     gone = {node: summary for node, summary in lost.items() if node not in remote}
     if not gone:
         return decision
     finding = decision.finding
     lost_ranks = sorted(r for s in gone.values() for r in s.ranks)
-    if finding.verdict not in QUIET and finding.culprits and not set(finding.culprits) <= set(lost_ranks):
+    stronger = PRIORITY.get(finding.verdict, 0) >= PRIORITY[Verdict.node_lost]
+    if stronger and finding.culprits and not set(finding.culprits) <= set(lost_ranks):
         return decision
     nodes = ", ".join(_node(n, s) for n, s in sorted(gone.items()))
     ranks = f" (ranks {', '.join(map(str, lost_ranks))})" if lost_ranks else ""
