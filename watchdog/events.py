@@ -271,23 +271,29 @@ class FrProcessGroup(Event):
             return value
         ranks: list[int] = []
         for run in filter(None, value.split(",")):
-            first, _, last = run.partition("-")
-            ranks.extend(range(int(first), int(last or first) + 1))
+            span, _, step = run.partition(":")
+            first, _, last = span.partition("-")
+            ranks.extend(range(int(first), int(last or first) + 1, int(step or 1)))
         return ranks
 
     @field_serializer("ranks", when_used="json")
     def _as_runs(self, ranks: list[int]) -> list[int] | str:
+        """Arithmetic runs: "0-8191" (the default group), "3-8187:8" (a data-parallel group of every 8th rank)."""
         if len(ranks) < 16:
             return ranks
         runs: list[str] = []
-        start = prev = ranks[0]
-        for rank in [*ranks[1:], None]:
-            if rank is not None and rank == prev + 1:
-                prev = rank
+        i = 0
+        while i < len(ranks):
+            step = ranks[i + 1] - ranks[i] if i + 1 < len(ranks) else 1
+            j = i + 1
+            while j < len(ranks) and ranks[j] - ranks[j - 1] == step and step > 0:
+                j += 1
+            if j - i < 3:  # two numbers are no run
+                runs.append(str(ranks[i]))
+                i += 1
                 continue
-            runs.append(str(start) if start == prev else f"{start}-{prev}")
-            if rank is not None:
-                start = prev = rank
+            runs.append(f"{ranks[i]}-{ranks[j - 1]}" + (f":{step}" if step != 1 else ""))
+            i = j
         text = ",".join(runs)
         return text if len(text) < 4 * len(ranks) else ranks
 

@@ -216,15 +216,13 @@ class Cluster:
     async def _forget_previous_round(self) -> None:
         """An elastic restart is a new round: this node's keys of the round before go (and the view, by its
         node 0)."""
-        self._cleaned = True
         restart = self.membership.restart
-        if restart == 0:
-            return
-        old = self.membership.prefix_of(restart - 1)
-        names = [f"{what}/{self.me}" for what in ("node", "compact", "full", "perf")]
-        names += ["view", "verdict"] if self.me == 0 else []
-        for name in names:
-            await self.client.delete(old + name)
+        if restart > 0:
+            old = self.membership.prefix_of(restart - 1)
+            names = [f"{what}/{self.me}" for what in ("node", "compact", "full", "perf")]
+            names += ["view", "verdict"] if self.me == 0 else []
+            await self._delete({old + name for name in names})
+        self._cleaned = True  # only once every delete went through: a failed one is tried again next round
 
     # -- what every node asks of the view ----------------------------------
 

@@ -160,6 +160,8 @@ class Communicator:
     local_ranks: dict[tuple[str, int], int] = field(default_factory=dict)  # (host, localRank) -> comm rank
     members: list[int] = field(default_factory=list)  # global rank of each comm rank, when known (Flight Recorder)
     cites: list[Citation] = field(default_factory=list)  # init lines, dump files
+    # The same cites as a set: a leader folding 8,192 ranks' dumps into one group must not scan the list per dump.
+    cited: set[Citation] = field(default_factory=set)
 
 
 @dataclass
@@ -267,6 +269,7 @@ class JobState:
         if comm is None:
             comm = self.comms[key] = Communicator(key=key, source="nccl_log", nranks=event.nranks, label=label)
         comm.cites.append(event.cite)
+        comm.cited.add(event.cite)
         seq = comm.ranks.get(event.rank)
         if seq is not None and seq.proc != event.proc:
             self._note(
@@ -348,7 +351,8 @@ class JobState:
                 )
             if comm_rank in comm.ranks and comm.ranks[comm_rank].file != dump.cite.file:
                 self._note(f"{label}: two Flight Recorder dumps for rank {dump.rank}; keeping {dump.cite.file}")
-            if dump.cite not in comm.cites:  # the live watchdog re-reads the same file
+            if dump.cite not in comm.cited:  # the live watchdog re-reads the same file
+                comm.cited.add(dump.cite)
                 comm.cites.append(dump.cite)
             seq = RankSeq(comm_rank=comm_rank, proc=None, file=dump.cite.file, global_rank=dump.rank)
             _fold_fr_entries(seq, entries, pg.last_completed if pg else None)
@@ -469,7 +473,8 @@ class JobState:
                 continue
             mine.nranks = max(mine.nranks, theirs.nranks)
             mine.local_ranks.update(theirs.local_ranks)
-            mine.cites.extend(theirs.cites)
+            mine.cites.extend(c for c in theirs.cites if c not in mine.cited)
+            mine.cited |= theirs.cited
             for rank, seq in theirs.ranks.items():
                 if rank not in mine.ranks or seq.total > mine.ranks[rank].total:
                     mine.ranks[rank] = seq
