@@ -158,3 +158,12 @@ class TestMismatchCallSites:
         assert any(f.startswith("ranks 0, 1, 2 issued") and f.endswith("called from main (train.py:158)") for f in facts), facts
         assert any(f.startswith("rank 3 issued") and f.endswith("called from main (train.py:141)") for f in facts), facts
         assert report.headline and report.headline.startswith("ncclwatch: COLLECTIVE MISMATCH rank 3 ")
+
+
+class TestOperationLine:
+    def test_an_operation_without_a_communicator_says_no_none(self) -> None:
+        text = render_text(report(communicator=None, position=None))
+        assert "operation: AllReduce count=16777216 BFloat16\n" in text + "\n" and "(None)" not in text
+
+    def test_position_and_communicator_both_said(self) -> None:
+        assert "operation: AllReduce count=16777216 BFloat16 (collective #57, process group 0 (default_pg))" in render_text(report())

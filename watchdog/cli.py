@@ -36,6 +36,7 @@ verdicts:
   rank_behind           some ranks never entered the collective the others wait in
   process_dead          a rank exited without shutting NCCL down
   stuck_in_collective   every rank issued it, it never completed
+  p2p_deadlock          ranks each wait in a send or recv for the other's missing side
   network_error         a link failed (InfiniBand completion error); names the peer
   no_hang               the job ended cleanly, or nothing is pending
   inconclusive          not enough evidence (the report says what is missing)
@@ -130,6 +131,8 @@ verdicts (live):
   process_stopped      a rank is stopped (state T: SIGSTOP, a debugger)
   gpu_compute_hang     a rank's GPU runs a non-NCCL kernel that never ends while peers spin in NCCL
   stuck_in_collective  every rank entered it and it never completed
+  p2p_deadlock         ranks each wait in a send or recv for the other's missing side
+  node_lost            several nodes: a node's sidecar stopped answering while the others wait
   progress_stalled     nothing moved for --progress-timeout and no rank is in a collective
 
 timing: the stall timeout is learned: 3 x the longest gap between progress the

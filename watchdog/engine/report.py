@@ -235,8 +235,9 @@ def render_text(report: Report, max_evidence: int = 12, columns: int = TERMINAL_
     if report.reason:
         lines += _wrap(f"why: {report.reason}", columns, "  ")
     if report.operation:
-        where = f"collective #{report.position}, " if report.position else ""
-        lines += _wrap(f"operation: {report.operation} ({where}{report.communicator})", columns, "  ")
+        where = [f"collective #{report.position}"] if report.position else []
+        where += [report.communicator] if report.communicator else []
+        lines += _wrap(f"operation: {report.operation}" + (f" ({', '.join(where)})" if where else ""), columns, "  ")
     if report.ranks:
         lines.append("")
         lines.extend(_table(report.ranks, columns))
