@@ -57,12 +57,12 @@ from ncclwatch.watchdog.cluster.store import StoreError
 from ncclwatch.watchdog.cluster.view import HOT_S, PUBLISH_S, Contact, NodeSummary
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.engine.classify import Decision, judge
+from ncclwatch.watchdog.engine.detectors import Finding, Verdict
 from ncclwatch.watchdog.engine.perf import pages
 from ncclwatch.watchdog.engine.performance import PerfHealth
 from ncclwatch.watchdog.engine.report import Report
 from ncclwatch.watchdog.engine.snapshot import Snapshot, take_snapshot
 from ncclwatch.watchdog.engine.state import JobState
-from ncclwatch.watchdog.engine.detectors import Finding, Verdict
 from ncclwatch.watchdog.events import Event, SourceDown, SourceUp, Stall, WorkerSeen
 from ncclwatch.watchdog.live.health import Health, health_of
 from ncclwatch.watchdog.live.incident import WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick, on_verdict
@@ -78,6 +78,10 @@ log = logging.getLogger("ncclwatch")
 PERF_RESOLVE_LOOKS = 2
 
 STOP_GRACE_S = 5.0
+
+
+def _judge_at(state: JobState, at: float) -> Decision:
+    return judge(take_snapshot(state, observed_at=at))
 
 
 class Source(Protocol):
@@ -316,7 +320,7 @@ class Sidecar:
         """This node's view, or the whole job's: the leader judges it, the others share and wait for it."""
         cluster = self.cluster
         if cluster is None:
-            return judge(take_snapshot(self.live.state, observed_at=stall.at))
+            return _judge_at(self.live.state, stall.at)
         if "cluster" in self.live.down:
             return await self._judge_without_store(cluster, stall, self.live.down["cluster"])
         self._shared = live_inputs(self.live.state) + self.live.state.sequence_tails(TAIL_SHARED) + self._probed + [stall]
@@ -327,7 +331,7 @@ class Sidecar:
         except StoreError as exc:
             self.emit(SourceDown(source="cluster", reason=str(exc)))
             return await self._judge_without_store(cluster, stall, str(exc))
-        alone = judge(take_snapshot(self.live.state, observed_at=stall.at))
+        alone = _judge_at(self.live.state, stall.at)
         return replace(alone, page=False, held=f"node {cluster.leader()} judges the whole job; waiting for its verdict")
 
     async def _judge_job(self, cluster: Cluster, stall: Stall) -> Decision:
@@ -338,13 +342,13 @@ class Sidecar:
         answering = cluster.answering()
         remote = await cluster.gather("compact", answering, since=started, wait_s=EVIDENCE_WAIT_S)
         self._job_wide = job_state(self.live.state, remote, stall)
-        decision = judge(take_snapshot(self._job_wide, observed_at=stall.at))
+        decision = _judge_at(self._job_wide, stall.at)
         nodes_of = {e.rank: node for node, events in remote.items() for e in events if isinstance(e, WorkerSeen)}
         if want := focus(decision, nodes_of, set(cluster.lost()), FULL_NODES):
             await cluster.open_incident(opened, want)
             remote |= await cluster.gather("full", set(want), since=started, wait_s=FULL_WAIT_S)
             self._job_wide = job_state(self.live.state, remote, stall)
-            decision = judge(take_snapshot(self._job_wide, observed_at=stall.at))
+            decision = _judge_at(self._job_wide, stall.at)
         decision = with_lost_nodes(decision, cluster.lost(), remote)
         if pending := sorted(answering - set(remote)):
             # Their sidecar still publishes but has not probed yet (a longer learned timeout): look again.
@@ -355,7 +359,7 @@ class Sidecar:
 
     async def _judge_without_store(self, cluster: Cluster, stall: Stall, why: str) -> Decision:
         """This node's ranks alone; the store's node named lost when its lifeline does not answer either."""
-        decision = degraded(judge(take_snapshot(self.live.state, observed_at=stall.at)), why)
+        decision = degraded(_judge_at(self.live.state, stall.at), why)
         self._store_node_lost = await cluster.store_node_lost()
         if self._store_node_lost is None:
             return decision
