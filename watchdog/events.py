@@ -484,11 +484,20 @@ class ProcessState(Event):
     at: float
 
 
+class PeerTail(Event):
+    """One rank's sends to (or recvs from) one peer: how many, and the newest of them (``sigs`` ends at ``count``)."""
+
+    count: int
+    sigs: list[OpSig]
+
+
 class SequenceTail(Event):
     """The newest collectives one rank issued on one NCCL communicator, as another node's sidecar shares them.
 
     ``base`` is the absolute position of ``sigs[0]`` in the communicator's sequence, so the tail aligns
-    with full sequences read here; what came before it is unknown (no digest).
+    with full sequences read here; what came before it is unknown (no digest).  ``sent`` and ``received``
+    (peer -> its point-to-point tail) travel too: without them a rank whose peer lives on another node
+    looks as if that peer never posted its side (a pipeline deadlock was paged as ``rank_behind``).
     """
 
     comm_key: str
@@ -500,6 +509,8 @@ class SequenceTail(Event):
     pid: int
     base: int
     sigs: list[OpSig]
+    sent: dict[int, PeerTail] = Field(default_factory=dict)
+    received: dict[int, PeerTail] = Field(default_factory=dict)
 
 
 class Stall(Event):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ncclwatch.watchdog.events import Event, FrDump, FrEntry, FrProcessGroup, ProcessState, SequenceTail, StackDump
+from ncclwatch.watchdog.engine.state import pending_alone
 from ncclwatch.watchdog.parsing.journal import HEADER, JOURNALED, journal_line, parse_journal
 
 Kind = Literal["compact", "full"]
@@ -41,6 +42,8 @@ FR_FRAMES_COMPACT = 1
 STACK_FRAMES_COMPACT = 8
 TAIL_COMPACT = 8
 SAMPLES_COMPACT = 3  # /proc samples per worker: CPU moving or not needs two
+
+PENDING_P2P_SHARED = 8  # per group: older point-to-point ops still pending, with their recorded stack
 
 MAX_DECODED = 64 << 20
 
@@ -83,9 +86,8 @@ def shareable(events: Iterable[Event], kind: Kind = "full") -> list[Event]:
         elif isinstance(event, StackDump):
             threads = [t.model_copy(update={"frames": t.frames[: limits.stack_frames]}) for t in event.threads]
             event = event.model_copy(update={"threads": threads})
-        elif isinstance(event, SequenceTail) and len(event.sigs) > limits.tail:
-            cut = len(event.sigs) - limits.tail
-            event = event.model_copy(update={"sigs": event.sigs[cut:], "base": event.base + cut})
+        elif isinstance(event, SequenceTail):
+            event = _trimmed_tail(event, limits.tail)
         elif isinstance(event, ProcessState) and limits.samples is not None:
             samples[event.pid] = samples.get(event.pid, 0) + 1
             if samples[event.pid] > limits.samples:
@@ -101,7 +103,22 @@ def _without_identity(group: FrProcessGroup) -> FrProcessGroup:
     return group.model_copy(update={"ranks": []}) if identity and group.ranks else group
 
 
+def _trimmed_tail(tail: SequenceTail, length: int) -> SequenceTail:
+    """The newest ``length`` collectives, and as many point-to-point ops per peer; counts stay whole."""
+    cut = max(len(tail.sigs) - length, 0)
+    peers = {side: {peer: t.model_copy(update={"sigs": t.sigs[len(t.sigs) - min(length, len(t.sigs)):]})
+                    for peer, t in getattr(tail, side).items()} for side in ("sent", "received")}  # fmt: skip
+    return tail.model_copy(update={"sigs": tail.sigs[cut:], "base": tail.base + cut, **peers})
+
+
 def _newest_entries(entries: list[FrEntry], limits: Limits) -> list[FrEntry]:
+    """The newest entries of each group, plus its pending point-to-point ops issued alone, whatever their age.
+
+    A rank's first pending send or recv with a peer is what shows a pipeline deadlock (``detectors``:
+    ``_pending_recv_cycle``), and the host keeps enqueueing behind it (NCCL returns at once): on a
+    hung job it is soon older than the newest few entries.  Ops in a coalesced group stay ``scheduled``
+    forever and their marker says how they ended, so those are never kept without it.
+    """
     by_pg: dict[str, list[FrEntry]] = {}
     for entry in entries:
         by_pg.setdefault(entry.pg_id, []).append(entry)
@@ -110,6 +127,8 @@ def _newest_entries(entries: list[FrEntry], limits: Limits) -> list[FrEntry]:
         newest = group[-limits.fr_entries :]
         cut = len(newest) - limits.fr_frames
         kept += [e if i >= cut else e.model_copy(update={"frames": []}) for i, e in enumerate(newest)]
+        shown = {e.index for e in newest}
+        kept += [e for e in pending_alone(group) if e.index not in shown][:PENDING_P2P_SHARED]
     return sorted(kept, key=lambda e: e.index)
 
 

@@ -47,6 +47,7 @@ from ncclwatch.watchdog.events import (
     OpSig,
     OpState,
     OrphanOps,
+    PeerTail,
     PgStatus,
     ProcessState,
     ProcKey,
@@ -396,6 +397,7 @@ class JobState:
         comm.ranks[event.comm_rank] = RankSeq(
             comm_rank=event.comm_rank, proc=ProcKey(event.host, event.pid), file=f"{event.host}:{event.pid}{SHARED_TAIL}",
             global_rank=event.global_rank, coll=list(event.sigs), base=event.base, digest=None,
+            sent=_peer_logs(event.sent), received=_peer_logs(event.received),
         )  # fmt: skip
 
     def sequence_tails(self, length: int) -> list[SequenceTail]:
@@ -411,6 +413,7 @@ class JobState:
                 tails.append(SequenceTail(
                     comm_key=comm.key, label=comm.label, nranks=comm.nranks, comm_rank=seq.comm_rank, global_rank=seq.global_rank,
                     host=seq.proc.host, pid=seq.proc.pid, base=seq.total - len(sigs), sigs=sigs,
+                    sent=_peer_tails(seq.sent, length), received=_peer_tails(seq.received, length),
                 ))  # fmt: skip
         return tails
 
@@ -529,6 +532,15 @@ class JobState:
         return {proc: rank for proc, (_, rank) in best.items()}
 
 
+def _peer_tails(logs: dict[int, PeerLog], length: int) -> dict[int, PeerTail]:
+    return {peer: PeerTail(count=log.count, sigs=log.sigs[-length:]) for peer, log in logs.items()}
+
+
+def _peer_logs(tails: dict[int, PeerTail]) -> dict[int, PeerLog]:
+    """Another node's point-to-point tails: counts are absolute (NCCL's log), so they align with this node's."""
+    return {peer: PeerLog(count=t.count, base=t.count - len(t.sigs), sigs=list(t.sigs)) for peer, t in tails.items()}
+
+
 def _fr_sig(entry: FrEntry) -> OpSig:
     numel = 0
     for shape in entry.input_sizes:
@@ -578,6 +590,13 @@ def _fold_fr_entries(seq: RankSeq, entries: list[FrEntry], last_completed: int |
         if state == OpState.completed:
             completed = position + 1
     seq.completed = completed if seq.coll else None
+
+
+def pending_alone(entries: list[FrEntry]) -> list[FrEntry]:
+    """Point-to-point ops issued alone (not in a coalesced group) that have not completed, oldest first."""
+    states, grouped = _effective_states(entries)
+    return [e for i, (e, state) in enumerate(zip(entries, states, strict=True))
+            if e.is_p2p and e.op != "Coalesced" and i not in grouped and state is not OpState.completed]  # fmt: skip
 
 
 def _effective_states(entries: list[FrEntry]) -> tuple[list[OpState], set[int]]:
