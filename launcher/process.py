@@ -41,6 +41,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 
 import psutil
 
@@ -173,6 +174,30 @@ class JobProcess:
             return [child.pid for child in psutil.Process(self.pid).children()]
         except psutil.Error:
             return []
+
+    def end_workers(self, pids: Sequence[int]) -> list[int]:
+        """SIGKILL these workers and what they started (dataloader workers), torchrun left running.
+
+        torchrun's agent sees the worker group fail and, with restarts left,
+        starts it again.  SIGKILL, not SIGTERM: a rank hung in NCCL may hang
+        again in its exit handlers, a stopped one would not act on SIGTERM,
+        and the evidence is already captured.  Only torchrun's own children
+        are signalled, each with its session (torchrun starts every worker in
+        a session of its own, so its pid is its process group).  Returns the
+        pids signalled.
+        """
+        ended = []
+        for pid in set(pids) & set(self.children()):
+            target = pid if _pgid(pid) == pid else None
+            try:
+                if target is not None:
+                    os.killpg(target, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+                ended.append(pid)
+            except ProcessLookupError:
+                pass
+        return sorted(ended)
 
     def terminate(self, grace_s: float) -> None:
         """SIGTERM torchrun now; after ``grace_s``, SIGKILL whatever of the job is left.

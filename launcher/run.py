@@ -32,16 +32,14 @@ from prometheus_client import CollectorRegistry
 
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.engine.classify import Decision
-from ncclwatch.watchdog.engine.report import EXIT_KILLED_ON_HANG, Report
-from ncclwatch.watchdog.engine.snapshot import Snapshot
+from ncclwatch.watchdog.engine.report import EXIT_DRAINED, EXIT_KILLED_ON_HANG
 from ncclwatch.watchdog.live.bundle import BundleWriter
-from ncclwatch.watchdog.live.job import LiveView
 from ncclwatch.watchdog.live.journal import Journal
 from ncclwatch.watchdog.live.perf import PerfWatch, perf_watch
 from ncclwatch.watchdog.live.probe import JobProber, comm_errored
 from ncclwatch.watchdog.live.sidecar import Reporter, Sidecar
 from ncclwatch.watchdog.probes.procfs import listens_on
+from ncclwatch.watchdog.response.policy import Response
 from ncclwatch.watchdog.server.app import make_app, start_server, stop_server
 from ncclwatch.watchdog.sinks.delivery import Dispatcher, sinks_from_settings, spool_dir_for
 from ncclwatch.watchdog.sinks.metrics import HealthCollector, TextfileWriter
@@ -50,9 +48,10 @@ from ncclwatch.watchdog.sources.gpus import NvmlSource
 from ncclwatch.watchdog.sources.workers import WorkerSource
 
 from ncclwatch.launcher import busbw
-from ncclwatch.launcher.command import torchrun_log_dir
+from ncclwatch.launcher.command import max_restarts_of, torchrun_log_dir
 from ncclwatch.launcher.env import RunDirs, injected_env
 from ncclwatch.launcher.process import JobProcess, exit_status
+from ncclwatch.launcher.respond import JobResponder, start_notes
 
 SIDECAR_STOP_S = 10.0
 log = logging.getLogger("ncclwatch")
@@ -143,8 +142,8 @@ async def _operations(sidecar: Sidecar, settings: Settings, tasks: list) -> web.
 
 
 def _sidecar(settings: Settings, dirs: RunDirs, torchrun_pid: int, job_name: str, host: str, reporter: Reporter,
-             dispatcher: Dispatcher | None, prober: JobProber | None = None,
-             perf: PerfWatch | None = None) -> Sidecar:  # fmt: skip
+             dispatcher: Dispatcher | None, prober: JobProber | None = None, perf: PerfWatch | None = None,
+             responder: JobResponder | None = None) -> Sidecar:  # fmt: skip
     """The sidecar with its real sources, prober, journal and performance look."""
     poll = settings.poll_interval
     sources = [
@@ -159,7 +158,7 @@ def _sidecar(settings: Settings, dirs: RunDirs, torchrun_pid: int, job_name: str
 
     sidecar = Sidecar(
         settings, job_name, sources, prober, reporter, journal=Journal(dirs.journal),
-        out=sys.stderr, dispatcher=dispatcher, host=host, join_cluster=join_cluster, perf=perf,
+        out=sys.stderr, dispatcher=dispatcher, host=host, join_cluster=join_cluster, perf=perf, responder=responder,
     )  # fmt: skip
     # RAS is asked only on NCCL versions known to survive it: the versions the job's NCCL logs name.
     prober.nccl_versions = lambda: {p.nccl_version for p in sidecar.live.state.procs.values() if p.nccl_version}
@@ -174,9 +173,12 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     job = JobProcess()
     baseline = await busbw.before_job(dirs.root) if settings.preflight else None
     env = injected_env(os.environ, dirs, wrapper_pid=os.getpid())
-    job.start(command, env, hide_shutdown_noise=settings.on_hang == "kill")
+    job.start(command, env, hide_shutdown_noise=settings.on_hang != "report")
     job.forward_signals(asyncio.get_running_loop())
-    killed: list[bool] = []
+    max_restarts = max_restarts_of(command, os.environ)
+    for note in start_notes(settings, max_restarts):
+        print(f"ncclwatch: {note}", file=sys.stderr, flush=True)
+    responder = JobResponder(settings, job, max_restarts)
 
     host = socket.gethostname().split(".")[0]
     log_dir = torchrun_log_dir(command)
@@ -187,22 +189,12 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
         prober.ras_withheld, [busbw.bundle_note(settings.on_hang)] if settings.preflight else [],
     )
 
-    async def reporter(
-        decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float, incident_key: str | None
-    ) -> tuple[Report, Path | None]:
-        written = await write_bundle(decision, snapshot, view, started_at, incident_key)
-        if settings.on_hang == "kill" and job.returncode is None:
-            print("ncclwatch: --on-hang kill: ending the job", file=sys.stderr, flush=True)
-            killed.append(True)
-            job.terminate(grace_s=10.0)
-        return written
-
-    sidecar = _sidecar(settings, dirs, job.pid, job_name, host, reporter, alerts.dispatcher, prober, perf)
+    sidecar = _sidecar(settings, dirs, job.pid, job_name, host, write_bundle, alerts.dispatcher, prober, perf, responder)
     ops: list[asyncio.Task] = []  # type: ignore[type-arg]
     runner = await _operations(sidecar, settings, ops)
     watching = asyncio.create_task(sidecar.run())
     returncode = await job.wait()
-    await sidecar.farewell(job_failed=returncode != 0 and not killed)
+    await sidecar.farewell(job_failed=returncode != 0 and responder.ended is None)
     sidecar.stop()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(watching, SIDECAR_STOP_S)
@@ -215,9 +207,9 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     job.close_stderr()
     if leftovers:
         print(f"ncclwatch: killed {len(leftovers)} process(es) the job left behind: {leftovers}", file=sys.stderr)
-    if killed and settings.preflight and (bundle := next((r.bundle for r in sidecar.reported if r.bundle), None)):
+    if responder.ended and settings.preflight and (bundle := next((r.bundle for r in sidecar.reported if r.bundle), None)):
         await busbw.after_kill(baseline, bundle)  # the job and its ranks are gone: the GPUs are free again
-    if returncode == 0 and not killed:
+    if returncode == 0 and responder.ended is None:
         for reported in sidecar.reported:
             sidecar.resolve(reported, "the job ended cleanly")
     sidecar.resolve_performance(why="the job ended (a slow link or port may still need a look)")
@@ -232,4 +224,6 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
         print(f"ncclwatch: run folder kept: {dirs.root}", file=sys.stderr)
     else:
         shutil.rmtree(dirs.root, ignore_errors=True)
-    return EXIT_KILLED_ON_HANG if killed else exit_status(returncode)
+    if responder.ended is not None:
+        return EXIT_DRAINED if responder.ended.response is Response.drain else EXIT_KILLED_ON_HANG
+    return exit_status(returncode)

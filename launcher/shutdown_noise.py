@@ -61,7 +61,7 @@ MAX_HELD_LINES = 200  # torch 2.13's SignalException traceback has 28
 _TRACEBACK_START = b"Traceback (most recent call last):"
 _IDLE_MS = 200  # once closing, this long without output ends the relay
 _READ_SIZE = 1 << 16
-_WHY = "its answer to being stopped by ncclwatch --on-hang kill"
+_WHY = "its answer to being stopped by ncclwatch after a hang"
 
 
 class ShutdownNoiseFilter:

@@ -269,8 +269,8 @@ class TestExchange:
         compact, asked, full, verdicts, again, watching, paged, closed = asyncio.run(talk())
         assert sorted(compact) == [1, 2] and [type(e).__name__ for e in full[2]] == ["Stall"]
         assert asked[0] is None and asked[1] == NOW + 5.0  # only node 2 was asked for its full evidence
-        for key, shared in verdicts:  # type: ignore[misc]
-            assert key == "job/0|pg#5" and shared.finding.culprits == (2,) and len(shared.finding.rows) == 64
+        for shared in verdicts:
+            assert shared.key == "job/0|pg#5" and shared.decision.finding.culprits == (2,) and len(shared.decision.finding.rows) == 64
         assert again is None  # each verdict is followed once
         assert paged == watching + 1 and closed == watching  # evidence goes with the verdict, the verdict at the end
 

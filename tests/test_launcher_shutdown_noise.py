@@ -33,7 +33,7 @@ BEFORE, ANSWER = SIGTERMED.split(b"fault 'skip' at step 10\n")
 BEFORE += b"fault 'skip' at step 10\n"
 NOTICE = (
     b"ncclwatch: torchrun's shutdown traceback and 3 shutdown log lines hidden "
-    b"(its answer to being stopped by ncclwatch --on-hang kill)\n"
+    b"(its answer to being stopped by ncclwatch after a hang)\n"
 )
 
 

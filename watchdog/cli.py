@@ -11,7 +11,7 @@ from typing import Any
 from pydantic_core import PydanticUndefined
 
 from ncclwatch.watchdog import __version__
-from ncclwatch.watchdog.engine.report import EXIT_HANG, EXIT_INCONCLUSIVE, EXIT_KILLED_ON_HANG, EXIT_NO_HANG
+from ncclwatch.watchdog.engine.report import EXIT_DRAINED, EXIT_HANG, EXIT_INCONCLUSIVE, EXIT_KILLED_ON_HANG, EXIT_NO_HANG
 from ncclwatch.watchdog.engine.state import DEFAULT_WINDOW
 
 ANALYZE_HELP = f"""\
@@ -135,6 +135,15 @@ verdicts (live):
   node_lost            several nodes: a node's sidecar stopped answering while the others wait
   progress_stalled     nothing moved for --progress-timeout and no rank is in a collective
 
+after the page (--on-hang): report leaves the job running (the default); kill
+ends it; restart ends the workers so that torchrun restarts them from the
+job's last checkpoint, on every node (needs torchrun's --max-restarts), where
+a restart can help: --restart-on verdicts (default: network_error,
+process_dead, process_stopped, gpu_compute_hang, stuck_in_collective,
+node_lost), and never twice for the same hang (verdict, operation, line,
+step).  --drain slurm drains a node whose hardware the verdict blames and ends
+the job with exit {EXIT_DRAINED}; --on-hang-exec CMD runs your command with the verdict.
+
 timing: the stall timeout is learned: 3 x the longest gap between progress the
 job showed in the last 15 minutes, at least --stall-timeout-floor
 (default 5 s); until the job has shown 8 steps, --warmup-stall-timeout
@@ -154,7 +163,8 @@ examples:
   ncclwatch --on-hang kill --bundle-dir /shared/bundles torchrun --nnodes=4 ... train.py
   NCCLWATCH_API_TOKEN=... ncclwatch --listen 0.0.0.0:9464 torchrun ...   # page, API, /metrics
 
-exit status: torchrun's own; {EXIT_KILLED_ON_HANG} when --on-hang kill ended the job.
+exit status: torchrun's own; {EXIT_KILLED_ON_HANG} when ncclwatch ended the job after a hang (--on-hang kill,
+or restart when a restart cannot help); {EXIT_DRAINED} when it drained the culprit's node (--drain).
 """
 
 SUBCOMMANDS = ("analyze", "demo", "serve", "preflight")
@@ -180,7 +190,12 @@ def add_watch_options(parser: argparse.ArgumentParser) -> None:
     add("--warmup-stall-timeout", type=float, metavar="SECONDS")
     add("--progress-timeout", type=float, metavar="SECONDS")
     add("--bundle-dir", metavar="DIR")
-    add("--on-hang", choices=("report", "kill"))
+    add("--on-hang", choices=("report", "kill", "restart"))
+    add("--restart-on", metavar="VERDICT,...")
+    add("--drain", choices=("none", "slurm"))
+    add("--drain-on", metavar="VERDICT,...")
+    add("--on-hang-exec", metavar="CMD")
+    add("--hook-timeout", type=float, metavar="SECONDS")
     add("--run-dir", metavar="DIR")
     parser.add_argument("--keep-run-dir", action="store_const", const=True, default=None, help=fields["keep_run_dir"].description)
     parser.add_argument("--preflight", action="store_const", const=True, default=None, help=fields["preflight"].description)

@@ -14,13 +14,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS
+from ncclwatch.watchdog.response.policy import DRAIN_ON, RESTART_ON
 
 ENV_PREFIX = "NCCLWATCH_"
 DEFAULT_CONFIG_FILE = Path("ncclwatch.toml")
+HANG_VERDICT_NAMES = frozenset(v.value for v in HANG_VERDICTS)
 
 
 class ConfigError(ValueError):
@@ -47,9 +51,32 @@ class Settings(BaseSettings):
         "progress_stalled report",
     )
     bundle_dir: Path = Field(Path("ncclwatch-bundles"), description="where root-cause bundles are written")
-    on_hang: Literal["report", "kill"] = Field(
-        "report", description="report: capture, alert, leave the job running; kill: capture, then end the job, exit non-zero"
+    on_hang: Literal["report", "kill", "restart"] = Field(
+        "report",
+        description="report: capture, alert, leave the job running; kill: capture, then end the job, exit 3; "
+        "restart: capture, then end the workers so torchrun restarts them (its --max-restarts), where a restart "
+        "can help (--restart-on) and the same hang has not come back after one",
     )
+    restart_on: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: [v.value for v in RESTART_ON],
+        description="verdicts --on-hang restart restarts (comma-separated); the others end the job",
+    )
+    drain: Literal["none", "slurm"] = Field(
+        "none",
+        description="slurm: when the verdict blames a node's hardware (--drain-on), drain it with scontrol and end "
+        "the job with exit 75 for a requeue elsewhere (with --on-hang kill or restart)",
+    )
+    drain_on: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: [v.value for v in DRAIN_ON],
+        description="verdicts that blame the culprit's node (comma-separated); gpu_compute_hang only with an Xid "
+        "on the culprit's GPU",
+    )
+    on_hang_exec: str | None = Field(
+        None,
+        description="shell command run once per hang after the page, on the node that pages: the verdict as JSON on "
+        "stdin and in NCCLWATCH_* variables (docs/operations.md)",
+    )
+    hook_timeout: float = Field(60.0, gt=0, description="seconds --on-hang-exec may run before it is killed")
     run_dir: Path | None = Field(None, description="folder for NCCL debug files, heartbeats, dumps (default: a temp folder)")
     keep_run_dir: bool = Field(
         False, description="keep the run folder after the job (default: removed, after a hang too: the bundle holds its evidence)"
@@ -98,6 +125,16 @@ class Settings(BaseSettings):
     page_on_slow: bool = Field(False, description="page for a slow collective, a slow link or an InfiniBand port finding")
     page_on_straggler: bool = Field(False, description="page for a rank last by a margin in most recent steps")
     page_on_transport: bool = Field(False, description="page for a node on another NCCL transport than its peers")
+
+    @field_validator("restart_on", "drain_on", mode="before")
+    @classmethod
+    def _verdicts(cls, value: object) -> object:
+        names = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        if isinstance(names, list):
+            unknown = [n for n in names if n not in HANG_VERDICT_NAMES]
+            if unknown:
+                raise ValueError(f"unknown verdict(s) {', '.join(map(str, unknown))}; one of {', '.join(sorted(HANG_VERDICT_NAMES))}")
+        return names
 
     @field_validator("metrics_textfile")
     @classmethod

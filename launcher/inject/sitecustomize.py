@@ -77,10 +77,28 @@ def _register_step_hook(optimizer_module):
     steps = itertools.count(1)
 
     def on_step(optimizer, args, kwargs):
-        # Counts optimizer steps of this process: with two optimizers, two per iteration.
-        beat(next(steps))
+        # The optimizer's own step when it keeps one (restored from a checkpoint, so a resumed job beats its
+        # training step, and ``--on-hang restart`` knows a hang that recurs at the same step); else this
+        # process's count of optimizer steps: with two optimizers, two per iteration.
+        counted = next(steps)
+        beat(_saved_step(optimizer) or counted)
 
     optimizer_module.register_optimizer_step_post_hook(on_step)
+
+
+def _saved_step(optimizer):
+    """Adam-family optimizers' ``state[param]["step"]`` of their first parameter, when it is on the CPU (their
+    default: reading it costs about a microsecond; one on a GPU would make every step wait for the GPU)."""
+    try:
+        params = optimizer.param_groups[0]["params"]
+        step = optimizer.state[params[0]].get("step") if params and params[0] in optimizer.state else None
+        if step is None:
+            return None
+        if getattr(step, "device", None) is not None:
+            return int(step.item()) if step.device.type == "cpu" else None
+        return int(step)
+    except Exception:  # an optimizer of another shape: count instead, never fail a training step
+        return None
 
 
 class _RealLoader:

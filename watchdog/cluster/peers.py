@@ -111,6 +111,18 @@ class SharedVerdict(BaseModel):
     key: str
     opened_at: float
     decision: bytes  # Decision as JSON (a dataclass: pydantic's TypeAdapter)
+    response: str | None = None  # what every node does about it (``response.policy.Response``); None: report only
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class LeaderVerdict:
+    """The leader's verdict as a member reads it, with the response every node carries out."""
+
+    key: str
+    decision: Decision
+    response: str | None = None
+    why: str = ""
 
 
 def trimmed(decision: Decision) -> Decision:
@@ -302,11 +314,13 @@ class Cluster:
     def full_shared(self, opened_at: float) -> None:
         self._shared_full_for = opened_at
 
-    async def publish_verdict(self, key: str, decision: Decision) -> None:
-        """The leader's verdict for the open incident, for every member to follow."""
+    async def publish_verdict(self, key: str, decision: Decision, response: str | None = None, why: str = "") -> None:
+        """The leader's verdict for the open incident, and the response to it, for every member to follow."""
         assert self.view is not None and self.view.incident is not None
         incident = self.view.incident
-        shared = SharedVerdict(key=key, opened_at=incident.opened_at, decision=_DECISION.dump_json(trimmed(decision)))
+        shared = SharedVerdict(
+            key=key, opened_at=incident.opened_at, decision=_DECISION.dump_json(trimmed(decision)), response=response, why=why
+        )  # fmt: skip
         await self.client.set(self.key("verdict"), shared.model_dump_json().encode())
         self._verdicts_read.add(key)
         await self._delete(self._evidence_keys)  # judged: the members need the verdict only
@@ -314,7 +328,7 @@ class Cluster:
         judged = incident.model_copy(update={"verdict": key, "judging": False})
         await self._publish(self.view.model_copy(update={"incident": judged, "seq": self.view.seq + 1}))
 
-    async def read_verdict(self) -> tuple[str, Decision] | None:
+    async def read_verdict(self) -> LeaderVerdict | None:
         """The leader's verdict, once per incident key, when the view announces one this node has not read."""
         incident = self.view.incident if self.view is not None else None
         if incident is None or incident.verdict is None or incident.verdict in self._verdicts_read:
@@ -325,7 +339,7 @@ class Cluster:
             return None
         self._verdicts_read.add(shared.key)
         try:
-            return shared.key, _DECISION.validate_json(shared.decision)
+            return LeaderVerdict(shared.key, _DECISION.validate_json(shared.decision), shared.response, shared.why)
         except ValidationError:
             log.warning("the leader's verdict does not validate; this node judges on its own")
             return None

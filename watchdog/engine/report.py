@@ -17,6 +17,7 @@ EXIT_NO_HANG = 0
 EXIT_HANG = 1
 EXIT_INCONCLUSIVE = 2
 EXIT_KILLED_ON_HANG = 3  # the live wrapper ended the job after a hang (--on-hang kill)
+EXIT_DRAINED = 75  # it drained the culprit's node and ended the job (--drain): EX_TEMPFAIL, requeue elsewhere
 
 
 class EvidenceItem(BaseModel):
@@ -74,6 +75,15 @@ class PerfNote(BaseModel):
     expected: float | None = None
 
 
+class ActionRecord(BaseModel):
+    """Something the live watchdog did about the hang, after the capture: restart, kill, drain, hook."""
+
+    kind: str  # restart, kill, drain, hook
+    at: str  # when it was done (ISO 8601, UTC)
+    ok: bool
+    detail: str  # what was done and what came of it: "scontrol: exit 0", "hook exit 2: <its stderr>"
+
+
 class InputFile(BaseModel):
     path: str
     kinds: list[str]
@@ -109,6 +119,13 @@ class Report(BaseModel):
         None, description="the same on every node of a multi-node job for one hang (job round + stalled collective): the alert's dedup key"
     )
     headline: str | None = Field(None, description="one sentence: what happened, which rank, where in its code, what to do next")
+    response: str | None = Field(
+        None, description="what the live watchdog does about the hang and why: \"restarting (1 of 3)\", \"ending the job: ...\""
+    )
+    actions: list[ActionRecord] = Field(
+        default_factory=list,
+        description="what the live watchdog did after the capture (--on-hang, --drain, --on-hang-exec), in order",
+    )
     performance: list[PerfNote] = Field(
         default_factory=list,
         description="slow collectives and links, stragglers, transport and InfiniBand port findings of the live watchdog's "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import io
 import logging
 import os
 import re
@@ -110,6 +111,9 @@ def report_markdown(report: Report) -> str:
         ("stall timeout", f"{report.stall_timeout_s:g} s" if report.stall_timeout_s else None),
     ]
     out += [f"- {k}: {v}" for k, v in facts if v] + [""]
+    if report.response or report.actions:
+        out += ["## What was done", ""] + ([f"{report.response}", ""] if report.response else [])
+        out += [f"- {a.at} {a.kind}: {a.detail}" + ("" if a.ok else " (failed)") for a in report.actions] + [""]
     if report.ranks:
         out += ["## Ranks", "", "| rank | host | pid | state | step | issued | status | stack | gpu |", "|---|---|---|---|---|---|---|---|---|"]
         for r in report.ranks:
@@ -167,6 +171,31 @@ async def write_bundle(report: Report, finding: Finding, staging: Path, bundle_d
 def _pack(folder: Path, target: Path, top: str) -> None:
     with tarfile.open(target, "w:gz", compresslevel=6) as tar:
         tar.add(folder, arcname=top)
+
+
+async def amend_bundle(bundle: Path, report: Report) -> None:
+    """Replace the bundle's report.json and report.md with ``report`` (what was done after the capture).
+
+    The bundle is read and written again under a dot-name, then renamed over
+    the old one: a reader sees the old bundle or the new one, never half.
+    """
+    partial = bundle.with_name(f".{bundle.name}.partial")
+    texts = {"report.json": report.model_dump_json(indent=2), "report.md": report_markdown(report)}
+    await asyncio.to_thread(_repack, bundle, partial, texts)
+    os.replace(partial, bundle)
+
+
+def _repack(source: Path, target: Path, texts: dict[str, str]) -> None:
+    with tarfile.open(source, "r:gz") as old, tarfile.open(target, "w:gz", compresslevel=6) as new:
+        for member in old:
+            name = member.name.split("/", 1)[-1]
+            if name in texts:
+                data = texts[name].encode()
+                member.size = len(data)
+                member.mtime = int(time.time())
+                new.addfile(member, io.BytesIO(data))
+            else:
+                new.addfile(member, old.extractfile(member) if member.isfile() else None)
 
 
 @dataclass(frozen=True)

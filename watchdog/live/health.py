@@ -47,6 +47,7 @@ class Health:
     culprits: tuple[int, ...]
     sources_down: tuple[str, ...]
     bundles_written: int
+    restarts: int = 0  # of the workers, after a hang (--on-hang restart)
     comm_bandwidth: tuple[CommBandwidth, ...] = ()
     rank_perf: tuple[RankPerf, ...] = ()
     arrival_skew_s: float | None = None  # the latest collective every rank arrived at: last minus first
@@ -55,7 +56,7 @@ class Health:
 
 
 def health_of(live: LiveJob, now: float, *, job: str, host: str, verdict: str | None, culprits: tuple[int, ...], hang: bool,
-              bundles_written: int, perf: PerfHealth = PerfHealth()) -> Health:  # fmt: skip
+              bundles_written: int, restarts: int = 0, perf: PerfHealth = PerfHealth()) -> Health:  # fmt: skip
     view = live.view(now)
     ranks = tuple(
         RankHealth(
@@ -88,6 +89,7 @@ def health_of(live: LiveJob, now: float, *, job: str, host: str, verdict: str | 
         culprits=culprits,
         sources_down=view.down,
         bundles_written=bundles_written,
+        restarts=restarts,
         comm_bandwidth=perf.comm_bandwidth,
         rank_perf=perf.rank_perf,
         arrival_skew_s=perf.arrival_skew_s,

@@ -158,6 +158,10 @@ class LiveJob:
             return self.settings.warmup_stall_timeout
         return max(self.settings.stall_timeout_floor, STALL_MULTIPLIER * gap + 2 * self.settings.poll_interval)
 
+    def moved_since(self, since: float) -> bool:
+        """Did a worker of the current attempt make progress (a step, an NCCL operation) after ``since``?"""
+        return any((p := self.of(w.pid).last_progress) is not None and p > since for w in self.state.current_workers())
+
     def last_progress(self) -> float:
         workers = self.state.current_workers()
         times = [p for w in workers if (p := self.of(w.pid).last_progress) is not None]

@@ -49,6 +49,7 @@ from ncclwatch.watchdog.cluster.peers import (
     FULL_NODES,
     FULL_WAIT_S,
     Cluster,
+    LeaderVerdict,
     Membership,
     exchange_or_degrade,
 )
@@ -60,16 +61,18 @@ from ncclwatch.watchdog.engine.classify import Decision, judge
 from ncclwatch.watchdog.engine.detectors import Finding, Verdict
 from ncclwatch.watchdog.engine.perf import pages
 from ncclwatch.watchdog.engine.performance import PerfHealth
-from ncclwatch.watchdog.engine.report import Report
+from ncclwatch.watchdog.engine.report import ActionRecord, Report
 from ncclwatch.watchdog.engine.snapshot import Snapshot, take_snapshot
 from ncclwatch.watchdog.engine.state import JobState
 from ncclwatch.watchdog.events import Event, SourceDown, SourceUp, Stall, WorkerSeen
 from ncclwatch.watchdog.live.health import Health, health_of
 from ncclwatch.watchdog.live.incident import WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick, on_verdict
+from ncclwatch.watchdog.live.bundle import amend_bundle, live_report
 from ncclwatch.watchdog.live.job import LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import Journal, live_inputs
 from ncclwatch.watchdog.live.perf import JobLook, PerfWatch
 from ncclwatch.watchdog.live.probe import PRIME_EXCUSE_S, Prober
+from ncclwatch.watchdog.response.policy import Plan, Response
 from ncclwatch.watchdog.sinks.alert import Alert, resolve_for, trigger_from_finding, trigger_from_report
 from ncclwatch.watchdog.sinks.delivery import Dispatcher
 
@@ -103,6 +106,29 @@ class Reported:
 
 # (decision, snapshot, view, started_at, incident key) -> the report and the bundle (None when it could not be written)
 Reporter = Callable[[Decision, Snapshot, LiveView, float, str | None], Awaitable[tuple[Report, Path | None]]]
+
+
+class Responder(Protocol):
+    """What to do about a paged hang, and doing it (``launcher/respond.py``): restart, kill, drain, hook."""
+
+    restarts: int
+
+    def plan(self, report: Report, restarts_done: int) -> Plan: ...
+
+    def follow(self, response: str, why: str, restarts_done: int) -> Plan: ...
+
+    async def carry_out(self, plan: Plan, report: Report, bundle: Path | None, workers: Sequence[int], pages: bool) -> list[ActionRecord]: ...
+
+
+@dataclass
+class Restarting:
+    """A restart asked for: the paged incident, resolved by the new round's first progress."""
+
+    reported: Reported
+    at: float  # when the workers were ended
+    round: int  # torchrun's restart count of the round that hung
+    number: int | None
+    of: int | None
 ClusterFactory = Callable[[Membership, str], Cluster]
 
 
@@ -121,6 +147,7 @@ class Sidecar:
     clock: Callable[[], float] = time.time
     join_cluster: ClusterFactory | None = None  # several nodes: meet the other sidecars through the job's store
     perf: PerfWatch | None = None  # bandwidth, arrival skew, transports while healthy; None: not looked at
+    responder: Responder | None = None  # restart, kill, drain, hook after a page; None: report only
 
     def __post_init__(self) -> None:
         self.live = LiveJob(self.settings, started_at=self.clock())
@@ -139,6 +166,8 @@ class Sidecar:
         self._store_node_lost: Contact | None = None  # found lost through its lifeline, the store being gone
         self._lifeline: Lifeline | None = None
         self._wake = asyncio.Event()  # the incident's phase changed: exchange now, not at the next round
+        self._followed: LeaderVerdict | None = None  # the leader's latest verdict, with the response to carry out
+        self._restart: Restarting | None = None  # a restart asked for, until the new round moves
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -232,14 +261,30 @@ class Sidecar:
                 if cluster.view is not None and cluster.view.incident is not None and self.incident.phase in (Phase.watching, Phase.resolved):
                     await cluster.close_incident()
             elif (verdict := await cluster.read_verdict()) is not None:
-                key, decision = verdict
-                log.info("node %d's job-wide verdict %s (%s)", cluster.leader(), decision.finding.verdict, key)
+                decision = verdict.decision
+                log.info("node %d's job-wide verdict %s (%s)", cluster.leader(), decision.finding.verdict, verdict.key)
                 await cluster.drop_own_evidence()
                 view = self.live.view(self.clock())
+                self._followed = verdict
                 self.incident, actions = on_verdict(self.incident, view.observed_at, decision, view.last_progress)
                 await self._perform(actions, view)
         except StoreError as exc:
             self.emit(SourceDown(source="cluster", reason=str(exc)))
+
+    def _follow_restart(self, restart: Restarting) -> bool:
+        """After a restart: nothing to watch until torchrun starts the new round (then a fresh incident); its
+        first progress resolves the page.  True once the new round is watched."""
+        workers = self.live.state.current_workers()
+        if not workers or max(w.restart for w in workers) <= restart.round:
+            return False  # the old round's workers, dying: their silence is ours
+        if self.incident.phase is Phase.paged:
+            self.incident = WATCHING
+            self._say(f"restart {restart.number} of {restart.of}: the new round's ranks are up; watching them")
+        if self.live.moved_since(restart.at):
+            self._restart = None
+            self.resolve(restart.reported, f"training again after restart {restart.number} of {restart.of}")
+            self._say(f"training again after restart {restart.number} of {restart.of}")
+        return True
 
     def _shared_at(self) -> float:
         return next((e.at for e in reversed(self._shared) if isinstance(e, Stall)), self.clock())
@@ -265,6 +310,8 @@ class Sidecar:
         """Fold what arrived, advance the incident, perform what it asks."""
         self._drain()
         view = self.live.view(self.clock())
+        if self._restart is not None and not self._follow_restart(self._restart):
+            return
         if not view.workers or not view.alive:
             return
         if view.stalled_for < view.stall_timeout and view.learned_gap is not None:
@@ -386,9 +433,11 @@ class Sidecar:
         state = self._job_wide if job_wide and self._job_wide is not None else self.live.state
         snapshot = take_snapshot(state, observed_at=self.clock())
         key = incident_key(cluster.membership, decision) if cluster is not None else None
+        following = job_wide and cluster is not None and not cluster.leads()
+        plan = self._plan(decision, snapshot, view, started_at, following)
         if job_wide and cluster is not None and key is not None and cluster.leads():
-            try:  # before the bundle: the members page (and, with --on-hang kill, end their ranks) meanwhile
-                await cluster.publish_verdict(key, decision)
+            try:  # before the bundle: the members page (and restart or end their ranks) meanwhile
+                await cluster.publish_verdict(key, decision, plan.response.value if plan else None, plan.why if plan else "")
             except StoreError as exc:
                 self.emit(SourceDown(source="cluster", reason=str(exc)))
         # Without the store, one node pages: elected before the bundle, while the others' lifelines still answer.
@@ -399,16 +448,50 @@ class Sidecar:
         except Exception:  # a broken sink must not end the watch: the job may hang again
             log.exception("reporting the hang failed")
             return
+        if plan is not None:
+            report = report.model_copy(update={"response": plan.headline()})
         reported = Reported(started_at=started_at, decision=decision, report=report, bundle=bundle)
         self.reported.append(reported)
-        if cluster is not None and job_wide and (leader := cluster.leader()) != cluster.me:
-            self._say(f"node {cluster.me}: this node's evidence is in its bundle; node {leader} pages the job-wide verdict")
-            return
-        if not pages:
+        pager = not following and pages
+        if following and cluster is not None:
+            self._say(f"node {cluster.me}: this node's evidence is in its bundle; node {cluster.leader()} pages the job-wide verdict")
+        elif not pages:
             self._say(f"node {cluster.me if cluster else '?'}: the store is gone; this node's evidence is in its bundle, "
                       "and a lower node that answers pages")  # fmt: skip
+        else:
+            self._alert(reported)
+        if plan is not None:
+            await self._respond(plan, reported, view, pager)
+
+    def _plan(self, decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float, following: bool) -> Plan | None:
+        """The response: the leader's when following its verdict, else the policy's on this node's view of the hang."""
+        if self.responder is None:
+            return None
+        restarts_done = max((w.restart for w in self.live.state.current_workers()), default=0)
+        if following and self._followed is not None and self._followed.response is not None:
+            return self.responder.follow(self._followed.response, self._followed.why, restarts_done)
+        preview = live_report(decision.finding, snapshot, view, job=self.job_name, host=self.host, started_at=started_at)
+        return self.responder.plan(preview, restarts_done)
+
+    async def _respond(self, plan: Plan, reported: Reported, view: LiveView, pager: bool) -> None:
+        """Carry the plan out; what was done goes into the report, the bundle and, for a restart, the watch."""
+        assert self.responder is not None
+        if plan.response is not Response.report:
+            self._say(plan.headline() if plan.response is Response.kill else f"{plan.headline()}: {plan.why}")
+        try:
+            actions = await self.responder.carry_out(plan, reported.report, reported.bundle, [w.pid for w in view.alive], pager)
+        except Exception:  # the page is out; a failed action is logged, never the end of the watch
+            log.exception("carrying out %s failed", plan.response.value)
             return
-        self._alert(reported)
+        reported.report = reported.report.model_copy(update={"actions": [*reported.report.actions, *actions]})
+        if reported.bundle is not None and actions:
+            try:
+                await amend_bundle(reported.bundle, reported.report)
+            except OSError as exc:
+                log.warning("could not add what was done to the bundle %s: %s", reported.bundle, exc)
+        if plan.response is Response.restart:
+            hung = max((w.restart for w in self.live.state.current_workers()), default=0)
+            self._restart = Restarting(reported, self.clock(), hung, plan.restart_number, plan.max_restarts)
 
     async def farewell(self, job_failed: bool) -> None:
         """The job ended here.  Say so to the other nodes; if it failed and the store is gone too, page the
@@ -533,6 +616,7 @@ class Sidecar:
             culprits=decision.finding.culprits if decision else (),
             hang=self.incident.phase is Phase.paged,
             bundles_written=sum(1 for r in self.reported if r.bundle is not None),
+            restarts=self.responder.restarts if self.responder is not None else 0,
             perf=self.perf.health if self.perf is not None else PerfHealth(),
         )
 

@@ -116,7 +116,9 @@ def trigger_from_report(
         communicator=report.communicator,
         operation=report.operation,
         position=report.position,
-        summary=f"{_headline(verdict, report.culprit_ranks, job, host)}: {report.summary}",
+        # What is done about it comes before the summary, which may be cut to fit.
+        summary=f"{_headline(verdict, report.culprit_ranks, job, host)}" + (f" ({report.response})" if report.response else "")
+        + f": {report.summary}",
         reason=report.reason,
         bundle_id=bundle_id,
         bundle_url=bundle_url,

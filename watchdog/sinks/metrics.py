@@ -143,6 +143,7 @@ class HealthCollector(Collector):
             culprits = ",".join(str(c) for c in sorted(health.culprits))
             out.add("ncclwatch_verdict_info", 1, verdict=health.verdict, culprit_ranks=culprits)
         out.add("ncclwatch_bundles_written", health.bundles_written)
+        out.add("ncclwatch_restarts", health.restarts)
         down = {entry.partition(":")[0].strip() for entry in health.sources_down}
         for source in sorted(set(self._sources) | down):
             out.add("ncclwatch_source_up", 0 if source in down else 1, source=source)
@@ -174,6 +175,7 @@ _FAMILIES: dict[str, str] = {
     "ncclwatch_stall_timeout_seconds": "gauge",
     "ncclwatch_verdict_info": "gauge",
     "ncclwatch_bundles_written": "counter",
+    "ncclwatch_restarts": "counter",
     "ncclwatch_source_up": "gauge",
     "ncclwatch_comm_bus_bandwidth_bytes_per_second": "gauge",
     "ncclwatch_rank_bus_bandwidth_bytes_per_second": "gauge",
@@ -204,6 +206,7 @@ _HELP: dict[str, str] = {
     "ncclwatch_stall_timeout_seconds": "Seconds of no progress after which a stall is probed (learned from the job, or set).",
     "ncclwatch_verdict_info": "1 while an incident is open, labelled with its verdict and culprit ranks.",
     "ncclwatch_bundles_written": "Root-cause bundles this watchdog has written.",
+    "ncclwatch_restarts": "Restarts of the job's workers this watchdog asked torchrun for after a hang (--on-hang restart).",
     "ncclwatch_source_up": "0 while the source cannot read (NVML missing, RAS unreachable, ...), else 1.",
     "ncclwatch_comm_bus_bandwidth_bytes_per_second": "Median bus bandwidth (nccl-tests' busbw) of the communicator's recent "
     "collectives of at least 1 MiB, per operation.",

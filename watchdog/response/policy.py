@@ -1,0 +1,157 @@
+"""What to do about a paged hang: end the job, restart it, drain the culprit's node.  Pure: no I/O.
+
+A restart helps when the cause goes away with the processes: a link that
+flapped, a process that died or was stopped, a GPU kernel that never
+finished, an NCCL error.  It cannot help when the program itself diverged:
+a collective mismatch from a branch on the rank, or a p2p pattern that
+deadlocks, recurs at the same step after every restart and burns the
+allocation.  ``RESTART_ON`` is that split, and the user can change it.
+
+The loop guard is what keeps a wrong guess cheap: a hang whose signature
+(verdict, operation, the culprit's line of code, step) equals one that a
+restart was already tried on is not transient, whatever the policy says.
+
+Draining is for hardware: the node stays bad after a restart, so the job
+is ended with ``EXIT_DRAINED`` and a requeue lands on other nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from ncclwatch.watchdog.engine.detectors import Verdict
+from ncclwatch.watchdog.engine.report import STACK_ARROW, Report
+
+RESTART_ON = (
+    Verdict.network_error, Verdict.process_dead, Verdict.process_stopped, Verdict.gpu_compute_hang,
+    Verdict.stuck_in_collective, Verdict.node_lost,
+)  # fmt: skip
+NEVER_RESTARTED = {
+    Verdict.collective_mismatch: "a collective mismatch comes from the program (a branch on the rank) and recurs",
+    Verdict.rank_behind: "a rank held up in its own code is in the program's hands, not the hardware's",
+    Verdict.p2p_deadlock: "a send/recv order that deadlocks is the program's and recurs",
+    Verdict.progress_stalled: "no rank waits in a collective (a checkpoint or evaluation may still be running)",
+}
+RESTART_HELPS = {
+    Verdict.network_error: "a link error often clears once the communicators are built again",
+    Verdict.process_dead: "the restart replaces the dead process",
+    Verdict.process_stopped: "the restart replaces the stopped process",
+    Verdict.gpu_compute_hang: "a new process clears the GPU's endless kernel",
+    Verdict.stuck_in_collective: "a collective lost in the network often completes on fresh communicators",
+    Verdict.node_lost: "the nodes meet again in the rendezvous (an elastic job goes on without the lost one)",
+}
+# Verdicts that blame a node's hardware.  A GPU hang counts only with an Xid on the culprit's GPU (``hardware_fault``).
+DRAIN_ON = (Verdict.network_error, Verdict.node_lost, Verdict.gpu_compute_hang)
+
+
+class Response(StrEnum):
+    report = "report"  # leave the job running
+    kill = "kill"  # end torchrun: the job exits EXIT_KILLED_ON_HANG
+    restart = "restart"  # end the workers: torchrun's agent starts them again (every node, through the rendezvous)
+    drain = "drain"  # drain the culprit's node, then end the job: EXIT_DRAINED
+
+
+@dataclass(frozen=True)
+class HangSignature:
+    """What makes two hangs "the same hang" for the loop guard."""
+
+    verdict: str
+    operation: str | None
+    frame: str | None  # the culprit's own line of code at the hang
+    step: int | None  # the culprit's last heartbeat step
+
+    def describe(self) -> str:
+        parts = [self.verdict, self.operation, f"at {self.frame}" if self.frame else None,
+                 f"step {self.step}" if self.step is not None else None]  # fmt: skip
+        return ", ".join(p for p in parts if p)
+
+
+def signature_of(report: Report) -> HangSignature:
+    """The first culprit's line and step; the lowest step of any rank when none is named."""
+    rows = {row.rank: row for row in report.ranks}
+    culprit = rows.get(report.culprit_ranks[0]) if report.culprit_ranks else None
+    frame = culprit.stack.split(STACK_ARROW)[-1] if culprit is not None and culprit.stack else None
+    if culprit is not None:
+        step = culprit.step
+    else:
+        step = min((row.step for row in report.ranks if row.step is not None), default=None)
+    operation = report.operation.split(" ")[0] if report.operation else None
+    return HangSignature(report.verdict.value, operation, frame, step)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The response to one paged hang, and why, in words for the page and the terminal."""
+
+    response: Response
+    why: str
+    restart_number: int | None = None  # 1-based, of ``max_restarts``
+    max_restarts: int | None = None
+    drain_hosts: tuple[str, ...] = ()
+    signature: HangSignature | None = None
+
+    @property
+    def ends_job(self) -> bool:
+        return self.response in (Response.kill, Response.drain)
+
+    def headline(self) -> str:
+        """What the page says was done: "restarting (1 of 3)", "ending the job: recurs after restart"."""
+        if self.response is Response.restart:
+            return f"restarting ({self.restart_number} of {self.max_restarts})"
+        if self.response is Response.drain:
+            return f"draining {', '.join(self.drain_hosts)} and ending the job"
+        if self.response is Response.kill:
+            return f"ending the job: {self.why}"
+        return "the job is left running"
+
+
+@dataclass(frozen=True)
+class Policy:
+    on_hang: str  # "report", "kill", "restart"
+    max_restarts: int  # torchrun's --max-restarts (0 when not given)
+    restart_on: frozenset[Verdict]
+    drain: str  # "none", "slurm"
+    drain_on: frozenset[Verdict]
+
+
+def plan(report: Report, policy: Policy, restarts_done: int, restarted: Sequence[HangSignature],
+         hardware: Iterable[str] = ()) -> Plan:  # fmt: skip
+    """The response to ``report``.
+
+    ``restarts_done``: torchrun's restart count of the hung round (its
+    ``TORCHELASTIC_RESTART_COUNT``: crashes it restarted count too);
+    ``restarted``: the signatures of hangs already answered by a restart;
+    ``hardware``: culprit hosts with hardware evidence beyond the verdict
+    (an Xid on the culprit's GPU).
+    """
+    verdict = report.verdict
+    signature = signature_of(report)
+    hosts = culprit_hosts(report)
+    blames_hardware = verdict in policy.drain_on and (verdict is not Verdict.gpu_compute_hang or bool(set(hardware)))
+    if policy.drain != "none" and blames_hardware and hosts and policy.on_hang != "report":
+        why = f"{verdict.value} blames the hardware of {', '.join(hosts)}"
+        return Plan(Response.drain, why, drain_hosts=tuple(hosts), signature=signature)
+    if policy.on_hang == "report":
+        return Plan(Response.report, "--on-hang report", signature=signature)
+    if policy.on_hang == "kill":
+        return Plan(Response.kill, "--on-hang kill", signature=signature)
+    if policy.max_restarts <= 0:
+        return Plan(Response.kill, "torchrun was given no --max-restarts", signature=signature)
+    if signature in restarted:
+        return Plan(Response.kill, f"recurs after restart: not transient ({signature.describe()})", signature=signature)
+    if verdict not in policy.restart_on:
+        why = NEVER_RESTARTED.get(verdict, f"{verdict.value} is not in --restart-on")
+        return Plan(Response.kill, f"a restart cannot help: {why}", signature=signature)
+    if restarts_done >= policy.max_restarts:
+        return Plan(Response.kill, f"restarts used up ({restarts_done} of {policy.max_restarts})", signature=signature)
+    why = RESTART_HELPS.get(verdict, f"--restart-on includes {verdict.value}")
+    return Plan(Response.restart, why, restart_number=restarts_done + 1,
+                max_restarts=policy.max_restarts, signature=signature)  # fmt: skip
+
+
+def culprit_hosts(report: Report) -> list[str]:
+    rows = {row.rank: row for row in report.ranks}
+    hosts = [rows[r].host for r in report.culprit_ranks if r in rows and rows[r].host]
+    return list(dict.fromkeys(h for h in hosts if h))
