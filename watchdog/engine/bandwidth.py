@@ -11,13 +11,13 @@ Matching: an entry of one rank is the same collective as another rank's
 when both have the same process group and ``collective_seq_id``.
 ``time_created_ns`` is when each rank enqueued it (host wall clock, so
 across nodes only as good as NTP: skews under a few ms between nodes are
-noise), which gives arrival order and skew.  The time the data took is the
-shortest kernel duration among the ranks (``duration_ms``, only with
-``TORCH_NCCL_ENABLE_TIMING=1``): the early ranks' kernels include waiting
-for the last one, the last one's does not.  Without durations it is the
-first discovered completion minus the last arrival, which is up to the
-watchdog thread's poll period too long, so busbw is then a lower bound.
-Gloo entries carry neither: skew only.
+noise), which gives arrival order and skew.  The time the data took (the
+link time) is measured from the last rank's start: an early rank's kernel
+(``duration_ms``, only with ``TORCH_NCCL_ENABLE_TIMING=1``) includes its wait
+for the last one, so it is never taken as the link time (``link_time``).
+Without durations it is the first discovered completion minus the last
+arrival, which is up to the watchdog thread's poll period too long, so busbw
+is then a lower bound.  Gloo entries carry neither: skew only.
 
 Failure modes: a collective seen by one rank only, with no size, or with
 an unknown dtype gives no bandwidth (``None``), never a guess; small
@@ -223,14 +223,6 @@ def _timing(pg: str, seq: int, by_rank: Mapping[int, RankEntry], nranks: int) ->
     arrivals = {rank: e.created_ns for rank, e in by_rank.items()}
     completed = all(e.state == OpState.completed for e in entries)
     last_arrival = max(arrivals.values())
-    durations = [e.duration_ms for e in entries if e.duration_ms is not None]
-    done = [e.completed_ns for e in entries if e.completed_ns is not None]
-    if durations:
-        transfer = min(durations) / 1e3
-    elif done and len(arrivals) >= nranks and min(done) > last_arrival:
-        transfer = (min(done) - last_arrival) / 1e9
-    else:
-        transfer = None
     return CollectiveTiming(
         pg=pg,
         seq=seq,
@@ -239,9 +231,43 @@ def _timing(pg: str, seq: int, by_rank: Mapping[int, RankEntry], nranks: int) ->
         nbytes=entries[0].nbytes,
         arrivals=arrivals,
         completed=completed,
-        transfer_s=transfer,
+        transfer_s=link_time(by_rank, whole=len(arrivals) >= nranks),
         started_ns=last_arrival if len(arrivals) >= nranks else None,
     )
+
+
+def link_time(by_rank: Mapping[int, RankEntry], *, whole: bool) -> float | None:
+    """Seconds the data took, from the last rank's start to the end; None where the entries cannot tell.
+
+    Every rank's kernel ends when the last rank's data has moved, and starts no
+    earlier than its rank enqueued it, so each duration is at least the link
+    time and the shortest is the last starter's, exact.  A rank's newest
+    entries may carry no duration yet (Flight Recorder computes it when the
+    watchdog thread retires the entry; a dump between completion and
+    retirement writes ``completed`` without it): when the last rank to arrive
+    has none, the others' durations include their wait for it (a rank 0.4 s
+    late would read as a 32 MiB all-reduce taking 0.4 s).  Then the
+    link time is the kernel of the latest earlier arrival less its wait for the
+    last enqueue, else the first discovered completion less the last arrival.
+    ``whole``: every rank of the group is in ``by_rank`` (else the last arrival
+    is unknown and the shortest duration is all there is).
+    """
+    durations = {rank: e.duration_ms / 1e3 for rank, e in by_rank.items() if e.duration_ms is not None}
+    if not whole:
+        return min(durations.values(), default=None)
+    arrivals = {rank: e.created_ns for rank, e in by_rank.items()}
+    last = max(arrivals, key=lambda r: (arrivals[r], r))
+    if last in durations:
+        return min(durations.values())
+    if durations:
+        latest = max(durations, key=lambda r: (arrivals[r], r))
+        after_last = durations[latest] - (arrivals[last] - arrivals[latest]) / 1e9
+        if after_last > 0:  # else its kernel began behind earlier work, after its enqueue: the wait is unknown
+            return after_last
+    done = [e.completed_ns for e in by_rank.values() if e.completed_ns is not None]
+    if done and min(done) > arrivals[last]:
+        return (min(done) - arrivals[last]) / 1e9
+    return None
 
 
 def size_bucket(nbytes: int) -> int:

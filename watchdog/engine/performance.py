@@ -7,11 +7,11 @@ it was given; the values are what ``Health`` and the metrics carry.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from ncclwatch.watchdog.engine.bandwidth import CollectiveTiming, comm_bandwidth, rank_bandwidth, slow_collectives, slow_links
-from ncclwatch.watchdog.engine.perf import PerfFinding
+from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind
 from ncclwatch.watchdog.engine.state import group_label
 from ncclwatch.watchdog.engine.stragglers import MIN_ROUNDS, LastArrivals, arrival_series, last_arrivals, stragglers
 
@@ -62,7 +62,8 @@ def collective_health(
     Only collectives every rank of the group was seen arriving at are used.  A group with ranks on
     other nodes is seen in part: the time its data took is the last rank's kernel time, and when the
     last rank is elsewhere every kernel seen here includes waiting for it, so a remote straggler
-    would read as a slow link (``job_health`` adds the other nodes' ranks).
+    would read as a slow link (``job_health`` adds the other nodes' ranks).  A slowdown a straggler
+    explains is told in the straggler's finding, not as one of its own (``fold_symptoms``).
     """
     whole = [t for t in timings if t.all_arrived]
     series = [last_arrivals(rounds, source="arrival", what=what) for what, rounds in arrival_series(whole).items()]
@@ -86,7 +87,7 @@ def collective_health(
             )
         )
     latest = max(whole, key=lambda t: min(t.arrivals.values()), default=None)
-    slow = slow_collectives(whole, now_ns=int(now * 1e9), hosts=hosts, links=links) + slow_links(whole, hosts=hosts, links=links)
+    slow, late = fold_symptoms(_slowness(whole, now, hosts, links), late, whole, now=now, hosts=hosts, links=links)
     bandwidth = comm_bandwidth(whole)
     return PerfHealth(
         comm_bandwidth=tuple(CommBandwidth(labels.get(pg, group_label(pg, None)), op, bw) for (pg, op), bw in bandwidth.items()),
@@ -94,6 +95,49 @@ def collective_health(
         arrival_skew_s=latest.skew_s if latest is not None else None,
         perf_findings=tuple(slow + list(late.values())),
     )
+
+
+def _slowness(timings: Sequence[CollectiveTiming], now: float, hosts: Mapping[int, str], links: Mapping[int, Sequence[str]]) -> list[PerfFinding]:
+    return slow_collectives(timings, now_ns=int(now * 1e9), hosts=hosts, links=links) + slow_links(timings, hosts=hosts, links=links)
+
+
+def fold_symptoms(
+    slow: Sequence[PerfFinding], late: Mapping[str, PerfFinding], timings: Sequence[CollectiveTiming], *, now: float,
+    hosts: Mapping[int, str], links: Mapping[int, Sequence[str]],
+) -> tuple[list[PerfFinding], dict[str, PerfFinding]]:  # fmt: skip
+    """Slow collectives and links that a straggler explains, folded into the straggler's finding.
+
+    While a rank lags, its group's collectives can take longer (4 ranks on 2 x H200: the straggler's group
+    read as a slow link, BENCHMARKS.md), and an instance whose link time could not be measured from the last
+    rank's start still holds the wait.  A slowdown no larger than the
+    straggler's lateness at the very instances judged is its symptom: each slow finding is judged again with
+    every instance the straggler was last at shortened by its lead, and one that no longer holds goes into
+    the straggler's detail.  One that still holds is slow from the last arrival on, a link of its own: it
+    stays beside the straggler.  Returns the slow findings left and the stragglers by key.
+    """
+    owner = {rank: key for key, finding in late.items() for rank in finding.ranks}
+    if not slow or not owner:
+        return list(slow), dict(late)
+    still = {f.key for f in _slowness([without_lateness(t, owner) for t in timings], now, hosts, links)}
+    kept, folded = [], dict(late)
+    for finding in slow:
+        key = next((owner[r] for r in finding.ranks if r in owner), None)
+        if finding.kind not in (PerfKind.slow_collective, PerfKind.slow_link) or finding.key in still or key is None:
+            kept.append(finding)
+            continue
+        host = folded[key]
+        symptom = f"its lateness also slowed its group ({finding.kind.value}: {finding.summary}), no more than its own delay: not a slow link"
+        folded[key] = replace(host, detail=f"{host.detail}; {symptom}")
+    return kept, folded
+
+
+def without_lateness(t: CollectiveTiming, late_ranks: Collection[int]) -> CollectiveTiming:
+    """This collective with its link time shortened by its last rank's lead, when that rank is a straggler;
+    no link time when the lead covers all of it (the whole time was the wait)."""
+    if t.transfer_s is None or not t.all_arrived or t.last_rank not in late_ranks:
+        return t
+    remaining = t.transfer_s - t.lead_s
+    return replace(t, transfer_s=remaining if remaining > 0 else None)
 
 
 def _worst_series(series: Sequence[LastArrivals], rank: int) -> LastArrivals | None:
