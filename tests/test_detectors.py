@@ -5,25 +5,12 @@ from __future__ import annotations
 from engine import snapshot_of, verdict_of
 from nccl_lines import destroy, init, op, steps
 
-from ncclwatch.watchdog.engine.detectors import Verdict, check_point_to_point, predict_next
-from ncclwatch.watchdog.events import Citation, OpSig, WorkerFailure
-
-A = OpSig("AllReduce", 8, "7", "0", 0)
-B = OpSig("Broadcast", 4, "7", "0", 0)
-C = OpSig("AllGather", 2, "7", "0", 0)
-
+from ncclwatch.watchdog.engine.detectors import Verdict, check_point_to_point
+from ncclwatch.watchdog.events import Citation, WorkerFailure
 
 def job(n: int, body) -> dict[str, str]:
     """One log per rank: init, then body(rank)."""
     return {f"r{r}.log": init(r, n, f"0xc{r}") + body(r) for r in range(n)}
-
-
-class TestPredictNext:
-    def test_repeating_step_predicts_the_next_operation(self):
-        assert predict_next([A, B, C, A, B, C, A, B]) == C
-
-    def test_no_repetition_predicts_nothing(self):
-        assert predict_next([A, B, C]) is None
 
 
 class TestCollectiveMismatch:

@@ -17,16 +17,16 @@ against job-wide evidence.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Literal
 
 from ncclwatch.watchdog.engine.snapshot import CommView, PeerView, RankView
-from ncclwatch.watchdog.engine.stacks import short_frame, user_frame
+from ncclwatch.watchdog.engine.stacks import call_line, short_frame, split_frame, user_frame
+from ncclwatch.watchdog.engine.step_pattern import Expectation, expected_next
 from ncclwatch.watchdog.events import Citation, OpSig, OpState, ProcKey
 
-MAX_PERIOD = 512  # longest repeating pattern (ops per training step) looked for
 MAX_SKEW = 16  # how far apart two ranks' sequences may be realigned
 
 
@@ -96,6 +96,8 @@ class RankStatus:
     last_op: str | None
     status: str
     detail: str = ""
+    # The operation at the finding's position as Flight Recorder recorded its stack: "all_reduce (...) <- main (train.py:71)"
+    call_site: str | None = None
 
 
 @dataclass(frozen=True)
@@ -138,11 +140,13 @@ def _op_evidence(comm: CommView, rank: RankView, position: int, fact: str) -> Fa
     return Fact(comm.source, fact, Citation(file=rank.file), ref)
 
 
-def _rows(comm: CommView, status: Callable[[RankView], tuple[str, str]]) -> tuple[RankStatus, ...]:
+def _rows(comm: CommView, status: Callable[[RankView], tuple[str, str]], position: int | None = None) -> tuple[RankStatus, ...]:
+    """Each rank's row; with ``position``, the user's line that issued its operation there (Flight Recorder)."""
     rows = []
     for rank in comm.ranks:
         last = rank.at(rank.total - 1)
         text, detail = status(rank)
+        op = rank.details.get(position) if position is not None else None
         rows.append(
             RankStatus(
                 rank=rank.rank,
@@ -152,6 +156,7 @@ def _rows(comm: CommView, status: Callable[[RankView], tuple[str, str]]) -> tupl
                 last_op=last.describe() if last else None,
                 status=text,
                 detail=detail,
+                call_site=call_line(op.frames) if op is not None else None,
             )
         )
     return tuple(sorted(rows, key=lambda r: r.rank))
@@ -160,19 +165,6 @@ def _rows(comm: CommView, status: Callable[[RankView], tuple[str, str]]) -> tupl
 def _comm_finding(comm: CommView, verdict: Verdict, **fields: object) -> Finding:
     """A finding about one communicator: it names the communicator and the source."""
     return Finding(verdict=verdict, comm_key=comm.key, comm_label=comm.label, source=comm.source, **fields)  # type: ignore[arg-type]
-
-
-def predict_next(history: Sequence[OpSig]) -> OpSig | None:
-    """The operation the job's repeating pattern expects next, if it has one.
-
-    A training step issues the same operations every step, so the shortest
-    period ``p`` with the last two periods identical predicts ``history[-p]``.
-    """
-    n = len(history)
-    for period in range(1, min(MAX_PERIOD, n // 2) + 1):
-        if all(history[n - k] == history[n - k - period] for k in range(1, period + 1)):
-            return history[n - period]
-    return None
 
 
 def _realign(longer: Sequence[OpSig], other: Sequence[OpSig]) -> int | None:
@@ -225,23 +217,25 @@ def _first_divergence(ranks: list[RankView]) -> tuple[int, dict[OpSig | None, li
 def _mismatch(
     comm: CommView, ranks: list[RankView], position: int, groups: dict[OpSig | None, list[RankView]]
 ) -> Finding:
+    """The minority is the culprit; with an even split, the step the communicator repeats decides (``step_pattern``)."""
     reference = max(ranks, key=lambda r: position - r.base)
-    history = reference.window[: position - reference.base]
-    expected = predict_next(history)
+    keys = {sig: _key(members[0], position) for sig, members in groups.items()}
+    step = expected_next([_key(reference, p) for p in range(reference.base, position)], list(keys.values()))
     sizes = sorted((len(m) for m in groups.values()), reverse=True)
-    how: str
-    if expected in groups:
-        good_sig = expected
-        how = "it departs from the operation the job's repeating pattern (and its peers) expect there"
-    elif len(sizes) == 1 or sizes[0] > sizes[1]:
+    by_step = next((sig for sig, key in keys.items() if key == step.expected), None)
+    explained = step.expected is not None
+    if len(sizes) == 1 or sizes[0] > sizes[1]:
         good_sig = max(groups, key=lambda s: len(groups[s]))
         how = "it is in the minority at that position"
+        explained = explained and by_step == good_sig
+        if explained:
+            how += f": {_step_line(step, keys, groups, good_sig)}"
     else:
-        good_sig = None
-        how = "the ranks split evenly and no repeating pattern tells which side is right"
-    culprits = [r for s, members in groups.items() if s != good_sig for r in members]
-    culprit_ids = tuple(sorted(r.rank for r in culprits)) if good_sig is not None else ()
-    good = groups.get(good_sig, []) if good_sig is not None else []
+        good_sig = by_step
+        how = f"the ranks split evenly and the step this communicator repeats decides: {_step_line(step, keys, groups, good_sig)}"
+    decided = len(sizes) == 1 or sizes[0] > sizes[1] or explained
+    culprits = [r for s, members in groups.items() if s != good_sig for r in members] if decided else []
+    good = groups[good_sig] if decided else []
     evidence = [
         _op_evidence(
             comm, members[0], position,
@@ -249,36 +243,110 @@ def _mismatch(
         )
         for sig, members in groups.items()
     ]
-    skew_note = ""
-    if good and culprits:
-        c, g = culprits[0], good[0]
-        ahead = _realign(c.window[position - c.base :], g.window[position - g.base :])
-        behind = _realign(g.window[position - g.base :], c.window[position - c.base :])
-        if ahead is not None and (behind is None or ahead <= behind):
-            skew_note = f" Aligned by shortest edit, {c.name} has {ahead} operation(s) here that {g.name} lacks: it skipped operations the others issued, or added its own."
-        elif behind is not None:
-            skew_note = f" Aligned by shortest edit, {c.name} lacks {behind} operation(s) that {g.name} issued here: it skipped them."
-    culprit_sig = next((s for s, m in groups.items() if s != good_sig), None)
+    culprit_sig = next((s for s in groups if s != good_sig), None)
     operation = (good_sig or culprit_sig or OpSig("?", None, None, None, None)).describe()
-    if culprit_ids:
+    if culprits:
         summary = (
             f"{names(culprits)} issued {culprit_sig.describe() if culprit_sig else '?'} as collective #{position + 1} "
             f"on {comm.label}, where {names(good)} issued {operation}."
         )
+        reason = f"Culprit because {how}.{'' if explained else _skew_note(position, culprits[0], good[0])}"
+        missing: tuple[str, ...] = ()
     else:
-        summary = f"Ranks issued different operations as collective #{position + 1} on {comm.label}."
-    status_of = {r.comm_rank: ("diverged" if r in culprits else "waiting") for r in ranks}
+        sides = "; ".join(f"{names(members)} issued {_describe(keys[sig])}" for sig, members in groups.items())
+        suspects = "Both sides are suspects" if len(groups) == 2 else "Every side is a suspect"
+        summary = f"Ranks split evenly at collective #{position + 1} on {comm.label}: {sides}. {suspects}."
+        reason = f"No culprit: the ranks split evenly and {step.why_not}."
+        missing = (f"which side is wrong: {step.would_decide}",)
+    status_of = {r.comm_rank: ("diverged" if r in culprits else "waiting" if culprits else "suspect") for r in ranks}
     return _comm_finding(
         comm,
         Verdict.collective_mismatch,
         summary=summary,
-        reason=f"Culprit because {how}.{skew_note}",
-        culprits=culprit_ids,
+        reason=reason,
+        culprits=tuple(sorted(r.rank for r in culprits)),
         position=position + 1,
         operation=operation,
         evidence=tuple(evidence),
-        rows=_rows(comm, lambda r: (status_of.get(r.comm_rank, "?"), _at_text(r, position))),
+        missing=missing,
+        rows=_rows(comm, lambda r: (status_of.get(r.comm_rank, "?"), _at_text(r, position)), position),
     )
+
+
+def _key(rank: RankView, position: int) -> tuple[OpSig | None, str | None]:
+    """What the step is learned from: the signature, and the user's line Flight Recorder recorded for it (two
+    all_reduces of one size from two lines of the script are two operations)."""
+    op = rank.details.get(position)
+    mine = user_frame(op.frames) if op is not None else None
+    return rank.at(position), short_frame(mine) if mine else None
+
+
+def _describe(key: Hashable) -> str:
+    """``AllReduce count=1 Float at train.py:71``, or the signature alone where no line was recorded."""
+    sig, frame = key  # type: ignore[misc]  # a _key
+    text = sig.describe() if sig is not None else "?"
+    if frame:
+        _, path, line = split_frame(frame)
+        text += f" at {path}:{line}" if line else f" in {path}"
+    return text
+
+
+def _step_line(step: Expectation, keys: dict[OpSig | None, Hashable], groups: dict[OpSig | None, list[RankView]], good_sig: OpSig | None) -> str:
+    """One clause per wrong side: what it skipped or issued instead, and how the learned step says so."""
+    shape = step.shape
+    if shape is None or step.expected is None:
+        return ""
+    expected = keys[good_sig]
+    clauses = []
+    for sig, members in groups.items():
+        if sig == good_sig:
+            continue
+        theirs = keys[sig]
+        if step.rule == "order":
+            clauses.append(
+                f"{names(members)} issued {_describe(theirs)} where, in {step.votes.get(expected, 0)} of the last "
+                f"{len(shape.lengths)} steps, {_describe(step.after)} was followed by {_describe(expected)} and never by it"
+            )
+        elif theirs in shape.counts:
+            clauses.append(
+                f"{names(members)} skipped {_describe(expected)}, which every step issues {shape.times(expected)}; it "
+                f"is already at {_describe(theirs)}, which this step already issued: the next step's"
+            )
+        else:
+            clauses.append(
+                f"{names(members)} issued {_describe(theirs)}, which no step issues, where the step still owes "
+                f"{_describe(expected)}"
+            )
+    return "; ".join(clauses) + f" (a step: {shape.period()}, {len(shape.lengths)} whole steps agree)"
+
+
+def _skew_note(position: int, culprit: RankView, good: RankView) -> str:
+    """Where no step was learned: whether the culprit skipped or added operations, by shortest edit."""
+    c, g = culprit, good
+    ahead = _realign(c.window[position - c.base :], g.window[position - g.base :])
+    behind = _realign(g.window[position - g.base :], c.window[position - c.base :])
+    if ahead is not None and (behind is None or ahead <= behind):
+        return f" Aligned by shortest edit, {c.name} has {ahead} operation(s) here that {g.name} lacks: it skipped operations the others issued, or added its own."
+    if behind is not None:
+        return f" Aligned by shortest edit, {c.name} lacks {behind} operation(s) that {g.name} issued here: it skipped them."
+    return ""
+
+
+def with_call_sites(finding: Finding, others: Sequence[Finding]) -> Finding:
+    """A mismatch judged from NCCL's logs, with each rank's call site from a Flight Recorder finding of the same
+    divergence (NCCL's log records no frames). The same divergence: both name, rank by rank, the same operation."""
+    if finding.verdict != Verdict.collective_mismatch or any(row.call_site for row in finding.rows):
+        return finding
+    op_of = lambda row: row.detail.partition(": ")[2].partition(" ")[0]
+    mine = {row.rank: op_of(row) for row in finding.rows}
+    for other in others:
+        if other.verdict != Verdict.collective_mismatch or other.source != "flight_recorder":
+            continue
+        theirs = {row.rank: row for row in other.rows}
+        if mine.keys() <= theirs.keys() and all(op_of(theirs[r]) == op for r, op in mine.items()):
+            rows = tuple(replace(row, call_site=theirs[row.rank].call_site) for row in finding.rows)
+            return replace(finding, rows=rows)
+    return finding
 
 
 def _called_from(rank: RankView, position: int) -> str:

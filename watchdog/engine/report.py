@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from ncclwatch.watchdog import __version__
 from ncclwatch.watchdog.engine.detectors import Finding, Verdict
 from ncclwatch.watchdog.engine.snapshot import Snapshot
-from ncclwatch.watchdog.engine.stacks import main_thread, short_frame, split_frame, user_frame
+from ncclwatch.watchdog.engine.stacks import CALL_ARROW, call_line, main_thread, short_frame, split_frame, user_frame
 from ncclwatch.watchdog.engine.verdict import gpu_signature
 
 EXIT_NO_HANG = 0
@@ -36,6 +36,9 @@ class RankRow(BaseModel):
     status: str = ""
     detail: str = ""
     stack: str | None = None  # innermost frame of the main thread (py-spy)
+    # The operation at the verdict's position as Flight Recorder recorded its stack when it was issued ("all_reduce
+    # (...) <- main (train.py:71)"): with NCCL a call returns at enqueue, so ``stack`` is often far from it.
+    call_site: str | None = None
     gpu: str | None = None  # GPU signature (NVML)
     state: str | None = None  # /proc state letter (live only)
     step: int | None = None  # last step the heartbeat reported (live only)
@@ -142,7 +145,7 @@ class Report(BaseModel):
         return EXIT_HANG
 
 
-STACK_ARROW = " <- "  # innermost frame <- the user's frame that led there
+STACK_ARROW = CALL_ARROW  # innermost frame <- the user's frame that led there
 
 
 def main_frame(snapshot: Snapshot, pid: int | None) -> str | None:
@@ -153,10 +156,7 @@ def main_frame(snapshot: Snapshot, pid: int | None) -> str | None:
     """
     dump = snapshot.stacks.get(pid) if pid is not None else None
     thread = main_thread(dump) if dump is not None else None
-    if thread is None or not thread.frames:
-        return None
-    innermost, mine = thread.frames[0], user_frame(thread.frames)
-    return innermost if mine is None or mine == innermost else f"{innermost}{STACK_ARROW}{mine}"
+    return call_line(thread.frames) if thread is not None else None
 
 
 def gpu_of(snapshot: Snapshot, pid: int | None) -> str | None:
@@ -177,9 +177,11 @@ def _rows(finding: Finding, snapshot: Snapshot) -> list[RankRow]:
     rows = {r.rank: RankRow(**r.__dict__) for r in finding.rows}
     for proc, rank in snapshot.global_ranks.items():
         rows.setdefault(rank, RankRow(rank=rank, host=proc.host, pid=proc.pid))
+    workers = {w.rank: w for w in snapshot.workers}  # Flight Recorder's rows know no process: the journal's workers do
     for row in rows.values():
-        pid = row.pid if row.pid is not None else snapshot.pid_of(row.rank)
-        row.pid = pid
+        worker = workers.get(row.rank)
+        pid = row.pid if row.pid is not None else snapshot.pid_of(row.rank) or (worker.pid if worker else None)
+        row.pid, row.host = pid, row.host or (worker.host if worker else None)
         row.stack = main_frame(snapshot, pid)
         row.gpu = gpu_of(snapshot, pid)
     return [rows[k] for k in sorted(rows)]
@@ -308,16 +310,26 @@ def _table(rows: list[RankRow], columns: int = TERMINAL_COLUMNS) -> list[str]:
     """
     dash = lambda value: "-" if value is None or value == "" else str(value)
     forms: dict[str, list[list[str]]] = {name: [] for name in _HEADER}  # column -> per row, longest form first
+    # The stack column shows where each rank issued the verdict's operation (Flight Recorder) when known, and
+    # py-spy's current position on a second line only where it is elsewhere.
+    now: list[list[str] | None] = []
     for r in rows:
-        cells = dict(zip(_HEADER, (r.rank, r.host, r.pid, r.state, r.step, r.issued, r.status, r.detail, r.stack, r.gpu)))
+        shown = r.call_site or r.stack
+        cells = dict(zip(_HEADER, (r.rank, r.host, r.pid, r.state, r.step, r.issued, r.status, r.detail, shown, r.gpu)))
         for name, value in cells.items():
             text = dash(value)
             shorter = {"host": _host_forms, "stack": _stack_forms, "detail": _detail_forms, "gpu": _gpu_forms}.get(name)
             forms[name].append(shorter(text) if shorter and text != "-" else [text])
+        # compared by function names and the user's line: torch's own line differs between the two records
+        elsewhere = r.call_site and r.stack and _stack_forms(r.stack)[2] != _stack_forms(r.call_site)[2]
+        now.append([_NOW + form for form in _stack_forms(r.stack)] if elsewhere else None)  # type: ignore[arg-type]
     keep = [n for i, n in enumerate(_HEADER) if i < 3 or any(f[0] != "-" for f in forms[n])]
     level = dict.fromkeys(_HEADER, 0) | {"stack": 1}  # frames always with their file's basename only
     cell = lambda name, row: forms[name][row][min(level[name], len(forms[name][row]) - 1)]
-    width = lambda name: max(len(name), *(len(cell(name, i)) for i in range(len(rows))))
+    now_cell = lambda row: now[row][min(level["stack"], len(now[row]) - 1)] if now[row] else ""  # type: ignore[index]
+    label = dict(zip(_HEADER, _HEADER)) | ({"stack": "call site"} if any(r.call_site for r in rows) else {})
+    width = lambda name: max(len(label[name]), *(len(cell(name, i)) for i in range(len(rows))),
+                             *(len(now_cell(i)) for i in range(len(rows)) if name == "stack"))  # fmt: skip
     fits = lambda: 2 + sum(width(n) for n in keep) + 2 * (len(keep) - 1) <= columns
     for action, name in _NARROWING:
         if fits():
@@ -330,7 +342,15 @@ def _table(rows: list[RankRow], columns: int = TERMINAL_COLUMNS) -> list[str]:
             keep.remove(name)
     widths = {n: width(n) for n in keep}
     fmt = lambda texts: "  " + "  ".join(texts[n].ljust(widths[n]) for n in keep).rstrip()
-    return [fmt({n: n for n in keep})] + [fmt({n: cell(n, i) for n in keep}) for i in range(len(rows))]
+    lines = [fmt({n: label[n] for n in keep})]
+    for i in range(len(rows)):
+        lines.append(fmt({n: cell(n, i) for n in keep}))
+        if now[i] and "stack" in keep:
+            lines.append(fmt({n: now_cell(i) if n == "stack" else "" for n in keep}))
+    return lines
+
+
+_NOW = "now: "  # py-spy's position, under a call site it differs from
 
 
 def _stack_forms(stack: str) -> list[str]:
@@ -408,6 +428,9 @@ def headline(report: Report) -> str:
 
     ``ncclwatch: RANK BEHIND rank 2 (node1, pid 4242) never entered AllReduce #57; its peers wait in it —
     it is at train.py:105 in step(). Next: py-spy stack in the bundle; ...``
+
+    Where Flight Recorder recorded the line that issued the operation (``call_site``), that line, and
+    py-spy's only when the rank is now elsewhere: with NCCL a collective returns at enqueue.
     """
     title = report.verdict.value.replace("_", " ").upper()
     rows = {row.rank: row for row in report.ranks}
@@ -424,11 +447,18 @@ def headline(report: Report) -> str:
         if report.verdict == Verdict.collective_mismatch:
             does = _mismatch_words(_op_at(first, report.position), report.operation, report.position)
         what = f"{who} {does.format(op=op)}" if does else f"{who}: {report.summary.rstrip('.')}"
+        called = _user_site(first.call_site) if first else None
         mine = _user_site(first.stack) if first else None
-        if mine:
+        peers = sorted({site for row in report.ranks if row.rank not in culprits and (site := _user_site(row.call_site))})
+        if called:
+            what += f" — issued from {called}" + (f" (py-spy: now at {mine})" if mine and mine != called else "")
+        elif mine:
             what += f" — {'it is' if len(culprits) == 1 else f'rank {culprits[0]} is'} at {mine}"
+        what += f"; its peers issued theirs from {' and '.join(peers)}" if peers else ""
     else:
         what = report.summary.rstrip(".")
+        sites = [f"rank {row.rank} from {site}" for row in report.ranks if (site := _user_site(row.call_site))]
+        what += f" — {', '.join(sites)}" if sites and report.verdict == Verdict.collective_mismatch else ""
     ranks = f"rank {', '.join(map(str, culprits))}" if culprits else "the lead rank"
     advice = NEXT_STEP.get(report.verdict, "read report.md in the bundle").format(ranks=ranks)
     return f"ncclwatch: {title} {what}. Next: {advice}."

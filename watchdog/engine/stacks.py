@@ -35,6 +35,8 @@ _GPU_WAITS = {"synchronize", "wait_stream", "wait_event"}
 _BACKWARD = ("_engine_run_backward", "backward")
 _INSTALLED = frozenset({"site-packages", "dist-packages"})
 _STDLIB_DIR = re.compile(r"python\d(\.\d+)?$")  # /usr/lib/python3.11/threading.py
+# py-spy --native frames live in shared objects (libc.so.6, libtorch_cpu.so): never the user's line
+_SHARED_OBJECT = re.compile(r"\.so(\.\d+)*$")
 # Top-level packages that py-spy shows relative to site-packages: library
 # frames between the user's code and torch (a Trainer's loop is not the user's line).
 LIBRARY_ROOTS = frozenset(
@@ -45,6 +47,7 @@ LIBRARY_ROOTS = frozenset(
 # (an editable install keeps them under the repository's launcher/ folder; the
 # demo's job, launcher/demo_job.py, is the demo user's code and stays in).
 _OWN_SUFFIXES = ("launcher/heartbeat.py", "launcher/inject/sitecustomize.py")
+CALL_ARROW = " <- "  # innermost frame <- the user's frame that led there
 
 
 @dataclass(frozen=True)
@@ -70,9 +73,9 @@ def short_frame(frame: str) -> str:
 
 
 def is_user_frame(frame: str) -> bool:
-    """Not torch, an installed package, the standard library, ncclwatch, or a frozen/exec'd module."""
+    """Not torch, an installed package, the standard library, ncclwatch, a frozen/exec'd module or native code."""
     path = split_frame(frame)[1]
-    if not path or path.startswith("<"):
+    if not path or path.startswith("<") or _SHARED_OBJECT.search(path):
         return False
     parts = PurePosixPath(path).parts
     if _INSTALLED & set(parts) or path.endswith(_OWN_SUFFIXES) or path == "sitecustomize.py":
@@ -86,6 +89,15 @@ def is_user_frame(frame: str) -> bool:
 def user_frame(frames: Sequence[str]) -> str | None:
     """The innermost frame of the user's code (frames innermost first), None when there is none."""
     return next((f for f in frames if is_user_frame(f)), None)
+
+
+def call_line(frames: Sequence[str]) -> str | None:
+    """``all_reduce (torch/...:3252) <- step (train.py:105)``: the innermost frame, then the user's frame that led
+    there; the frame alone when it is the user's or none is; None without frames."""
+    if not frames:
+        return None
+    innermost, mine = frames[0], user_frame(frames)
+    return innermost if mine is None or mine == innermost else f"{innermost}{CALL_ARROW}{mine}"
 
 
 def main_thread(dump: StackDump) -> ThreadStack | None:

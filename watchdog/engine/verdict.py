@@ -14,7 +14,7 @@ import signal
 from collections import Counter
 from dataclasses import replace
 
-from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, PRIORITY, Fact, Finding, Verdict, analyze_comm
+from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, PRIORITY, Fact, Finding, Verdict, analyze_comm, with_call_sites
 from ncclwatch.watchdog.parsing.ras import ras_outliers
 from ncclwatch.watchdog.engine.partial import decide_partial, strong_partial
 from ncclwatch.watchdog.engine.snapshot import Snapshot
@@ -32,8 +32,11 @@ def decide(snapshot: Snapshot) -> Finding:
         # NCCL logs run to the job's end; dumps are snapshots of a moment,
         # and ranks of a running job are always at slightly different points.
         findings = logs
-    findings.sort(key=lambda f: (PRIORITY[f.verdict], f.source == "nccl_log", bool(f.culprits)), reverse=True)
-    best = findings[0]
+    # A mismatch that names its culprit wins over one that cannot (one source's history may decide an even split
+    # that the other's does not: Flight Recorder tells two all_reduces of one size apart by their lines).
+    decided = lambda f: f.verdict == Verdict.collective_mismatch and bool(f.culprits)
+    findings.sort(key=lambda f: (PRIORITY[f.verdict], decided(f), f.source == "nccl_log", bool(f.culprits)), reverse=True)
+    best = with_call_sites(findings[0], findings[1:])
     if best.verdict == Verdict.inconclusive and (strong := strong_partial(snapshot)) is not None:
         return strong  # a DETAIL mismatch or a dead peer decides what aligned sequences could not
     corroborating = [
