@@ -85,7 +85,9 @@ class JobResponder:
             self.ended = chosen
             actions.append(self._record("kill", True, f"ended the job: {chosen.why}"))
         if pages and chosen.response is Response.drain and self.settings.drain == "slurm":
-            outcome = await drain_slurm(chosen.drain_hosts, drain_reason(report.verdict.value, report.incident_key))
+            # The incident: its key on several nodes, else the bundle that holds it (its name has host and time).
+            incident = report.incident_key or (bundle.name.removesuffix(".tar.gz") if bundle else report.hang_started_at)
+            outcome = await drain_slurm(chosen.drain_hosts, drain_reason(report.verdict.value, incident))
             hosts = ", ".join(chosen.drain_hosts)
             actions.append(self._record("drain", outcome.ok, f"{hosts}: " + outcome.describe("scontrol update State=DRAIN")))
         if pages and self.settings.on_hang_exec:
