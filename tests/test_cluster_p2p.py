@@ -16,14 +16,18 @@ from nccl_lines import init, op
 
 from ncclwatch.watchdog.cluster.judge import job_state
 from ncclwatch.watchdog.cluster.payload import FR_ENTRIES_COMPACT, pack, shareable, unpack
+from ncclwatch.watchdog.engine.classify import judge
 from ncclwatch.watchdog.engine.detectors import Finding, Verdict
 from ncclwatch.watchdog.engine.snapshot import take_snapshot
 from ncclwatch.watchdog.engine.state import JobState
 from ncclwatch.watchdog.engine.verdict import decide
-from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrFrame, FrProcessGroup, OpState, Stall
+from ncclwatch.watchdog.events import (
+    Citation, FrDump, FrEntry, FrFrame, FrProcessGroup, OpState, StackDump, Stall, ThreadStack, WorkerSeen,
+)  # fmt: skip
+from ncclwatch.watchdog.live.journal import live_inputs
 
 STALL = Stall(at=NOW, stalled_for_s=30.0, stall_timeout_s=10.0, progress_timeout_s=600.0)
-ACT, GRAD = 4096, 4096  # activations forward, gradients backward (elements)
+ACT = 4096  # elements of each activation and gradient
 
 
 def node_log(rank: int, ops: list[tuple[str, int]]) -> JobState:
@@ -37,7 +41,8 @@ def node_log(rank: int, ops: list[tuple[str, int]]) -> JobState:
 def through_the_store(state: JobState, node: int, without_p2p: bool = False) -> list:
     """What the leader reads of another node: its sequences shared, packed, compressed and unpacked."""
     tails = [t.model_copy(update={"sent": {}, "received": {}}) if without_p2p else t for t in state.sequence_tails(64)]
-    payload = unpack(pack(node, "compact", NOW, [*tails, *state.fr_dumps.values(), STALL]), f"node {node}")
+    events = [*live_inputs(state), *tails, *state.fr_dumps.values(), STALL]  # what a sidecar shares at a stall
+    payload = unpack(pack(node, "compact", NOW, events), f"node {node}")
     assert payload is not None
     return payload.events
 
@@ -147,3 +152,42 @@ class TestPendingPointToPoint:
         states = {0: dump(0, pipeline_entries(1, [("Recv", OpState.started, 40)], 12)), 1: dump(1, pipeline_entries(0, [], 12))}
         for leader in (0, 1):
             assert judged_by(leader, states).verdict is not Verdict.p2p_deadlock
+
+
+def gloo_node(rank: int, collectives: int, call: str, world: int = 2) -> JobState:
+    """A node of a gloo job: one rank, its dump (collectives only: gloo records no send/recv), its worker and
+    where py-spy found it (``call`` in torch.distributed, from the pipeline's own code)."""
+    state = dump(rank, [entry(i, "AllReduce", OpState.completed if i < 30 else OpState.started, seq=i + 1) for i in range(collectives)])
+    frames = [f"{call} (torch/distributed/distributed_c10d.py:2799)", f"exchange (pipeline_job.py:{80 + rank})"]
+    state.apply(WorkerSeen(pid=1000 + rank, rank=rank, world_size=world, host=f"node{rank}", at=NOW - 60, node_rank=rank))
+    state.apply(StackDump(pid=1000 + rank, threads=[ThreadStack(name="MainThread", frames=frames)], cite=Citation(file="py-spy")))
+    state.apply(STALL)
+    return state
+
+
+def decided_by(leader: int, states: dict[int, JobState]) -> Finding:
+    remote = {node: through_the_store(state, node) for node, state in states.items() if node != leader}
+    return judge(take_snapshot(job_state(states[leader], remote, STALL), observed_at=NOW)).finding
+
+
+class TestWaitsSeenInStacks:
+    def test_a_stage_behind_that_waits_in_recv_waits_for_the_stage_that_never_sent(self) -> None:
+        states = {0: gloo_node(0, 30, "recv"), 1: gloo_node(1, 31, "all_reduce")}
+        for leader in (0, 1):
+            finding = decided_by(leader, states)
+            assert (finding.verdict, finding.culprits) == (Verdict.rank_behind, (1,)), (leader, finding.summary)
+            assert finding.summary.startswith("Rank 1 never posted the send that rank 0 waits for in recv (called from "
+                                              "exchange (pipeline_job.py:80)): it went on to AllReduce")  # fmt: skip
+            assert {(r.rank, r.status) for r in finding.rows} == {(0, "waiting"), (1, "culprit")}
+
+    def test_a_rank_behind_outside_any_send_or_recv_stays_the_culprit(self) -> None:
+        states = {0: gloo_node(0, 30, "all_gather"), 1: gloo_node(1, 31, "all_reduce")}
+        for leader in (0, 1):
+            finding = decided_by(leader, states)
+            assert (finding.verdict, finding.culprits) == (Verdict.rank_behind, (0,)), finding.summary
+
+    def test_with_two_ranks_ahead_no_peer_is_guessed(self) -> None:
+        states = {0: gloo_node(0, 30, "recv", world=3), 1: gloo_node(1, 31, "all_reduce", world=3),
+                  2: gloo_node(2, 31, "all_reduce", world=3)}  # fmt: skip
+        finding = decided_by(0, states)
+        assert (finding.verdict, finding.culprits) == (Verdict.rank_behind, (0,)), finding.summary

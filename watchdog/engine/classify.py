@@ -71,6 +71,7 @@ def judge(snapshot: Snapshot) -> Decision:
             or _never_started_on_gpu(snapshot, finding)
             or _lead_from_stacks(finding, where)
         )
+    finding = _p2p_wait_from_stacks(finding, where) or finding
     finding = _with_where(finding, where)
     busy = _busy(finding.culprits, snapshot, where) if finding.verdict == Verdict.rank_behind else []
     if stall is not None and busy and stall.stalled_for_s < stall.progress_timeout_s:
@@ -187,6 +188,39 @@ def _p2p_deadlock_from_stacks(finding: Finding, where: Mapping[int, Whereabouts]
 
 _BLOCKING_P2P = frozenset({"send", "recv"})  # torch.distributed's blocking calls; their i* forms return at once
 _OTHER_SIDE = {"send": "recv", "recv": "send"}
+
+
+def _p2p_wait_from_stacks(finding: Finding, where: Mapping[int, Whereabouts]) -> Finding | None:
+    """Ranks "behind" in collectives that block in ``recv`` (or ``send``) are not late: they wait for a peer that
+    went on to the next collective without posting its side (a pipeline stage that never sent its gradient back
+    was paged as the stage waiting for it).  gloo's Flight Recorder records no send/recv and a stack names no
+    peer, so the culprit is named only when one rank is ahead; NCCL's logs name the peer (``detectors``)."""
+    if finding.verdict != Verdict.rank_behind or not finding.culprits:
+        return None
+    frames = [where[r].frame if r in where and where[r].kind == "collective" else None for r in finding.culprits]
+    sides = {split_frame(f)[0] if f else None for f in frames}
+    ahead = [row.rank for row in finding.rows if row.rank not in finding.culprits and row.status == "waiting"]
+    if len(sides) != 1 or not sides <= _BLOCKING_P2P or len(ahead) != 1:
+        return None
+    (side,), (culprit,) = sides, ahead
+    waiters = ", ".join(map(str, finding.culprits))
+    callers = sorted({short_frame(where[r].user_frame) for r in finding.culprits if where[r].user_frame})  # type: ignore[arg-type]
+    called = f" (called from {'; '.join(callers)})" if callers else ""
+    went_on = f"{finding.operation} (collective #{finding.position})" if finding.operation else "its next collective"
+    rows = tuple(replace(row, status="waiting", detail=f"in {side}") if row.rank in finding.culprits
+                 else replace(row, status="culprit", detail=f"in {went_on}") if row.rank == culprit else row
+                 for row in finding.rows)  # fmt: skip
+    return replace(
+        finding,
+        culprits=(culprit,),
+        summary=f"Rank {culprit} never posted the {_OTHER_SIDE[side]} that rank {waiters} waits for in {side}{called}: "
+        f"it went on to {went_on}, which rank {waiters} cannot reach.",
+        reason="Point-to-point operations are matched pairwise; the rank that has not posted its side is at fault. "
+        f"The only rank ahead of rank {waiters} is named: this backend records no peer of a send or recv. Engine: {finding.summary}",
+        evidence=finding.evidence + tuple(Fact("py-spy", f"rank {r}: {side} at {where[r].frame}") for r in finding.culprits),
+        rows=rows,
+        missing=finding.missing + ("which peer each rank waits for: Flight Recorder with NCCL, or NCCL's debug lines",),
+    )
 
 
 def _lead_from_stacks(finding: Finding, where: Mapping[int, Whereabouts]) -> Finding:
