@@ -16,7 +16,8 @@ Faults (at ``--fault-step`` on ``--fault-rank``, only in the first
   sigstop  the rank stops itself (a process frozen by the kernel, a debugger)
   gather   the rank all_gathers the loss where the others all_reduce it (a branch on the rank: every round)
   stuck    the rank sleeps in Python forever, outside any collective
-Works on CPU with gloo and on GPUs with NCCL (``--device cuda``: one GPU per local rank).
+Works on CPU with gloo and on GPUs with NCCL (``--device cuda``: one GPU per local rank, or several ranks
+of one GPU, each its own ``NCCL_HOSTID``).
 """
 
 from __future__ import annotations
@@ -62,9 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     round_ = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     cuda = args.device == "cuda"
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+        if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count():
+            os.environ.setdefault("NCCL_HOSTID", f"host{rank}")  # two ranks on one GPU: NCCL wants two "hosts"
     backend = "nccl" if cuda else "gloo"
     timeout = datetime.timedelta(minutes=30)
     # torchrun keeps its store across restarts; a new round reading the dead round's keys would hang: a prefix per round.
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     model = torch.nn.Sequential(
         torch.nn.Embedding(vocab, args.width), torch.nn.TransformerEncoder(layer, args.layers), torch.nn.Linear(args.width, vocab)
     ).to(device)
-    ddp = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
 
     checkpoint = Path(args.ckpt_dir) / "ckpt.pt"

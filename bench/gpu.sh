@@ -8,6 +8,7 @@
 #   bash bench/gpu.sh overhead [bench/overhead_ab.py args...]
 #   bash bench/gpu.sh latency  [bench/latency.py args...]   (the demo-job suite, one rank per GPU)
 #   bash bench/gpu.sh slow_links [bench/slow_links.py args...]   (issue 14: preflight, straggler, slow link)
+#   bash bench/gpu.sh restart  [bench/restart.py args...]   (issue 24: fault -> training again, the loop guard)
 #     (its throttle case needs pyroute2's wheel in .whl/: pip download --no-deps -d .whl pyroute2)
 set -euo pipefail
 OUT=${OUT:-bench/out}
@@ -52,7 +53,8 @@ case $what in
     overhead) script=bench/overhead_ab.py ;;
     latency) script=bench/latency.py; set -- --nproc "$(nvidia-smi -L | wc -l)" --out "$OUT/latency.jsonl" "$@" ;;
     slow_links) script=bench/slow_links.py; set -- "$OUT/slow_links" "$@" ;;
-    *) echo "unknown benchmark: $what (faults, overhead, latency, slow_links)" >&2; exit 2 ;;
+    restart) script=bench/restart.py; set -- --out "$OUT/restart.jsonl" "$@" ;;
+    *) echo "unknown benchmark: $what (faults, overhead, latency, slow_links, restart)" >&2; exit 2 ;;
 esac
 set +e
 python3 "$script" "$@" 2>&1 | tee -a "$log"

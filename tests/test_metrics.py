@@ -199,6 +199,11 @@ class TestJobSeries:
         assert sample(registry, "ncclwatch_bundles_written_total") == 3
         assert parsed(registry)["ncclwatch_bundles_written"].type == "counter"
 
+    def test_restarts_is_a_counter(self):
+        registry, _ = registry_for(health(restarts=2))
+        assert sample(registry, "ncclwatch_restarts_total") == 2
+        assert parsed(registry)["ncclwatch_restarts"].type == "counter"
+
     def test_source_up_names_every_source_and_zero_for_down_ones(self):
         registry, _ = registry_for(health(sources_down=("nvml: NVML library not found", "gpu_probe: gone")))
         assert sample(registry, "ncclwatch_source_up", source="nvml") == 0
