@@ -191,3 +191,31 @@ class TestWaitsSeenInStacks:
                   2: gloo_node(2, 31, "all_reduce", world=3)}  # fmt: skip
         finding = decided_by(0, states)
         assert (finding.verdict, finding.culprits) == (Verdict.rank_behind, (0,)), finding.summary
+
+
+def with_dump(state: JobState, rank: int, entries: list[FrEntry]) -> JobState:
+    """The same node's rank also dumped its Flight Recorder (NCCL: logs and dumps side by side)."""
+    state.apply(dump(rank, entries).fr_dumps[f"node{rank}/fr/ncclwatch_trace_{rank}"])
+    return state
+
+
+class TestCountsAndPendingOpsTogether:
+    """On NCCL both hosts go on enqueueing past a hung recv: Flight Recorder's first pending ops are recvs on both
+    sides whether one stage never sent or both received first; NCCL's counts tell the two apart."""
+
+    cycle = staticmethod(lambda rank: pipeline_entries(1 - rank, [("Recv", OpState.started, 40 + rank)], 12))
+
+    def test_one_direction_short_of_a_send_names_the_stage_that_never_sent(self) -> None:
+        states = {0: with_dump(node_log(0, stage0(20, [("Send", 1), ("Recv", 1), ("Send", 1)])), 0, self.cycle(0)),
+                  1: with_dump(node_log(1, stage1(20, [("Recv", 0), ("Recv", 0)])), 1, self.cycle(1))}  # fmt: skip
+        for leader in (0, 1):
+            finding = judged_by(leader, states)
+            assert (finding.verdict, finding.culprits) == (Verdict.rank_behind, (1,)), (leader, finding.summary)
+            assert "rank 1 never posted Send #21 to rank 0" in finding.summary
+
+    def test_even_counts_leave_the_cycle_a_deadlock_naming_both(self) -> None:
+        states = {0: with_dump(node_log(0, stage0(20, [("Recv", 1), ("Send", 1)])), 0, self.cycle(0)),
+                  1: with_dump(node_log(1, stage1(20, [("Recv", 0), ("Send", 0)])), 1, self.cycle(1))}  # fmt: skip
+        for leader in (0, 1):
+            finding = judged_by(leader, states)
+            assert (finding.verdict, finding.culprits) == (Verdict.p2p_deadlock, (0, 1)), (leader, finding.summary)

@@ -608,6 +608,21 @@ def _pending_recv_cycle(comm: CommView) -> Finding | None:
     return None
 
 
+def missing_send_behind_cycle(findings: Sequence[Finding]) -> Finding | None:
+    """NCCL's count of a missing send, where Flight Recorder shows a cycle of pending recvs between the same ranks.
+
+    A stage that never posts its send leaves its peer's recv pending; on NCCL both hosts go on enqueueing, so
+    the culprit's next recv from that peer queues behind the stuck one and Flight Recorder's first pending ops
+    are recvs on both sides (``_pending_recv_cycle``).  NCCL's logs count every send and recv: one direction
+    short of a send names the rank that never posted it (``_p2p_behind``, the one ``rank_behind`` without a
+    collective position), where a deadlock of order leaves the counts even."""
+    cycle = next((f for f in findings if f.verdict == Verdict.p2p_deadlock and f.source == "flight_recorder"), None)
+    if cycle is None:
+        return None
+    return next((f for f in findings if f.source == "nccl_log" and f.verdict == Verdict.rank_behind and f.position is None
+                 and f.culprits and set(f.culprits) <= set(cycle.culprits)), None)  # fmt: skip
+
+
 # --------------------------------------------------------------------------
 # 3. same operations everywhere: did the last one complete?
 # --------------------------------------------------------------------------

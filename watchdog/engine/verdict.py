@@ -14,7 +14,9 @@ import signal
 from collections import Counter
 from dataclasses import replace
 
-from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, PRIORITY, Fact, Finding, Verdict, analyze_comm, with_call_sites
+from ncclwatch.watchdog.engine.detectors import (
+    HANG_VERDICTS, PRIORITY, Fact, Finding, Verdict, analyze_comm, missing_send_behind_cycle, with_call_sites,
+)  # fmt: skip
 from ncclwatch.watchdog.parsing.ras import ras_outliers
 from ncclwatch.watchdog.engine.partial import decide_partial, strong_partial
 from ncclwatch.watchdog.engine.snapshot import Snapshot
@@ -36,6 +38,9 @@ def decide(snapshot: Snapshot) -> Finding:
     # that the other's does not: Flight Recorder tells two all_reduces of one size apart by their lines).
     decided = lambda f: f.verdict == Verdict.collective_mismatch and bool(f.culprits)
     findings.sort(key=lambda f: (PRIORITY[f.verdict], decided(f), f.source == "nccl_log", bool(f.culprits)), reverse=True)
+    if (counted := missing_send_behind_cycle(findings)) is not None:  # outranks the cycle it explains
+        findings.remove(counted)
+        findings.insert(0, counted)
     best = with_call_sites(findings[0], findings[1:])
     if best.verdict == Verdict.inconclusive and (strong := strong_partial(snapshot)) is not None:
         return strong  # a DETAIL mismatch or a dead peer decides what aligned sequences could not
