@@ -20,6 +20,7 @@ from ncclwatch.watchdog.engine.classify import judge
 from ncclwatch.watchdog.engine.detectors import Verdict
 from ncclwatch.watchdog.engine.report import build_report, render_text
 from ncclwatch.watchdog.engine.snapshot import take_snapshot
+from ncclwatch.watchdog.engine.stacks import user_frame
 from ncclwatch.watchdog.engine.state import JobState
 from ncclwatch.watchdog.engine.step_pattern import expected_next, learn_steps
 from ncclwatch.watchdog.events import (
@@ -262,6 +263,12 @@ class TestCallSites:
         assert (finding.source, finding.culprits) == ("nccl_log", (1,))
         finding, _ = judged(*dumps_of(sequences, kept=30))
         assert finding.culprits == ()
+
+
+def test_native_frames_of_py_spy_are_never_the_users_line() -> None:
+    # A bundle holds py-spy's --native dump too: its innermost frames are in shared objects.
+    native = ["0x7f65964a3f16 (libc.so.6:0)", "time_sleep (/usr/lib/libpython3.11.so.1.0:0)", "main (/job/train.py:67)"]
+    assert user_frame(native) == "main (/job/train.py:67)"
 
 
 def test_expected_next_is_a_pure_function_of_keys() -> None:
