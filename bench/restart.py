@@ -91,6 +91,8 @@ async def one_run(scenario: str, run: int, args: argparse.Namespace, folder: Pat
         await asyncio.sleep(0.5)
         posts = list(pages.posts)
     (folder / "wrapper.stderr").write_bytes(stderr)
+    if wrapper.returncode not in (0, 3):
+        print(stderr.decode(errors="replace")[-2000:], file=sys.stderr, flush=True)
     seen = [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
     faults = [e for e in seen if e["event"] == "fault"]
     first = faults[0]["time"] if faults else None

@@ -67,3 +67,16 @@ def test_ncclwatch_and_pypi_watchdog_share_a_venv(env: Path, tmp_path: Path, edi
         record = next(site.glob("ncclwatch-*.dist-info")) / "RECORD"
         tops = {line.split("/", 1)[0] for line in record.read_text().splitlines() if line}
         assert {t for t in tops if not t.endswith(".dist-info") and t != ".."} == {"ncclwatch"}, tops
+
+
+def test_every_package_folder_is_installed() -> None:
+    """pyproject lists the packages one by one: a new folder missing there installs nowhere (an editable
+    install hides it; a wheel, as on the GPU machines, fails with ModuleNotFoundError)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"ncclwatch"}
+    for top, name in (("watchdog", "ncclwatch.watchdog"), ("launcher", "ncclwatch.launcher")):
+        for init in (REPO / top).rglob("__init__.py"):
+            found.add(".".join([name, *init.parent.relative_to(REPO / top).parts]))
+    assert found == listed
