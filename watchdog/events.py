@@ -636,5 +636,6 @@ class OrphanOps(Event):
     file: str
     rank: int | None = None  # from a "[rankN]:" prefix or the file name
     nranks: int | None = None  # "[nranks=N]" on the line (2.19+)
+    cuda_dev: int | None = None  # the line prefix's "[cudaDev]": which GPU the process drove, a hint where ranks are unknown
     count: int
     last: list[tuple[int, OpSig, int]]  # (opCount, signature, 1-based line), oldest first

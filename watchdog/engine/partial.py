@@ -8,14 +8,25 @@ which files or settings would decide it.
 
 - ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` reports: PyTorch compared fingerprints;
   the ranks whose own fingerprint differs from the majority are the culprits.
+  A report names the first rank, in rank order, that differs from its author,
+  so it places the ranks before that one too; an even split names its
+  suspects, and the step the job repeats (its NCCL lines) decides it when
+  one side's operation is never in it.
 - a dead peer: ``Connection closed by remote peer X`` is a verdict about X,
   not about the rank that printed it; torchrun's summary names ranks that
   died on their own.
 - PyTorch's watchdog lines per process group (``pg_status``): a rank that
   never enqueued the SeqNum its peers time out in is behind; ranks timing out
-  in one SeqNum with different OpTypes or sizes issued different collectives.
+  in one SeqNum with different OpTypes or sizes issued different collectives;
+  a rank waiting in a SeqNum its peer reports completed is the divergence,
+  told with both SeqNums (a timeout line without a group id joins the only
+  group the input names for that).
 - an InfiniBand completion error names the peer and the adapter of a link.
-- NCCL COLL lines without Init lines (``OrphanOps``), aligned by ``opCount``.
+- NCCL COLL lines without Init lines (``OrphanOps``), aligned by ``opCount``
+  (a count, datatype or operation that differs at one opCount is a mismatch,
+  opCount 0 included); with opCount 0 on every line, by the operation each
+  process stopped in.  Culprits whose rank no prefix or file name gives are
+  named as processes (``ProcessFinding``: host:pid and the GPU of the line).
 
 Failure mode, by design: one rank's view never names a culprit (its peers'
 side is unknown), and sequence numbers of different groups are never compared.
@@ -31,6 +42,7 @@ from dataclasses import replace
 from ncclwatch.watchdog.engine.detectors import PRIORITY, Fact, Finding, RankStatus, Verdict
 from ncclwatch.watchdog.engine.partial_rules import Facts, describe_network, judge_groups, judge_orphans, network_finding, reporter
 from ncclwatch.watchdog.engine.snapshot import Snapshot
+from ncclwatch.watchdog.engine.step_pattern import learn_steps
 from ncclwatch.watchdog.events import CollectiveFingerprint, NetworkError
 
 TO_DECIDE = {
@@ -61,24 +73,26 @@ def strong_partial(snapshot: Snapshot) -> Finding | None:
 
 
 def detail_mismatch(facts: Facts) -> Finding | None:
-    """PyTorch's DETAIL fingerprints: the ranks whose own fingerprint is the minority are the culprits.
+    """PyTorch's DETAIL fingerprints: the ranks whose fingerprint is the minority are the culprits.
 
-    Each rank's description of itself is authoritative; the "but Rank i"
-    side is decoded from a gathered buffer and is garbage when the two
-    fingerprints differ in size, so it only stands in for ranks that left no
-    report of their own.
+    Each rank's description of itself is authoritative; the "but Rank k" side is decoded from a gathered
+    buffer and is garbage when the two fingerprints differ in size, so it only stands in for ranks that
+    left no report of their own.  PyTorch's check (``ProcessGroupWrapper``) compares the rank's own
+    fingerprint with every rank's in rank order and reports the first that differs: a report by rank r
+    naming rank k also says that ranks 0 .. k-1 run what r runs, and that k runs something else even
+    where its side reads as garbage.  An even split names its suspects, and is decided by the job's own
+    repeating step where the NCCL lines record one (``_pattern_decides``).
     """
     if not facts.fingerprints:
         return None
-    own = {fp.rank: fp for fp in facts.fingerprints if fp.self_report}
-    for fp in facts.fingerprints:
-        decoded = fp.shapes is not None or fp.dtypes is not None  # garbage reads as "SequenceNumber=0OpType=SCATTER"
-        if not fp.self_report and decoded and fp.rank not in own:
-            own[fp.rank] = fp
-    kinds = Counter(_fp_key(fp) for fp in own.values())
-    if len(kinds) < 2:
-        ranks = sorted(own)
-        sample = next(iter(own.values()))
+    placed = _placed_fingerprints(facts.fingerprints)
+    if not placed:  # only unreadable sides of reports whose authors' own lines are not in the input
+        return None
+    kinds = Counter(key for key, _ in placed.values())
+    (common, n_common), *rest = kinds.most_common()
+    if not rest:  # every rank placed runs the same: the other side's report is not in the input
+        ranks = sorted(placed)
+        sample = next(fp for _, fp in placed.values() if fp is not None)
         return Finding(
             verdict=Verdict.collective_mismatch,
             summary=f"PyTorch (TORCH_DISTRIBUTED_DEBUG=DETAIL) detected mismatched collectives; ranks {ranks} report {_fp_text(sample)}; "
@@ -88,34 +102,109 @@ def detail_mismatch(facts: Facts) -> Finding | None:
             operation=_fp_text(sample),
             position=sample.seq,
             source="pytorch",
-            evidence=tuple(Fact("pytorch", f"rank {fp.rank}: {_fp_text(fp)}", fp.cite) for fp in own.values())[:8],
+            evidence=tuple(Fact("pytorch", f"rank {fp.rank}: {_fp_text(fp)}", fp.cite) for _, fp in placed.values() if fp is not None)[:8],
             missing=("the logs of the other ranks, to tell which side departs",),
         )
-    (common, n_common), *rest = kinds.most_common()
-    tie = bool(rest) and rest[0][1] == n_common
-    culprits = () if tie else tuple(sorted(r for r, fp in own.items() if _fp_key(fp) != common))
-    sides = {}
-    for rank, fp in sorted(own.items()):
-        sides.setdefault(_fp_key(fp), []).append((rank, fp))
-    described = "; ".join(f"rank{'s' if len(m) > 1 else ''} {', '.join(str(r) for r, _ in m)}: {_fp_text(m[0][1])}" for m in sides.values())
-    seq = next((fp.seq for fp in own.values() if fp.seq), None)
-    how = (
-        f"ranks {list(culprits)} depart from the majority"
-        if culprits
-        else "the ranks split evenly, so the fingerprints alone do not say which side is wrong"
-    )
+    tie = rest[0][1] == n_common
+    sides: dict[tuple, list[int]] = {}
+    for rank, (key, _) in sorted(placed.items()):
+        sides.setdefault(key, []).append(rank)
+    culprits = () if tie else tuple(sorted(r for r, (key, _) in placed.items() if key != common))
+    decided_by = _pattern_decides(sides, placed, facts.history) if tie and len(sides) == 2 else None
+    if decided_by is not None:
+        culprits, pattern = decided_by
+    described = "; ".join(f"rank{'s' if len(m) > 1 else ''} {', '.join(map(str, m))}: {_side_text(placed, m)}" for m in sides.values())
+    own = [fp for _, fp in placed.values() if fp is not None]
+    seq = next((fp.seq for fp in own if fp.seq), None)
+    if culprits and decided_by is not None:
+        how = f"the ranks split evenly; the job's repeating step ({pattern}) never issues what rank {', '.join(map(str, culprits))} issued"
+    elif culprits:
+        how = f"ranks {list(culprits)} depart from the majority"
+    else:
+        how = "the ranks split evenly, so the fingerprints alone do not say which side is wrong"
+    suspects = "" if culprits else f" Suspects: {' or '.join(_ranks_text(m) for m in sides.values())} (one side departs)."
     return Finding(
         verdict=Verdict.collective_mismatch,
-        summary=f"Ranks issued different collectives at SeqNum {seq}: {described}.",
+        summary=f"Ranks issued different collectives at SeqNum {seq}: {described}.{suspects}",
         reason=f"PyTorch (TORCH_DISTRIBUTED_DEBUG=DETAIL) compared the collectives' fingerprints across ranks; {how}.",
         culprits=culprits,
         position=seq,
-        operation=" vs ".join(_fp_text(m[0][1]) for m in sides.values()),
+        operation=" vs ".join(_side_text(placed, m) for m in sides.values()),
         comm_label="the process group PyTorch checked (DETAIL reports name no group)",
         source="pytorch",
-        evidence=tuple(Fact("pytorch", f"rank {r} runs {_fp_text(fp)}", fp.cite) for r, fp in sorted(own.items()))[:12],
-        rows=tuple(RankStatus(rank=r, host=None, pid=None, issued=fp.seq, last_op=_fp_text(fp), status="mismatch" if r in culprits else "ok") for r, fp in sorted(own.items())),
+        evidence=tuple(Fact("pytorch", f"rank {fp.rank} runs {_fp_text(fp)}", fp.cite) for fp in sorted(own, key=lambda f: f.rank))[:12],
+        missing=() if culprits else ("the DETAIL reports of the other ranks: each names the first rank that differs from it",),
+        rows=tuple(
+            RankStatus(rank=r, host=None, pid=None, issued=seq, last_op=_side_text(placed, [r]),
+                       status="mismatch" if r in culprits else "suspect" if not culprits else "ok")  # fmt: skip
+            for r in sorted(placed)
+        ),
     )
+
+
+Placed = dict  # rank -> (fingerprint key, the fingerprint that says so; None where inferred or undecoded)
+
+
+def _placed_fingerprints(fingerprints: list[CollectiveFingerprint]) -> Placed:
+    """Every rank the reports place: its own report, then what a report infers (see ``detail_mismatch``)."""
+    own = {fp.rank: fp for fp in fingerprints if fp.self_report}
+    placed: Placed = {rank: (_fp_key(fp), fp) for rank, fp in own.items()}
+    for fp in fingerprints:
+        if fp.self_report or fp.rank in own:
+            continue
+        reporter = own.get(fp.reported_by)
+        decoded = fp.shapes is not None or fp.dtypes is not None  # garbage reads as "SequenceNumber=0OpType=SCATTER"
+        if decoded:
+            placed.setdefault(fp.rank, (_fp_key(fp), fp))
+        elif reporter is not None:
+            placed.setdefault(fp.rank, (("differs from", reporter.rank), None))
+        if reporter is not None:
+            for earlier in range(fp.rank):
+                placed.setdefault(earlier, (_fp_key(reporter), None))
+    return placed
+
+
+def _side_text(placed: Placed, ranks: list[int]) -> str:
+    fp = next((placed[r][1] for r in ranks if placed[r][1] is not None), None)
+    if fp is not None:
+        return _fp_text(fp)
+    key = placed[ranks[0]][0]
+    return f"not what rank {key[1]} runs (its side of the report is unreadable)" if key[0] == "differs from" else "?"
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+# PyTorch's OpType -> the NCCL operation its COLL line prints (a barrier is a one-element all-reduce).
+_NCCL_OP = {
+    "ALLREDUCE": "AllReduce", "ALLREDUCE_COALESCED": "AllReduce", "BARRIER": "AllReduce", "BROADCAST": "Broadcast",
+    "REDUCE": "Reduce", "ALLGATHER": "AllGather", "_ALLGATHER_BASE": "AllGather", "ALLGATHER_COALESCED": "AllGather",
+    "REDUCE_SCATTER": "ReduceScatter", "_REDUCE_SCATTER_BASE": "ReduceScatter", "ALLTOALL": "AlltoAll",
+    "ALLTOALL_BASE": "AlltoAll", "GATHER": "Gather", "SCATTER": "Scatter",
+}  # fmt: skip
+
+
+def _pattern_decides(sides: dict[tuple, list[int]], placed: Placed, history: tuple[str, ...]) -> tuple[tuple[int, ...], str] | None:
+    """An even split of two operations where the step the job repeats (its NCCL lines) issues one and never the other:
+    the side that issued the other departs.  The recorded history must reach the mismatch (at least SeqNum - 1
+    operations), or it is not the history before it.  None when nothing decides (both or neither in the step)."""
+    ops = {}
+    for key, ranks in sides.items():
+        fp = next((placed[r][1] for r in ranks if placed[r][1] is not None), None)
+        if fp is None or _NCCL_OP.get(fp.op) is None:
+            return None
+        ops[key] = (_NCCL_OP[fp.op], fp.seq, ranks)
+    seqs = [seq for _, seq, _ in ops.values() if seq]
+    if not seqs or len(history) < max(seqs) - 1:
+        return None
+    shape = learn_steps(history)
+    if shape is None:
+        return None
+    outside = [ranks for op, _, ranks in ops.values() if op not in shape.counts]
+    if len(outside) != 1:
+        return None
+    return tuple(sorted(outside[0])), f"{shape.period()}: {', '.join(sorted(map(str, shape.counts)))}"
 
 
 def _fp_key(fp: CollectiveFingerprint) -> tuple:

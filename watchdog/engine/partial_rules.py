@@ -26,6 +26,26 @@ from ncclwatch.watchdog.events import (
     WorkerFailure,
 )
 
+
+@dataclass(frozen=True)
+class CulpritProcess:
+    """A culprit known as a process only (NCCL lines without Init or rank prefix): ``host:pid`` and its GPU."""
+
+    host: str
+    pid: int
+    cuda_dev: int | None = None  # from the line prefix "[cudaDev]": a hint, the device the process drove
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.pid}" + (f" (GPU {self.cuda_dev})" if self.cuda_dev is not None else "")
+
+
+@dataclass(frozen=True)
+class ProcessFinding(Finding):
+    """A verdict whose culprits are named as processes where their ranks are unknown (report: ``culprit_processes``)."""
+
+    culprit_processes: tuple[CulpritProcess, ...] = ()
+
+
 # OpTypes whose NumelIn must be equal on every rank (not all-to-all, gather/scatter, p2p).
 SIZED_ALIKE = frozenset({"ALLREDUCE", "BROADCAST", "REDUCE", "ALLGATHER", "_ALLGATHER_BASE", "REDUCE_SCATTER", "_REDUCE_SCATTER_BASE", "BARRIER"})
 P2P_TYPES = frozenset({"SEND", "RECV", "RECVANYSOURCE", "COALESCED"})
@@ -45,6 +65,7 @@ class Facts:
     has_fr: bool = False
     has_nccl: bool = False
     groups: list[Group] = field(default_factory=list)
+    history: tuple[str, ...] = ()  # the longest operation sequence the NCCL lines or dumps recorded (NCCL op names)
 
     @classmethod
     def collect(cls, snapshot: Snapshot) -> Facts:
@@ -67,7 +88,8 @@ class Facts:
         facts.world = max(sizes) if sizes else None
         facts.has_fr = any(c.source == "flight_recorder" for c in snapshot.comms)
         facts.has_nccl = any(c.source == "nccl_log" for c in snapshot.comms) or bool(facts.orphans)
-        facts.groups = build_groups(facts.timeouts, facts.statuses)
+        facts.groups = join_contradicted(build_groups(facts.timeouts, facts.statuses))
+        facts.history = _op_history(snapshot, facts.orphans)
         return facts
 
     @property
@@ -130,9 +152,39 @@ class Facts:
         return "; ".join(parts) or "no rank could be placed"
 
 
+def _op_history(snapshot: Snapshot, orphans: list[OrphanOps]) -> tuple[str, ...]:
+    """One rank's recorded operations in order, from the job's largest communicator (the default group's, as a
+    rule): what the job repeats, for a DETAIL report that cannot say which side departs."""
+    candidates = [(comm.nranks, len(r.window), tuple(sig.op for sig in r.window)) for comm in snapshot.comms for r in comm.ranks]
+    candidates += [(o.nranks or 0, len(o.last), tuple(sig.op for _, sig, _ in o.last)) for o in orphans]
+    return max(candidates, default=(0, 0, ()))[2]
+
+
 # --------------------------------------------------------------------------
 # process groups
 # --------------------------------------------------------------------------
+
+
+def join_contradicted(groups: list[Group]) -> list[Group]:
+    """Timeouts without a group id joined to the only group the input names where that group's ranks contradict them.
+
+    From torch 2.4 a timeout line names no group; its rank's failure line does, and a posted excerpt often
+    lacks it.  ``pg_status`` joins such a line to the only named group when a rank of it waits in the same
+    SeqNum; here also when a rank of it reports that SeqNum completed: a rank still waiting in what its peer
+    finished is the divergence itself, not another group.  Never with two named groups.
+    """
+    named = [g for g in groups if g.key is not None]
+    unnamed = next((g for g in groups if g.key is None), None)
+    if len(named) != 1 or unnamed is None or unnamed.ambiguous:
+        return groups
+    (group,) = named
+    done = max((i.completed for i in group.ranks.values() if i.completed is not None), default=None)
+    joining = {r: i for r, i in unnamed.ranks.items() if r not in group.ranks and i.waiting is not None and done is not None and i.waiting <= done}
+    if not joining:
+        return groups
+    joined = Group(group.key, group.label, ranks={**group.ranks, **joining})
+    rest = Group(None, unnamed.label, ranks={r: i for r, i in unnamed.ranks.items() if r not in joining})
+    return [joined] + ([rest] if rest.ranks else [])
 
 
 def judge_groups(facts: Facts) -> list[Finding]:
@@ -206,11 +258,17 @@ def _op_mismatch(group: Group, at_top: list[RankInGroup], top: int) -> Finding |
 def _behind(group: Group, behind: list[RankInGroup], at_top: list[RankInGroup], top: int) -> Finding:
     names = ", ".join(str(i.rank) for i in behind)
     op = at_top[0].op or "?"
+    finished = [(i, peer) for i in behind for peer in at_top if i.waiting is not None and peer.completed is not None and peer.completed >= i.waiting]
+    diverged = " ".join(
+        f"They diverged: rank {i.rank} still waits in SeqNum {i.waiting} ({i.op or '?'}), which rank {peer.rank} completed before "
+        f"entering SeqNum {top}." for i, peer in finished[:1]
+    )
     evidence = [Fact("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in at_top[:6]]
     evidence += [Fact("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in behind[:6]]
     return Finding(
         verdict=Verdict.rank_behind,
-        summary=f"Rank {names} never entered SeqNum {top} ({op}) on {group.label}; rank {', '.join(str(i.rank) for i in at_top)} wait in it.",
+        summary=f"Rank {names} never entered SeqNum {top} ({op}) on {group.label}; rank {', '.join(str(i.rank) for i in at_top)} wait in it."
+        + (f" {diverged}" if diverged else ""),
         reason="The behind rank's own watchdog line places it before that collective (its last enqueued work is lower, or its NCCL "
         "call for it never returned), so its peers wait for it.",
         culprits=tuple(i.rank for i in behind),
@@ -306,7 +364,21 @@ def judge_orphans(facts: Facts) -> Finding | None:
 
 def _who(orphan: OrphanOps) -> str:
     where = f"{orphan.proc.host}:{orphan.proc.pid}"
-    return f"rank {orphan.rank} ({where})" if orphan.rank is not None else f"process {where}"
+    if orphan.rank is not None:
+        return f"rank {orphan.rank} ({where})"
+    return f"process {_process(orphan)}"
+
+
+def _process(orphan: OrphanOps) -> CulpritProcess:
+    return CulpritProcess(orphan.proc.host, orphan.proc.pid, orphan.cuda_dev)
+
+
+def _named(orphans: list[OrphanOps]) -> dict:
+    """Culprits as ``ProcessFinding`` fields: ranks where a prefix or file name gave them, else the processes."""
+    return {
+        "culprits": tuple(sorted(o.rank for o in orphans if o.rank is not None)),
+        "culprit_processes": tuple(_process(o) for o in orphans if o.rank is None),
+    }
 
 
 def _align_orphans(size: int | None, procs: dict[ProcKey, list[OrphanOps]]) -> Finding:
@@ -316,6 +388,9 @@ def _align_orphans(size: int | None, procs: dict[ProcKey, list[OrphanOps]]) -> F
     missing = ("NCCL logs from their start (the Init lines name each rank and communicator)",)
     if len(single) < 2:
         return Finding(Verdict.inconclusive, summary=f"NCCL operations without Init lines ({label}): {seen or 'several communicators per process'}", missing=missing)
+    mismatch = _orphan_mismatch(label, single)
+    if mismatch is not None:
+        return mismatch
     last = {o.proc: o.last[-1][0] for o in single}
     if not any(last.values()):
         return Finding(
@@ -323,21 +398,17 @@ def _align_orphans(size: int | None, procs: dict[ProcKey, list[OrphanOps]]) -> F
             summary=f"NCCL operations without Init lines ({label}), opCount 0 on every line (NCCL 2.27.3+ single node): cannot align. {seen}",
             missing=missing,
         )
-    mismatch = _orphan_mismatch(label, single)
-    if mismatch is not None:
-        return mismatch
     top = max(last.values())
     behind = [o for o in single if last[o.proc] < top]
     if not behind:
         return Finding(Verdict.inconclusive, summary=f"NCCL operations without Init lines ({label}) all end at opCount {top:#x}: {seen}", missing=missing)
     ahead = [o for o in single if last[o.proc] == top]
-    return Finding(
+    return ProcessFinding(
         verdict=Verdict.rank_behind,
         summary=f"{', '.join(_who(o) for o in behind)} stopped at an earlier opCount than {', '.join(_who(o) for o in ahead)} "
         f"(last {top:#x}, {ahead[0].last[-1][1].describe()}) on the {label}.",
         reason="NCCL numbers a communicator's launches alike on every rank (opCount); each file is taken to run to its rank's "
         "last operation, so the rank that stopped earlier is the one the others wait for. No Init line: ranks come from prefixes or file names.",
-        culprits=tuple(sorted(o.rank for o in behind if o.rank is not None)),
         operation=ahead[0].last[-1][1].describe(),
         source="nccl_log",
         evidence=tuple(
@@ -345,33 +416,73 @@ def _align_orphans(size: int | None, procs: dict[ProcKey, list[OrphanOps]]) -> F
             for o in single[:12]
         ),
         missing=missing,
+        **_named(behind),
     )
 
 
+Issued = dict  # process -> (signature, line) of the operations compared
+
+
 def _orphan_mismatch(label: str, single: list[OrphanOps]) -> Finding | None:
-    """At an opCount every rank printed exactly once, different operations."""
-    per: list[dict[int, tuple]] = []
+    """Different operations where the processes' lines align: at one opCount, or, with opCount 0 on every line,
+    at the operation each process stopped in."""
+    if any(oc for o in single for oc, _, _ in o.last):
+        found = _differ_at_opcount(single)
+        where = f"opCount {found[0]:#x}" if found else ""
+    else:
+        found = _differ_at_the_end(single)
+        where = "the last operation of each (opCount 0 on every line: NCCL 2.27.3+ single node)"
+    if found is None:
+        return None
+    issued: Issued = found[1]
+    sigs = Counter(sig for sig, _ in issued.values())
+    (good, n_good), (_, n_next) = sigs.most_common(2)
+    tie = n_good == n_next
+    odd = [] if tie else [o for o in single if issued[o.proc][0] != good]
+    return ProcessFinding(
+        verdict=Verdict.collective_mismatch,
+        summary=f"At {where} on the {label}: " + "; ".join(f"{_who(o)} issued {issued[o.proc][0].describe()}" for o in single),
+        reason="Ranks of one communicator launch the same operation at the same opCount (count, datatype and operation alike). "
+        + ("The ranks split evenly: which side is wrong is not in these lines." if tie else "The minority departs."),
+        operation=" vs ".join(s.describe() for s in sigs),
+        source="nccl_log",
+        evidence=tuple(Fact("nccl_log", f"{_who(o)}: {issued[o.proc][0].describe()}", Citation(file=o.file, line=issued[o.proc][1])) for o in single)[:12],
+        **_named(odd),
+    )
+
+
+def _differ_at_opcount(single: list[OrphanOps]) -> tuple[int, Issued] | None:
+    """The first opCount every process printed where their operations differ, the n-th of one launch compared with the
+    n-th (a group of operations shares a launch).  opCount 0 counts: it is the first launch of a communicator.  A full
+    window's first opCount is left out when lines came before it (``nccl_excerpt`` keeps the last ``KEEP``)."""
+    launches = []
     for o in single:
-        counts = Counter(oc for oc, _, _ in o.last)
-        per.append({oc: (sig, line) for oc, sig, line in o.last if counts[oc] == 1 and oc})
-    common = sorted(set.intersection(*(set(p) for p in per)))
-    for oc in common:
-        sigs = Counter(p[oc][0] for p in per)
-        if len(sigs) < 2:
+        ops: dict[int, list[tuple]] = {}
+        for oc, sig, line in o.last:
+            ops.setdefault(oc, []).append((sig, line))
+        if o.count > len(o.last):
+            ops.pop(o.last[0][0], None)
+        launches.append(ops)
+    for oc in sorted(set.intersection(*(set(ops) for ops in launches))):
+        if len({len(ops[oc]) for ops in launches}) > 1:
             continue
-        (good, n_good), (_, n_next) = sigs.most_common(2)
-        tie = n_good == n_next
-        odd = [o for o, p in zip(single, per, strict=True) if p[oc][0] != good]
-        return Finding(
-            verdict=Verdict.collective_mismatch,
-            summary=f"At opCount {oc:#x} on the {label}: " + "; ".join(f"{_who(o)} issued {p[oc][0].describe()}" for o, p in zip(single, per, strict=True)),
-            reason="Ranks of one communicator launch the same operation at the same opCount. "
-            + ("The ranks split evenly: which side is wrong is not in these lines." if tie else "The minority departs."),
-            culprits=() if tie else tuple(sorted(o.rank for o in odd if o.rank is not None)),
-            operation=" vs ".join(s.describe() for s in sigs),
-            source="nccl_log",
-            evidence=tuple(
-                Fact("nccl_log", f"{_who(o)}: {p[oc][0].describe()}", Citation(file=o.file, line=p[oc][1])) for o, p in zip(single, per, strict=True)
-            )[:12],
-        )
+        for nth in range(len(launches[0][oc])):
+            issued = {o.proc: ops[oc][nth] for o, ops in zip(single, launches, strict=True)}
+            if len({sig for sig, _ in issued.values()}) > 1:
+                return oc, issued
     return None
+
+
+def _differ_at_the_end(single: list[OrphanOps]) -> tuple[int, Issued] | None:
+    """With every line at opCount 0 nothing aligns but the end: the operation each process stopped in.  A difference
+    there is a mismatch only when no side's operation is in another's window: a process behind (or ahead) stops in an
+    operation its peers issued at another point."""
+    issued = {o.proc: (o.last[-1][1], o.last[-1][2]) for o in single}
+    if len({sig for sig, _ in issued.values()}) < 2:
+        return None
+    windows = {o.proc: {sig for _, sig, _ in o.last} for o in single}
+    for o in single:
+        mine = issued[o.proc][0]
+        if any(mine in windows[other.proc] for other in single if issued[other.proc][0] != mine):
+            return None
+    return 0, issued

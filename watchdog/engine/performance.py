@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from ncclwatch.watchdog.engine.bandwidth import CollectiveTiming, comm_bandwidth, rank_bandwidth, slow_collectives, slow_links
+from ncclwatch.watchdog.engine.bandwidth import CollectiveTiming, comm_bandwidth, rank_bandwidth, size_bucket, slow_collectives, slow_links
 from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind
 from ncclwatch.watchdog.engine.state import group_label
 from ncclwatch.watchdog.engine.stragglers import MIN_ROUNDS, LastArrivals, arrival_series, last_arrivals, stragglers
@@ -109,16 +109,22 @@ def fold_symptoms(
 
     While a rank lags, its group's collectives can take longer (4 ranks on 2 x H200: the straggler's group
     read as a slow link, BENCHMARKS.md), and an instance whose link time could not be measured from the last
-    rank's start still holds the wait.  A slowdown no larger than the
-    straggler's lateness at the very instances judged is its symptom: each slow finding is judged again with
-    every instance the straggler was last at shortened by its lead, and one that no longer holds goes into
-    the straggler's detail.  One that still holds is slow from the last arrival on, a link of its own: it
-    stays beside the straggler.  Returns the slow findings left and the stragglers by key.
+    rank's start still holds the wait.  A slowdown no larger than the straggler's lateness at the very
+    instances judged is its symptom: each slow finding is judged again with every instance the straggler
+    was last at shortened by its lead (``without_lateness``), and one that no longer holds goes into the
+    straggler's detail.  One that still holds is slow from the last arrival on, a link of its own: it stays
+    beside the straggler.  Returns the slow findings left and the stragglers by key.
     """
     owner = {rank: key for key, finding in late.items() for rank in finding.ranks}
     if not slow or not owner:
         return list(slow), dict(late)
-    still = {f.key for f in _slowness([without_lateness(t, owner) for t in timings], now, hosts, links)}
+    fastest: dict[tuple, float] = {}
+    for t in timings:
+        if t.transfer_s is not None:
+            key = _series_key(t)
+            fastest[key] = min(t.transfer_s, fastest.get(key, t.transfer_s))
+    recheck = [without_lateness(t, owner, fastest.get(_series_key(t), 0.0)) for t in timings]
+    still = {f.key for f in _slowness(recheck, now, hosts, links)}
     kept, folded = [], dict(late)
     for finding in slow:
         key = next((owner[r] for r in finding.ranks if r in owner), None)
@@ -131,13 +137,18 @@ def fold_symptoms(
     return kept, folded
 
 
-def without_lateness(t: CollectiveTiming, late_ranks: Collection[int]) -> CollectiveTiming:
-    """This collective with its link time shortened by its last rank's lead, when that rank is a straggler;
-    no link time when the lead covers all of it (the whole time was the wait)."""
+def without_lateness(t: CollectiveTiming, late_ranks: Collection[int], fastest_s: float) -> CollectiveTiming:
+    """This collective with its link time shortened by its last rank's lead, when that rank is a straggler, but
+    never below ``fastest_s``, the fastest the same collective ran: a link time measured from the last rank's
+    start holds none of the lead, and an instance that ran at its usual speed must not read as faster."""
     if t.transfer_s is None or not t.all_arrived or t.last_rank not in late_ranks:
         return t
-    remaining = t.transfer_s - t.lead_s
-    return replace(t, transfer_s=remaining if remaining > 0 else None)
+    return replace(t, transfer_s=max(t.transfer_s - t.lead_s, fastest_s))
+
+
+def _series_key(t: CollectiveTiming) -> tuple:
+    """Instances of one recurring collective, as the slow-collective check groups them."""
+    return (t.pg, t.op, size_bucket(t.nbytes or 0))
 
 
 def _worst_series(series: Sequence[LastArrivals], rank: int) -> LastArrivals | None:

@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 
 from ncclwatch.watchdog import __version__
 from ncclwatch.watchdog.engine.detectors import Finding, Verdict
+from ncclwatch.watchdog.engine.partial_rules import ProcessFinding
 from ncclwatch.watchdog.engine.snapshot import Snapshot
 from ncclwatch.watchdog.engine.stacks import CALL_ARROW, call_line, main_thread, short_frame, split_frame, user_frame
 from ncclwatch.watchdog.engine.verdict import gpu_signature
@@ -25,6 +26,17 @@ class EvidenceItem(BaseModel):
     fact: str
     cite: str | None = None  # "file:line" or "file entries[n]"
     text: str | None = None  # the cited line, when there is one
+
+
+class CulpritProcess(BaseModel):
+    """A culprit whose rank the input does not give (NCCL lines without Init lines or rank prefixes)."""
+
+    host: str
+    pid: int
+    cuda_dev: int | None = Field(None, description="the CUDA device of its NCCL lines' prefix: a hint, not a rank")
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.pid}" + (f" (GPU {self.cuda_dev})" if self.cuda_dev is not None else "")
 
 
 class RankRow(BaseModel):
@@ -98,6 +110,9 @@ class Report(BaseModel):
     version: str = __version__
     verdict: Verdict
     culprit_ranks: list[int]
+    culprit_processes: list[CulpritProcess] = Field(
+        default_factory=list, description="culprits named by process (host:pid, GPU) where their rank is not in the input"
+    )
     communicator: str | None = None
     position: int | None = Field(None, description="1-based sequence number of the operation in its communicator")
     operation: str | None = None
@@ -218,6 +233,9 @@ def build_report(finding: Finding, snapshot: Snapshot, inputs: list[InputFile], 
     report = Report(
         verdict=finding.verdict,
         culprit_ranks=list(finding.culprits),
+        culprit_processes=[CulpritProcess(host=c.host, pid=c.pid, cuda_dev=c.cuda_dev) for c in finding.culprit_processes]
+        if isinstance(finding, ProcessFinding)
+        else [],
         communicator=finding.comm_label,
         position=finding.position,
         operation=finding.operation,
@@ -250,6 +268,8 @@ def render_text(report: Report, max_evidence: int = 12, columns: int = TERMINAL_
     title = report.verdict.value.replace("_", " ").upper()
     if report.culprit_ranks:
         title += f" — culprit rank {', '.join(map(str, report.culprit_ranks))}"
+    elif report.culprit_processes:
+        title += f" — culprit process {', '.join(map(str, report.culprit_processes))}"
     lines = [f"ncclwatch: {title}", *_wrap(report.summary, columns, "  ")]
     if report.reason:
         lines += _wrap(f"why: {report.reason}", columns, "  ")
@@ -455,6 +475,8 @@ def headline(report: Report) -> str:
         elif mine:
             what += f" — {'it is' if len(culprits) == 1 else f'rank {culprits[0]} is'} at {mine}"
         what += f"; its peers issued theirs from {' and '.join(peers)}" if peers else ""
+    elif report.culprit_processes:
+        what = f"process {', '.join(map(str, report.culprit_processes))}: {report.summary.rstrip('.')}"
     else:
         what = report.summary.rstrip(".")
         sites = [f"rank {row.rank} from {site}" for row in report.ranks if (site := _user_site(row.call_site))]

@@ -5,7 +5,7 @@ lines but no ``ncclCommInitRank`` line: no rank, no communicator identity.
 The fast parser (``nccl_log``) cannot place such lines; this slower pass
 runs only over the files that had them and keeps, per process and
 communicator address, the count and the last ``KEEP`` operations with their
-``opCount`` and line number, plus ``[nranks=N]`` (2.19+) and the rank a
+``opCount`` and line number, plus ``[nranks=N]`` (2.19+), the ``[cudaDev]`` of the prefix and the rank a
 ``[rankN]:`` prefix or the file name gives.
 
 Failure mode: ``opCount`` counts kernel launches, not operations, and is 0
@@ -24,17 +24,18 @@ from ncclwatch.watchdog.parsing.rank_prefix import rank_of_line
 KEEP = 64
 
 _LINE_RE = re.compile(
-    rb"(?m)^(?P<pre>(?:\[[^\]\n]*\]:? ?|\d+: )*)(?P<host>[^:\s\[\]]+):(?P<pid>\d+):\d+ \[\d+\] NCCL INFO (?P<op>\w+): "
+    rb"(?m)^(?P<pre>(?:\[[^\]\n]*\]:? ?|\d+: )*)(?P<host>[^:\s\[\]]+):(?P<pid>\d+):\d+ \[(?P<dev>\d+)\] NCCL INFO (?P<op>\w+): "
     rb"opCount (?P<oc>[0-9a-fA-F]+) sendbuff \S+ recvbuff \S+ count (?P<count>\d+) datatype (?P<dt>\d+) "
     rb"op (?P<redop>\d+) root (?P<root>-?\d+) comm (?P<comm>\S+)(?: \[nranks=(?P<nranks>\d+)\])?"
 )
 
 
 class _Slot:
-    __slots__ = ("count", "last", "nranks", "rank")
+    __slots__ = ("count", "cuda_dev", "last", "nranks", "rank")
 
     def __init__(self) -> None:
         self.count = 0
+        self.cuda_dev: int | None = None
         self.last: deque[tuple[int, OpSig, int]] = deque(maxlen=KEEP)
         self.nranks: int | None = None
         self.rank: int | None = None
@@ -68,6 +69,7 @@ class OrphanScanner:
             slot.last.append((int(m["oc"], 16), sig, self._lines + 1))
             if m["nranks"]:
                 slot.nranks = int(m["nranks"])
+            slot.cuda_dev = int(m["dev"])
             if slot.rank is None:
                 hint = rank_of_line(m["pre"].decode(errors="replace"))
                 slot.rank = hint[0] if hint else self.file_rank
@@ -81,7 +83,7 @@ class OrphanScanner:
         return [
             OrphanOps.model_construct(
                 proc=ProcKey(host, pid), comm_ptr=ptr, file=self.name, rank=slot.rank, nranks=slot.nranks,
-                count=slot.count, last=list(slot.last),
+                cuda_dev=slot.cuda_dev, count=slot.count, last=list(slot.last),
             )
             for (host, pid, ptr), slot in self._slots.items()
         ]
