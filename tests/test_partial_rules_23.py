@@ -199,3 +199,12 @@ class TestSeqNumContradictions:
         }
         report = analyze(write(tmp_path / "case", files))
         assert (report.verdict.value, report.culprit_ranks, report.culprit_processes) == ("inconclusive", [], [])
+
+    def test_a_line_without_a_group_whose_seqnum_the_group_never_reached_that_way_is_not_compared(self, tmp_path: Path) -> None:
+        """Rank 1 waits in SeqNum 212 (a tensor-parallel group's numbers) while rank 0's only named group completed 1000."""
+        files = {
+            "rank0.log": timeout_line(0, 1001, "ALLREDUCE", 524288, "01.123456789") + failure_line(0, 0, "default_pg", 1001, 1000, "01.124456789"),
+            "rank1.log": timeout_line(1, 212, "ALLGATHER", 8192, "00.923456789"),
+        }
+        report = analyze(write(tmp_path / "case", files))
+        assert (report.verdict.value, report.culprit_ranks) == ("inconclusive", [])

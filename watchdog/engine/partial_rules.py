@@ -170,16 +170,17 @@ def join_contradicted(groups: list[Group]) -> list[Group]:
 
     From torch 2.4 a timeout line names no group; its rank's failure line does, and a posted excerpt often
     lacks it.  ``pg_status`` joins such a line to the only named group when a rank of it waits in the same
-    SeqNum; here also when a rank of it reports that SeqNum completed: a rank still waiting in what its peer
-    finished is the divergence itself, not another group.  Never with two named groups.
+    SeqNum; here also when a rank of it reports that SeqNum as its last completed: its peer finished the
+    call this rank still waits in and went on, the divergence itself (another group's numbers would match
+    only by chance).  Never with two named groups.
     """
     named = [g for g in groups if g.key is not None]
     unnamed = next((g for g in groups if g.key is None), None)
     if len(named) != 1 or unnamed is None or unnamed.ambiguous:
         return groups
     (group,) = named
-    done = max((i.completed for i in group.ranks.values() if i.completed is not None), default=None)
-    joining = {r: i for r, i in unnamed.ranks.items() if r not in group.ranks and i.waiting is not None and done is not None and i.waiting <= done}
+    done = {i.completed for i in group.ranks.values() if i.completed is not None}
+    joining = {r: i for r, i in unnamed.ranks.items() if r not in group.ranks and i.waiting in done}
     if not joining:
         return groups
     joined = Group(group.key, group.label, ranks={**group.ranks, **joining})
