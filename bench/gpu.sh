@@ -9,6 +9,7 @@
 #   bash bench/gpu.sh latency  [bench/latency.py args...]   (the demo-job suite, one rank per GPU)
 #   bash bench/gpu.sh slow_links [bench/slow_links.py args...]   (issue 14: preflight, straggler, slow link)
 #   bash bench/gpu.sh restart  [bench/restart.py args...]   (issue 24: fault -> training again, the loop guard)
+#   bash bench/gpu.sh hard     [bench/hard_cases.py args...]   (issue 23: FSDP2 even splits, pipelines across nodes)
 #     (its throttle case needs pyroute2's wheel in .whl/: pip download --no-deps -d .whl pyroute2)
 set -euo pipefail
 OUT=${OUT:-bench/out}
@@ -54,7 +55,8 @@ case $what in
     latency) script=bench/latency.py; set -- --nproc "$(nvidia-smi -L | wc -l)" --out "$OUT/latency.jsonl" "$@" ;;
     slow_links) script=bench/slow_links.py; set -- "$OUT/slow_links" "$@" ;;
     restart) script=bench/restart.py; set -- --out "$OUT/restart.jsonl" "$@" ;;
-    *) echo "unknown benchmark: $what (faults, overhead, latency, slow_links, restart)" >&2; exit 2 ;;
+    hard) script=bench/hard_cases.py; set -- --out "$OUT/hard.jsonl" "$@" ;;
+    *) echo "unknown benchmark: $what (faults, overhead, latency, slow_links, restart, hard)" >&2; exit 2 ;;
 esac
 set +e
 python3 "$script" "$@" 2>&1 | tee -a "$log"

@@ -75,28 +75,30 @@ def _register_step_hook(optimizer_module):
 
     beat = _load_heartbeat().beat
     steps = itertools.count(1)
+    resumed_at = []  # steps the optimizer had taken before this process's first one (a checkpoint's)
 
     def on_step(optimizer, args, kwargs):
-        # The optimizer's own step when it keeps one (restored from a checkpoint, so a resumed job beats its
-        # training step, and ``--on-hang restart`` knows a hang that recurs at the same step); else this
-        # process's count of optimizer steps: with two optimizers, two per iteration.
+        # This process's count of optimizer steps (with two optimizers, two per iteration), from the step the
+        # optimizer's state was restored at: a resumed job beats its training step, so ``--on-hang restart``
+        # knows a hang that recurs at the same step.
         counted = next(steps)
-        beat(_saved_step(optimizer) or counted)
+        if not resumed_at:
+            saved = _saved_step(optimizer)
+            resumed_at.append(saved - counted if saved is not None and saved >= counted else 0)
+        beat(resumed_at[0] + counted)
 
     optimizer_module.register_optimizer_step_post_hook(on_step)
 
 
 def _saved_step(optimizer):
-    """Adam-family optimizers' ``state[param]["step"]`` of their first parameter, when it is on the CPU (their
-    default: reading it costs about a microsecond; one on a GPU would make every step wait for the GPU)."""
+    """Adam-family optimizers' ``state[param]["step"]`` of their first parameter, read once per process: a
+    checkpoint loaded with ``map_location="cuda"`` puts it on the GPU, where reading it waits for the GPU."""
     try:
         params = optimizer.param_groups[0]["params"]
         step = optimizer.state[params[0]].get("step") if params and params[0] in optimizer.state else None
         if step is None:
             return None
-        if getattr(step, "device", None) is not None:
-            return int(step.item()) if step.device.type == "cpu" else None
-        return int(step)
+        return int(step.item()) if hasattr(step, "item") else int(step)
     except Exception:  # an optimizer of another shape: count instead, never fail a training step
         return None
 

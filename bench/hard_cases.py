@@ -1,0 +1,162 @@
+"""Issue 23's hard cases on real NCCL: FSDP2 even splits and pipeline point-to-point across nodes.
+
+Each scenario runs the real wrapper (one per "node"; on a single GPU each
+node's ranks get their own ``NCCL_HOSTID``) over real torchrun, with a
+webhook receiver on loopback counting pages, and reads every node's bundle.
+Reported per scenario: the pages (verdict, culprits), each node's bundle
+verdict, the culprit's call site, the fault -> page latency, and every
+"performance:" line the wrappers printed (a healthy run must have none).
+
+    python3 bench/hard_cases.py --out bench/results/x/hard.jsonl [--only fsdp|pipeline]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from restart import Pages
+
+BENCH = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    script: str
+    nodes: int
+    per_node: int
+    job: list[str]
+    expect: tuple[str, tuple[int, ...]] | None  # (verdict, culprits); None: healthy, no page and no finding
+    watch: list[str] = field(default_factory=list)
+
+
+FSDP = [
+    Scenario("fsdp2_skip_rank1", "fsdp_job.py", 1, 2, ["--steps=400", "--skip-rank=1", "--skip-step=40"], ("collective_mismatch", (1,))),
+    Scenario("fsdp2_skip_rank0", "fsdp_job.py", 1, 2, ["--steps=400", "--skip-rank=0", "--skip-step=55"], ("collective_mismatch", (0,))),
+    Scenario("fsdp2_skip_rank1_clip_accum", "fsdp_job.py", 1, 2,
+             ["--steps=400", "--skip-rank=1", "--skip-step=70", "--clip-grad", "--grad-accum=2"], ("collective_mismatch", (1,))),
+    Scenario("fsdp2_skip_two_nodes", "fsdp_job.py", 2, 1, ["--steps=400", "--skip-rank=1", "--skip-step=40"], ("collective_mismatch", (1,))),
+    Scenario("fsdp2_healthy", "fsdp_job.py", 1, 2, ["--steps=2000"], None, ["--perf-interval=10"]),
+]  # fmt: skip
+PIPELINE = [
+    Scenario("pipeline_both_recv", "pipeline_job.py", 2, 1, ["--steps=2000", "--fault=both_recv", "--fault-step=60"], ("p2p_deadlock", (0, 1))),
+    Scenario("pipeline_missing_send", "pipeline_job.py", 2, 1, ["--steps=2000", "--fault=missing_send", "--fault-rank=1", "--fault-step=60"],
+             ("rank_behind", (1,))),
+    Scenario("pipeline_healthy", "pipeline_job.py", 2, 1, ["--steps=3000", "--step-time=0.01"], None, ["--perf-interval=10"]),
+]  # fmt: skip
+
+
+def bundle_reports(folder: Path) -> list[dict]:  # type: ignore[type-arg]
+    found = []
+    for bundle in sorted(folder.glob("*.tar.gz")):
+        with tarfile.open(bundle) as tar:
+            found.append(json.loads(tar.extractfile(next(n for n in tar.getnames() if n.endswith("/report.json"))).read()))  # type: ignore[union-attr]
+    return found
+
+
+def fault_time(folders: list[Path]) -> float | None:
+    times = [json.loads(p.read_text())["time"] for f in folders for p in f.glob("fault.*")]
+    return min(times) if times else None
+
+
+async def run(scenario: Scenario, work: Path, timeout_s: float, device: str) -> dict:  # type: ignore[type-arg]
+    port = random.randint(29600, 29900)
+    runs = [work / f"run{n}" for n in range(scenario.nodes)]
+    async with Pages() as pages:
+        wrappers = []
+        for n in range(scenario.nodes):
+            env = dict(os.environ, NCCLWATCH_WEBHOOK_URL=pages.url, PYTHONUNBUFFERED="1")
+            if scenario.nodes > 1:
+                env["NCCL_HOSTID"] = f"node{n}"  # one "host" per wrapper on one machine
+            launch = ["--standalone"] if scenario.nodes == 1 else [f"--nnodes={scenario.nodes}", f"--node-rank={n}",
+                                                                   "--master-addr=127.0.0.1", f"--master-port={port}"]  # fmt: skip
+            wrappers.append(await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "ncclwatch", "--job-name", scenario.name, "--on-hang", "kill", *scenario.watch,
+                "--bundle-dir", str(work / f"bundles{n}"), "--run-dir", str(runs[n]),
+                sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc-per-node={scenario.per_node}",
+                "--monitor-interval=0.2", str(BENCH / scenario.script), f"--device={device}", f"--mark-dir={runs[n]}", *scenario.job,
+                env=env, cwd=work, stderr=asyncio.subprocess.PIPE,
+            ))  # fmt: skip
+        ends = []
+        for w in wrappers:
+            try:
+                ends.append((await asyncio.wait_for(w.communicate(), timeout_s))[1])
+            except TimeoutError:
+                w.kill()
+                ends.append((await w.communicate())[1] + b"\nbench: timed out\n")
+        await asyncio.sleep(0.5)
+        posts = list(pages.posts)
+    stderr = [e.decode(errors="replace") for e in ends]
+    for n, text in enumerate(stderr):
+        (work / f"node{n}.stderr").write_text(text)
+    triggers = [(t, p) for t, p in posts if p["action"] == "trigger"]
+    fault = fault_time(runs)
+    nodes = []
+    for n in range(scenario.nodes):
+        reports = bundle_reports(work / f"bundles{n}")
+        report = reports[0] if reports else None
+        rows = {r["rank"]: r for r in report["ranks"]} if report else {}
+        culprit = rows.get(report["culprit_ranks"][0]) if report and report["culprit_ranks"] else None
+        nodes.append({
+            "exit": wrappers[n].returncode, "bundles": len(reports), "verdict": report["verdict"] if report else None,
+            "culprits": report["culprit_ranks"] if report else None,
+            "call_site": culprit.get("call_site") if culprit else None, "stack": culprit.get("stack") if culprit else None,
+            "headline": report.get("headline") if report else None,
+            "performance": [line for line in stderr[n].splitlines() if "performance:" in line],
+        })  # fmt: skip
+    got = (triggers[0][1]["verdict"], tuple(triggers[0][1]["culprit_ranks"])) if triggers else None
+    agree = len({(x["verdict"], tuple(x["culprits"] or ())) for x in nodes}) == 1
+    if scenario.expect is None:
+        right = not triggers and all(not x["performance"] and x["bundles"] == 0 and x["exit"] == 0 for x in nodes)
+    else:
+        right = len(triggers) == 1 and got == scenario.expect and agree
+    return {
+        "scenario": scenario.name, "expect": scenario.expect, "right": right, "pages": len(triggers), "paged": got,
+        "fault_to_page_s": round(triggers[0][0] - fault, 2) if triggers and fault else None, "nodes_agree": agree,
+        "nodes": nodes,
+    }  # fmt: skip
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    chosen = (FSDP if args.only in ("all", "fsdp") else []) + (PIPELINE if args.only in ("all", "pipeline") else [])
+    if args.names:
+        chosen = [s for s in chosen if s.name in args.names]
+    for scenario in chosen:
+        began = time.time()
+        row = await run(scenario, Path(tempfile.mkdtemp(prefix=f"{scenario.name}-", dir=args.work)), args.timeout, args.device)
+        row["wall_s"] = round(time.time() - began, 1)
+        with out.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        brief = {k: row[k] for k in ("scenario", "right", "pages", "paged", "fault_to_page_s", "nodes_agree", "wall_s")}
+        print(json.dumps(brief), flush=True)
+        for n, node in enumerate(row["nodes"]):
+            print(f"  node {n}: exit {node['exit']} {node['verdict']} {node['culprits']} call site {node['call_site']!r} "
+                  f"perf {node['performance'][:2]}", flush=True)  # fmt: skip
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", choices=("all", "fsdp", "pipeline"), default="all")
+    parser.add_argument("--names", nargs="*", help="only these scenarios")
+    parser.add_argument("--work", default=None)
+    parser.add_argument("--timeout", type=float, default=150)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo, to try the bench itself")
+    return asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
