@@ -45,6 +45,7 @@ FSDP = [
     Scenario("fsdp2_skip_rank0", "fsdp_job.py", 1, 2, ["--steps=400", "--skip-rank=0", "--skip-step=55"], ("collective_mismatch", (0,))),
     Scenario("fsdp2_skip_rank1_clip_accum", "fsdp_job.py", 1, 2,
              ["--steps=400", "--skip-rank=1", "--skip-step=70", "--clip-grad", "--grad-accum=2"], ("collective_mismatch", (1,))),
+    Scenario("fsdp2_skip_rank1_late", "fsdp_job.py", 1, 2, ["--steps=400", "--skip-rank=1", "--skip-step=90"], ("collective_mismatch", (1,))),
     Scenario("fsdp2_skip_two_nodes", "fsdp_job.py", 2, 1, ["--steps=400", "--skip-rank=1", "--skip-step=40"], ("collective_mismatch", (1,))),
     Scenario("fsdp2_healthy", "fsdp_job.py", 1, 2, ["--steps=2000"], None, ["--perf-interval=10"]),
 ]  # fmt: skip
