@@ -49,9 +49,11 @@ FSDP = [
     Scenario("fsdp2_skip_two_nodes", "fsdp_job.py", 2, 1, ["--steps=400", "--skip-rank=1", "--skip-step=40"], ("collective_mismatch", (1,))),
     Scenario("fsdp2_healthy", "fsdp_job.py", 1, 2, ["--steps=2000"], None, ["--perf-interval=10"]),
 ]  # fmt: skip
+# Faults late enough that the job has shown its rhythm (on the H100 a step takes ~16 ms: a hang at step 60
+# came 1 s into training, under the 300 s warm-up timeout).
 PIPELINE = [
-    Scenario("pipeline_both_recv", "pipeline_job.py", 2, 1, ["--steps=2000", "--fault=both_recv", "--fault-step=60"], ("p2p_deadlock", (0, 1))),
-    Scenario("pipeline_missing_send", "pipeline_job.py", 2, 1, ["--steps=2000", "--fault=missing_send", "--fault-rank=1", "--fault-step=60"],
+    Scenario("pipeline_both_recv", "pipeline_job.py", 2, 1, ["--steps=100000", "--fault=both_recv", "--fault-step=1500"], ("p2p_deadlock", (0, 1))),
+    Scenario("pipeline_missing_send", "pipeline_job.py", 2, 1, ["--steps=100000", "--fault=missing_send", "--fault-rank=1", "--fault-step=1500"],
              ("rank_behind", (1,))),
     Scenario("pipeline_healthy", "pipeline_job.py", 2, 1, ["--steps=3000", "--step-time=0.01"], None, ["--perf-interval=10"]),
 ]  # fmt: skip

@@ -100,6 +100,11 @@ class TestSignature:
         signature = signature_of(report(Verdict.process_stopped))
         assert (signature.frame, signature.step, signature.operation) == ("main (train.py:113)", 26, "AllReduce")
 
+    def test_flight_recorders_call_site_wins_over_where_py_spy_finds_the_rank(self) -> None:
+        hung = report(Verdict.collective_mismatch, stack="forward (model.py:40) <- main (train.py:97)")
+        hung.ranks[1].call_site = "all_gather (torch/distributed/distributed_c10d.py:4000) <- main (train.py:113)"
+        assert signature_of(hung).frame == "main (train.py:113)"
+
     def test_without_a_culprit_the_lowest_step_of_any_rank(self) -> None:
         assert signature_of(report(Verdict.stuck_in_collective, culprits=())).step == 27
 

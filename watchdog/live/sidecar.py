@@ -79,6 +79,7 @@ from ncclwatch.watchdog.sinks.delivery import Dispatcher
 log = logging.getLogger("ncclwatch")
 
 PERF_RESOLVE_LOOKS = 2
+QUIET_LOG_S = 10.0  # -v: every this many seconds of a quiet job, its stall timeout and why
 
 STOP_GRACE_S = 5.0
 
@@ -168,6 +169,7 @@ class Sidecar:
         self._wake = asyncio.Event()  # the incident's phase changed: exchange now, not at the next round
         self._followed: LeaderVerdict | None = None  # the leader's latest verdict, with the response to carry out
         self._restart: Restarting | None = None  # a restart asked for, until the new round moves
+        self._quiet_said = 0.0  # how long the job had been quiet when -v last said so
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -318,6 +320,13 @@ class Sidecar:
             if self.prober.prime(view.workers):
                 self.live.excuse(view.observed_at, PRIME_EXCUSE_S)
         timeout = view.stall_timeout
+        if view.stalled_for >= self._quiet_said + QUIET_LOG_S:
+            # -v: a quiet job below its stall timeout says why it is not probed yet (the warm-up timeout, a long gap)
+            self._quiet_said = view.stalled_for
+            log.info("quiet for %.0f s; stall timeout %.1f s (learned gap %s, %d advances)", view.stalled_for,
+                     view.stall_timeout, view.learned_gap, self.live.learned_gap(view.observed_at)[1])  # fmt: skip
+        elif view.stalled_for < QUIET_LOG_S:
+            self._quiet_said = 0.0
         if self.cluster is not None and self.cluster.peer_suspects():
             # Another node is probing a stall and waits for this node's evidence: look now, not at our own timeout.
             timeout = min(timeout, self.settings.stall_timeout_floor)

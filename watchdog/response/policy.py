@@ -69,10 +69,16 @@ class HangSignature:
 
 
 def signature_of(report: Report) -> HangSignature:
-    """The first culprit's line and step; the lowest step of any rank when none is named."""
+    """The first culprit's line and step; the lowest step of any rank when none is named.
+
+    The line is where the culprit issued the operation, as Flight Recorder recorded it, when it did: with
+    NCCL a call returns at enqueue and Python runs on, so where py-spy finds the rank differs from one
+    round to the next (seen on the H100: the loop guard let a mismatch restart twice).
+    """
     rows = {row.rank: row for row in report.ranks}
     culprit = rows.get(report.culprit_ranks[0]) if report.culprit_ranks else None
-    frame = culprit.stack.split(STACK_ARROW)[-1] if culprit is not None and culprit.stack else None
+    line = (culprit.call_site or culprit.stack) if culprit is not None else None
+    frame = line.split(STACK_ARROW)[-1] if line else None
     if culprit is not None:
         step = culprit.step
     else:
