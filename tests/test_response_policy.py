@@ -13,10 +13,11 @@ from ncclwatch.watchdog.response.policy import DRAIN_ON, RESTART_ON, Policy, Res
 TRAIN_LINE = "all_reduce (torch/distributed/distributed_c10d.py:2950) <- main (train.py:113)"
 
 
-def report(verdict: Verdict, culprits: tuple[int, ...] = (1,), step: int = 26, stack: str | None = TRAIN_LINE,
+def report(verdict: Verdict, culprits: tuple[int, ...] = (1,), step: int = 26, call_site: str | None = TRAIN_LINE,
            operation: str | None = "AllReduce count=1 Float") -> Report:  # fmt: skip
     rows = [RankRow(rank=r, host=f"node{r}", pid=100 + r, step=step + (0 if r in culprits else 1),
-                    stack=stack if r in culprits else None) for r in range(4)]  # fmt: skip
+                    stack="forward (model.py:40) <- main (train.py:97)", call_site=call_site if r in culprits else None)
+            for r in range(4)]  # fmt: skip
     return Report(verdict=verdict, culprit_ranks=list(culprits), operation=operation, summary="s", ranks=rows, analyzed_at="x")
 
 
@@ -44,7 +45,7 @@ class TestRestart:
         assert again.response is Response.kill
         assert again.why.startswith("recurs after restart: not transient (collective_mismatch, AllReduce, at main (train.py:113), step 26")
 
-    @pytest.mark.parametrize("changed", [{"step": 31}, {"stack": "main (train.py:90)"}, {"operation": "AllGather count=4 Float"}])
+    @pytest.mark.parametrize("changed", [{"step": 31}, {"call_site": "main (train.py:90)"}, {"operation": "AllGather count=4 Float"}])
     def test_a_hang_that_differs_in_any_part_of_its_signature_restarts_again(self, changed: dict) -> None:  # type: ignore[type-arg]
         first = plan(report(Verdict.process_stopped), policy(), restarts_done=0, restarted=[])
         other = plan(report(Verdict.process_stopped, **changed), policy(), restarts_done=1, restarted=[first.signature])
@@ -100,10 +101,12 @@ class TestSignature:
         signature = signature_of(report(Verdict.process_stopped))
         assert (signature.frame, signature.step, signature.operation) == ("main (train.py:113)", 26, "AllReduce")
 
-    def test_flight_recorders_call_site_wins_over_where_py_spy_finds_the_rank(self) -> None:
-        hung = report(Verdict.collective_mismatch, stack="forward (model.py:40) <- main (train.py:97)")
-        hung.ranks[1].call_site = "all_gather (torch/distributed/distributed_c10d.py:4000) <- main (train.py:113)"
-        assert signature_of(hung).frame == "main (train.py:113)"
+    def test_where_py_spy_finds_the_rank_is_never_the_line(self) -> None:
+        without = report(Verdict.collective_mismatch, call_site=None)
+        assert without.ranks[1].stack and signature_of(without).frame is None
+        moved_on = report(Verdict.collective_mismatch)
+        moved_on.ranks[1].stack = "backward (model.py:77) <- main (train.py:99)"
+        assert signature_of(moved_on) == signature_of(report(Verdict.collective_mismatch))
 
     def test_without_a_culprit_the_lowest_step_of_any_rank(self) -> None:
         assert signature_of(report(Verdict.stuck_in_collective, culprits=())).step == 27

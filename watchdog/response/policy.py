@@ -59,7 +59,7 @@ class HangSignature:
 
     verdict: str
     operation: str | None
-    frame: str | None  # the culprit's own line of code at the hang
+    frame: str | None  # the culprit's own line that issued the operation (Flight Recorder's), when recorded
     step: int | None  # the culprit's last heartbeat step
 
     def describe(self) -> str:
@@ -71,14 +71,13 @@ class HangSignature:
 def signature_of(report: Report) -> HangSignature:
     """The first culprit's line and step; the lowest step of any rank when none is named.
 
-    The line is where the culprit issued the operation, as Flight Recorder recorded it, when it did: with
-    NCCL a call returns at enqueue and Python runs on, so where py-spy finds the rank differs from one
-    round to the next (seen on the H100: the loop guard let a mismatch restart twice).
+    The line is where the culprit issued the operation, as Flight Recorder recorded it; never where py-spy
+    finds the rank: with NCCL a call returns at enqueue and Python runs on, so that differs from one round
+    to the next (seen on the H100: the loop guard let a mismatch restart twice).
     """
     rows = {row.rank: row for row in report.ranks}
     culprit = rows.get(report.culprit_ranks[0]) if report.culprit_ranks else None
-    line = (culprit.call_site or culprit.stack) if culprit is not None else None
-    frame = line.split(STACK_ARROW)[-1] if line else None
+    frame = culprit.call_site.split(STACK_ARROW)[-1] if culprit is not None and culprit.call_site else None
     if culprit is not None:
         step = culprit.step
     else:
