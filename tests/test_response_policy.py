@@ -85,10 +85,11 @@ class TestDrain:
         chosen = plan(report(verdict, culprits=(2, 3)), policy(drain="slurm"), restarts_done=0, restarted=[])
         assert chosen.response is Response.drain and chosen.drain_hosts == ("node2", "node3") and chosen.ends_job
 
-    def test_a_gpu_hang_drains_only_with_an_xid_on_the_culprits_gpu(self) -> None:
+    def test_a_gpu_hang_restarts_unless_the_site_says_it_blames_the_node(self) -> None:
         hang = report(Verdict.gpu_compute_hang)
         assert plan(hang, policy(drain="slurm"), 0, []).response is Response.restart
-        assert plan(hang, policy(drain="slurm"), 0, [], hardware=["node1"]).response is Response.drain
+        site = policy(drain="slurm", drain_on=[*DRAIN_ON, Verdict.gpu_compute_hang])
+        assert plan(hang, site, 0, []).response is Response.drain
 
     def test_a_mismatch_never_drains_and_no_named_host_never_drains(self) -> None:
         assert plan(report(Verdict.collective_mismatch), policy(drain="slurm"), 0, []).response is Response.kill

@@ -68,8 +68,7 @@ class Settings(BaseSettings):
     )
     drain_on: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: [v.value for v in DRAIN_ON],
-        description="verdicts that blame the culprit's node (comma-separated); gpu_compute_hang only with an Xid "
-        "on the culprit's GPU",
+        description="verdicts that blame the culprit's node (comma-separated)",
     )
     on_hang_exec: str | None = Field(
         None,

@@ -17,7 +17,7 @@ is ended with ``EXIT_DRAINED`` and a requeue lands on other nodes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -42,8 +42,9 @@ RESTART_HELPS = {
     Verdict.stuck_in_collective: "a collective lost in the network often completes on fresh communicators",
     Verdict.node_lost: "the nodes meet again in the rendezvous (an elastic job goes on without the lost one)",
 }
-# Verdicts that blame a node's hardware.  A GPU hang counts only with an Xid on the culprit's GPU (``hardware_fault``).
-DRAIN_ON = (Verdict.network_error, Verdict.node_lost, Verdict.gpu_compute_hang)
+# Verdicts that blame a node's hardware.  A GPU hang is not among them: without the GPU's Xid (not collected
+# yet) a kernel that never ends is as often the program's.
+DRAIN_ON = (Verdict.network_error, Verdict.node_lost)
 
 
 class Response(StrEnum):
@@ -121,21 +122,17 @@ class Policy:
     drain_on: frozenset[Verdict]
 
 
-def plan(report: Report, policy: Policy, restarts_done: int, restarted: Sequence[HangSignature],
-         hardware: Iterable[str] = ()) -> Plan:  # fmt: skip
+def plan(report: Report, policy: Policy, restarts_done: int, restarted: Sequence[HangSignature]) -> Plan:
     """The response to ``report``.
 
     ``restarts_done``: torchrun's restart count of the hung round (its
     ``TORCHELASTIC_RESTART_COUNT``: crashes it restarted count too);
-    ``restarted``: the signatures of hangs already answered by a restart;
-    ``hardware``: culprit hosts with hardware evidence beyond the verdict
-    (an Xid on the culprit's GPU).
+    ``restarted``: the signatures of hangs already answered by a restart.
     """
     verdict = report.verdict
     signature = signature_of(report)
     hosts = culprit_hosts(report)
-    blames_hardware = verdict in policy.drain_on and (verdict is not Verdict.gpu_compute_hang or bool(set(hardware)))
-    if policy.drain != "none" and blames_hardware and hosts and policy.on_hang != "report":
+    if policy.drain != "none" and verdict in policy.drain_on and hosts and policy.on_hang != "report":
         why = f"{verdict.value} blames the hardware of {', '.join(hosts)}"
         return Plan(Response.drain, why, drain_hosts=tuple(hosts), signature=signature)
     if policy.on_hang == "report":
