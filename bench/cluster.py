@@ -290,7 +290,7 @@ class Sim:
         verdict = await cluster.read_verdict()
         node.verdict_read += client.received_bytes - received
         if verdict is not None:
-            node.followed_at, node.culprits = time.time(), list(verdict[1].finding.culprits)
+            node.followed_at, node.culprits = time.time(), list(verdict.decision.finding.culprits)
             await cluster.drop_own_evidence()
 
     async def status(self) -> dict:
