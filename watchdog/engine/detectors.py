@@ -426,7 +426,7 @@ def check_point_to_point(comm: CommView) -> Finding | None:
     behind, the program's order is wrong.
     """
     if comm.source == "flight_recorder":
-        return _pending_recv_cycle(comm)
+        return _pending_recv_cycle(comm) or _recv_never_sent(comm)
     if comm.source != "nccl_log":
         return None
     ranks = comm.by_comm_rank()
@@ -543,6 +543,7 @@ class _PendingP2p:
     state: OpState
     then: str | None  # the next op with that peer, pending behind it: "Send (scheduled)"
     called_from: str | None  # the user's frame Flight Recorder recorded: "inject (train.py:269)"
+    line: int  # its entry's index in the dump: what the rank enqueued after it comes later
 
 
 def _first_pending(rank: RankView, peer: int) -> _PendingP2p | None:
@@ -555,10 +556,10 @@ def _first_pending(rank: RankView, peer: int) -> _PendingP2p | None:
     if not pending:
         return None
     pending.sort(key=lambda p: p[0])
-    (_, kind, index, op), behind = pending[0], pending[1:]
+    (line, kind, index, op), behind = pending[0], pending[1:]
     then = f"{behind[0][1]} ({behind[0][3].state})" if behind else None
     mine = user_frame(op.frames)
-    return _PendingP2p(kind, index, op.sig, op.state, then, short_frame(mine) if mine else None)  # type: ignore[arg-type]
+    return _PendingP2p(kind, index, op.sig, op.state, then, short_frame(mine) if mine else None, line)  # type: ignore[arg-type]
 
 
 def _pending_fact(comm: CommView, rank: RankView, other: RankView, wait: _PendingP2p) -> Fact:
@@ -604,6 +605,49 @@ def _pending_recv_cycle(comm: CommView) -> Finding | None:
                 culprits=pair,
                 operation=mine.sig.describe(),
                 evidence=(_pending_fact(comm, a, b, mine), _pending_fact(comm, b, a, theirs)),
+            )
+    return None
+
+
+def _recv_never_sent(comm: CommView) -> Finding | None:
+    """Flight Recorder: a rank's first pending op with a peer is a recv, and that peer has nothing pending with it
+    though it has enqueued the collective the waiting rank enqueued after that recv: it went past the send (which
+    its program posts before that collective) and never posted it.
+
+    On NCCL both hosts run ahead of their GPUs, so neither blocks in the p2p call: seen on the H100 (a pipeline
+    whose last stage skipped its last gradient send), stage 0's recv from stage 1 stayed pending with the step's
+    all_reduce queued behind it ("scheduled"), while stage 1's all_reduce had started and every send of it had
+    completed; both hosts then blocked in ``.item()``.  Read as a collective alone, the rank whose all_reduce never
+    started looked like the lead; it waits for the send.  A peer that has not enqueued that collective may still be
+    on its way to the send (computing, or stuck before it), as in any healthy step: not named here.
+    """
+    ranks = comm.by_comm_rank()
+    for waiter in comm.ranks:
+        for peer in sorted(waiter.received):
+            sender = ranks.get(peer)
+            mine = _first_pending(waiter, peer)
+            if sender is None or mine is None or mine.kind != "Recv" or _first_pending(sender, waiter.comm_rank) is not None:
+                continue
+            after = next((pos for pos, op in sorted(waiter.details.items()) if op.line > mine.line), None)
+            if after is None or sender.total <= after:
+                continue  # the waiter enqueued no collective after its recv, or the sender has not reached it
+            called = f", called from {mine.called_from}" if mine.called_from else ""
+            return _comm_finding(
+                comm,
+                Verdict.rank_behind,
+                summary=f"{sender.name} never posted the Send {waiter.name} waits for on {comm.label}: {waiter.name}'s "
+                f"Recv #{mine.index + 1} from it ({mine.sig.describe()}{called}) is pending, and {sender.name} went on to "
+                f"collective #{after + 1}, which {waiter.name} enqueued after that Recv, with nothing pending towards "
+                f"{waiter.name}.",
+                reason="Point-to-point operations are matched pairwise; the rank that went past its side without posting "
+                "it is at fault (Flight Recorder: the waiter's first pending op with it is a recv, its own sends all completed).",
+                culprits=(sender.rank,),
+                operation=mine.sig.describe(),
+                evidence=(
+                    _pending_fact(comm, waiter, sender, mine),
+                    Fact(comm.source, f"{sender.name}: no send or recv with {waiter.name} pending; collective #{after + 1} "
+                         f"enqueued ({sender.state_at(after) or '?'})", Citation(file=sender.file)),
+                ),  # fmt: skip
             )
     return None
 

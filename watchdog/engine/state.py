@@ -36,6 +36,7 @@ from ncclwatch.watchdog.events import (
     Event,
     FrDump,
     FrEntry,
+    FrProcessGroup,
     GpuSnapshot,
     Heartbeat,
     LocalPeerClosed,
@@ -356,7 +357,7 @@ class JobState:
                 comm.cited.add(dump.cite)
                 comm.cites.append(dump.cite)
             seq = RankSeq(comm_rank=comm_rank, proc=None, file=dump.cite.file, global_rank=dump.rank)
-            _fold_fr_entries(seq, entries, pg.last_completed if pg else None)
+            _fold_fr_entries(seq, entries, _collectives_completed(pg, entries))
             comm.ranks[comm_rank] = seq
             comm.nranks = max(comm.nranks, comm_rank + 1)
 
@@ -550,6 +551,24 @@ def _fr_sig(entry: FrEntry) -> OpSig:
         numel += n
     dtype = entry.input_dtypes[0] if entry.input_dtypes else None
     return OpSig(entry.op, numel, dtype, None, entry.peer if entry.is_p2p else None)
+
+
+def _collectives_completed(pg: FrProcessGroup | None, entries: list[FrEntry]) -> int | None:
+    """The group's ``last_completed_collective`` where it is what its entries' states lack, else None.
+
+    gloo leaves every entry ``scheduled`` and counts completions in the group's status.  NCCL records each
+    entry's own state, and its status is not in collective numbers: on the H100 (torch 2.11, a pipeline with
+    send/recv) a rank hung in all_reduce #1501 reported ``last_enqueued_collective`` 1501 and
+    ``last_completed_collective`` 7504, its point-to-point count; read as collectives, the pending all_reduce
+    was "completed" and the hang a pause.
+    """
+    if pg is None or pg.last_completed is None:
+        return None
+    if any(e.state is not OpState.scheduled for e in entries if not e.is_p2p):
+        return None  # the entries say for themselves what completed
+    if pg.last_enqueued is not None and pg.last_completed > pg.last_enqueued:
+        return None  # more completed than enqueued: not collective numbers
+    return pg.last_completed
 
 
 def _fold_fr_entries(seq: RankSeq, entries: list[FrEntry], last_completed: int | None) -> None:
