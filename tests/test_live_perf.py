@@ -55,7 +55,7 @@ class IdleProber:
     def prime(self, workers) -> int:  # type: ignore[no-untyped-def]
         return 0
 
-    async def probe(self, workers, with_gpus: bool) -> list[Event]:  # type: ignore[no-untyped-def]
+    async def probe(self, workers, with_gpus: bool, stalled_since: float | None = None) -> list[Event]:  # type: ignore[no-untyped-def]
         self.calls += 1
         frame = "all_reduce (torch/distributed/distributed_c10d.py:3252)"
         return [StackDump(pid=w.pid, threads=[ThreadStack(name="MainThread", frames=[frame])], cite=Citation(file="py-spy")) for w in workers]

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
 
 from ncclwatch.watchdog.engine.snapshot import WorkerView
-from ncclwatch.watchdog.events import NcclWarning
+from ncclwatch.watchdog.events import FrDump, NcclWarning, Unusable
 from ncclwatch.watchdog.live.probe import DUMP_WAIT_S, ERRORED_DUMP_WAIT_S, JobProber, comm_errored
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
 from ncclwatch.watchdog.probes.flight_recorder import FULL_REQUEST, QUIET_REQUEST
@@ -86,3 +88,49 @@ def test_the_quiet_request_goes_to_ncclwatchs_door_even_where_torchs_exists(tmp_
         assert asked == {"pipe_0.pipe": b"", f"ncclwatch_pipe.{pid}": QUIET_REQUEST}
     else:
         assert asked == {"pipe_0.pipe": FULL_REQUEST, f"ncclwatch_pipe.{pid}": b""}
+
+
+def _fsdp2_dump(rank: int) -> bytes:
+    """PyTorch's own dump from the H100 FSDP2 bundle (tests/fixtures/bundles/nccl-2.28.9-h100x1), written when NCCL
+    failed the communicator."""
+    bundle = next((Path(__file__).parent / "fixtures" / "bundles" / "nccl-2.28.9-h100x1").glob("*.tar.gz"))
+    with tarfile.open(bundle) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith(f"fr/nccl_trace_rank_{rank}"))
+        data = tar.extractfile(member)
+        assert data is not None
+        return data.read()
+
+
+@pytest.mark.parametrize("written_after_the_stall", [True, False])
+def test_a_rank_that_does_not_answer_is_read_from_its_dump_written_since_the_stall(
+    tmp_path: Path, written_after_the_stall: bool
+) -> None:
+    """torch's door is open but the rank never dumps (its communicator failed); the dump PyTorch wrote at the error,
+    before the probe and after the stall began, is its evidence, and the report says so.  One written before the
+    stall is not."""
+    pid = os.getpid()
+    fifo = tmp_path / "pipe_1.pipe"
+    os.mkfifo(fifo, 0o600)
+    reader = os.open(fifo, os.O_RDWR)  # alive, never answers
+    dump = tmp_path / "nccl_trace_rank_1"
+    dump.write_bytes(_fsdp2_dump(1))
+    written = time.time() - 5.0
+    os.utime(dump, (written, written))
+    stalled_since = written - 0.4 if written_after_the_stall else written + 0.4
+    try:
+        prober = JobProber(tmp_path, pyspy=str(tmp_path / "no-py-spy"), nccl_errored=lambda: True)
+        worker = WorkerView(rank=1, pid=pid, local_rank=0, world_size=2, host="vm", state="S",
+                            cpu_share=0.0, io_rate=0.0, step=90, gone=False)  # fmt: skip
+        events = asyncio.run(prober.probe([worker], with_gpus=False, stalled_since=stalled_since))
+    finally:
+        os.close(reader)
+    dumps = [e for e in events if isinstance(e, FrDump)]
+    notes = [e.reason for e in events if isinstance(e, Unusable)]
+    if not written_after_the_stall:
+        assert (dumps, notes) == ([], [])
+        return
+    assert [(d.rank, d.cite.file) for d in dumps] == [(1, str(dump))]
+    assert any(e.frames for e in dumps[0].entries)  # the call sites the live verdict lacked
+    (note,) = notes
+    assert "no Flight Recorder dump came from rank 1 at this probe" in note
+    assert "0.4 s after the job last moved" in note

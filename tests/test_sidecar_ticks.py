@@ -48,7 +48,7 @@ class ScriptedProber:
         self.primed |= new
         return len(new)
 
-    async def probe(self, workers, with_gpus: bool) -> list[Event]:  # type: ignore[no-untyped-def]
+    async def probe(self, workers, with_gpus: bool, stalled_since: float | None = None) -> list[Event]:  # type: ignore[no-untyped-def]
         self.calls.append(with_gpus)
         return [
             StackDump(pid=w.pid, threads=[ThreadStack(name="MainThread", frames=[self.frames[w.pid]])], cite=Citation(file="py-spy"))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -32,7 +33,7 @@ from ncclwatch.watchdog.engine.snapshot import WorkerView
 from ncclwatch.watchdog.events import STOPPED_STATES, Citation, Event, NcclWarning, Unusable, WarningCategory
 from ncclwatch.watchdog.parsing.pyspy import parse_pyspy
 from ncclwatch.watchdog.parsing.ras import parse_ras
-from ncclwatch.watchdog.sources.flight_recorder import prime, read_dump, request_dumps
+from ncclwatch.watchdog.sources.flight_recorder import prime, read_dump, request_dumps, written_since
 from ncclwatch.watchdog.sources.gpus import gpu_snapshot
 
 log = logging.getLogger("ncclwatch")
@@ -84,7 +85,7 @@ def comm_errored(warnings: Sequence[NcclWarning]) -> bool:
 
 
 class Prober(Protocol):
-    async def probe(self, workers: Sequence[WorkerView], with_gpus: bool) -> list[Event]: ...
+    async def probe(self, workers: Sequence[WorkerView], with_gpus: bool, stalled_since: float | None = None) -> list[Event]: ...
 
     def prime(self, workers: Sequence[WorkerView]) -> int: ...
 
@@ -123,7 +124,9 @@ class JobProber:
         log.info("primed Flight Recorder of %d rank(s)", asked)
         return asked
 
-    async def probe(self, workers: Sequence[WorkerView], with_gpus: bool) -> list[Event]:
+    async def probe(self, workers: Sequence[WorkerView], with_gpus: bool, stalled_since: float | None = None) -> list[Event]:
+        """``stalled_since``: when the job last moved; a rank whose dump does not come is read from a dump of it
+        already on disk that was written after that (``written_since``), and the report says so."""
         alive = [w for w in workers if not w.gone]
         answering = {w.rank: w.pid for w in alive if w.state not in STOPPED_STATES}
         if not with_gpus:
@@ -146,10 +149,32 @@ class JobProber:
                 log.info("rank %s: no Flight Recorder dump: %s", rank, error)
             if with_gpus:
                 self._unanswered = {answering[rank] for rank in errors}
+            if stalled_since is not None:
+                unasked = {w.rank: w.pid for w in alive if w.rank not in answering}
+                events += self._dumps_on_disk({**unasked, **{r: answering[r] for r in errors}}, stalled_since)
         if isinstance(stacks, list):
             events += [event for found in stacks for event in found]
         if gpus is not None and not isinstance(gpus, BaseException):
             events.append(gpus)
+        return events
+
+    def _dumps_on_disk(self, ranks: dict[int, int], stalled_since: float) -> list[Event]:
+        """Ranks (rank -> pid) whose dump did not come now: their dump written since the stall began, if any."""
+        events: list[Event] = []
+        for rank, pid in sorted(ranks.items()):
+            found = written_since(self.fr_dir, rank, pid, stalled_since)
+            if found is None:
+                continue
+            path, mtime = found
+            dump = read_dump(path)
+            if not dump:
+                continue
+            when = time.strftime("%H:%M:%S", time.gmtime(mtime))
+            why = (f"no Flight Recorder dump came from rank {rank} at this probe; its dump already on disk, written at "
+                   f"{when} UTC, {mtime - stalled_since:.1f} s after the job last moved, was read instead (PyTorch "
+                   "writes one by itself when NCCL fails a communicator)")  # fmt: skip
+            log.info("%s", why)
+            events += [*dump, Unusable(reason=why, cite=Citation(file=str(path)))]
         return events
 
     async def _ras(self, alive: Sequence[WorkerView]) -> list[Event]:

@@ -352,7 +352,7 @@ class Sidecar:
     async def _probe(self, view: LiveView, confirming: bool) -> None:
         if self._positions_of != self.incident.opened_at:
             self._positions, self._positions_of = None, self.incident.opened_at  # each incident compares from its first look
-        events = await self.prober.probe(view.workers, with_gpus=not confirming)
+        events = await self.prober.probe(view.workers, with_gpus=not confirming, stalled_since=view.last_progress)
         now = self.clock()
         for event in events:
             self.live.apply(event, now)

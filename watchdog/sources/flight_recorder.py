@@ -47,6 +47,29 @@ async def request_dumps(
     return fresh, errors
 
 
+def written_since(fr_dir: Path, rank: int, pid: int, since: float) -> tuple[Path, float] | None:
+    """This rank's newest dump already on disk, torch's or ncclwatch's file, written at or after ``since``
+    (its mtime), with that mtime; None when there is none.
+
+    PyTorch writes its own dump when NCCL fails a communicator (``TORCH_FR_DUMP_TEMP_FILE``), to the file the
+    on-demand door writes: on the H100 (FSDP2 mismatch over NET/Socket, "message truncated") that dump recorded
+    the divergence 0.4 s after the stall began, and the rank then answered no request.  A dump written after the
+    stall began shows where the rank hung as well as a fresh one would.
+    """
+    found: list[tuple[float, Path]] = []
+    for path in {fr_files(fr_dir, rank, pid)[1], fr_files(fr_dir, rank, pid, quiet=True)[1]}:
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if st.st_size > 0 and st.st_mtime >= since:
+            found.append((st.st_mtime, path))
+    if not found:
+        return None
+    mtime, path = max(found)
+    return path, mtime
+
+
 def read_dump(path: Path) -> list[Event]:
     try:
         return parse_flight_recorder(path.read_bytes(), str(path))
