@@ -88,6 +88,17 @@ def degraded(decision: Decision, why: str) -> Decision:
     return replace(decision, finding=replace(decision.finding, missing=decision.finding.missing + (note,)))
 
 
+def unread_verdict(decision: Decision, leader: int, key: str) -> Decision:
+    """A member that lost the store after the leader announced its verdict, unread: the leader judged the whole job
+    and paged it; this node's own view, judged alone, is said to be only that (it may well differ: it lacks the
+    other nodes' ranks)."""
+    finding = decision.finding
+    note = f"the job-wide verdict: node {leader}'s bundle and page ({key}); the store went away before this node read it"
+    summary = (f"Node {leader} judged the whole job and paged it ({key}); its store went away before this node read "
+               f"that verdict. This node's ranks alone: {finding.summary}")  # fmt: skip
+    return replace(decision, finding=replace(finding, summary=summary, missing=finding.missing + (note,)))
+
+
 def incident_key(membership: Membership, decision: Decision) -> str:
     """Job round + what stalled: the same on every node that judges the same evidence."""
     finding = decision.finding

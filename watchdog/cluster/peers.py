@@ -67,6 +67,11 @@ FULL_NODES = 8  # nodes asked for full evidence at most: the culprits' and the l
 # How long the leader's performance look waits for the other nodes' records of the same round; the look runs
 # beside the ticks, so this never delays hang detection.  The others look at the same moment.
 PERF_WAIT_S = 3.0
+# How long the leader, before ending its job (its node serves the store, which goes with it), waits for every
+# answering member to show it has the verdict: on the H100 a member that had not read it yet judged alone once
+# the store was gone and wrote a conflicting bundle.
+HANDOFF_S = 5.0
+FOLLOWED_PHASES = frozenset({"paged", "ended"})  # a member's summary phase once it follows the verdict (or its job ended)
 VERDICT_ROWS = 64  # rank rows a shared verdict carries (culprits first); the leader's bundle has them all
 GATHER_POLL_S = 0.2
 
@@ -171,15 +176,21 @@ class Cluster:
     async def exchange(self, summary: NodeSummary) -> None:
         """Publish this node's summary and read the view; the leader also reads every summary and publishes
         the next view (raises StoreError)."""
-        address = self.client.local_address()  # the address facing the store: the others reach this node there
-        lifeline = f"{address}:{self.lifeline_port}" if address and self.lifeline_port else None
-        summary = summary.model_copy(update={"lifeline": lifeline, "serves_store": self.serves_store})
-        await self.client.set(self.key("node", self.me), summary.model_dump_json().encode())
+        summary = await self.publish_summary(summary)
         if not self._cleaned:
             await self._forget_previous_round()
         self._note_view(await self.client.peek(self.key("view")))
         if may_lead(self.view, self.me, self.membership.nnodes, self.clock() - self._view_changed_at):
             await self._lead(summary)
+
+    async def publish_summary(self, summary: NodeSummary) -> NodeSummary:
+        """Set this node's summary, with its lifeline, and return it as set; alone (without the view), a member
+        says at once that it follows the verdict (``handed_off``), before its bundle takes seconds."""
+        address = self.client.local_address()  # the address facing the store: the others reach this node there
+        lifeline = f"{address}:{self.lifeline_port}" if address and self.lifeline_port else None
+        summary = summary.model_copy(update={"lifeline": lifeline, "serves_store": self.serves_store})
+        await self.client.set(self.key("node", self.me), summary.model_dump_json().encode())
+        return summary
 
     def _note_view(self, raw: bytes | None) -> None:
         if raw == self._view_raw:
@@ -259,7 +270,8 @@ class Cluster:
             return False
         if self.leads():
             return view.probing_count > 0 or view.incident is not None
-        return view.incident is not None and view.incident.judging and self.clock() - self._view_changed_at <= LOST_AFTER_S
+        pending = view.incident is not None and (view.incident.judging or self.unread_verdict() is not None)
+        return pending and self.clock() - self._view_changed_at <= LOST_AFTER_S
 
     def lost(self) -> dict[int, Contact]:
         """Nodes whose sidecar stopped publishing (``at`` None: never published this round)."""
@@ -330,12 +342,12 @@ class Cluster:
 
     async def read_verdict(self) -> LeaderVerdict | None:
         """The leader's verdict, once per incident key, when the view announces one this node has not read."""
-        incident = self.view.incident if self.view is not None else None
-        if incident is None or incident.verdict is None or incident.verdict in self._verdicts_read:
+        announced = self.unread_verdict()
+        if announced is None:
             return None
         raw = await self.client.peek(self.key("verdict"))
         shared = _parse(SharedVerdict, raw) if raw is not None else None
-        if shared is None or shared.key != incident.verdict:
+        if shared is None or shared.key != announced:
             return None
         self._verdicts_read.add(shared.key)
         try:
@@ -343,6 +355,26 @@ class Cluster:
         except ValidationError:
             log.warning("the leader's verdict does not validate; this node judges on its own")
             return None
+
+    def unread_verdict(self) -> str | None:
+        """The verdict key the view announces and this node has not read: the leader judged and paged it."""
+        incident = self.view.incident if self.view is not None else None
+        if incident is None or incident.verdict is None or incident.verdict in self._verdicts_read:
+            return None
+        return incident.verdict
+
+    async def handed_off(self, wait_s: float = HANDOFF_S) -> list[int]:
+        """The leader, before ending its job: wait up to ``wait_s`` until every answering member's summary shows it
+        follows the verdict; the members still not showing it (raises StoreError)."""
+        deadline = self.clock() + wait_s
+        while True:
+            members = sorted(self.answering())
+            raws = await self.client.multi_get([self.key("node", n) for n in members]) if members else []
+            summaries = [_parse(NodeSummary, raw) if raw is not None else None for raw in raws]
+            waiting = [n for n, s in zip(members, summaries) if s is None or s.phase not in FOLLOWED_PHASES]
+            if not waiting or self.clock() >= deadline:
+                return waiting
+            await asyncio.sleep(GATHER_POLL_S)
 
     async def drop_own_evidence(self) -> None:
         """A member that followed the verdict: its evidence keys are no longer needed."""

@@ -41,12 +41,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, TextIO
 
-from ncclwatch.watchdog.cluster.judge import STORE_GONE, degraded, focus, incident_key, job_state, with_lost_nodes
+from ncclwatch.watchdog.cluster.judge import STORE_GONE, degraded, focus, incident_key, job_state, unread_verdict, with_lost_nodes
 from ncclwatch.watchdog.cluster.lifeline import LINGER_S, STORE_GONE_LINGER_S, Lifeline
 from ncclwatch.watchdog.cluster.payload import TAIL_SHARED
 from ncclwatch.watchdog.cluster.peers import (
     EVIDENCE_WAIT_S,
     FULL_NODES,
+    HANDOFF_S,
     FULL_WAIT_S,
     Cluster,
     LeaderVerdict,
@@ -269,6 +270,7 @@ class Sidecar:
                 view = self.live.view(self.clock())
                 self._followed = verdict
                 self.incident, actions = on_verdict(self.incident, view.observed_at, decision, view.last_progress)
+                await cluster.publish_summary(self._summary())  # the leader waits for this before ending its job
                 await self._perform(actions, view)
         except StoreError as exc:
             self.emit(SourceDown(source="cluster", reason=str(exc)))
@@ -414,8 +416,12 @@ class Sidecar:
         return decision
 
     async def _judge_without_store(self, cluster: Cluster, stall: Stall, why: str) -> Decision:
-        """This node's ranks alone; the store's node named lost when its lifeline does not answer either."""
+        """This node's ranks alone; the store's node named lost when its lifeline does not answer either.  Where
+        the leader had announced its verdict and the store went (the leader ended its job) before this node read
+        it, the leader paged: this node's view is said to be only that, and no node is lost."""
         decision = degraded(_judge_at(self.live.state, stall.at), why)
+        if (announced := cluster.unread_verdict()) is not None:
+            return unread_verdict(decision, cluster.leader(), announced)
         self._store_node_lost = await cluster.store_node_lost()
         if self._store_node_lost is None:
             return decision
@@ -451,7 +457,8 @@ class Sidecar:
                 self.emit(SourceDown(source="cluster", reason=str(exc)))
         # Without the store, one node pages: elected before the bundle, while the others' lifelines still answer.
         lost = {self._store_node_lost.node} if self._store_node_lost is not None else set()
-        pages = job_wide or cluster is None or await cluster.pages_alone(lost)
+        announced = cluster.unread_verdict() if cluster is not None and not job_wide else None
+        pages = job_wide or cluster is None or (announced is None and await cluster.pages_alone(lost))
         try:
             report, bundle = await self.reporter(decision, snapshot, view, started_at, key)
         except Exception:  # a broken sink must not end the watch: the job may hang again
@@ -464,13 +471,30 @@ class Sidecar:
         pager = not following and pages
         if following and cluster is not None:
             self._say(f"node {cluster.me}: this node's evidence is in its bundle; node {cluster.leader()} pages the job-wide verdict")
+        elif announced is not None and cluster is not None:
+            self._say(f"node {cluster.me}: node {cluster.leader()} paged its job-wide verdict ({announced}), which this node "
+                      "could not read before the store went away; this node's own evidence is in its bundle")  # fmt: skip
         elif not pages:
             self._say(f"node {cluster.me if cluster else '?'}: the store is gone; this node's evidence is in its bundle, "
                       "and a lower node that answers pages")  # fmt: skip
         else:
             self._alert(reported)
         if plan is not None:
+            if plan.ends_job and job_wide and cluster is not None and cluster.leads():
+                await self._hand_off(cluster)
             await self._respond(plan, reported, view, pager)
+
+    async def _hand_off(self, cluster: Cluster) -> None:
+        """The leader's node serves the store: before its job ends, and the store with it, the members read the
+        verdict (bounded by HANDOFF_S; a member that did not says so in its own bundle)."""
+        try:
+            waiting = await cluster.handed_off()
+        except StoreError as exc:
+            self.emit(SourceDown(source="cluster", reason=str(exc)))
+            return
+        if waiting:
+            log.warning("node(s) %s did not show the verdict within %.0f s; ending the job (and the store) anyway",
+                        ", ".join(map(str, waiting)), HANDOFF_S)  # fmt: skip
 
     def _plan(self, decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float, following: bool) -> Plan | None:
         """The response: the leader's when following its verdict, else the policy's on this node's view of the hang."""
@@ -511,8 +535,8 @@ class Sidecar:
             return
         self._drain()
         reason = await exchange_or_degrade(cluster, self._summary())
-        if reason is None or not job_failed or any(r.decision.page for r in self.reported):
-            return
+        if reason is None or not job_failed or any(r.decision.page for r in self.reported) or cluster.unread_verdict():
+            return  # an unread verdict: the leader paged the hang and ended its job, the store with it
         self.emit(SourceDown(source="cluster", reason=reason))
         self._drain()
         self._store_node_lost = lost = await cluster.store_node_lost()
