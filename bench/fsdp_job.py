@@ -29,11 +29,11 @@ local ranks than GPUs each rank sets its own ``NCCL_HOSTID`` (unless given).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
 from ncclwatch.launcher.demo_job import mark
+from ranks import join_job  # bench/ranks.py: the script's folder is on sys.path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,19 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    on_gpu = args.device == "cuda"
-    if on_gpu:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        if local_world > torch.cuda.device_count():
-            os.environ.setdefault("NCCL_HOSTID", f"host{rank}")
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(
-        "nccl" if on_gpu else "gloo", timeout=datetime.timedelta(minutes=30), device_id=device if on_gpu else None
-    )
+    rank, world, device = join_job(torch, dist, args.device)
     torch.manual_seed(0)
     model = build_model(torch, args.blocks, args.width, args.vocab).to(device)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

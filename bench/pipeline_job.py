@@ -31,12 +31,12 @@ each rank sets its own ``NCCL_HOSTID`` (unless given), as NCCL refuses two ranks
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
 
 from ncclwatch.launcher.demo_job import mark as demo_mark
+from ranks import join_job  # bench/ranks.py: the script's folder is on sys.path
 
 FAULTS = ("none", "both_recv", "missing_send")
 
@@ -160,19 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    on_gpu = args.device == "cuda"
-    if on_gpu:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        if local_world > torch.cuda.device_count():
-            os.environ.setdefault("NCCL_HOSTID", f"host{rank}")
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(
-        "nccl" if on_gpu else "gloo", timeout=datetime.timedelta(minutes=30), device_id=device if on_gpu else None
-    )
+    rank, world, device = join_job(torch, dist, args.device)
+    on_gpu = device.type == "cuda"
     fault_rank = args.fault_rank if args.fault_rank >= 0 else world - 1
     if args.fault == "missing_send" and not 1 <= fault_rank < world:
         raise SystemExit("missing_send: --fault-rank must name a stage after the first (it sends gradients back)")
