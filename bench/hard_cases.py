@@ -90,13 +90,19 @@ async def run(scenario: Scenario, work: Path, timeout_s: float, device: str) -> 
                 "--monitor-interval=0.2", str(BENCH / scenario.script), f"--device={device}", f"--mark-dir={runs[n]}", *scenario.job,
                 env=env, cwd=work, stderr=asyncio.subprocess.PIPE,
             ))  # fmt: skip
+        # Read stderr beside the wait: a wrapper killed at the deadline keeps what it said (communicate() under
+        # wait_for drops it).
+        reading = [asyncio.create_task(w.stderr.read()) for w in wrappers]  # type: ignore[union-attr]
+        deadline = time.monotonic() + timeout_s
         ends = []
-        for w in wrappers:
+        for w, read in zip(wrappers, reading):
             try:
-                ends.append((await asyncio.wait_for(w.communicate(), timeout_s))[1])
+                await asyncio.wait_for(w.wait(), max(0.1, deadline - time.monotonic()))
+                ends.append(await read)
             except TimeoutError:
                 w.kill()
-                ends.append((await w.communicate())[1] + b"\nbench: timed out\n")
+                await w.wait()
+                ends.append(await read + b"\nbench: timed out\n")
         await asyncio.sleep(0.5)
         posts = list(pages.posts)
     stderr = [e.decode(errors="replace") for e in ends]
