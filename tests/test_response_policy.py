@@ -51,6 +51,11 @@ class TestRestart:
         other = plan(report(Verdict.process_stopped, **changed), policy(), restarts_done=1, restarted=[first.signature])
         assert other.response is Response.restart and other.restart_number == 2
 
+    def test_a_line_known_in_one_round_only_is_no_difference(self) -> None:
+        first = plan(report(Verdict.collective_mismatch, call_site=None), policy(restart_on=[Verdict.collective_mismatch]), 0, [])
+        again = plan(report(Verdict.collective_mismatch), policy(restart_on=[Verdict.collective_mismatch]), 1, [first.signature])
+        assert first.signature.frame is None and again.response is Response.kill
+
     def test_the_same_hang_on_another_rank_is_the_same_hang(self) -> None:
         first = plan(report(Verdict.process_stopped), policy(), restarts_done=0, restarted=[])
         other = plan(report(Verdict.process_stopped, culprits=(2,)), policy(), restarts_done=1, restarted=[first.signature])

@@ -63,6 +63,11 @@ class HangSignature:
     frame: str | None  # the culprit's own line that issued the operation (Flight Recorder's), when recorded
     step: int | None  # the culprit's last heartbeat step
 
+    def same_hang(self, other: HangSignature) -> bool:
+        """Equal, except that an unknown line (no Flight Recorder call site at one of the two) is no difference."""
+        lines_agree = self.frame is None or other.frame is None or self.frame == other.frame
+        return (self.verdict, self.operation, self.step) == (other.verdict, other.operation, other.step) and lines_agree
+
     def describe(self) -> str:
         parts = [self.verdict, self.operation, f"at {self.frame}" if self.frame else None,
                  f"step {self.step}" if self.step is not None else None]  # fmt: skip
@@ -141,7 +146,7 @@ def plan(report: Report, policy: Policy, restarts_done: int, restarted: Sequence
         return Plan(Response.kill, "--on-hang kill", signature=signature)
     if policy.max_restarts <= 0:
         return Plan(Response.kill, "torchrun was given no --max-restarts", signature=signature)
-    if signature in restarted:
+    if any(signature.same_hang(before) for before in restarted):
         return Plan(Response.kill, f"recurs after restart: not transient ({signature.describe()})", signature=signature)
     if verdict not in policy.restart_on:
         why = NEVER_RESTARTED.get(verdict, f"{verdict.value} is not in --restart-on")
