@@ -45,6 +45,12 @@ class TestRestart:
         assert again.response is Response.kill
         assert again.why.startswith("recurs after restart: not transient (collective_mismatch, AllReduce, at main (train.py:113), step 26")
 
+    def test_steps_one_apart_are_the_same_step(self) -> None:
+        mine = policy(restart_on=[Verdict.collective_mismatch])
+        first = plan(report(Verdict.collective_mismatch, step=37), mine, 0, [])
+        assert plan(report(Verdict.collective_mismatch, step=36), mine, 1, [first.signature]).response is Response.kill
+        assert plan(report(Verdict.collective_mismatch, step=35), mine, 1, [first.signature]).response is Response.restart
+
     @pytest.mark.parametrize("changed", [{"step": 31}, {"call_site": "main (train.py:90)"}, {"operation": "AllGather count=4 Float"}])
     def test_a_hang_that_differs_in_any_part_of_its_signature_restarts_again(self, changed: dict) -> None:  # type: ignore[type-arg]
         first = plan(report(Verdict.process_stopped), policy(), restarts_done=0, restarted=[])
