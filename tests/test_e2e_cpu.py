@@ -139,7 +139,7 @@ def test_preflight_measures_before_the_job_and_again_after_the_kill(tmp_path: Pa
     after = json.loads(bundle.with_name(bundle.name.removesuffix(".tar.gz") + "-busbw.json").read_text())
     assert after["when"] == "after --on-hang kill ended the hung job" and after["rows"] and after["pairs"]
     assert after["baseline"]["rows"] and isinstance(after["findings"], list)
-    assert said.index("ncclwatch: bus bandwidth after the hang:") > said.index("--on-hang kill: ending the job")
+    assert said.index("ncclwatch: bus bandwidth after the hang:") > said.index("ncclwatch: ending the job: --on-hang kill")
 
 
 def test_elastic_restart_is_followed_and_the_new_attempt_judged(tmp_path: Path) -> None:

@@ -200,7 +200,7 @@ def test_after_the_kill_the_verdict_is_the_last_word(tmp_path: Path) -> None:
     assert "COLLECTIVE MISMATCH — culprit rank 1" in stderr
     for noise in ("Traceback", "SignalException", "death signal", "closing signal"):
         assert noise not in stderr, stderr[-3000:]
-    ending = stderr.index("ncclwatch: --on-hang kill: ending the job")
+    ending = stderr.index("ncclwatch: ending the job: --on-hang kill")
     notice = stderr.index("ncclwatch: torchrun's shutdown traceback and ")
     assert ending < notice < stderr.index("ncclwatch: collective_mismatch (culprit rank 1)")
 
