@@ -137,7 +137,8 @@ def test_preflight_measures_before_the_job_and_again_after_the_kill(tmp_path: Pa
     assert any(note.startswith("bus bandwidth: measured before the job") for note in report["notes"])
     [bundle] = sorted((tmp_path / "bundles").glob("*.tar.gz"))
     after = json.loads(bundle.with_name(bundle.name.removesuffix(".tar.gz") + "-busbw.json").read_text())
-    assert after["when"] == "after --on-hang kill ended the hung job" and after["rows"] and after["pairs"]
+    assert after["when"] == "after --on-hang kill ended the hung job"
+    assert after.get("rows") and after.get("pairs"), after.get("error")  # seen once in CI on a loaded VM: the probe failed
     assert after["baseline"]["rows"] and isinstance(after["findings"], list)
     assert said.index("ncclwatch: bus bandwidth after the hang:") > said.index("ncclwatch: ending the job: --on-hang kill")
 
