@@ -3,7 +3,8 @@
 Two ranks' dumps in torch's pickle format (the fields of the real 2-GPU
 captures): 30 steps of a 64 MiB gradient all_reduce, a loss all_reduce and
 a broadcast, every one completed with its kernel time; rank 1 enters each
-step's gradient all_reduce 60 ms after rank 0.  Not a hang: the verdict
+step's gradient all_reduce 60 ms after rank 0, whose kernel spins 60 ms
+longer waiting for it.  Not a hang: the verdict
 stays ``no_hang``, and the report's performance notes name rank 1.
 """
 
@@ -27,6 +28,7 @@ def dump(rank: int, *, late_rank: int | None, steps: int = 30) -> bytes:
     for step in range(steps):
         start = T0_NS + step * STEP_NS + rank * 100_000  # 0.1 ms apart: jitter, not a lead
         late = 60_000_000 if rank == late_rank else 0
+        waits = 60.0 if late_rank is not None and rank != late_rank else 0.0  # ms its gradient all_reduce kernel waited
         for offset, (name, numel, at) in enumerate(
             (("nccl:all_reduce", 64 * MIB_FLOATS, start + late), ("nccl:all_reduce", 256, start + 65_000_000),
              ("nccl:broadcast", 4, start + 66_000_000))  # fmt: skip
@@ -37,7 +39,7 @@ def dump(rank: int, *, late_rank: int | None, steps: int = 30) -> bytes:
                 "record_id": seq - 1, "pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": seq,
                 "p2p_seq_id": 0, "op_id": seq, "profiling_name": name, "time_created_ns": at,
                 "input_sizes": [[numel]], "input_dtypes": ["Float"], "output_sizes": [[numel]], "output_dtypes": ["Float"],
-                "state": "completed", "duration_ms": 40.0 if offset == 0 else 0.05, "retired": True, "timeout_ms": 600_000,
+                "state": "completed", "duration_ms": 40.0 + waits if offset == 0 else 0.05, "retired": True, "timeout_ms": 600_000,
                 "is_p2p": False,
             })  # fmt: skip
     pg_config = {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}}

@@ -35,7 +35,8 @@ STEP_NS = 200_000_000
 
 def dumps(node: int, steps: int, *, late_rank: int | None = None) -> list[FrDump]:
     """This node's ranks' dumps of a job whose default group spans both nodes: per step a 64 MiB all-reduce
-    (``late_rank`` enters it 60 ms after the others) and a loss all-reduce all enter together."""
+    (``late_rank`` enters it 60 ms after the others, whose kernels spin until its own joins) and a loss all-reduce
+    all enter together."""
     groups = {"0": FrProcessGroup(pg_id="0", desc="default_pg", ranks=[0, 1, 2, 3])}
     out = []
     for rank in NODES[node]:
@@ -43,11 +44,13 @@ def dumps(node: int, steps: int, *, late_rank: int | None = None) -> list[FrDump
         for step in range(steps):
             start = int(NOW * 1e9) + step * STEP_NS + rank * 100_000
             late = 60_000_000 if rank == late_rank else 0
+            waits = 60.0 if late_rank is not None and rank != late_rank else 0.0  # ms its gradient all-reduce kernel waited
             for offset, (numel, at) in enumerate(((16 * MiB, start + late), (256, start + 65_000_000))):
                 entries.append(FrEntry(
                     index=len(entries), pg_id="0", collective_seq_id=2 * step + offset + 1, profiling_name="nccl:all_reduce",
                     op="AllReduce", is_p2p=False, input_sizes=[[numel]], output_sizes=[[numel]], input_dtypes=["Float"],
-                    output_dtypes=["Float"], state=OpState.completed, time_created_ns=at, duration_ms=2.0,
+                    output_dtypes=["Float"], state=OpState.completed, time_created_ns=at,
+                    duration_ms=2.0 + (waits if offset == 0 else 0.0),
                 ))  # fmt: skip
         out.append(FrDump(rank=rank, version="2.10", process_groups=groups, entries=entries, cite=Citation(file=f"fr_{rank}")))
     return out

@@ -140,13 +140,22 @@ class TestWithoutLateness:
         assert without_lateness(on_time_link, {2}, LINK_S).transfer_s == pytest.approx(LINK_S, rel=1e-3)
 
 
+def kernels_waiting(dumps: list[FrDump], late_rank: int, late_ms: float = 60.0) -> list[FrDump]:
+    """``training``'s NCCL dumps with the early ranks' gradient all-reduce kernels (``collective_seq_id`` 1, 4, ...)
+    spinning ``late_ms`` longer, until the late rank's joins, as a GPU records a real straggler's wait."""
+    def waited(e: FrEntry) -> FrEntry:
+        return e.model_copy(update={"duration_ms": e.duration_ms + late_ms}) if e.collective_seq_id % 3 == 1 else e
+
+    return [d if d.rank == late_rank else d.model_copy(update={"entries": [waited(e) for e in d.entries]}) for d in dumps]
+
+
 class TestLiveLook:
     """The sidecar's look (``test_live_perf``'s rig: scripted dumps, a fake clock): rank 2 enters each step's
-    gradient all-reduce 60 ms after the others, and its last three instances run slower."""
+    gradient all-reduce 60 ms after the others, whose kernels wait for it, and its last three instances run slower."""
 
     def test_a_straggler_whose_group_slows_within_its_lateness_is_one_finding(self) -> None:
         rig = Rig()
-        rig.dumps.dumps = training(30, late_rank=2, durations_ms=[2.0] * 27 + [40.0] * 3)
+        rig.dumps.dumps = kernels_waiting(training(30, late_rank=2, durations_ms=[2.0] * 27 + [40.0] * 3), late_rank=2)
         rig.tick(INTERVAL + 1)
         assert rig.sidecar.health().perf_findings == ()  # one look never tells a straggler, nor its symptom
         rig.tick(2 * INTERVAL + 1)
@@ -156,7 +165,7 @@ class TestLiveLook:
 
     def test_a_collective_far_slower_than_the_lateness_is_reported_beside_it(self) -> None:
         rig = Rig()
-        rig.dumps.dumps = training(30, late_rank=2, durations_ms=[2.0] * 27 + [400.0] * 3)
+        rig.dumps.dumps = kernels_waiting(training(30, late_rank=2, durations_ms=[2.0] * 27 + [400.0] * 3), late_rank=2)
         rig.tick(INTERVAL + 1)
         rig.tick(2 * INTERVAL + 1)
         assert sorted(f.key for f in rig.sidecar.health().perf_findings) == ["slow_collective-0-AllReduce", "straggler-2"]

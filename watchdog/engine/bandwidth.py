@@ -17,7 +17,11 @@ link time) is measured from the last rank's start: an early rank's kernel
 for the last one, so it is never taken as the link time (``link_time``).
 Without durations it is the first discovered completion minus the last
 arrival, which is up to the watchdog thread's poll period too long, so busbw
-is then a lower bound.  Gloo entries carry neither: skew only.
+is then a lower bound.  Gloo entries carry neither: skew only.  With NCCL an
+enqueue is not an arrival on the GPU (the call returns at once and the host
+runs ahead): whether the others waited for the last rank is in the durations
+(``CollectiveTiming.wait_s``); with gloo the call is synchronous and the
+enqueue is the arrival.
 
 Failure modes: a collective seen by one rank only, with no size, or with
 an unknown dtype gives no bandwidth (``None``), never a guess; small
@@ -31,7 +35,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind, gbps, ranks_text, where
 from ncclwatch.watchdog.events import FrDump, FrEntry, OpSig, OpState
@@ -131,6 +135,7 @@ class CollectiveTiming:
     completed: bool  # every rank that recorded it saw it complete
     transfer_s: float | None  # how long the data took (see the module docstring)
     started_ns: int | None  # when the last rank arrived: the data could not move before
+    kernel_s: Mapping[int, float] = field(default_factory=dict)  # global rank -> its duration_ms in s, where recorded
 
     @property
     def all_arrived(self) -> bool:
@@ -150,6 +155,19 @@ class CollectiveTiming:
         """By how much the last rank was last: its arrival minus the second-to-last one's."""
         times = sorted(self.arrivals.values())
         return (times[-1] - times[-2]) / 1e9 if len(times) > 1 else 0.0
+
+    @property
+    def wait_s(self) -> float | None:
+        """How long every other rank's kernel waited for the last rank's: the least by which their kernel times exceed
+        its own.  None unless every rank recorded one (gloo, timing off, an entry not retired yet).
+
+        With NCCL a call returns at enqueue and the host runs ahead of its GPU, so a late enqueue alone may be a host
+        that synchronised (``.item()``) while the GPUs never waited; a late GPU keeps the others' kernels spinning.
+        """
+        if len(self.arrivals) < 2 or not self.all_arrived or set(self.kernel_s) != set(self.arrivals):
+            return None
+        last = self.last_rank
+        return min(s for rank, s in self.kernel_s.items() if rank != last) - self.kernel_s[last]
 
     @property
     def busbw(self) -> float | None:
@@ -233,6 +251,7 @@ def _timing(pg: str, seq: int, by_rank: Mapping[int, RankEntry], nranks: int) ->
         completed=completed,
         transfer_s=link_time(by_rank, whole=len(arrivals) >= nranks),
         started_ns=last_arrival if len(arrivals) >= nranks else None,
+        kernel_s={rank: e.duration_ms / 1e3 for rank, e in by_rank.items() if e.duration_ms is not None},
     )
 
 
@@ -244,11 +263,18 @@ def link_time(by_rank: Mapping[int, RankEntry], *, whole: bool) -> float | None:
     time and the shortest is the last starter's, exact.  A rank's newest
     entries may carry no duration yet (Flight Recorder computes it when the
     watchdog thread retires the entry; a dump between completion and
-    retirement writes ``completed`` without it): when the last rank to arrive
-    has none, the others' durations include their wait for it (a rank 0.4 s
-    late would read as a 32 MiB all-reduce taking 0.4 s).  Then the
-    link time is the kernel of the latest earlier arrival less its wait for the
-    last enqueue, else the first discovered completion less the last arrival.
+    retirement writes ``completed`` without it, its discovered times at the
+    dump): when the last rank to arrive has none, the others' durations may
+    include their wait for it (a rank 0.4 s late would read as a 32 MiB
+    all-reduce taking 0.4 s).  Then the link time is the kernel of the latest
+    earlier arrival less its wait for the last enqueue, never above the
+    shortest duration recorded (each is at least the link time).  A kernel
+    shorter than the last enqueue's lead began behind earlier work, its host
+    ahead of its GPU (on the H100 a healthy FSDP2 rank enqueued 223 ms before
+    the one that synchronised): it waited for nobody, and the shortest
+    duration is the link time's bound, where the first discovered completion
+    less the last arrival would hold the late host's GPU queue and the
+    watchdog's poll.  Without any duration it is that completion bound.
     ``whole``: every rank of the group is in ``by_rank`` (else the last arrival
     is unknown and the shortest duration is all there is).
     """
@@ -257,13 +283,13 @@ def link_time(by_rank: Mapping[int, RankEntry], *, whole: bool) -> float | None:
         return min(durations.values(), default=None)
     arrivals = {rank: e.created_ns for rank, e in by_rank.items()}
     last = max(arrivals, key=lambda r: (arrivals[r], r))
-    if last in durations:
-        return min(durations.values())
     if durations:
+        shortest = min(durations.values())
+        if last in durations:
+            return shortest
         latest = max(durations, key=lambda r: (arrivals[r], r))
         after_last = durations[latest] - (arrivals[last] - arrivals[latest]) / 1e9
-        if after_last > 0:  # else its kernel began behind earlier work, after its enqueue: the wait is unknown
-            return after_last
+        return min(after_last, shortest) if after_last > 0 else shortest
     done = [e.completed_ns for e in by_rank.values() if e.completed_ns is not None]
     if done and min(done) > arrivals[last]:
         return (min(done) - arrivals[last]) / 1e9

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from ncclwatch.watchdog.engine.bandwidth import CollectiveTiming, comm_bandwidth, rank_bandwidth, size_bucket, slow_collectives, slow_links
 from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind
 from ncclwatch.watchdog.engine.state import group_label
-from ncclwatch.watchdog.engine.stragglers import MIN_ROUNDS, LastArrivals, arrival_series, last_arrivals, stragglers
+from ncclwatch.watchdog.engine.stragglers import MIN_ROUNDS, LastArrivals, collective_arrivals, collective_series, stragglers
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,12 @@ def collective_health(
     Only collectives every rank of the group was seen arriving at are used.  A group with ranks on
     other nodes is seen in part: the time its data took is the last rank's kernel time, and when the
     last rank is elsewhere every kernel seen here includes waiting for it, so a remote straggler
-    would read as a slow link (``job_health`` adds the other nodes' ranks).  A slowdown a straggler
+    would read as a slow link (``job_health`` adds the other nodes' ranks).  A rank that enqueues last while the
+    others' kernels do not wait for it is a host running ahead, no straggler (``stragglers``).  A slowdown a straggler
     explains is told in the straggler's finding, not as one of its own (``fold_symptoms``).
     """
     whole = [t for t in timings if t.all_arrived]
-    series = [last_arrivals(rounds, source="arrival", what=what) for what, rounds in arrival_series(whole).items()]
+    series = [collective_arrivals(instances, what=what) for what, instances in collective_series(whole).items()]
     late: dict[str, PerfFinding] = {}
     # A rank late at several collectives is one finding: the one where it is last most often.
     for stats in sorted(series, key=lambda s: -max(map(s.share, s.last_counts), default=0.0)):
