@@ -187,17 +187,16 @@ class JobProcess:
         pids signalled.
         """
         ended = []
-        for pid in set(pids) & set(self.children()):
-            target = pid if _pgid(pid) == pid else None
+        for pid in sorted(set(pids) & set(self.children())):
             try:
-                if target is not None:
-                    os.killpg(target, signal.SIGKILL)
+                if _pgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)
                 else:
                     os.kill(pid, signal.SIGKILL)
                 ended.append(pid)
             except ProcessLookupError:
                 pass
-        return sorted(ended)
+        return ended
 
     def terminate(self, grace_s: float) -> None:
         """SIGTERM torchrun now; after ``grace_s``, SIGKILL whatever of the job is left.

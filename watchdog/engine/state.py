@@ -423,11 +423,15 @@ class JobState:
         sizes = [w.world_size for w in self.workers.values() if w.world_size]
         return max(sizes) if sizes else None
 
+    def current_round(self) -> int:
+        """torchrun's restart count of the newest workers seen (0 before any)."""
+        return max((w.restart for w in self.workers.values() if w.rank is not None), default=0)
+
     def current_workers(self) -> list[Worker]:
         """Workers of the current attempt: an elastic restart retires every older pid."""
-        known = [w for w in self.workers.values() if w.rank is not None]
-        current = max((w.restart for w in known), default=0)
-        return sorted((w for w in known if w.restart == current), key=lambda w: w.rank or 0)
+        current = self.current_round()
+        workers = (w for w in self.workers.values() if w.rank is not None and w.restart == current)
+        return sorted(workers, key=lambda w: w.rank or 0)
 
     def keep_latest(self, samples: int) -> None:
         """Live use: GPU and RAS samples are only useful recent; keep the last few."""

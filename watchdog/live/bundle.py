@@ -157,8 +157,8 @@ async def write_bundle(report: Report, finding: Finding, staging: Path, bundle_d
     report = report.model_copy(
         update={"evidence": evidence, "evidence_files": [EvidenceFile.model_validate(r, from_attributes=True) for r in records]}
     )
-    (staging / "report.json").write_text(report.model_dump_json(indent=2))
-    (staging / "report.md").write_text(report_markdown(report))
+    for name, text in report_files(report).items():
+        (staging / name).write_text(text)
     bundle_dir.mkdir(parents=True, exist_ok=True)
     final = bundle_dir / f"{staging.name.lstrip('.')}.tar.gz"
     partial = bundle_dir / f".{final.name}.partial"
@@ -173,6 +173,11 @@ def _pack(folder: Path, target: Path, top: str) -> None:
         tar.add(folder, arcname=top)
 
 
+def report_files(report: Report) -> dict[str, str]:
+    """The bundle's report, as its files: name -> text."""
+    return {"report.json": report.model_dump_json(indent=2), "report.md": report_markdown(report)}
+
+
 async def amend_bundle(bundle: Path, report: Report) -> None:
     """Replace the bundle's report.json and report.md with ``report`` (what was done after the capture).
 
@@ -180,8 +185,7 @@ async def amend_bundle(bundle: Path, report: Report) -> None:
     the old one: a reader sees the old bundle or the new one, never half.
     """
     partial = bundle.with_name(f".{bundle.name}.partial")
-    texts = {"report.json": report.model_dump_json(indent=2), "report.md": report_markdown(report)}
-    await asyncio.to_thread(_repack, bundle, partial, texts)
+    await asyncio.to_thread(_repack, bundle, partial, report_files(report))
     os.replace(partial, bundle)
 
 

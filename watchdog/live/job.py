@@ -68,6 +68,7 @@ class LiveView:
     last_progress: float  # the latest moment any worker made progress (or the job's start)
     stall_timeout: float
     learned_gap: float | None
+    advances: int  # progress the job has shown (steps, NCCL batches): below MIN_PROGRESS the warm-up timeout holds
     signals: frozenset[str]  # progress signals seen so far: "heartbeat", "nccl_log"
     down: tuple[str, ...]  # sources that cannot read, with why
 
@@ -180,6 +181,7 @@ class LiveJob:
             last_progress=self.last_progress(),
             stall_timeout=self._timeout(gap, progress),
             learned_gap=gap,
+            advances=progress,
             signals=frozenset(self.signals),
             down=tuple(f"{k}: {v}" for k, v in sorted(self.down.items())),
         )

@@ -47,8 +47,8 @@ from ncclwatch.watchdog.cluster.payload import TAIL_SHARED
 from ncclwatch.watchdog.cluster.peers import (
     EVIDENCE_WAIT_S,
     FULL_NODES,
-    HANDOFF_S,
     FULL_WAIT_S,
+    HANDOFF_S,
     Cluster,
     LeaderVerdict,
     Membership,
@@ -67,8 +67,8 @@ from ncclwatch.watchdog.engine.snapshot import Snapshot, take_snapshot
 from ncclwatch.watchdog.engine.state import JobState
 from ncclwatch.watchdog.events import Event, SourceDown, SourceUp, Stall, WorkerSeen
 from ncclwatch.watchdog.live.health import Health, health_of
-from ncclwatch.watchdog.live.incident import WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick, on_verdict
 from ncclwatch.watchdog.live.bundle import amend_bundle, live_report
+from ncclwatch.watchdog.live.incident import WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick, on_verdict
 from ncclwatch.watchdog.live.job import LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import Journal, live_inputs
 from ncclwatch.watchdog.live.perf import JobLook, PerfWatch
@@ -131,6 +131,8 @@ class Restarting:
     round: int  # torchrun's restart count of the round that hung
     number: int | None
     of: int | None
+
+
 ClusterFactory = Callable[[Membership, str], Cluster]
 
 
@@ -278,8 +280,7 @@ class Sidecar:
     def _follow_restart(self, restart: Restarting) -> bool:
         """After a restart: nothing to watch until torchrun starts the new round (then a fresh incident); its
         first progress resolves the page.  True once the new round is watched."""
-        workers = self.live.state.current_workers()
-        if not workers or max(w.restart for w in workers) <= restart.round:
+        if self.live.state.current_round() <= restart.round:
             return False  # the old round's workers, dying: their silence is ours
         if self.incident.phase is Phase.paged:
             self.incident = WATCHING
@@ -326,7 +327,7 @@ class Sidecar:
             # -v: a quiet job below its stall timeout says why it is not probed yet (the warm-up timeout, a long gap)
             self._quiet_said = view.stalled_for
             log.info("quiet for %.0f s; stall timeout %.1f s (learned gap %s, %d advances)", view.stalled_for,
-                     view.stall_timeout, view.learned_gap, self.live.learned_gap(view.observed_at)[1])  # fmt: skip
+                     view.stall_timeout, view.learned_gap, view.advances)  # fmt: skip
         elif view.stalled_for < QUIET_LOG_S:
             self._quiet_said = 0.0
         if self.cluster is not None and self.cluster.peer_suspects():
@@ -500,7 +501,7 @@ class Sidecar:
         """The response: the leader's when following its verdict, else the policy's on this node's view of the hang."""
         if self.responder is None:
             return None
-        restarts_done = max((w.restart for w in self.live.state.current_workers()), default=0)
+        restarts_done = self.live.state.current_round()
         if following and self._followed is not None and self._followed.response is not None:
             return self.responder.follow(self._followed.response, self._followed.why, restarts_done)
         preview = live_report(decision.finding, snapshot, view, job=self.job_name, host=self.host, started_at=started_at)
@@ -523,8 +524,7 @@ class Sidecar:
             except OSError as exc:
                 log.warning("could not add what was done to the bundle %s: %s", reported.bundle, exc)
         if plan.response is Response.restart:
-            hung = max((w.restart for w in self.live.state.current_workers()), default=0)
-            self._restart = Restarting(reported, self.clock(), hung, plan.restart_number, plan.max_restarts)
+            self._restart = Restarting(reported, self.clock(), self.live.state.current_round(), plan.restart_number, plan.max_restarts)
 
     async def farewell(self, job_failed: bool) -> None:
         """The job ended here.  Say so to the other nodes; if it failed and the store is gone too, page the
