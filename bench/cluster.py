@@ -77,9 +77,9 @@ from ncclwatch.watchdog.cluster.payload import TAIL_SHARED, pack, unpack
 from ncclwatch.watchdog.cluster.peers import EVIDENCE_WAIT_S, FULL_NODES, FULL_WAIT_S, Cluster, Membership
 from ncclwatch.watchdog.cluster.store import StoreClient, StoreError
 from ncclwatch.watchdog.cluster.view import HOT_S, PUBLISH_S, NodeSummary
-from ncclwatch.watchdog.engine.classify import judge
-from ncclwatch.watchdog.engine.snapshot import take_snapshot
-from ncclwatch.watchdog.engine.state import JobState
+from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.events import (
     Citation,
     Event,

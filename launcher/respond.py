@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TextIO
 
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.engine.detectors import Verdict
-from ncclwatch.watchdog.engine.report import ActionRecord, Report
+from ncclwatch.watchdog.hang.detectors import Verdict
+from ncclwatch.watchdog.hang.report import ActionRecord, Report
 from ncclwatch.watchdog.response.drain import drain_reason, drain_slurm
 from ncclwatch.watchdog.response.hook import run_hook
 from ncclwatch.watchdog.response.policy import HangSignature, Plan, Policy, Response, plan

@@ -32,10 +32,10 @@ from prometheus_client import CollectorRegistry
 
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.engine.report import EXIT_DRAINED, EXIT_KILLED_ON_HANG
+from ncclwatch.watchdog.hang.report import EXIT_DRAINED, EXIT_KILLED_ON_HANG
 from ncclwatch.watchdog.live.bundle import BundleWriter
 from ncclwatch.watchdog.live.journal import Journal
-from ncclwatch.watchdog.live.perf import PerfWatch, perf_watch
+from ncclwatch.watchdog.live.performance_look import PerfWatch, perf_watch
 from ncclwatch.watchdog.live.probe import JobProber, comm_errored
 from ncclwatch.watchdog.live.sidecar import Reporter, Sidecar
 from ncclwatch.watchdog.probes.procfs import listens_on

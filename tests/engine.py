@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from conftest import NOW
 
-from ncclwatch.watchdog.engine.detectors import Finding
+from ncclwatch.watchdog.hang.detectors import Finding
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
-from ncclwatch.watchdog.engine.snapshot import Snapshot, take_snapshot
-from ncclwatch.watchdog.engine.state import JobState
+from ncclwatch.watchdog.hang.snapshot import Snapshot, take_snapshot
+from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.events import Event
-from ncclwatch.watchdog.engine.verdict import decide
+from ncclwatch.watchdog.hang.verdict import decide
 
 
 def state_of(logs: dict[str, str], window: int = 2048, extra: list[Event] = ()) -> JobState:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from conftest import DATA, NOW
 
-from ncclwatch.watchdog.engine.bandwidth import (
+from ncclwatch.watchdog.slowness.bandwidth import (
     algbw,
     bus_factor,
     busbw,
@@ -23,7 +23,7 @@ from ncclwatch.watchdog.engine.bandwidth import (
     slow_collectives,
     slow_links,
 )
-from ncclwatch.watchdog.engine.perf import PerfKind, pages
+from ncclwatch.watchdog.slowness.findings import PerfKind, pages
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpSig, OpState
 from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
 

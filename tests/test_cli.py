@@ -61,7 +61,7 @@ class TestOutput:
             assert word in proc.stdout
 
     def test_the_wrappers_help_lists_every_live_verdict(self):
-        from ncclwatch.watchdog.engine.detectors import Verdict
+        from ncclwatch.watchdog.hang.detectors import Verdict
 
         proc = run("--help")
         offline_only = {Verdict.network_error, Verdict.no_hang, Verdict.inconclusive}

@@ -22,9 +22,9 @@ from ncclwatch.watchdog.cluster.payload import (
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership
 from ncclwatch.watchdog.cluster.store import StoreClient, StoreError
 from ncclwatch.watchdog.cluster.view import LOST_AFTER_S, Contact, JobView, NodeSummary, compose, may_lead, pager_order
-from ncclwatch.watchdog.engine.classify import Decision
-from ncclwatch.watchdog.engine.detectors import Finding, RankStatus, Verdict
-from ncclwatch.watchdog.engine.state import JobState
+from ncclwatch.watchdog.hang.classify import Decision
+from ncclwatch.watchdog.hang.detectors import Finding, RankStatus, Verdict
+from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.events import (
     Citation,
     FrDump,
@@ -393,8 +393,8 @@ class TestSequenceTails:
         """Each node reads only its own ranks' NCCL logs; the tails it shares let the leader see the divergence."""
         import nccl_lines as L
 
-        from ncclwatch.watchdog.engine.classify import judge
-        from ncclwatch.watchdog.engine.snapshot import take_snapshot
+        from ncclwatch.watchdog.hang.classify import judge
+        from ncclwatch.watchdog.hang.snapshot import take_snapshot
         from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
 
         comm = "0x5583d3a1f0e0"

@@ -16,11 +16,11 @@ from nccl_lines import init, op
 
 from ncclwatch.watchdog.cluster.judge import job_state
 from ncclwatch.watchdog.cluster.payload import FR_ENTRIES_COMPACT, pack, shareable, unpack
-from ncclwatch.watchdog.engine.classify import judge
-from ncclwatch.watchdog.engine.detectors import Finding, Verdict
-from ncclwatch.watchdog.engine.snapshot import take_snapshot
-from ncclwatch.watchdog.engine.state import JobState
-from ncclwatch.watchdog.engine.verdict import decide
+from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.detectors import Finding, Verdict
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.state import JobState
+from ncclwatch.watchdog.hang.verdict import decide
 from ncclwatch.watchdog.events import (
     Citation, FrDump, FrEntry, FrFrame, FrProcessGroup, OpState, StackDump, Stall, ThreadStack, WorkerSeen,
 )  # fmt: skip

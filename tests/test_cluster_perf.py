@@ -17,12 +17,12 @@ from conftest import NOW
 
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership, NodeSummary
 from ncclwatch.watchdog.cluster.perf_records import ENTRIES_SHARED, PerfRecord, perf_record
-from ncclwatch.watchdog.engine.bandwidth import RankEntry, rank_entries
-from ncclwatch.watchdog.engine.links import transport_anomalies
-from ncclwatch.watchdog.engine.perf import PerfKind
-from ncclwatch.watchdog.engine.snapshot import WorkerView
+from ncclwatch.watchdog.slowness.bandwidth import RankEntry, rank_entries
+from ncclwatch.watchdog.slowness.links import transport_anomalies
+from ncclwatch.watchdog.slowness.findings import PerfKind
+from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState, ProcKey
-from ncclwatch.watchdog.live.perf import JobLook, PerfWatch, job_health
+from ncclwatch.watchdog.live.performance_look import JobLook, PerfWatch, job_health
 from ncclwatch.watchdog.parsing.transport import RankTransport, parse_transport
 
 MiB = 1 << 20

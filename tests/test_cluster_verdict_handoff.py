@@ -17,8 +17,8 @@ from ncclwatch.watchdog.cluster.judge import degraded, unread_verdict
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership
 from ncclwatch.watchdog.cluster.store import StoreClient
 from ncclwatch.watchdog.cluster.view import NodeSummary
-from ncclwatch.watchdog.engine.classify import Decision
-from ncclwatch.watchdog.engine.detectors import Finding, Verdict
+from ncclwatch.watchdog.hang.classify import Decision
+from ncclwatch.watchdog.hang.detectors import Finding, Verdict
 
 dist = pytest.importorskip("torch.distributed")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine import snapshot_of, verdict_of
 from nccl_lines import destroy, init, op, steps
 
-from ncclwatch.watchdog.engine.detectors import Verdict, check_point_to_point
+from ncclwatch.watchdog.hang.detectors import Verdict, check_point_to_point
 from ncclwatch.watchdog.events import Citation, WorkerFailure
 
 def job(n: int, body) -> dict[str, str]:
@@ -160,8 +160,8 @@ class TestMerge:
     def test_merging_two_nodes_gives_the_same_verdict_as_one_state(self):
         from engine import state_of
 
-        from ncclwatch.watchdog.engine.snapshot import take_snapshot
-        from ncclwatch.watchdog.engine.verdict import decide
+        from ncclwatch.watchdog.hang.snapshot import take_snapshot
+        from ncclwatch.watchdog.hang.verdict import decide
 
         def body(r):
             return steps(r, f"0xc{r}", 3) + ("" if r == 3 else op(r, "AllReduce", 4195328, f"0xc{r}"))

@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO
 from test_e2e_cpu import TIMEOUT_S, assert_offline_parity, job_processes, only_report
 
-from ncclwatch.watchdog.engine.report import EXIT_KILLED_ON_HANG
+from ncclwatch.watchdog.hang.report import EXIT_KILLED_ON_HANG
 
 pytest.importorskip("torch")
 

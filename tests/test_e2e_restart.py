@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from test_sinks_webhooks import Receiver, free_port
 
-from ncclwatch.watchdog.engine.report import EXIT_KILLED_ON_HANG
+from ncclwatch.watchdog.hang.report import EXIT_KILLED_ON_HANG
 
 pytest.importorskip("torch")
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import nccl_lines as L
 from conftest import NOW
 
-from ncclwatch.watchdog.engine.classify import judge
-from ncclwatch.watchdog.engine.detectors import Verdict
-from ncclwatch.watchdog.engine.report import build_report, headline
-from ncclwatch.watchdog.engine.snapshot import take_snapshot
-from ncclwatch.watchdog.engine.state import JobState
+from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.detectors import Verdict
+from ncclwatch.watchdog.hang.report import build_report, headline
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.events import (
     Citation,
     Event,

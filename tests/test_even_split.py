@@ -16,13 +16,13 @@ import nccl_lines as L
 from conftest import NOW
 from engine import verdict_of
 
-from ncclwatch.watchdog.engine.classify import judge
-from ncclwatch.watchdog.engine.detectors import Verdict
-from ncclwatch.watchdog.engine.report import build_report, render_text
-from ncclwatch.watchdog.engine.snapshot import take_snapshot
-from ncclwatch.watchdog.engine.stacks import user_frame
-from ncclwatch.watchdog.engine.state import JobState
-from ncclwatch.watchdog.engine.step_pattern import expected_next, learn_steps
+from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.detectors import Verdict
+from ncclwatch.watchdog.hang.report import build_report, render_text
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.stacks import user_frame
+from ncclwatch.watchdog.hang.state import JobState
+from ncclwatch.watchdog.hang.step_pattern import expected_next, learn_steps
 from ncclwatch.watchdog.events import (
     Citation, Event, FrDump, FrEntry, FrFrame, FrProcessGroup, OpState, StackDump, ThreadStack, WorkerSeen,
 )  # fmt: skip

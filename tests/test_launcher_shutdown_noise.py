@@ -24,7 +24,7 @@ from conftest import FIXTURES
 from test_e2e_cpu import run_wrapper
 
 from ncclwatch.launcher.shutdown_noise import MAX_HELD_LINES, ShutdownNoiseFilter, StderrRelay
-from ncclwatch.watchdog.engine.report import EXIT_KILLED_ON_HANG
+from ncclwatch.watchdog.hang.report import EXIT_KILLED_ON_HANG
 
 SIGTERMED = (FIXTURES / "torchrun-sigterm-2.13.txt").read_bytes()
 CRASHED = (FIXTURES / "torchrun-child-failed-2.13.txt").read_bytes()

@@ -15,12 +15,12 @@ import nccl_lines as L
 import pytest
 from conftest import NOW
 
-from ncclwatch.watchdog.engine.classify import judge
+from ncclwatch.watchdog.hang.classify import judge
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.engine.detectors import Verdict
+from ncclwatch.watchdog.hang.detectors import Verdict
 from ncclwatch.watchdog.live.job import MIN_PROGRESS, LiveJob
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
-from ncclwatch.watchdog.engine.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.sources.files import HeartbeatSource, NcclFileSource
 from ncclwatch.watchdog.events import (
     Citation,
@@ -332,7 +332,7 @@ class TestClassifyMore:
 def test_gloo_dump_completion_comes_from_the_group_status() -> None:
     """gloo's entries stay 'scheduled' (torch 2.13); pg_status.last_completed_collective says what finished."""
     from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
-    from ncclwatch.watchdog.engine.state import JobState
+    from ncclwatch.watchdog.hang.state import JobState
 
     path = Path(__file__).parent / "data" / "flight_recorder" / "torch2.13_gloo_pickle_rank_0"
     dump = parse_flight_recorder(path.read_bytes(), "ncclwatch_trace_0")[0]

@@ -20,8 +20,8 @@ from conftest import NOW, REPO
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind
-from ncclwatch.watchdog.engine.performance import CommBandwidth, IbPortHealth, RankPerf
+from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind
+from ncclwatch.watchdog.slowness.health import CommBandwidth, IbPortHealth, RankPerf
 from ncclwatch.watchdog.live.health import CommPosition, Health, RankHealth
 from ncclwatch.watchdog.sinks.metrics import SOURCES, HealthCollector, TextfileError, TextfileWriter
 

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from ncclwatch.watchdog.analyze import analyze_paths
-from ncclwatch.watchdog.engine.report import Report
+from ncclwatch.watchdog.hang.report import Report
 
 NOW = 1_800_000_000.0
 BF16, F32, SUM = 9, 7, 0

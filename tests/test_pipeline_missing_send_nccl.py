@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from ncclwatch.watchdog.engine.classify import judge
-from ncclwatch.watchdog.engine.detectors import Verdict, check_point_to_point
-from ncclwatch.watchdog.engine.snapshot import take_snapshot
-from ncclwatch.watchdog.engine.state import JobState
-from ncclwatch.watchdog.engine.verdict import decide
+from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.detectors import Verdict, check_point_to_point
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.state import JobState
+from ncclwatch.watchdog.hang.verdict import decide
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, OpState
 from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
 from ncclwatch.watchdog.parsing.journal import parse_journal

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ncclwatch.watchdog.engine.snapshot import WorkerView
+from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.events import FrDump, NcclWarning, Unusable
 from ncclwatch.watchdog.live.probe import DUMP_WAIT_S, ERRORED_DUMP_WAIT_S, JobProber, comm_errored
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser

@@ -14,7 +14,7 @@ import pytest
 from conftest import DATA
 from test_evidence_support import RasServer
 
-from ncclwatch.watchdog.engine.snapshot import WorkerView
+from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.events import RasReport, Unusable
 from ncclwatch.watchdog.live.probe import JobProber, ras_skip_reason
 

@@ -88,8 +88,8 @@ def test_port_seen_only_once_is_skipped(tmp_path):
 
 import os  # noqa: E402
 
-from ncclwatch.watchdog.engine.links import ib_port_findings  # noqa: E402
-from ncclwatch.watchdog.engine.perf import PerfKind  # noqa: E402
+from ncclwatch.watchdog.slowness.links import ib_port_findings  # noqa: E402
+from ncclwatch.watchdog.slowness.findings import PerfKind  # noqa: E402
 from ncclwatch.watchdog.probes.infiniband import hca_gpu_map, rate_bytes_per_s  # noqa: E402
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from conftest import shared
 
 from ncclwatch.watchdog.analyze import analyze_paths
-from ncclwatch.watchdog.engine.detectors import Verdict
+from ncclwatch.watchdog.hang.detectors import Verdict
 
 FSDP2_SKIP = shared("bundles", "nccl-2.28.9-h100x1", "fsdp2_skip_rank1_late-vm-20261124T215626Z-collective_mismatch.tar.gz")
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import CAPTURES, shared
 
 from ncclwatch.watchdog.analyze import analyze_paths
-from ncclwatch.watchdog.engine.detectors import Verdict
+from ncclwatch.watchdog.hang.detectors import Verdict
 
 V = Verdict
 

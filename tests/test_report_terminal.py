@@ -14,8 +14,8 @@ import pytest
 
 from ncclwatch.watchdog.analyze import analyze_paths
 
-from ncclwatch.watchdog.engine.detectors import Verdict
-from ncclwatch.watchdog.engine.report import (
+from ncclwatch.watchdog.hang.detectors import Verdict
+from ncclwatch.watchdog.hang.report import (
     STACK_ARROW,
     TERMINAL_COLUMNS,
     EvidenceItem,

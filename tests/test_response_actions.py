@@ -10,8 +10,8 @@ from pathlib import Path
 
 import psutil
 
-from ncclwatch.watchdog.engine.detectors import Verdict
-from ncclwatch.watchdog.engine.report import ActionRecord, RankRow, Report
+from ncclwatch.watchdog.hang.detectors import Verdict
+from ncclwatch.watchdog.hang.report import ActionRecord, RankRow, Report
 from ncclwatch.watchdog.live.bundle import amend_bundle
 from ncclwatch.watchdog.response.command import TAIL_CHARS, run_bounded
 from ncclwatch.watchdog.response.hook import run_hook

@@ -6,8 +6,8 @@ import pytest
 
 from ncclwatch.launcher.command import max_restarts_of
 from ncclwatch.watchdog.config import ConfigError, load_settings
-from ncclwatch.watchdog.engine.detectors import Verdict
-from ncclwatch.watchdog.engine.report import RankRow, Report
+from ncclwatch.watchdog.hang.detectors import Verdict
+from ncclwatch.watchdog.hang.report import RankRow, Report
 from ncclwatch.watchdog.response.policy import DRAIN_ON, RESTART_ON, Policy, Response, plan, signature_of
 
 TRAIN_LINE = "all_reduce (torch/distributed/distributed_c10d.py:2950) <- main (train.py:113)"

@@ -35,9 +35,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ncclwatch.watchdog.analyze import analyze_paths
 from ncclwatch.watchdog.live.bundle import report_markdown
-from ncclwatch.watchdog.engine.detectors import Verdict
+from ncclwatch.watchdog.hang.detectors import Verdict
 from ncclwatch.watchdog.live.health import Health, RankHealth
-from ncclwatch.watchdog.engine.report import EvidenceFile, Report
+from ncclwatch.watchdog.hang.report import EvidenceFile, Report
 from ncclwatch.watchdog.server.app import COOKIE, BundleIndex, make_app, start_server, stop_server
 
 SKIP = CAPTURES / "nccl-2.28.9-h200x4" / "skip"

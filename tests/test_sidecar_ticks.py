@@ -18,9 +18,9 @@ import pytest
 from conftest import NOW, Clock
 
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.engine.classify import Decision
-from ncclwatch.watchdog.engine.detectors import Finding, Verdict
-from ncclwatch.watchdog.engine.report import build_report
+from ncclwatch.watchdog.hang.classify import Decision
+from ncclwatch.watchdog.hang.detectors import Finding, Verdict
+from ncclwatch.watchdog.hang.report import build_report
 from ncclwatch.watchdog.events import Citation, Event, Heartbeat, ProcessState, StackDump, Stall, ThreadStack, WorkerSeen
 from ncclwatch.watchdog.live.incident import CONFIRM_S, REPROBE_S, WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick
 from ncclwatch.watchdog.live.journal import Journal
@@ -292,7 +292,7 @@ class TestIncidentEdges:
 
 
 def test_the_journal_starts_over_past_its_bound(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from ncclwatch.watchdog.engine.state import JobState
+    from ncclwatch.watchdog.hang.state import JobState
     from ncclwatch.watchdog.live import journal as journal_module
 
     monkeypatch.setattr(journal_module, "MAX_BYTES", 2000)

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from test_sinks_webhooks import Receiver, free_port
 
-from ncclwatch.watchdog.engine.report import EXIT_DRAINED
+from ncclwatch.watchdog.hang.report import EXIT_DRAINED
 from ncclwatch.watchdog.response.drain import drain_slurm
 
 JOB = Path(__file__).resolve().parent.parent / "bench" / "checkpoint_job.py"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ncclwatch.watchdog.engine.stacks import is_user_frame, short_frame, split_frame, user_frame, whereabouts
+from ncclwatch.watchdog.hang.stacks import is_user_frame, short_frame, split_frame, user_frame, whereabouts
 from ncclwatch.watchdog.events import Citation, StackDump, ThreadStack
 from ncclwatch.watchdog.parsing.pyspy import parse_pyspy
 

@@ -18,10 +18,10 @@ import pytest
 from conftest import NOW
 from test_straggler_symptoms import job
 
-from ncclwatch.watchdog.engine.bandwidth import match_collectives
-from ncclwatch.watchdog.engine.perf import PerfKind
-from ncclwatch.watchdog.engine.performance import collective_health
-from ncclwatch.watchdog.engine.stragglers import last_arrivals, stragglers
+from ncclwatch.watchdog.slowness.bandwidth import match_collectives
+from ncclwatch.watchdog.slowness.findings import PerfKind
+from ncclwatch.watchdog.slowness.health import collective_health
+from ncclwatch.watchdog.slowness.stragglers import last_arrivals, stragglers
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState
 
 T0 = int(NOW * 1e9)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import pytest
 from conftest import NOW
-from test_live_perf import INTERVAL, Rig, training
+from test_performance_look import INTERVAL, Rig, training
 
-from ncclwatch.watchdog.engine.bandwidth import busbw, match_collectives
-from ncclwatch.watchdog.engine.perf import PerfKind
-from ncclwatch.watchdog.engine.performance import collective_health, without_lateness
+from ncclwatch.watchdog.slowness.bandwidth import busbw, match_collectives
+from ncclwatch.watchdog.slowness.findings import PerfKind
+from ncclwatch.watchdog.slowness.health import collective_health, without_lateness
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState
 
 T0 = int(NOW * 1e9)
@@ -150,7 +150,7 @@ def kernels_waiting(dumps: list[FrDump], late_rank: int, late_ms: float = 60.0) 
 
 
 class TestLiveLook:
-    """The sidecar's look (``test_live_perf``'s rig: scripted dumps, a fake clock): rank 2 enters each step's
+    """The sidecar's look (``test_performance_look``'s rig: scripted dumps, a fake clock): rank 2 enters each step's
     gradient all-reduce 60 ms after the others, whose kernels wait for it, and its last three instances run slower."""
 
     def test_a_straggler_whose_group_slows_within_its_lateness_is_one_finding(self) -> None:

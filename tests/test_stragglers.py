@@ -17,9 +17,9 @@ import textwrap
 import pytest
 from conftest import NOW
 
-from ncclwatch.watchdog.engine.bandwidth import match_collectives
-from ncclwatch.watchdog.engine.perf import PerfKind
-from ncclwatch.watchdog.engine.stragglers import arrival_rounds, arrival_series, heartbeat_rounds, last_arrivals, stragglers
+from ncclwatch.watchdog.slowness.bandwidth import match_collectives
+from ncclwatch.watchdog.slowness.findings import PerfKind
+from ncclwatch.watchdog.slowness.stragglers import arrival_rounds, arrival_series, heartbeat_rounds, last_arrivals, stragglers
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, OpState
 from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
 

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 from conftest import CAPTURES, DATA
 
-from ncclwatch.watchdog.engine.links import hca_spec_entries, rank_links, transport_anomalies
-from ncclwatch.watchdog.engine.perf import PerfKind
+from ncclwatch.watchdog.slowness.links import hca_spec_entries, rank_links, transport_anomalies
+from ncclwatch.watchdog.slowness.findings import PerfKind
 from ncclwatch.watchdog.events import ProcKey
 from ncclwatch.watchdog.parsing.transport import TransportScanner, parse_transport
 

@@ -3,7 +3,7 @@
 The same engine the live sidecar runs: parse (``parsing``) -> fold
 (``state.JobState``) -> freeze (``snapshot``) -> judge (``classify``); and,
 from the Flight Recorder dumps given, the performance findings the live
-look makes (``engine.performance``).  A
+look makes (``slowness.health``).  A
 kept run folder or a bundle holds the sidecar's journal (``journal.jsonl``),
 so the live-only inputs (process state, stacks, GPU samples, the stall's
 clock) reach the classifier here too.  The
@@ -22,13 +22,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ncclwatch.watchdog.bundles_in import expand_bundles
-from ncclwatch.watchdog.engine.classify import judge
-from ncclwatch.watchdog.engine.detectors import Finding, OpRef
-from ncclwatch.watchdog.engine.bandwidth import match_collectives
-from ncclwatch.watchdog.engine.performance import collective_health
-from ncclwatch.watchdog.engine.report import InputFile, PerfNote, Report, build_report
-from ncclwatch.watchdog.engine.snapshot import take_snapshot
-from ncclwatch.watchdog.engine.state import DEFAULT_WINDOW, JobState
+from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.detectors import Finding, OpRef
+from ncclwatch.watchdog.slowness.bandwidth import match_collectives
+from ncclwatch.watchdog.slowness.health import collective_health
+from ncclwatch.watchdog.hang.report import InputFile, PerfNote, Report, build_report
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.state import DEFAULT_WINDOW, JobState
 from ncclwatch.watchdog.events import P2P_OPS, FrDump, OpSig, ProcKey
 from ncclwatch.watchdog.inputs import CHUNK_BYTES, cleanup_stdin, ingest_file, iter_files, rescan_orphans
 from ncclwatch.watchdog.parsing.nccl_log import iter_op_lines

@@ -11,8 +11,8 @@ from typing import Any
 from pydantic_core import PydanticUndefined
 
 from ncclwatch.watchdog import __version__
-from ncclwatch.watchdog.engine.report import EXIT_DRAINED, EXIT_HANG, EXIT_INCONCLUSIVE, EXIT_KILLED_ON_HANG, EXIT_NO_HANG
-from ncclwatch.watchdog.engine.state import DEFAULT_WINDOW
+from ncclwatch.watchdog.hang.report import EXIT_DRAINED, EXIT_HANG, EXIT_INCONCLUSIVE, EXIT_KILLED_ON_HANG, EXIT_NO_HANG
+from ncclwatch.watchdog.hang.state import DEFAULT_WINDOW
 
 ANALYZE_HELP = f"""\
 Say which rank a hung job is waiting on, and why, from the files it left:
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_analyze(args: argparse.Namespace) -> int:
     from ncclwatch.watchdog.analyze import analyze_paths
-    from ncclwatch.watchdog.engine.report import render_text
+    from ncclwatch.watchdog.hang.report import render_text
 
     if args.window < 16:
         print("ncclwatch analyze: --window must be at least 16", file=sys.stderr)

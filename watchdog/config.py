@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS
+from ncclwatch.watchdog.hang.detectors import HANG_VERDICTS
 from ncclwatch.watchdog.response.policy import DRAIN_ON, RESTART_ON
 
 ENV_PREFIX = "NCCLWATCH_"
@@ -114,7 +114,7 @@ class Settings(BaseSettings):
     )
     metrics_textfile: Path | None = Field(None, description="also write metrics to this file for node_exporter's textfile collector")
 
-    # Slow, not hung (engine/perf.py): reported and exported always, paged only when asked.
+    # Slow, not hung (slowness/findings.py): reported and exported always, paged only when asked.
     perf_interval: float = Field(
         60.0,
         ge=0,

@@ -30,8 +30,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from ncclwatch.watchdog.engine.report import InputFile
-from ncclwatch.watchdog.engine.state import JobState
+from ncclwatch.watchdog.hang.report import InputFile
+from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.events import Event, OpBatch, ProcKey, RankLog
 from ncclwatch.watchdog.parsing import SNIFF_BYTES, EXCLUSIVE, NcclLogParser
 from ncclwatch.watchdog.parsing.nccl_excerpt import OrphanScanner
@@ -243,7 +243,7 @@ def _ranges(ranks: list[int]) -> str:
 
 
 def rescan_orphans(state: JobState, inputs: list[InputFile], stdin_spool: dict[str, str]) -> None:
-    """Operations whose Init line is missing: rescan their files for what ``engine.partial`` can align."""
+    """Operations whose Init line is missing: rescan their files for what ``hang.partial`` can align."""
     by_file: dict[str, set[tuple[ProcKey, str]]] = {}
     for slot, (_, file) in state.take_orphans().items():
         by_file.setdefault(file, set()).add(slot)

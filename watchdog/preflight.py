@@ -37,7 +37,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ncclwatch.watchdog.engine.perf import gbps
+from ncclwatch.watchdog.slowness.findings import gbps
 from ncclwatch.watchdog.probes.infiniband import SYS_INFINIBAND, rate_bytes_per_s, read_ib_counters, state_name
 
 # One-way bandwidth of one NVLink, bytes/s, by NVML's nvmlNvlinkVersion_t (nvmlDeviceGetNvLinkVersion), which

@@ -18,9 +18,9 @@ from dataclasses import replace
 
 from ncclwatch.watchdog.cluster.peers import Membership
 from ncclwatch.watchdog.cluster.view import LOST_AFTER_S, Contact
-from ncclwatch.watchdog.engine.classify import Decision
-from ncclwatch.watchdog.engine.detectors import PRIORITY, Fact, Verdict
-from ncclwatch.watchdog.engine.state import JobState
+from ncclwatch.watchdog.hang.classify import Decision
+from ncclwatch.watchdog.hang.detectors import PRIORITY, Fact, Verdict
+from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.events import Event, Stall
 
 

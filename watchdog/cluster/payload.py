@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ncclwatch.watchdog.events import Event, FrDump, FrEntry, FrProcessGroup, ProcessState, SequenceTail, StackDump
-from ncclwatch.watchdog.engine.state import pending_alone
+from ncclwatch.watchdog.hang.state import pending_alone
 from ncclwatch.watchdog.parsing.journal import HEADER, JOURNALED, journal_line, parse_journal
 
 Kind = Literal["compact", "full"]

@@ -52,8 +52,8 @@ from ncclwatch.watchdog.cluster.view import (
     may_lead,
     pager_order,
 )
-from ncclwatch.watchdog.engine.classify import Decision
-from ncclwatch.watchdog.engine.state import JobState
+from ncclwatch.watchdog.hang.classify import Decision
+from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.events import Event
 
 log = logging.getLogger("ncclwatch")

@@ -7,7 +7,7 @@ After each look a node publishes a ``PerfRecord``: per process group its
 member count and description, and per rank the newest ``ENTRIES_SHARED``
 collectives as rows ``(collective_seq_id, time_created_ns, duration_ms,
 state, op, bytes)``; plus its hosts and each rank's links
-(``engine.links.rank_links``), so the leader's findings name the other
+(``slowness.links.rank_links``), so the leader's findings name the other
 nodes' links; and what NCCL chose on this node (its ranks' init lines,
 ``parsing.transport``) with the node's InfiniBand ports that are up, so the
 leader compares transports across nodes (a node on sockets among IB nodes,
@@ -31,8 +31,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from pydantic import BaseModel
 
-from ncclwatch.watchdog.engine.bandwidth import RankEntry
-from ncclwatch.watchdog.engine.state import group_label
+from ncclwatch.watchdog.slowness.bandwidth import RankEntry
+from ncclwatch.watchdog.hang.state import group_label
 from ncclwatch.watchdog.events import OpState, ProcKey
 from ncclwatch.watchdog.parsing.transport import RankTransport
 

@@ -15,7 +15,7 @@ import json
 import socket
 import time
 
-from ncclwatch.watchdog.engine.links import ib_port_findings
+from ncclwatch.watchdog.slowness.links import ib_port_findings
 from ncclwatch.watchdog.probes.infiniband import hca_gpu_map, ib_delta, read_ib_counters
 from ncclwatch.watchdog.probes.nvml import sample_gpus_async
 from ncclwatch.watchdog.probes.ras import query_ras

@@ -28,13 +28,13 @@ from pathlib import Path
 
 from ncclwatch.watchdog.analyze import resolve_citations
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.engine.classify import Decision
-from ncclwatch.watchdog.engine.detectors import Finding
-from ncclwatch.watchdog.engine.perf import PerfFinding
-from ncclwatch.watchdog.engine.report import (
+from ncclwatch.watchdog.hang.classify import Decision
+from ncclwatch.watchdog.hang.detectors import Finding
+from ncclwatch.watchdog.slowness.findings import PerfFinding
+from ncclwatch.watchdog.hang.report import (
     TERMINAL_COLUMNS, EvidenceFile, PerfNote, RankRow, Report, build_report, gpu_of, headline, iso, main_frame, render_text,
 )  # fmt: skip
-from ncclwatch.watchdog.engine.snapshot import Snapshot
+from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.evidence import EvidenceContext, RankTarget, collect_all
 from ncclwatch.watchdog.live.job import LiveView
 from ncclwatch.watchdog.live.runfolder import JOURNAL_NAME, PREFLIGHT_NAME
@@ -212,7 +212,7 @@ class BundleWriter:
     host: str
     worker_log_dir: Path | None = None  # torchrun's --log-dir, when the user gave one
     dumpless: Callable[[], frozenset[int]] = frozenset  # pids whose Flight Recorder did not answer the probe
-    performance: Callable[[], Sequence[PerfFinding]] = tuple  # the latest performance look's findings (live/perf.py)
+    performance: Callable[[], Sequence[PerfFinding]] = tuple  # the latest performance look's findings (live/performance_look.py)
     ras_withheld: Callable[[], str | None] = lambda: None  # why RAS must not be asked (the prober's rule); None: ask
     notes: Sequence[str] = ()  # said in every report of this run (what the bus-bandwidth probe measures, and when)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ncclwatch.watchdog.engine.perf import PerfFinding
-from ncclwatch.watchdog.engine.performance import CommBandwidth, IbPortHealth, PerfHealth, RankPerf
+from ncclwatch.watchdog.slowness.findings import PerfFinding
+from ncclwatch.watchdog.slowness.health import CommBandwidth, IbPortHealth, PerfHealth, RankPerf
 from ncclwatch.watchdog.live.job import LiveJob
 
 

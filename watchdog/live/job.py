@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.engine.snapshot import WorkerView, worker_view
-from ncclwatch.watchdog.engine.state import DEFAULT_WINDOW, JobState
+from ncclwatch.watchdog.hang.snapshot import WorkerView, worker_view
+from ncclwatch.watchdog.hang.state import DEFAULT_WINDOW, JobState
 from ncclwatch.watchdog.events import Event, Heartbeat, OpBatch, SourceDown, SourceUp
 
 MIN_PROGRESS = 8  # steps (or NCCL operation batches) the job must show before its own timing is trusted

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from ncclwatch.watchdog.engine.state import JobState
+from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.events import Event, GpuSnapshot, Stall, WorkerGone
 from ncclwatch.watchdog.parsing.journal import HEADER, journal_line
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from ncclwatch.watchdog.engine.snapshot import WorkerView
+from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.events import STOPPED_STATES, Citation, Event, NcclWarning, Unusable, WarningCategory
 from ncclwatch.watchdog.parsing.pyspy import parse_pyspy
 from ncclwatch.watchdog.parsing.ras import parse_ras

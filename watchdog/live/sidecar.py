@@ -9,7 +9,7 @@ clock; the machine answers with actions, which the tick performs: probe
 verdict and the bundle, then the alert goes out), resolve, or say a line on
 the terminal.  Every probe's inputs go to the journal, so ``ncclwatch
 analyze`` replays the same decision offline.  While no incident is open, a
-task beside the ticks takes the performance look (``live/perf.py``): its new
+task beside the ticks takes the performance look (``live/performance_look.py``): its new
 findings are logged and paged only where the operator asked for them, never
 through the reporter (a slow job is not a hang: no bundle, no kill).  With
 several nodes each look is shared through the store and the leader judges
@@ -58,20 +58,20 @@ from ncclwatch.watchdog.cluster.perf_records import PerfRecord
 from ncclwatch.watchdog.cluster.store import StoreError
 from ncclwatch.watchdog.cluster.view import HOT_S, PUBLISH_S, Contact, NodeSummary
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.engine.classify import Decision, judge
-from ncclwatch.watchdog.engine.detectors import Finding, Verdict
-from ncclwatch.watchdog.engine.perf import pages
-from ncclwatch.watchdog.engine.performance import PerfHealth
-from ncclwatch.watchdog.engine.report import ActionRecord, Report
-from ncclwatch.watchdog.engine.snapshot import Snapshot, take_snapshot
-from ncclwatch.watchdog.engine.state import JobState
+from ncclwatch.watchdog.hang.classify import Decision, judge
+from ncclwatch.watchdog.hang.detectors import Finding, Verdict
+from ncclwatch.watchdog.slowness.findings import pages
+from ncclwatch.watchdog.slowness.health import PerfHealth
+from ncclwatch.watchdog.hang.report import ActionRecord, Report
+from ncclwatch.watchdog.hang.snapshot import Snapshot, take_snapshot
+from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.events import Event, SourceDown, SourceUp, Stall, WorkerSeen
 from ncclwatch.watchdog.live.health import Health, health_of
 from ncclwatch.watchdog.live.bundle import amend_bundle, live_report
 from ncclwatch.watchdog.live.incident import WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick, on_verdict
 from ncclwatch.watchdog.live.job import LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import Journal, live_inputs
-from ncclwatch.watchdog.live.perf import JobLook, PerfWatch
+from ncclwatch.watchdog.live.performance_look import JobLook, PerfWatch
 from ncclwatch.watchdog.live.probe import PRIME_EXCUSE_S, Prober
 from ncclwatch.watchdog.response.policy import Plan, Response
 from ncclwatch.watchdog.sinks.alert import Alert, resolve_for, trigger_from_finding, trigger_from_report

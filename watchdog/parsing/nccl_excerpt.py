@@ -9,7 +9,7 @@ communicator address, the count and the last ``KEEP`` operations with their
 ``[rankN]:`` prefix or the file name gives.
 
 Failure mode: ``opCount`` counts kernel launches, not operations, and is 0
-forever on single-node jobs from NCCL 2.27.3; ``engine.partial`` aligns by it
+forever on single-node jobs from NCCL 2.27.3; ``hang.partial`` aligns by it
 only when it moves.
 """
 

@@ -15,7 +15,7 @@ torch.distributed.elastic):
   out, ``Received a dump signal due to a collective timeout from rank k ...
   Last enqueued NCCL work: e, last completed NCCL work: c``.  The timeout line
   itself carries no group id from 2.4 on: the failure line of the same rank
-  and sequence number gives it (``engine.partial`` pairs them).
+  and sequence number gives it (``hang.partial`` pairs them).
 - ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: ``Detected mismatch between collectives
   on ranks. Rank r is running collective: CollectiveFingerPrint(...), but Rank
   i is running collective: CollectiveFingerPrint(...)``.

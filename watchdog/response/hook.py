@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from ncclwatch.watchdog.engine.report import Report
+from ncclwatch.watchdog.hang.report import Report
 from ncclwatch.watchdog.response.command import Outcome, run_bounded
 from ncclwatch.watchdog.response.policy import Plan, culprit_hosts
 

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from ncclwatch.watchdog.engine.detectors import Verdict
-from ncclwatch.watchdog.engine.report import STACK_ARROW, Report
+from ncclwatch.watchdog.hang.detectors import Verdict
+from ncclwatch.watchdog.hang.report import STACK_ARROW, Report
 
 RESTART_ON = (
     Verdict.network_error, Verdict.process_dead, Verdict.process_stopped, Verdict.gpu_compute_hang,

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ncclwatch.watchdog.engine.report import Report
+from ncclwatch.watchdog.hang.report import Report
 
 _PRUNE_ROUNDS = 64  # each round removes every value the last validation named
 

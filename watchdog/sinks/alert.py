@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, field_validator
 
 if TYPE_CHECKING:  # the report pulls in the whole engine; an alert needs only its fields
-    from ncclwatch.watchdog.engine.perf import PerfFinding
-    from ncclwatch.watchdog.engine.report import Report
+    from ncclwatch.watchdog.slowness.findings import PerfFinding
+    from ncclwatch.watchdog.hang.report import Report
 
 SUMMARY_MAX = 1024  # PagerDuty's limit on payload.summary
 JOB_IN_KEY_MAX = 64  # keeps the key under PagerDuty's 255 characters with room to spare

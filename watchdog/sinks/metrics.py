@@ -54,7 +54,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ncclwatch.watchdog.engine.perf import PerfKind
+from ncclwatch.watchdog.slowness.findings import PerfKind
 from ncclwatch.watchdog.live.health import Health
 
 log = logging.getLogger("ncclwatch")

@@ -116,7 +116,7 @@ class TransportReader:
     """The transports NCCL chose (init and channel lines) in every debug file of ``folder``, read when asked.
 
     Not a source: transports matter once a minute (the performance look,
-    ``live/perf.py``), and scanning for them costs about what parsing the
+    ``live/performance_look.py``), and scanning for them costs about what parsing the
     operations does, so they are read then, from where the last call stopped,
     off the per-poll path.  ``read_limit`` bounds one call per file; a
     backlog is caught up over later calls.  Call it from one thread at a time.

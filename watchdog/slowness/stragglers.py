@@ -47,8 +47,8 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ncclwatch.watchdog.engine.bandwidth import CollectiveTiming, size_bucket, size_text
-from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind, ranks_text, where
+from ncclwatch.watchdog.slowness.bandwidth import CollectiveTiming, size_bucket, size_text
+from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind, ranks_text, where
 
 Round = Mapping[int, float]  # rank -> seconds (any common origin)
 MIN_ROUNDS = 10  # fewer rounds than this say nothing about who is usually last

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind, ranks_text
+from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind, ranks_text
 from ncclwatch.watchdog.events import ProcKey
 from ncclwatch.watchdog.parsing.transport import RankTransport
 from ncclwatch.watchdog.probes.infiniband import rate_bytes_per_s, state_name

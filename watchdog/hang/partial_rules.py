@@ -11,9 +11,9 @@ import signal
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ncclwatch.watchdog.engine.detectors import Fact, Finding, RankStatus, Verdict
-from ncclwatch.watchdog.engine.pg_status import Group, RankInGroup, build_groups
-from ncclwatch.watchdog.engine.snapshot import Snapshot
+from ncclwatch.watchdog.hang.detectors import Fact, Finding, RankStatus, Verdict
+from ncclwatch.watchdog.hang.pg_status import Group, RankInGroup, build_groups
+from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.events import (
     Citation,
     CollectiveFingerprint,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-from ncclwatch.watchdog.engine.state import Communicator, JobState, PeerLog, RankSeq, Source, Worker, fold
+from ncclwatch.watchdog.hang.state import Communicator, JobState, PeerLog, RankSeq, Source, Worker, fold
 from ncclwatch.watchdog.events import (
     Citation,
     Event,

@@ -23,14 +23,14 @@ from prometheus_client import CollectorRegistry
 from test_evidence_support import make_port
 
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.engine.detectors import Finding, Verdict
-from ncclwatch.watchdog.engine.perf import PerfKind
-from ncclwatch.watchdog.engine.report import build_report, render_text
-from ncclwatch.watchdog.engine.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.detectors import Finding, Verdict
+from ncclwatch.watchdog.slowness.findings import PerfKind
+from ncclwatch.watchdog.hang.report import build_report, render_text
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.events import Citation, Event, FrDump, FrEntry, FrProcessGroup, Heartbeat, OpState, StackDump, ThreadStack, WorkerSeen
 from ncclwatch.watchdog.live.bundle import live_report, report_markdown
 from ncclwatch.watchdog.live.incident import Phase
-from ncclwatch.watchdog.live.perf import PerfWatch
+from ncclwatch.watchdog.live.performance_look import PerfWatch
 from ncclwatch.watchdog.live.sidecar import Sidecar
 from ncclwatch.watchdog.parsing.transport import parse_transport
 from ncclwatch.watchdog.probes.infiniband import read_ib_counters
@@ -314,7 +314,7 @@ class TestStraggler:
         assert (resolve.action, resolve.dedup_key, resolve.reason) == ("resolve", trigger.dedup_key, "the job ended")
 
     def test_another_run_of_the_job_pages_again(self) -> None:
-        from ncclwatch.watchdog.engine.stragglers import last_arrivals, stragglers
+        from ncclwatch.watchdog.slowness.stragglers import last_arrivals, stragglers
 
         (finding,) = stragglers(last_arrivals([{0: i, 1: i + 0.5} for i in range(20)], source="arrival"))
         keys = {trigger_from_finding(finding, job="train", host="node1", run_started_at=t, environ={}).dedup_key for t in (NOW, NOW)}

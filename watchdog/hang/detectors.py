@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Literal
 
-from ncclwatch.watchdog.engine.snapshot import CommView, PeerView, RankView
-from ncclwatch.watchdog.engine.stacks import call_line, short_frame, split_frame, user_frame
-from ncclwatch.watchdog.engine.step_pattern import Expectation, expected_next
+from ncclwatch.watchdog.hang.snapshot import CommView, PeerView, RankView
+from ncclwatch.watchdog.hang.stacks import call_line, short_frame, split_frame, user_frame
+from ncclwatch.watchdog.hang.step_pattern import Expectation, expected_next
 from ncclwatch.watchdog.events import Citation, OpSig, OpState, ProcKey
 
 MAX_SKEW = 16  # how far apart two ranks' sequences may be realigned

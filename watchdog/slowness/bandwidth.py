@@ -37,7 +37,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind, gbps, ranks_text, where
+from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind, gbps, ranks_text, where
 from ncclwatch.watchdog.events import FrDump, FrEntry, OpSig, OpState
 
 # nccl-tests' bus-bandwidth factor per collective, as a function of the rank count.

@@ -39,10 +39,10 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import replace
 
-from ncclwatch.watchdog.engine.detectors import PRIORITY, Fact, Finding, RankStatus, Verdict
-from ncclwatch.watchdog.engine.partial_rules import Facts, describe_network, judge_groups, judge_orphans, network_finding, reporter
-from ncclwatch.watchdog.engine.snapshot import Snapshot
-from ncclwatch.watchdog.engine.step_pattern import learn_steps
+from ncclwatch.watchdog.hang.detectors import PRIORITY, Fact, Finding, RankStatus, Verdict
+from ncclwatch.watchdog.hang.partial_rules import Facts, describe_network, judge_groups, judge_orphans, network_finding, reporter
+from ncclwatch.watchdog.hang.snapshot import Snapshot
+from ncclwatch.watchdog.hang.step_pattern import learn_steps
 from ncclwatch.watchdog.events import CollectiveFingerprint, NetworkError
 
 TO_DECIDE = {

@@ -4,7 +4,7 @@ Every ``perf_interval`` seconds the sidecar, when no incident is open, asks
 ``PerfWatch.look``: every rank of this node is asked for one Flight
 Recorder dump (the hang probe's doors, waited for at most ``DUMP_WAIT_S``),
 the dumps are matched into collectives and the pure detectors run over
-them (``engine.bandwidth``, ``engine.stragglers``, ``engine.links``),
+them (``slowness.bandwidth``, ``slowness.stragglers``, ``slowness.links``),
 together with the transports NCCL chose (its init lines) and this node's
 InfiniBand ports (counter deltas since the previous look).  The result is
 kept as ``health`` (metrics) and ``findings`` (the hang bundle); the look
@@ -52,12 +52,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ncclwatch.watchdog.cluster.perf_records import PerfRecord, perf_record
-from ncclwatch.watchdog.engine.bandwidth import RankEntry, match_entries, rank_entries
-from ncclwatch.watchdog.engine.links import ib_port_findings, rank_links, transport_anomalies
-from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind
-from ncclwatch.watchdog.engine.performance import IbPortHealth, PerfHealth, collective_health
-from ncclwatch.watchdog.engine.snapshot import WorkerView
-from ncclwatch.watchdog.engine.state import group_label
+from ncclwatch.watchdog.slowness.bandwidth import RankEntry, match_entries, rank_entries
+from ncclwatch.watchdog.slowness.links import ib_port_findings, rank_links, transport_anomalies
+from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind
+from ncclwatch.watchdog.slowness.health import IbPortHealth, PerfHealth, collective_health
+from ncclwatch.watchdog.hang.snapshot import WorkerView
+from ncclwatch.watchdog.hang.state import group_label
 from ncclwatch.watchdog.events import STOPPED_STATES, FrDump, ProcKey
 from ncclwatch.watchdog.parsing.transport import RankTransport
 from ncclwatch.watchdog.probes.infiniband import SYS_INFINIBAND, ib_delta, rate_bytes_per_s, read_ib_counters, state_name

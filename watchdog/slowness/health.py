@@ -1,6 +1,6 @@
 """A job's performance from its matched collectives: bandwidth, arrival skew, stragglers, slow collectives and links.
 
-Pure: the live performance look (``live/perf.py``) runs it on the dumps it
+Pure: the live performance look (``live/performance_look.py``) runs it on the dumps it
 asked for (and the other nodes' records), ``ncclwatch analyze`` on the dumps
 it was given; the values are what ``Health`` and the metrics carry.
 """
@@ -10,24 +10,24 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from ncclwatch.watchdog.engine.bandwidth import CollectiveTiming, comm_bandwidth, rank_bandwidth, size_bucket, slow_collectives, slow_links
-from ncclwatch.watchdog.engine.perf import PerfFinding, PerfKind
-from ncclwatch.watchdog.engine.state import group_label
-from ncclwatch.watchdog.engine.stragglers import MIN_ROUNDS, LastArrivals, collective_arrivals, collective_series, stragglers
+from ncclwatch.watchdog.slowness.bandwidth import CollectiveTiming, comm_bandwidth, rank_bandwidth, size_bucket, slow_collectives, slow_links
+from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind
+from ncclwatch.watchdog.hang.state import group_label
+from ncclwatch.watchdog.slowness.stragglers import MIN_ROUNDS, LastArrivals, collective_arrivals, collective_series, stragglers
 
 
 @dataclass(frozen=True)
 class CommBandwidth:
     communicator: str
     op: str  # NCCL's spelling: "AllReduce"
-    busbw_bytes_per_s: float  # median over recent collectives (engine.bandwidth.comm_bandwidth)
+    busbw_bytes_per_s: float  # median over recent collectives (slowness.bandwidth.comm_bandwidth)
 
 
 @dataclass(frozen=True)
 class RankPerf:
     rank: int
-    busbw_bytes_per_s: float | None = None  # engine.bandwidth.rank_bandwidth
-    last_arrival_share: float | None = None  # engine.stragglers.LastArrivals.share
+    busbw_bytes_per_s: float | None = None  # slowness.bandwidth.rank_bandwidth
+    last_arrival_share: float | None = None  # slowness.stragglers.LastArrivals.share
     arrival_lead_s: float | None = None  # mean lead when last by the margin
     straggler: bool = False
 
@@ -44,7 +44,7 @@ class IbPortHealth:
 
 @dataclass(frozen=True)
 class PerfHealth:
-    """The latest performance look (``live/perf.py``), as the ``Health`` fields of the same names carry it."""
+    """The latest performance look (``live/performance_look.py``), as the ``Health`` fields of the same names carry it."""
 
     comm_bandwidth: tuple[CommBandwidth, ...] = ()
     rank_perf: tuple[RankPerf, ...] = ()

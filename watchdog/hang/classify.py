@@ -29,10 +29,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from ncclwatch.watchdog.engine.detectors import HANG_VERDICTS, P2P_DEADLOCK_FIX, Fact, Finding, Verdict
-from ncclwatch.watchdog.engine.snapshot import Snapshot, WorkerView
-from ncclwatch.watchdog.engine.stacks import Whereabouts, short_frame, split_frame, whereabouts
-from ncclwatch.watchdog.engine.verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
+from ncclwatch.watchdog.hang.detectors import HANG_VERDICTS, P2P_DEADLOCK_FIX, Fact, Finding, Verdict
+from ncclwatch.watchdog.hang.snapshot import Snapshot, WorkerView
+from ncclwatch.watchdog.hang.stacks import Whereabouts, short_frame, split_frame, whereabouts
+from ncclwatch.watchdog.hang.verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
 from ncclwatch.watchdog.events import STOPPED_STATES, OpState, Stall
 
 BUSY_CPU_SHARE = 0.2  # of one core, over the last few seconds

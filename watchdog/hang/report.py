@@ -8,11 +8,11 @@ import textwrap
 from pydantic import BaseModel, Field
 
 from ncclwatch.watchdog import __version__
-from ncclwatch.watchdog.engine.detectors import Finding, Verdict
-from ncclwatch.watchdog.engine.partial_rules import ProcessFinding
-from ncclwatch.watchdog.engine.snapshot import Snapshot
-from ncclwatch.watchdog.engine.stacks import CALL_ARROW, call_line, main_thread, short_frame, split_frame, user_frame
-from ncclwatch.watchdog.engine.verdict import gpu_signature
+from ncclwatch.watchdog.hang.detectors import Finding, Verdict
+from ncclwatch.watchdog.hang.partial_rules import ProcessFinding
+from ncclwatch.watchdog.hang.snapshot import Snapshot
+from ncclwatch.watchdog.hang.stacks import CALL_ARROW, call_line, main_thread, short_frame, split_frame, user_frame
+from ncclwatch.watchdog.hang.verdict import gpu_signature
 
 EXIT_NO_HANG = 0
 EXIT_HANG = 1
@@ -76,7 +76,7 @@ class EvidenceFile(BaseModel):
 
 
 class PerfNote(BaseModel):
-    """A performance finding (``engine/perf.py``): the live watchdog's latest look, or analyze's from the dumps; not the verdict."""
+    """A performance finding (``slowness/findings.py``): the live watchdog's latest look, or analyze's from the dumps; not the verdict."""
 
     kind: str  # slow_collective, slow_link, straggler, transport_anomaly, ib_port
     key: str

@@ -221,7 +221,7 @@ class JobState:
         self.comms: dict[str, Communicator] = {}
         self.procs: dict[ProcKey, NcclProcess] = {}
         self.warnings: list[NcclWarning] = []
-        # The latest dump of each file, whole: bandwidth and arrival skew need its timings (engine/performance.py).
+        # The latest dump of each file, whole: bandwidth and arrival skew need its timings (slowness/health.py).
         self.fr_dumps: dict[str, FrDump] = {}
         self.peer_closed: list[LocalPeerClosed] = []
         self.timeouts: list[WatchdogTimeout] = []
@@ -237,7 +237,7 @@ class JobState:
         self._init_count: dict[ProcKey, int] = {}
         self._unknown_ops: dict[tuple[ProcKey, str], int] = {}
         self._unknown_files: dict[tuple[ProcKey, str], str] = {}
-        self.partial: list[Event] = []  # PyTorch statuses, DETAIL fingerprints, network errors, ... (engine.partial)
+        self.partial: list[Event] = []  # PyTorch statuses, DETAIL fingerprints, network errors, ... (hang.partial)
 
     # -- folding ---------------------------------------------------------
 

@@ -14,12 +14,12 @@ import signal
 from collections import Counter
 from dataclasses import replace
 
-from ncclwatch.watchdog.engine.detectors import (
+from ncclwatch.watchdog.hang.detectors import (
     HANG_VERDICTS, PRIORITY, Fact, Finding, Verdict, analyze_comm, missing_send_behind_cycle, with_call_sites,
 )  # fmt: skip
 from ncclwatch.watchdog.parsing.ras import ras_outliers
-from ncclwatch.watchdog.engine.partial import decide_partial, strong_partial
-from ncclwatch.watchdog.engine.snapshot import Snapshot
+from ncclwatch.watchdog.hang.partial import decide_partial, strong_partial
+from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.events import Citation, RasCommunicator, RasReport
 
 NCCL_SPIN = "multi-block kernel (NCCL spin)"
