@@ -316,7 +316,7 @@ class TestStraggler:
     def test_another_run_of_the_job_pages_again(self) -> None:
         from ncclwatch.watchdog.slowness.stragglers import last_arrivals, stragglers
 
-        (finding,) = stragglers(last_arrivals([{0: i, 1: i + 0.5} for i in range(20)], source="arrival"))
+        (finding,) = stragglers(last_arrivals([{0: i, 1: i + 0.5} for i in range(20)]))
         keys = {trigger_from_finding(finding, job="train", host="node1", run_started_at=t, environ={}).dedup_key for t in (NOW, NOW)}
         assert len(keys) == 1
         assert trigger_from_finding(finding, job="train", host="node1", run_started_at=NOW + 86400, environ={}).dedup_key not in keys

@@ -12,10 +12,11 @@ neither: a gloo call is synchronous, so its enqueue is its arrival.
 
 from __future__ import annotations
 
+import tarfile
 from collections.abc import Mapping
 
 import pytest
-from conftest import NOW
+from conftest import NOW, shared
 from test_straggler_symptoms import job
 
 from ncclwatch.watchdog.slowness.bandwidth import match_collectives
@@ -23,6 +24,7 @@ from ncclwatch.watchdog.slowness.findings import PerfKind
 from ncclwatch.watchdog.slowness.health import collective_health
 from ncclwatch.watchdog.slowness.stragglers import last_arrivals, stragglers
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState
+from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
 
 T0 = int(NOW * 1e9)
 KiB_FLOATS = 256  # floats per KiB
@@ -37,38 +39,55 @@ KERNEL_S = 0.0005
 
 def fsdp_job(
     steps: int, *, host_ahead: Mapping[int, float], gpu_late: Mapping[int, float] = {}, ranks: tuple[int, ...] = (0, 1),
-    unretired: Mapping[int, int] = {}, nccl: bool = True,
+    unretired: Mapping[int, int] = {}, nccl: bool = True, live: bool = False, retire_s: float = RETIRE_S,
 ) -> list[FrDump]:  # fmt: skip
     """Every rank's dump after ``steps`` FSDP2 steps.  ``host_ahead``: rank -> seconds its host enqueues before its GPU
     reaches the collective; ``gpu_late``: rank -> seconds its GPU reaches it after the others'; ``unretired``:
-    rank -> its newest steps not retired at the dump; ``nccl`` False: gloo entries (scheduled, no times)."""
-    dumped = T0 + int((steps + 1) * STEP_S * 1e9) + 1_000_000_000
+    rank -> its newest steps not retired at the dump; ``nccl`` False: gloo entries (scheduled, no times).
+
+    ``live``: the dump is taken as the performance look takes it, while the job runs: just after the last
+    enqueue, so what the hosts queued ahead of their GPUs is ``scheduled`` (no start, no duration), what runs is
+    ``started``, and what ended less than ``retire_s`` ago is ``completed`` without a duration.
+    """
+    timeline = []  # per step and collective: when each rank's GPU reaches it, and when every kernel ends
+    for step in range(steps):
+        for op, name, numel_in, numel_out, offset in FSDP:
+            reach = {r: T0 + int((step * STEP_S + offset + gpu_late.get(r, 0.0)) * 1e9) + 10_000 * r for r in ranks}
+            timeline.append((step, op, name, numel_in, numel_out, reach, max(reach.values()) + int(KERNEL_S * 1e9)))
+    created = {r: [reach[r] - int(host_ahead[r] * 1e9) for *_, reach, _ in timeline] for r in ranks}
+    if live:
+        dumped = max(c for times in created.values() for c in times) + 1_000_000
+    else:
+        dumped = T0 + int((steps + 1) * STEP_S * 1e9) + 1_000_000_000
     groups = {"0": FrProcessGroup(pg_id="0", desc="default_pg", ranks=list(ranks))}
     dumps = []
     for rank in ranks:
         entries = []
-        for step in range(steps):
-            for op, name, numel_in, numel_out, offset in FSDP:
-                seq = len(entries) + 1
-                reach = {r: T0 + int((step * STEP_S + offset + gpu_late.get(r, 0.0)) * 1e9) + 10_000 * r for r in ranks}
-                end = max(reach.values()) + int(KERNEL_S * 1e9)
-                retired = nccl and step < steps - unretired.get(rank, 0)
-                discovered = end + int(RETIRE_S * 1e9) if retired else dumped
-                entries.append(FrEntry(
-                    index=seq, record_id=seq, pg_id="0", collective_seq_id=seq, profiling_name=name, op=op, is_p2p=False,
-                    input_sizes=[[numel_in]], output_sizes=[[numel_out]], input_dtypes=["Float"], output_dtypes=["Float"],
-                    state=OpState.completed if nccl else OpState.scheduled,
-                    time_created_ns=reach[rank] - int(host_ahead[rank] * 1e9),
-                    time_started_ns=discovered if nccl else None, time_completed_ns=discovered if nccl else None,
-                    duration_ms=(end - reach[rank]) / 1e6 if retired else None, timeout_ms=600_000,
-                ))  # fmt: skip
+        for i, (step, op, name, numel_in, numel_out, reach, end) in enumerate(timeline):
+            if created[rank][i] > dumped:
+                break
+            retired = nccl and step < steps - unretired.get(rank, 0) and end + int(retire_s * 1e9) <= dumped
+            if not nccl or reach[rank] > dumped:
+                state, started, completed = OpState.scheduled, None, None
+            elif end > dumped:
+                state, started, completed = OpState.started, dumped, None
+            else:
+                discovered = end + int(retire_s * 1e9) if retired else dumped
+                state, started, completed = OpState.completed, discovered, discovered
+            entries.append(FrEntry(
+                index=i + 1, record_id=i + 1, pg_id="0", collective_seq_id=i + 1, profiling_name=name, op=op, is_p2p=False,
+                input_sizes=[[numel_in]], output_sizes=[[numel_out]], input_dtypes=["Float"], output_dtypes=["Float"],
+                state=state, time_created_ns=created[rank][i], time_started_ns=started, time_completed_ns=completed,
+                duration_ms=(end - reach[rank]) / 1e6 if retired else None, timeout_ms=600_000,
+            ))  # fmt: skip
         dumps.append(FrDump(rank=rank, version="2.10", process_groups=groups, entries=entries, cite=Citation(file=f"fr_{rank}")))
     return dumps
 
 
 def findings(dumps: list[FrDump]) -> list[tuple[str, tuple[int, ...]]]:
-    steps = max(len(d.entries) for d in dumps)
-    report = collective_health(match_collectives(dumps), {}, now=NOW + steps, hosts={r: "vm" for r in range(8)}, links={})
+    """The look's findings a second after the newest moment the dumps recorded."""
+    times = [t for d in dumps for e in d.entries for t in (e.time_created_ns, e.time_started_ns, e.time_completed_ns) if t]
+    report = collective_health(match_collectives(dumps), {}, now=max(times) / 1e9 + 1, hosts={r: "vm" for r in range(8)}, links={})
     return sorted((f.kind.value, f.ranks) for f in report.perf_findings)
 
 
@@ -94,6 +113,20 @@ class TestHostRunningAhead:
     def test_every_instance_timed_still_no_straggler(self) -> None:
         assert findings(fsdp_job(40, host_ahead=H100)) == []
 
+    def test_a_look_while_both_hosts_run_ahead_judges_the_retired_instances(self) -> None:
+        """The look's dump is taken mid-run: the real job queued about 40 all-gathers (14 a step, 3 steps) ahead
+        of its GPUs, here one a step, so hosts 1.3 and 1.5 s ahead queue 21.  Those and the newest done but not
+        retired (PyTorch's watchdog thread retires every ~100 ms) carry no kernel time: the straggler rule
+        judges the last 20 retired instances, and the slow check leaves the unretired ones unmeasured (their
+        completion less the last enqueue held the whole GPU queue: 1 % of the usual speed on the H100)."""
+        dumps = fsdp_job(80, host_ahead={0: 1.3, 1: 1.5}, live=True, retire_s=0.1)
+        gathers = [t for t in match_collectives(dumps) if t.op == "AllGather" and t.all_arrived]
+        queued = [t for t in gathers if t.wait_s is None]
+        assert len(queued) > 20 and all(t.last_rank == 0 and t.lead_s == pytest.approx(0.2, abs=1e-3) for t in gathers)
+        unretired = [t for t in match_collectives(dumps) if t.completed and t.wait_s is None]
+        assert unretired and all(t.transfer_s is None for t in unretired)
+        assert findings(dumps) == []
+
     def test_the_same_enqueue_order_on_gloo_is_a_straggler(self) -> None:
         """Without kernel times the enqueue is all there is: today's rule names rank 0."""
         assert findings(fsdp_job(40, host_ahead=H100, nccl=False)) == [("straggler", (0,))]
@@ -112,6 +145,12 @@ class TestRealStragglerOnNccl:
         assert "the others' kernels waited for it in 17 of the 17 with kernel times" in straggler.summary
         assert [p.rank for p in report.rank_perf if p.straggler] == [3]
 
+    def test_a_gpu_behind_the_others_is_named_in_a_look_while_hosts_run_ahead(self) -> None:
+        """The same queue as the healthy case above, and rank 1's GPU 200 ms behind: the retired instances show the
+        wait, and it is named."""
+        dumps = fsdp_job(80, host_ahead={0: 1.5, 1: 1.3}, gpu_late={1: 0.2}, live=True, retire_s=0.1)
+        assert findings(dumps) == [("straggler", (1,))]
+
     def test_a_gpu_behind_the_others_is_named(self) -> None:
         """Rank 1's GPU reaches each collective 200 ms after rank 0's; both hosts enqueue 2 ms ahead."""
         assert findings(fsdp_job(40, host_ahead={0: 0.002, 1: 0.002}, gpu_late={1: 0.2})) == [("straggler", (1,))]
@@ -124,17 +163,37 @@ class TestWaitRule:
 
     def test_waited_for_in_most_timed_rounds_is_a_straggler(self) -> None:
         waits = [0.19] * 12 + [0.0] * 8
-        (finding,) = stragglers(last_arrivals(self.ROUNDS, source="arrival", waits=waits))
+        (finding,) = stragglers(last_arrivals(self.ROUNDS, waits=waits))
         assert finding.ranks == (1,) and "waited for it in 12 of the 20" in finding.summary
 
     def test_waited_for_in_fewer_than_half_is_not(self) -> None:
         waits = [0.19] * 8 + [0.0] * 12
-        assert stragglers(last_arrivals(self.ROUNDS, source="arrival", waits=waits)) == []
+        assert stragglers(last_arrivals(self.ROUNDS, waits=waits)) == []
 
     def test_a_wait_under_half_the_lead_is_no_wait(self) -> None:
-        assert stragglers(last_arrivals(self.ROUNDS, source="arrival", waits=[0.09] * 20)) == []
+        assert stragglers(last_arrivals(self.ROUNDS, waits=[0.09] * 20)) == []
 
     def test_rounds_without_kernel_times_leave_the_arrival_rule(self) -> None:
-        (finding,) = stragglers(last_arrivals(self.ROUNDS, source="arrival", waits=[None] * 20))
+        (finding,) = stragglers(last_arrivals(self.ROUNDS, waits=[None] * 20))
         assert finding.ranks == (1,) and "kernel times" not in finding.summary
-        assert [f.ranks for f in stragglers(last_arrivals(self.ROUNDS, source="arrival", waits=[None] * 15 + [0.0] * 5))] == []
+        assert [f.ranks for f in stragglers(last_arrivals(self.ROUNDS, waits=[None] * 15 + [0.0] * 5))] == []
+
+
+def test_real_fsdp2_dumps_before_the_fault_have_a_late_host_and_no_straggler() -> None:
+    """The H100 FSDP2 job's own dumps (2 ranks, NCCL 2.28.9, timing on), up to the collective rank 1 skipped: rank 0
+    enqueued every all-gather ~230 ms after rank 1, and rank 1's kernels never waited that long for it."""
+    bundle = shared("bundles", "nccl-2.28.9-h100x1", "fsdp2_skip_rank1_late-vm-20261124T215626Z-collective_mismatch.tar.gz")
+    dumps = []
+    with tarfile.open(bundle) as tar:
+        for member in tar.getmembers():
+            if "/fr/nccl_trace_rank_" in member.name:
+                data = tar.extractfile(member).read()  # type: ignore[union-attr]
+                dumps += [e for e in parse_flight_recorder(data, member.name) if isinstance(e, FrDump)]
+    ops = [{e.collective_seq_id: e.op for e in d.entries if not e.is_p2p} for d in dumps]
+    diverged = min(seq for seq in ops[0].keys() & ops[1].keys() if ops[0][seq] != ops[1][seq])
+    healthy = [d.model_copy(update={"entries": [e for e in d.entries if (e.collective_seq_id or 0) < diverged]}) for d in dumps]
+    assert findings(healthy) == []
+    timings = match_collectives(healthy)
+    now = max(e.time_created_ns for d in healthy for e in d.entries) / 1e9 + 1
+    (rank0,) = [p for p in collective_health(timings, {}, now=now, hosts={}, links={}).rank_perf if p.rank == 0]
+    assert rank0.last_arrival_share == 1.0 and rank0.arrival_lead_s > 0.1 and not rank0.straggler

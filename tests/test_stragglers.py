@@ -1,4 +1,4 @@
-"""Stragglers from arrival skew and heartbeats: literal rounds, then real gloo ranks whose Flight Recorder
+"""Stragglers from arrival skew: literal rounds, then real gloo ranks whose Flight Recorder
 dumps (torch 2.13, JSON) go through the real parser.
 
 The gloo job runs two groups over the same 3 ranks: on the default group
@@ -19,7 +19,7 @@ from conftest import NOW
 
 from ncclwatch.watchdog.slowness.bandwidth import match_collectives
 from ncclwatch.watchdog.slowness.findings import PerfKind
-from ncclwatch.watchdog.slowness.stragglers import arrival_rounds, arrival_series, heartbeat_rounds, last_arrivals, stragglers
+from ncclwatch.watchdog.slowness.stragglers import arrival_round, collective_arrivals, collective_series, last_arrivals, stragglers
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, OpState
 from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
 
@@ -31,33 +31,29 @@ def rounds(n: int, late: dict[int, float], ranks: int = 4, period: float = 1.0) 
 
 class TestLastArrivals:
     def test_a_rank_last_by_a_margin_in_most_rounds_is_a_straggler(self):
-        stats = last_arrivals(rounds(20, {3: 0.2}), source="heartbeat")
+        stats = last_arrivals(rounds(20, {3: 0.2}))
         assert stats.rounds == 20 and stats.last_counts == {3: 20}
         (finding,) = stragglers(stats, hosts={3: "node1"})
         assert (finding.kind, finding.ranks, finding.hosts) == (PerfKind.straggler, (3,), ("node1",))
-        assert "last in 20 of the last 20 steps" in finding.summary
+        assert "last in 20 of the last 20 collectives" in finding.summary
 
     def test_jitter_under_the_margin_is_not_a_lead(self):
-        stats = last_arrivals(rounds(20, {}), source="arrival")
+        stats = last_arrivals(rounds(20, {}))
         assert stats.last_counts == {} and stragglers(stats) == []
 
     def test_margin_scales_with_the_step_period(self):
         slow_steps = rounds(20, {1: 0.05}, period=2.0)  # 50 ms late in 2 s steps: under 10% of a step
-        assert stragglers(last_arrivals(slow_steps, source="heartbeat")) == []
+        assert stragglers(last_arrivals(slow_steps)) == []
         fast_steps = rounds(20, {1: 0.05}, period=0.2)
-        assert [f.ranks for f in stragglers(last_arrivals(fast_steps, source="heartbeat"))] == [(1,)]
+        assert [f.ranks for f in stragglers(last_arrivals(fast_steps))] == [(1,)]
 
     def test_last_now_and_then_is_not_a_straggler(self):
         mixed = rounds(10, {2: 0.3}) + rounds(10, {}) + rounds(10, {1: 0.3})
-        stats = last_arrivals(mixed, source="arrival", window=30)
+        stats = last_arrivals(mixed, window=30)
         assert stats.last_counts == {1: 10, 2: 10} and stragglers(stats) == []
 
     def test_too_few_rounds_say_nothing(self):
-        assert stragglers(last_arrivals(rounds(5, {3: 0.2}), source="heartbeat")) == []
-
-    def test_heartbeat_rounds_keep_only_steps_every_rank_reported(self):
-        beats = {0: [(1, 10.0), (2, 11.0), (3, 12.0)], 1: [(1, 10.1), (3, 12.5)]}
-        assert heartbeat_rounds(beats) == [{0: 10.0, 1: 10.1}, {0: 12.0, 1: 12.5}]
+        assert stragglers(last_arrivals(rounds(5, {3: 0.2}))) == []
 
 
 def step_dumps(steps: int, late_rank: int, late_s: float = 0.05) -> list[FrDump]:
@@ -85,20 +81,20 @@ def step_dumps(steps: int, late_rank: int, late_s: float = 0.05) -> list[FrDump]
 
 class TestArrivalSeries:
     def test_each_recurring_collective_is_a_series_named_for_people(self):
-        series = arrival_series(match_collectives(step_dumps(12, late_rank=1)))
+        series = collective_series(match_collectives(step_dumps(12, late_rank=1)))
         assert list(series) == ["AllReduce (4.0 MiB) of process group 0", "AllReduce (256 B) of process group 0",
                                 "Broadcast (16 B) of process group 0"]  # fmt: skip
         assert all(len(rounds) == 12 for rounds in series.values())
 
     def test_late_at_a_step_first_collective_only_is_a_straggler_there_not_over_all_collectives(self):
         timings = match_collectives(step_dumps(20, late_rank=1))
-        assert stragglers(last_arrivals(arrival_rounds(timings), source="arrival")) == []  # last in a third of them
-        series = arrival_series(timings)
+        assert stragglers(last_arrivals([arrival_round(t) for t in timings])) == []  # last in a third of them
+        series = collective_series(timings)
         what = "AllReduce (4.0 MiB) of process group 0"
-        (finding,) = stragglers(last_arrivals(series[what], source="arrival", what=what))
+        (finding,) = stragglers(collective_arrivals(series[what], what=what))
         assert finding.ranks == (1,)
         assert "was last in 20 of the last 20 collectives at AllReduce (4.0 MiB) of process group 0" in finding.summary
-        assert [stragglers(last_arrivals(rounds, source="arrival")) for name, rounds in series.items() if name != what] == [[], []]
+        assert [stragglers(collective_arrivals(ts, what=name)) for name, ts in series.items() if name != what] == [[], []]
 
 
 JOB = textwrap.dedent(
@@ -157,7 +153,7 @@ class TestRealGlooRanks:
         timings = match_collectives(gloo_dumps)
         default = [t for t in timings if t.pg == "0"]
         assert len(default) >= 15 and all(t.nranks == 3 and t.all_arrived for t in default)
-        stats = last_arrivals(arrival_rounds(timings, pg="0"), source="arrival")
+        stats = last_arrivals([arrival_round(t) for t in timings if t.pg == "0" and t.all_arrived])
         assert stats.last_counts.get(2, 0) >= 12, stats
         (finding,) = stragglers(stats, hosts={0: "h", 1: "h", 2: "h"})
         assert finding.ranks == (2,) and 20 <= finding.measured * 1e3 <= 200
@@ -165,5 +161,5 @@ class TestRealGlooRanks:
     def test_the_quiet_group_has_no_straggler(self, gloo_dumps):
         timings = match_collectives(gloo_dumps)
         quiet = next(t.pg for t in timings if t.pg != "0")
-        stats = last_arrivals(arrival_rounds(timings, pg=quiet), source="arrival")
+        stats = last_arrivals([arrival_round(t) for t in timings if t.pg == quiet and t.all_arrived])
         assert stats.rounds == 15 and stragglers(stats) == []

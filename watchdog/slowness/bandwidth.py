@@ -15,9 +15,11 @@ noise), which gives arrival order and skew.  The time the data took (the
 link time) is measured from the last rank's start: an early rank's kernel
 (``duration_ms``, only with ``TORCH_NCCL_ENABLE_TIMING=1``) includes its wait
 for the last one, so it is never taken as the link time (``link_time``).
-Without durations it is the first discovered completion minus the last
-arrival, which is up to the watchdog thread's poll period too long, so busbw
-is then a lower bound.  Gloo entries carry neither: skew only.  With NCCL an
+Without durations anywhere in the group (timing off) it is the first
+discovered completion minus the last arrival, which is up to the watchdog
+thread's poll period too long, so busbw is then a lower bound; where the
+group's other entries have durations, one without is not retired yet and
+gives no link time (``link_time``).  Gloo entries carry neither: skew only.  With NCCL an
 enqueue is not an arrival on the GPU (the call returns at once and the host
 runs ahead): whether the others waited for the last rank is in the durations
 (``CollectiveTiming.wait_s``); with gloo the call is synchronous and the
@@ -225,18 +227,21 @@ def match_entries(entries: Iterable[RankEntry]) -> list[CollectiveTiming]:
     seen: dict[tuple[str, int], dict[int, RankEntry]] = defaultdict(dict)
     sizes: dict[str, int] = {}
     ranks_per_pg: dict[str, set[int]] = defaultdict(set)
+    timed: set[str] = set()  # groups whose kernels are timed (some entry has a duration)
     for entry in entries:
         seen[(entry.pg, entry.seq)][entry.rank] = entry
         ranks_per_pg[entry.pg].add(entry.rank)
         if entry.nranks:
             sizes[entry.pg] = entry.nranks
+        if entry.duration_ms is not None:
+            timed.add(entry.pg)
     return [
-        _timing(pg, seq, by_rank, sizes.get(pg, len(ranks_per_pg[pg])))
+        _timing(pg, seq, by_rank, sizes.get(pg, len(ranks_per_pg[pg])), timed=pg in timed)
         for (pg, seq), by_rank in sorted(seen.items(), key=lambda item: (item[0][0], item[0][1]))
     ]
 
 
-def _timing(pg: str, seq: int, by_rank: Mapping[int, RankEntry], nranks: int) -> CollectiveTiming:
+def _timing(pg: str, seq: int, by_rank: Mapping[int, RankEntry], nranks: int, *, timed: bool) -> CollectiveTiming:
     entries = list(by_rank.values())
     arrivals = {rank: e.created_ns for rank, e in by_rank.items()}
     completed = all(e.state == OpState.completed for e in entries)
@@ -249,13 +254,13 @@ def _timing(pg: str, seq: int, by_rank: Mapping[int, RankEntry], nranks: int) ->
         nbytes=entries[0].nbytes,
         arrivals=arrivals,
         completed=completed,
-        transfer_s=link_time(by_rank, whole=len(arrivals) >= nranks),
+        transfer_s=link_time(by_rank, whole=len(arrivals) >= nranks, timed=timed),
         started_ns=last_arrival if len(arrivals) >= nranks else None,
         kernel_s={rank: e.duration_ms / 1e3 for rank, e in by_rank.items() if e.duration_ms is not None},
     )
 
 
-def link_time(by_rank: Mapping[int, RankEntry], *, whole: bool) -> float | None:
+def link_time(by_rank: Mapping[int, RankEntry], *, whole: bool, timed: bool) -> float | None:
     """Seconds the data took, from the last rank's start to the end; None where the entries cannot tell.
 
     Every rank's kernel ends when the last rank's data has moved, and starts no
@@ -274,7 +279,11 @@ def link_time(by_rank: Mapping[int, RankEntry], *, whole: bool) -> float | None:
     the one that synchronised): it waited for nobody, and the shortest
     duration is the link time's bound, where the first discovered completion
     less the last arrival would hold the late host's GPU queue and the
-    watchdog's poll.  Without any duration it is that completion bound.
+    watchdog's poll.  Without any duration it is that completion bound, unless
+    the group's kernels are ``timed`` (other entries have durations): then
+    none of these was retired yet, and a host running ahead of its GPU puts
+    its whole queue between enqueue and completion (on the H100 a healthy
+    FSDP2 job's newest reduce-scatters read as 1 % of their usual speed).
     ``whole``: every rank of the group is in ``by_rank`` (else the last arrival
     is unknown and the shortest duration is all there is).
     """
@@ -291,7 +300,7 @@ def link_time(by_rank: Mapping[int, RankEntry], *, whole: bool) -> float | None:
         after_last = durations[latest] - (arrivals[last] - arrivals[latest]) / 1e9
         return min(after_last, shortest) if after_last > 0 else shortest
     done = [e.completed_ns for e in by_rank.values() if e.completed_ns is not None]
-    if done and min(done) > arrivals[last]:
+    if not timed and done and min(done) > arrivals[last]:
         return (min(done) - arrivals[last]) / 1e9
     return None
 
@@ -343,10 +352,15 @@ def slow_collectives(
     """A collective far slower than the same group's same op at about the same size did before.
 
     Two cases.  Finished: the median busbw of the latest ``recent`` is under
-    ``ratio`` x the median of the history before them.  One slow instance is
-    a hiccup, not a slow collective: on 2 x H200 a healthy job had one
-    all-reduce at 7-18 % of its usual speed in every group at once, and the
-    first look of a job sees its warm-up.  Still running (``now_ns`` given): every rank
+    ``ratio`` x the history before them, taken as its slowest tenth (the
+    10th percentile), not its median: one op at one size can run at two
+    speeds in a healthy job.  On the H100 an FSDP2 job's forward all-gathers
+    moved 1 MiB in 0.1-0.3 ms and its backward ones, behind a reduce-scatter
+    of the same communicator, in 4.5 ms, six of them in a row; against the
+    median, every run of backward ones read as 6 % of the usual speed.  One
+    slow instance is a hiccup, not a slow collective: on 2 x H200 a healthy
+    job had one all-reduce at 7-18 % of its usual speed in every group at
+    once, and the first look of a job sees its warm-up.  Still running (``now_ns`` given): every rank
     arrived, and it has run longer than ``min_elapsed_s`` and than its
     usual time / ``ratio``.  Whether a running one still moves data (IB
     counters, GPU) or is hung is for the caller: this says only "slow".
@@ -361,10 +375,12 @@ def slow_collectives(
         history, latest = series[:-recent][-50:], series[-recent:]
         if len(history) < min_history or len(latest) < recent:
             continue
-        usual = statistics.median(t.busbw for t in history)  # type: ignore[misc]
+        speeds = [t.busbw for t in history]
+        usual = statistics.median(speeds)  # type: ignore[type-var]
+        slowest = statistics.quantiles(speeds, n=10, method="inclusive")[0]  # type: ignore[arg-type]
         now = statistics.median(t.busbw for t in latest)  # type: ignore[misc]
-        if now < ratio * usual:
-            findings.append(_slow_finding(latest[-1], now, usual, hosts, links, running_s=None, over=recent))
+        if now < ratio * slowest:
+            findings.append(_slow_finding(latest[-1], now, usual, hosts, links, running_s=None, over=recent, slowest=slowest))
     if now_ns is not None:
         findings += _slow_running(timings, groups, now_ns, hosts, links, ratio, min_history, min_bytes, min_elapsed_s)
     return findings
@@ -388,13 +404,16 @@ def _slow_running(timings, groups, now_ns, hosts, links, ratio, min_history, min
     return findings
 
 
-def _slow_finding(t: CollectiveTiming, measured: float, usual: float, hosts, links, running_s: float | None, over: int = 1) -> PerfFinding:  # type: ignore[no-untyped-def]
+def _slow_finding(
+    t: CollectiveTiming, measured: float, usual: float, hosts: Mapping[int, str], links: Mapping[int, Sequence[str]],
+    running_s: float | None, over: int = 1, slowest: float | None = None,
+) -> PerfFinding:  # fmt: skip
     ranks = tuple(sorted(t.arrivals))
     host_names, link_names = where(ranks, hosts, links)
     what = f"{t.op} #{t.seq} of process group {t.pg} ({size_text(t.nbytes)}, {t.nranks} ranks)"
     if running_s is None:
         summary = (f"{what} and the {over - 1} before it ran at {gbps(measured)} bus bandwidth (median), "
-                   f"{measured / usual:.0%} of their usual {gbps(usual)}")  # fmt: skip
+                   f"{measured / usual:.0%} of their usual {gbps(usual)} (their slowest tenth: {gbps(slowest)})")  # fmt: skip
     else:
         summary = (
             f"{what} has run for {running_s:.0f} s since the last rank arrived (at most {gbps(measured)}, "

@@ -1,22 +1,14 @@
 """Stragglers: a rank that is last, by a margin, in most of the recent rounds.
 
-A round is one moment every rank passes: a heartbeat step (when each rank
-took step N) or a collective (when each rank enqueued it, Flight
-Recorder's ``time_created_ns``).  In each round the last rank and its lead
-over the second-to-last are noted; a rank last by more than the margin in
-at least ``share`` of the last ``window`` rounds is a straggler.
-
-Which signal shows what: arrival at collectives is the primary one (a
-rank slow in its forward pass arrives late at the gradient all-reduce
-while the others wait inside it).  Each recurring collective (same group,
-op and size) is a series of its own (``arrival_series``): a step has
-several collectives and the straggler is late only at the first one after
-its slow part; at the rest every rank enters together, having just left
-the same wait, so over all collectives it would be last in a third of
-them at best.  Heartbeats, taken after the optimizer
-step, show a straggler only where the slow part comes after the step's
-last collective or where ranks do not synchronise every step: in a
-synchronous job the all-reduce lines every rank's step end up.
+A round is one instance of a recurring collective (same group, op and
+size): when each rank enqueued it, Flight Recorder's ``time_created_ns``.
+In each round the last rank and its lead over the second-to-last are
+noted; a rank last by more than the margin in at least ``share`` of the
+last ``window`` rounds is a straggler.  Each recurring collective is a
+series of its own (``collective_series``): a step has several collectives
+and the straggler is late only at the first one after its slow part; at
+the rest every rank enters together, having just left the same wait, so
+over all collectives it would be last in a third of them at best.
 
 Enqueue is not arrival on NCCL: a call returns once enqueued and the
 host runs ahead of its GPU, so a rank whose host synchronises (rank 0
@@ -24,20 +16,24 @@ printing ``loss.item()`` every 10 steps of a healthy FSDP2 job on the H100)
 enqueues every collective hundreds of ms after a peer whose host ran ahead,
 while neither GPU waits.  A real straggler keeps the others' kernels
 spinning until its own joins, so their kernel times (``duration_ms``)
-exceed its own by about its lead (``CollectiveTiming.wait_s``).  Where the
-rounds carry that (``waits``), a rank last by the margin is a straggler
-only if, in at least ``WAITED_SHARE`` of those of its rounds whose kernel
-times are all known, the others waited ``WAIT_PART`` of its lead or more;
-else its lateness is its host's, and nothing is said.  Without kernel
-times (gloo, whose calls are synchronous so enqueue is arrival; NCCL
-without ``TORCH_NCCL_ENABLE_TIMING``; entries not retired yet) the arrival
+exceed its own by about its lead (``CollectiveTiming.wait_s``).  So where
+a series has rounds with every rank's kernel time, only those rounds are
+judged (``collective_arrivals``): the newest instances of a host running
+ahead are still queued on the GPU, or done but not yet retired by
+PyTorch's watchdog thread, and carry no kernel time, and on the H100 the
+last 20 instances of a healthy job's all-gather were all such.  In them a
+rank last by the margin is a straggler only if, in at least
+``WAITED_SHARE`` of its rounds, the others waited ``WAIT_PART`` of its
+lead or more; else its lateness is its host's, and nothing is said.
+Without kernel times anywhere (gloo, whose calls are synchronous so
+enqueue is arrival; NCCL without ``TORCH_NCCL_ENABLE_TIMING``) the arrival
 rule alone decides.
 
 Failure modes: rounds some rank is missing from are skipped (a dead or
 silent rank is the hang detectors' business, not a straggler); fewer than
 ``min_rounds`` complete rounds say nothing; a tie for last is no lead.
-Clocks: heartbeats and Flight Recorder use each host's wall clock, so
-across nodes a lead below NTP's error (a few ms) is not a margin.
+Clocks: Flight Recorder uses each host's wall clock, so across nodes a
+lead below NTP's error (a few ms) is not a margin.
 """
 
 from __future__ import annotations
@@ -60,7 +56,6 @@ WAITED_SHARE = 0.5  # of a rank's timed rounds as last, the share in which the o
 class LastArrivals:
     """How often each rank was last by the margin over the rounds looked at, and by how much on average."""
 
-    source: str  # "heartbeat" or "arrival"
     rounds: int
     margin_s: float
     last_counts: Mapping[int, int]
@@ -75,21 +70,6 @@ class LastArrivals:
         return self.last_counts.get(rank, 0) / self.rounds if self.rounds else 0.0
 
 
-def heartbeat_rounds(beats: Mapping[int, Sequence[tuple[int, float]]]) -> list[dict[int, float]]:
-    """rank -> [(step, time)] -> one round per step every rank reported, in step order."""
-    by_step: dict[int, dict[int, float]] = defaultdict(dict)
-    for rank, series in beats.items():
-        for step, at in series:
-            by_step[step][rank] = at
-    ranks = set(beats)
-    return [by_step[step] for step in sorted(by_step) if set(by_step[step]) == ranks]
-
-
-def arrival_rounds(timings: Sequence[CollectiveTiming], pg: str | None = None) -> list[dict[int, float]]:
-    """One round per collective every rank of its group arrived at, in sequence order; ``pg``: one group only."""
-    return [arrival_round(t) for t in timings if t.all_arrived and (pg is None or t.pg == pg)]
-
-
 def collective_series(timings: Sequence[CollectiveTiming]) -> dict[str, list[CollectiveTiming]]:
     """The instances of each recurring collective (group, op, size within a factor of two) every rank of its group
     arrived at, in sequence order, named for people."""
@@ -100,24 +80,21 @@ def collective_series(timings: Sequence[CollectiveTiming]) -> dict[str, list[Col
     return {f"{op} ({size_text(ts[-1].nbytes)}) of process group {pg}": ts for (pg, op, _), ts in series.items()}
 
 
-def arrival_series(timings: Sequence[CollectiveTiming]) -> dict[str, list[dict[int, float]]]:
-    """``collective_series`` as rounds: each instance's arrivals (rank -> seconds)."""
-    return {what: [arrival_round(t) for t in ts] for what, ts in collective_series(timings).items()}
-
-
 def arrival_round(t: CollectiveTiming) -> dict[int, float]:
     """Rank -> when it enqueued the collective, in seconds."""
     return {rank: ns / 1e9 for rank, ns in t.arrivals.items()}
 
 
 def collective_arrivals(instances: Sequence[CollectiveTiming], *, what: str) -> LastArrivals:
-    """``last_arrivals`` over one recurring collective's instances, with how long the others' kernels waited."""
-    rounds = [arrival_round(t) for t in instances]
-    return last_arrivals(rounds, source="arrival", what=what, waits=[t.wait_s for t in instances])
+    """``last_arrivals`` over one recurring collective's instances, with how long the others' kernels waited: over
+    those with every rank's kernel time where there are any (module docstring)."""
+    timed = [t for t in instances if t.wait_s is not None]
+    judged = timed or instances
+    return last_arrivals([arrival_round(t) for t in judged], what=what, waits=[t.wait_s for t in judged])
 
 
 def last_arrivals(
-    rounds: Sequence[Round], *, source: str, window: int = 20, margin_s: float = 0.01, rel_margin: float = 0.1,
+    rounds: Sequence[Round], *, window: int = 20, margin_s: float = 0.01, rel_margin: float = 0.1,
     what: str | None = None, waits: Sequence[float | None] | None = None,
 ) -> LastArrivals:  # fmt: skip
     """Who was last, by more than the margin, in each of the last ``window`` rounds.
@@ -146,7 +123,6 @@ def last_arrivals(
                 if wait >= WAIT_PART * lead:
                     waited[last] += 1
     return LastArrivals(
-        source=source,
         rounds=len(recent),
         margin_s=margin,
         last_counts=dict(counts),
@@ -189,8 +165,7 @@ def stragglers(
             PerfFinding(
                 kind=PerfKind.straggler,
                 key=f"straggler-{rank}",
-                summary=f"{ranks_text([rank], hosts)} was last in {count} of the last {stats.rounds} "
-                f"{'steps' if stats.source == 'heartbeat' else 'collectives'}"
+                summary=f"{ranks_text([rank], hosts)} was last in {count} of the last {stats.rounds} collectives"
                 + (f" at {stats.what}" if stats.what else "")
                 + f", on average {lead * 1e3:.0f} ms "
                 f"after the next rank (margin {stats.margin_s * 1e3:.0f} ms)"
