@@ -31,13 +31,15 @@ class Format:
     parse: Callable[[bytes, str], list[Event]] | None  # None: streamed (see NcclLogParser)
 
 
-# Binary and JSON formats first: a file that is one of them is nothing else.
+# Binary and JSON formats first: a file that is one of them is nothing else.  The journal leads: its
+# first line is an exact header, and its later lines carry the other formats' markers (an NVML sample's
+# "gpus", a stack's "frames", a shared dump's "entries"), so a sniffer before it would claim it.
 EXCLUSIVE = (
+    Format("journal", looks_like_journal, parse_journal),
     Format("flight_recorder", looks_like_flight_recorder, parse_flight_recorder),
     Format("py-spy", looks_like_pyspy, parse_pyspy),
     Format("nvml", looks_like_nvml, parse_nvml),
     Format("ras", looks_like_ras, parse_ras),
-    Format("journal", looks_like_journal, parse_journal),
 )
 TEXT = (
     Format("nccl_log", looks_like_nccl_log, None),
