@@ -2,7 +2,8 @@
 
 Every input ends as one ``InputFile`` saying what it was recognised as, how
 many lines were used and why the rest was not, or why it was not read at all
-(missing, empty, permission denied, an unreadable folder, a FIFO).
+(missing, empty, permission denied, an unreadable folder, a FIFO, ncclwatch's
+own output).
 
 Failure modes, by design:
 - FIFOs, sockets and devices are never opened: a kept run folder holds the
@@ -13,6 +14,9 @@ Failure modes, by design:
   a 1 GB stderr costs one pass and one chunk of memory, whatever it holds.
 - Standard input is spooled to a temporary file (memory up to 64 MiB, then
   disk) so that it can be rescanned like any file.
+- ncclwatch's own output in a bundle (``report.json``, ``report.md``,
+  ``evidence.json``) is skipped by its content, and said: the report quotes
+  the NCCL lines it cites, which read again counted as operations of the job.
 - Nothing here raises on bad input.
 """
 
@@ -22,6 +26,7 @@ import bz2
 import gzip
 import lzma
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -47,6 +52,15 @@ _SPECIAL = (
     (stat.S_ISBLK, "a block device: not opened"),
 )
 _MAGIC = ((b"\x1f\x8b", "gzip", gzip.open), (b"BZh", "bzip2", bz2.open), (b"\xfd7zXZ\x00", "xz", lzma.open))
+_REPORT_SKIPPED = "skipped: ncclwatch's own report, not evidence (analyze judges again from the evidence files)"
+# What ncclwatch writes, by its first bytes: report.md's title, the Report's first key (report.json and
+# `analyze --json`), and the evidence index's first keys (evidence/collect.py). The engine reads none of it.
+_OWN_OUTPUT = (
+    (re.compile(rb"# ncclwatch: "), _REPORT_SKIPPED),
+    (re.compile(rb'\s*\{\s*"tool"\s*:\s*"ncclwatch"'), _REPORT_SKIPPED),
+    (re.compile(rb'\s*\{\s*"started_unix"\s*:[^{}]*"budget_s"\s*:'),
+     "skipped: ncclwatch's own index of the evidence it collected, not evidence"),
+)  # fmt: skip
 
 
 def iter_files(paths: Iterable[str]) -> Iterator[tuple[str, str | None]]:
@@ -125,6 +139,9 @@ def ingest_file(state: JobState, name: str, stdin_spool: dict[str, str] | None =
             head = handle.read(SNIFF_BYTES)
             if not head:
                 return InputFile(path=name, kinds=[], note="empty file" + (f" ({compression})" if compression else ""))
+            skipped = next((why for start, why in _OWN_OUTPUT if start.match(head)), None)
+            if skipped is not None:
+                return InputFile(path=name, kinds=[], note=skipped)
             exclusive = next((f for f in EXCLUSIVE if f.looks_like(head)), None)
             if exclusive is not None:
                 for event in exclusive.parse(head + handle.read(), name):  # type: ignore[misc]
