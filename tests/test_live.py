@@ -156,6 +156,25 @@ class TestStallTimeout:
         beats(job, 10, 0, [NOW + 1, NOW + 4])  # the first step only: 3 s, all there is to learn from
         assert job.learned_gap(NOW + 5)[0] == pytest.approx(3.0, abs=1e-3)
 
+    def test_a_fast_job_first_read_many_steps_in_has_shown_its_progress(self) -> None:
+        """H100, a pipeline job: NCCL's log moved during set-up, then the heartbeat was first read at step 60 (its
+        61st beat, 0.3 s into training) and the job hung there: 4 advances counted, so the 300 s warm-up timeout
+        held the page.  The beat count says 60 steps passed."""
+        job = LiveJob(SETTINGS, started_at=NOW)
+        worker(job, 1000, 0, NOW)
+        for event in NcclLogParser("node1.1000").feed((L.init(0, 2, COMM, pid=1000) + L.steps(0, COMM, 1, pid=1000)).encode(), final=True):
+            job.apply(event, NOW + 2)
+        job.apply(Heartbeat(pid=1000, rank=0, step=60, time=NOW + 2.3, beats=61), NOW + 2.4)
+        assert job.learned_gap(NOW + 3) == (pytest.approx(0.3, abs=1e-3), 61)
+        assert job.stall_timeout(NOW + 3) == SETTINGS.stall_timeout_floor
+
+    def test_a_first_read_counts_the_beats_before_it(self) -> None:
+        job = LiveJob(SETTINGS, started_at=NOW)
+        worker(job, 10, 0, NOW)
+        job.apply(Heartbeat(pid=10, rank=0, step=60, time=NOW + 1, beats=61), NOW + 1)
+        job.apply(Heartbeat(pid=10, rank=0, step=64, time=NOW + 1.1, beats=65), NOW + 1.1)
+        assert job.learned_gap(NOW + 2) == (pytest.approx(0.1, abs=1e-3), 64)
+
     def test_explicit_timeout_wins(self) -> None:
         job = LiveJob(Settings(stall_timeout=42), started_at=NOW)
         assert job.stall_timeout(NOW) == 42

@@ -43,6 +43,7 @@ class Progress:
     beat_at: float | None = None  # when the step of the latest heartbeat was taken
     ops: int = 0
     advances: int = 0  # progress seen since the first: steps moved, NCCL batches
+    beats: int = 0  # the heartbeat's count of beats at its latest read
     gaps: deque[tuple[float, float, bool]] = field(default_factory=lambda: deque(maxlen=256))  # (when, seconds, warm)
     first_step: int | None = None  # the first heartbeat step seen
     warm: bool = False  # its heartbeat moved WARMUP_STEPS steps: later gaps are the job's rhythm
@@ -53,7 +54,11 @@ class Progress:
         self.warm = self.warm or step - self.first_step >= WARMUP_STEPS
 
     def progressed(self, at: float, advances: int = 1) -> None:
-        if self.last_progress is not None and at > self.last_progress:
+        """Progress at ``at``, ``advances`` of it since the previous; a first one that says more came before it
+        (a heartbeat first read at its 61st beat) counts that."""
+        if self.last_progress is None:
+            self.advances += advances - 1
+        elif at > self.last_progress:
             self.gaps.append((at, at - self.last_progress, self.warm))
             self.advances += advances
         self.last_progress = max(at, self.last_progress or at)
@@ -111,8 +116,14 @@ class LiveJob:
             progress = self.of(event.pid)
             last = self.state.worker(event.pid).step  # the state takes the new step below
             if last != event.step:
-                # Several steps can pass between two reads of the file (it is written at most every 0.1 s).
-                moved = event.step - last if last is not None and event.step > last else 1
+                # Several steps can pass between two reads of the file (it is written at most every 0.1 s), and
+                # before the first: the beat count says how many.  On the H100 a pipeline job's first read was its
+                # 60th step, 0.3 s in; counted as one move, its hang there waited for the warm-up timeout.
+                if event.beats > progress.beats:
+                    moved = event.beats - progress.beats
+                else:
+                    moved = event.step - last if last is not None and event.step > last else 1
+                progress.beats = max(progress.beats, event.beats)
                 progress.beat_at = event.time
                 progress.stepped(event.step)
                 # The hook's own clock, not our poll: gaps are then the job's, not the poll interval's.
