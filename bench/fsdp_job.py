@@ -21,6 +21,11 @@ step K: its next collective is the next step's first all_gather, which meets
 the others' all_reduce, and the job hangs (NCCL) or fails (gloo checks sizes).
 Before skipping, rank R writes ``<mark dir>/fault.R`` (as ``gpu_job.py`` does).
 
+With ``--slow-rank R --slow-ms T`` rank R is a straggler: before each
+step's forward its GPU spins for T ms (``torch.cuda._sleep``, a kernel
+that busy-waits on the GPU clock: the GPU is late, not its host), so the
+others' first all_gather of the step waits for it; on CPU it sleeps.
+
 ``--device cpu`` runs on gloo for a local check. Several ranks on one GPU:
 NCCL refuses two ranks of one host on one device, so when this node has more
 local ranks than GPUs each rank sets its own ``NCCL_HOSTID`` (unless given).
@@ -48,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--skip-rank", type=int, default=-1, help="this rank skips the logging all_reduce (-1: none)")
     parser.add_argument("--skip-step", type=int, default=20)
+    parser.add_argument("--slow-rank", type=int, default=-1, help="this rank's GPU is --slow-ms late every step (-1: none)")
+    parser.add_argument("--slow-ms", type=float, default=100.0)
     parser.add_argument("--mark-dir", default=os.environ.get("NCCLWATCH_RUN_DIR", "."), help="where fault.<rank> goes")
     return parser.parse_args(argv)
 
@@ -80,6 +87,23 @@ def build_model(torch, blocks: int, width: int, vocab: int):
     return Model()
 
 
+def gpu_spin(torch, device, seconds: float):
+    """A call that keeps this rank's GPU (or, on CPU, its host) busy for ``seconds``: ``torch.cuda._sleep`` takes
+    clock cycles, so they are calibrated once against the GPU's own event timer."""
+    if device.type != "cuda":
+        import time
+
+        return lambda: time.sleep(seconds)
+    cycles = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    per_second = cycles / (start.elapsed_time(end) / 1e3)
+    return lambda: torch.cuda._sleep(int(per_second * seconds))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -97,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     tokens_gen = torch.Generator(device=device)
     tokens_gen.manual_seed(1000 + rank)
 
+    spin = gpu_spin(torch, device, args.slow_ms / 1e3) if rank == args.slow_rank else None
     for step in range(args.steps):
+        if spin is not None:
+            spin()
         for micro in range(args.grad_accum):
             model.set_requires_gradient_sync(micro == args.grad_accum - 1)
             tokens = torch.randint(0, args.vocab, (args.batch, 65), device=device, generator=tokens_gen)

@@ -36,8 +36,9 @@ class Scenario:
     nodes: int
     per_node: int
     job: list[str]
-    expect: tuple[str, tuple[int, ...]] | None  # (verdict, culprits); None: healthy, no page and no finding
+    expect: tuple[str, tuple[int, ...]] | None  # (verdict, culprits); None: no page
     watch: list[str] = field(default_factory=list)
+    findings: tuple[str, ...] = ()  # with no page: the performance findings it must log, each "kind: rank N"; no others
 
 
 FSDP = [
@@ -48,6 +49,12 @@ FSDP = [
     Scenario("fsdp2_skip_rank1_late", "fsdp_job.py", 1, 2, ["--steps=400", "--skip-rank=1", "--skip-step=90"], ("collective_mismatch", (1,))),
     Scenario("fsdp2_skip_two_nodes", "fsdp_job.py", 2, 1, ["--steps=400", "--skip-rank=1", "--skip-step=40"], ("collective_mismatch", (1,))),
     Scenario("fsdp2_healthy", "fsdp_job.py", 1, 2, ["--steps=2000"], None, ["--perf-interval=10"]),
+    # Four ranks on one node: three against one, and the culprit's line.
+    Scenario("fsdp2_4ranks_skip_rank2", "fsdp_job.py", 1, 4, ["--steps=400", "--skip-rank=2", "--skip-step=45"], ("collective_mismatch", (2,))),
+    Scenario("fsdp2_4ranks_skip_rank0", "fsdp_job.py", 1, 4, ["--steps=400", "--skip-rank=0", "--skip-step=60"], ("collective_mismatch", (0,))),
+    # A GPU 80 ms late every step: one straggler finding, no page, nothing slow beside it.
+    Scenario("fsdp2_straggler_rank1", "fsdp_job.py", 1, 2, ["--steps=600", "--slow-rank=1", "--slow-ms=80"], None,
+             ["--perf-interval=10"], ("straggler: rank 1",)),
 ]  # fmt: skip
 # Faults late enough that the job has shown its rhythm (on the H100 a step takes ~16 ms: a hang at step 60
 # came 1 s into training, under the 300 s warm-up timeout).
@@ -126,7 +133,10 @@ async def run(scenario: Scenario, work: Path, timeout_s: float, device: str) -> 
     got = (triggers[0][1]["verdict"], tuple(triggers[0][1]["culprit_ranks"])) if triggers else None
     agree = len({(x["verdict"], tuple(x["culprits"] or ())) for x in nodes}) == 1
     if scenario.expect is None:
-        right = not triggers and all(not x["performance"] and x["bundles"] == 0 and x["exit"] == 0 for x in nodes)
+        logged = sorted(line.split("performance: ", 1)[1] for x in nodes for line in x["performance"])
+        wanted = sorted(scenario.findings)
+        right = (not triggers and all(x["bundles"] == 0 and x["exit"] == 0 for x in nodes) and len(logged) == len(wanted)
+                 and all(line.startswith(prefix) for line, prefix in zip(logged, wanted)))  # fmt: skip
     else:
         right = len(triggers) == 1 and got == scenario.expect and agree
     return {
@@ -142,7 +152,7 @@ async def main_async(args: argparse.Namespace) -> int:
     chosen = (FSDP if args.only in ("all", "fsdp") else []) + (PIPELINE if args.only in ("all", "pipeline") else [])
     if args.names:
         chosen = [s for s in chosen if s.name in args.names]
-    for scenario in chosen:
+    for scenario in chosen * args.repeat:
         began = time.time()
         row = await run(scenario, Path(tempfile.mkdtemp(prefix=f"{scenario.name}-", dir=args.work)), args.timeout, args.device)
         row["wall_s"] = round(time.time() - began, 1)
@@ -161,6 +171,7 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", choices=("all", "fsdp", "pipeline"), default="all")
     parser.add_argument("--names", nargs="*", help="only these scenarios")
+    parser.add_argument("--repeat", type=int, default=1, help="run the chosen scenarios this many times, in turn")
     parser.add_argument("--work", default=None)
     parser.add_argument("--timeout", type=float, default=150)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo, to try the bench itself")
