@@ -7,6 +7,9 @@ Real captures live in the repository, so every clone runs every test:
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -56,3 +59,17 @@ def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-u
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+async def stderr_at_end(processes: list[asyncio.subprocess.Process], timeout_s: float) -> list[str]:
+    """Wait for each process (started with ``start_new_session=True``) to end; their stderr, decoded.
+
+    Past ``timeout_s`` on any of them, every one still running has its whole session killed: a wrapper's
+    torchrun and workers would otherwise outlive the test, holding its port and its folder.
+    """
+    try:
+        return [(await asyncio.wait_for(process.communicate(), timeout_s))[1].decode(errors="replace") for process in processes]
+    finally:
+        for process in processes:
+            if process.returncode is None:
+                os.killpg(process.pid, signal.SIGKILL)

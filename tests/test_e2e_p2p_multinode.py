@@ -16,12 +16,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, stderr_at_end
 from test_e2e_multinode import TIMEOUT_S, reports
 from test_sinks_webhooks import Receiver, free_port
 
@@ -48,15 +47,10 @@ async def pipeline(tmp_path: Path, *job: str) -> tuple[list[int | None], list[st
     async with Receiver() as receiver:
         port = free_port()
         nodes = [await start_node(tmp_path, n, port, receiver.url, list(job)) for n in (0, 1)]
-        try:
-            ends = [await asyncio.wait_for(node.communicate(), TIMEOUT_S) for node in nodes]
-        finally:
-            for node in nodes:
-                if node.returncode is None:
-                    os.killpg(node.pid, signal.SIGKILL)
+        stderr = await stderr_at_end(nodes, TIMEOUT_S)
         await asyncio.sleep(0.5)  # a late delivery would still be counted
         triggers = [json.loads(s.body) for s in receiver.seen if json.loads(s.body)["action"] == "trigger"]
-    return [node.returncode for node in nodes], [end[1].decode(errors="replace") for end in ends], triggers
+    return [node.returncode for node in nodes], stderr, triggers
 
 
 def assert_one_job_wide_verdict(tmp_path: Path, verdict: str, culprits: list[int]) -> None:

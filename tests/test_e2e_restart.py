@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import sys
 import tarfile
 from pathlib import Path
 
 import pytest
+from conftest import stderr_at_end
 from test_sinks_webhooks import Receiver, free_port
 
 from ncclwatch.watchdog.hang.report import EXIT_KILLED_ON_HANG
@@ -47,15 +47,10 @@ async def watched(tmp_path: Path, nodes: list[tuple[list[str], list[str]]], job:
     """Run one wrapper per (watch options, torchrun options); their exit codes, stderr and the webhook's posts."""
     async with Receiver() as receiver:
         started = [await wrapper(tmp_path, receiver.url, str(n), watch, torchrun, job) for n, (watch, torchrun) in enumerate(nodes)]
-        try:
-            ends = [await asyncio.wait_for(w.communicate(), TIMEOUT_S) for w in started]
-        finally:
-            for w in started:
-                if w.returncode is None:
-                    os.killpg(w.pid, signal.SIGKILL)
+        stderr = await stderr_at_end(started, TIMEOUT_S)
         await asyncio.sleep(0.5)  # a late delivery would still be counted
         posts = [json.loads(s.body) for s in receiver.seen]
-    return [w.returncode or 0 for w in started], [e[1].decode(errors="replace") for e in ends], posts
+    return [w.returncode or 0 for w in started], stderr, posts
 
 
 def events(tmp_path: Path) -> list[dict]:  # type: ignore[type-arg]
