@@ -20,7 +20,6 @@ from conftest import NOW, Clock
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.hang.classify import Decision
 from ncclwatch.watchdog.hang.detectors import Finding, Verdict
-from ncclwatch.watchdog.hang.report import build_report
 from ncclwatch.watchdog.events import Citation, Event, Heartbeat, ProcessState, StackDump, Stall, ThreadStack, WorkerSeen
 from ncclwatch.watchdog.live.incident import CONFIRM_S, REPROBE_S, WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick
 from ncclwatch.watchdog.live.journal import Journal
@@ -79,9 +78,9 @@ class Rig:
             out=self.out, dispatcher=self.alerts, host="node1", clock=self.clock,  # type: ignore[arg-type]
         )  # fmt: skip
 
-    async def report(self, decision, snapshot, view, started_at, incident_key):  # type: ignore[no-untyped-def]
+    async def report(self, report, decision, view):  # type: ignore[no-untyped-def]
         self.pages.append(decision)
-        return build_report(decision.finding, snapshot, inputs=[], cited={}), None
+        return report, None
 
     def at(self, seconds: float) -> None:
         self.clock.now = NOW + seconds

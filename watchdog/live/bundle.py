@@ -68,10 +68,14 @@ def live_report(
             "detected_at": iso(view.observed_at),
             "stall_timeout_s": round(view.stall_timeout, 2),
             "notes": notes,
-            "performance": [PerfNote.model_validate(f.to_dict()) for f in performance],
+            "performance": perf_notes(performance),
         }
     )
     return live.model_copy(update={"headline": headline(live)})  # from the live rows: host, pid, stack
+
+
+def perf_notes(findings: Sequence[PerfFinding]) -> list[PerfNote]:
+    return [PerfNote.model_validate(f.to_dict()) for f in findings]
 
 
 def terminal_text(report: Report, bundle: Path | None = None) -> str:
@@ -204,7 +208,11 @@ def _repack(source: Path, target: Path, texts: dict[str, str]) -> None:
 
 @dataclass(frozen=True)
 class BundleWriter:
-    """The sidecar's ``Reporter``: say the verdict now, then collect evidence and write the bundle."""
+    """The sidecar's ``Reporter``: say the verdict now, then collect evidence and write the bundle.
+
+    It adds to the sidecar's live report (this run's notes, the latest performance findings) and
+    never builds another: the response was planned from that one.
+    """
 
     settings: Settings
     run_dir: Path
@@ -216,14 +224,8 @@ class BundleWriter:
     ras_withheld: Callable[[], str | None] = lambda: None  # why RAS must not be asked (the prober's rule); None: ask
     notes: Sequence[str] = ()  # said in every report of this run (what the bus-bandwidth probe measures, and when)
 
-    async def __call__(
-        self, decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float, incident_key: str | None
-    ) -> tuple[Report, Path | None]:
-        report = live_report(
-            decision.finding, snapshot, view, job=self.job_name, host=self.host, started_at=started_at, held=decision.held,
-            performance=self.performance(),
-        )
-        report = report.model_copy(update={"incident_key": incident_key, "notes": [*report.notes, *self.notes]})
+    async def __call__(self, report: Report, decision: Decision, view: LiveView) -> tuple[Report, Path | None]:
+        report = report.model_copy(update={"notes": [*report.notes, *self.notes], "performance": perf_notes(self.performance())})
         print(terminal_text(report), file=sys.stderr, flush=True)
         settings = self.settings
         staging = settings.bundle_dir / ("." + bundle_name(self.job_name, self.host, view.observed_at, report.verdict.value))

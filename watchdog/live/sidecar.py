@@ -63,7 +63,7 @@ from ncclwatch.watchdog.hang.detectors import Finding, Verdict
 from ncclwatch.watchdog.slowness.findings import pages
 from ncclwatch.watchdog.slowness.health import PerfHealth
 from ncclwatch.watchdog.hang.report import ActionRecord, Report
-from ncclwatch.watchdog.hang.snapshot import Snapshot, take_snapshot
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.events import Event, SourceDown, SourceUp, Stall, WorkerSeen
 from ncclwatch.watchdog.live.health import Health, health_of
@@ -106,8 +106,9 @@ class Reported:
     alert: Alert | None = None  # the trigger sent, so that progress can resolve it
 
 
-# (decision, snapshot, view, started_at, incident key) -> the report and the bundle (None when it could not be written)
-Reporter = Callable[[Decision, Snapshot, LiveView, float, str | None], Awaitable[tuple[Report, Path | None]]]
+# (the live report, the decision it says, the view it was taken from) -> the report as written and the bundle
+# (None when it could not be written).  The sidecar builds the report: the response is planned from it first.
+Reporter = Callable[[Report, Decision, LiveView], Awaitable[tuple[Report, Path | None]]]
 
 
 class Responder(Protocol):
@@ -450,7 +451,10 @@ class Sidecar:
         snapshot = take_snapshot(state, observed_at=self.clock())
         key = incident_key(cluster.membership, decision) if cluster is not None else None
         following = job_wide and cluster is not None and not cluster.leads()
-        plan = self._plan(decision, snapshot, view, started_at, following)
+        report = live_report(
+            decision.finding, snapshot, view, job=self.job_name, host=self.host, started_at=started_at, held=decision.held
+        ).model_copy(update={"incident_key": key})
+        plan = self._plan(report, following)
         if job_wide and cluster is not None and key is not None and cluster.leads():
             try:  # before the bundle: the members page (and restart or end their ranks) meanwhile
                 await cluster.publish_verdict(key, decision, plan.response.value if plan else None, plan.why if plan else "")
@@ -461,7 +465,7 @@ class Sidecar:
         announced = cluster.unread_verdict() if cluster is not None and not job_wide else None
         pages = job_wide or cluster is None or (announced is None and await cluster.pages_alone(lost))
         try:
-            report, bundle = await self.reporter(decision, snapshot, view, started_at, key)
+            report, bundle = await self.reporter(report, decision, view)
         except Exception:  # a broken sink must not end the watch: the job may hang again
             log.exception("reporting the hang failed")
             return
@@ -497,15 +501,14 @@ class Sidecar:
             log.warning("node(s) %s did not show the verdict within %.0f s; ending the job (and the store) anyway",
                         ", ".join(map(str, waiting)), HANDOFF_S)  # fmt: skip
 
-    def _plan(self, decision: Decision, snapshot: Snapshot, view: LiveView, started_at: float, following: bool) -> Plan | None:
-        """The response: the leader's when following its verdict, else the policy's on this node's view of the hang."""
+    def _plan(self, report: Report, following: bool) -> Plan | None:
+        """The response: the leader's when following its verdict, else the policy's on this node's report of the hang."""
         if self.responder is None:
             return None
         restarts_done = self.live.state.current_round()
         if following and self._followed is not None and self._followed.response is not None:
             return self.responder.follow(self._followed.response, self._followed.why, restarts_done)
-        preview = live_report(decision.finding, snapshot, view, job=self.job_name, host=self.host, started_at=started_at)
-        return self.responder.plan(preview, restarts_done)
+        return self.responder.plan(report, restarts_done)
 
     async def _respond(self, plan: Plan, reported: Reported, view: LiveView, pager: bool) -> None:
         """Carry the plan out; what was done goes into the report, the bundle and, for a restart, the watch."""
