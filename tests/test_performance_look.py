@@ -25,7 +25,7 @@ from test_evidence_support import make_port
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.hang.detectors import Finding, Verdict
 from ncclwatch.watchdog.slowness.findings import PerfKind
-from ncclwatch.watchdog.hang.report import build_report, render_text
+from ncclwatch.watchdog.hang.report import render_text
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.events import Citation, Event, FrDump, FrEntry, FrProcessGroup, Heartbeat, OpState, StackDump, ThreadStack, WorkerSeen
 from ncclwatch.watchdog.live.bundle import live_report, report_markdown
@@ -135,9 +135,9 @@ class Rig:
         self.beaten = 0
         self.tick(0)  # the job starts: the first look is one interval from now
 
-    async def report(self, decision, snapshot, view, started_at, incident_key):  # type: ignore[no-untyped-def]
+    async def report(self, report, decision, view):  # type: ignore[no-untyped-def]
         self.reports.append(decision)
-        return build_report(decision.finding, snapshot, inputs=[], cited={}), None
+        return report, None
 
     def tick(self, seconds: float, beating: bool = True) -> None:
         """Advance to ``seconds``; a healthy job took a step every second until then."""

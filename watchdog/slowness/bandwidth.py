@@ -21,8 +21,8 @@ thread's poll period too long, so busbw is then a lower bound; where the
 group's other entries have durations, one without is not retired yet and
 gives no link time (``link_time``).  Gloo entries carry neither: skew only.  With NCCL an
 enqueue is not an arrival on the GPU (the call returns at once and the host
-runs ahead): whether the others waited for the last rank is in the durations
-(``CollectiveTiming.wait_s``); with gloo the call is synchronous and the
+runs ahead): when each GPU reached it is in the durations
+(``CollectiveTiming.gpu_arrivals``); with gloo the call is synchronous and the
 enqueue is the arrival.
 
 Failure modes: a collective seen by one rank only, with no size, or with
@@ -159,17 +159,20 @@ class CollectiveTiming:
         return (times[-1] - times[-2]) / 1e9 if len(times) > 1 else 0.0
 
     @property
-    def wait_s(self) -> float | None:
-        """How long every other rank's kernel waited for the last rank's: the least by which their kernel times exceed
-        its own.  None unless every rank recorded one (gloo, timing off, an entry not retired yet).
+    def gpu_arrivals(self) -> dict[int, float] | None:
+        """Rank -> when its GPU reached this collective, in seconds on an origin of this collective's own (its first
+        enqueue); None unless every rank recorded a kernel time (gloo, timing off, an entry not retired yet).
 
-        With NCCL a call returns at enqueue and the host runs ahead of its GPU, so a late enqueue alone may be a host
-        that synchronised (``.item()``) while the GPUs never waited; a late GPU keeps the others' kernels spinning.
+        Every rank's kernel ends together, when the last one has joined and the data has moved, so a kernel's time
+        less the shortest is how long that rank's GPU waited: the rank with the shortest kernel reached it last.
+        With NCCL a call returns at enqueue and the host runs ahead of its GPU, so enqueue order says nothing of
+        who the GPUs waited for: a host that synchronised (``.item()``) enqueues late while no GPU waits, and a
+        GPU that is slow keeps the others waiting while its host enqueued early.
         """
-        if len(self.arrivals) < 2 or not self.all_arrived or set(self.kernel_s) != set(self.arrivals):
+        if not self.all_arrived or set(self.kernel_s) != set(self.arrivals):
             return None
-        last = self.last_rank
-        return min(s for rank, s in self.kernel_s.items() if rank != last) - self.kernel_s[last]
+        first, longest = min(self.arrivals.values()) / 1e9, max(self.kernel_s.values())
+        return {rank: first + longest - kernel for rank, kernel in self.kernel_s.items()}
 
     @property
     def busbw(self) -> float | None:
