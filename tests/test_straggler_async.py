@@ -84,11 +84,14 @@ def fsdp_job(
     return dumps
 
 
-def findings(dumps: list[FrDump]) -> list[tuple[str, tuple[int, ...]]]:
+def findings_of(dumps: list[FrDump]):  # type: ignore[no-untyped-def]
     """The look's findings a second after the newest moment the dumps recorded."""
     times = [t for d in dumps for e in d.entries for t in (e.time_created_ns, e.time_started_ns, e.time_completed_ns) if t]
-    report = collective_health(match_collectives(dumps), {}, now=max(times) / 1e9 + 1, hosts={r: "vm" for r in range(8)}, links={})
-    return sorted((f.kind.value, f.ranks) for f in report.perf_findings)
+    return collective_health(match_collectives(dumps), {}, now=max(times) / 1e9 + 1, hosts={r: "vm" for r in range(8)}, links={}).perf_findings
+
+
+def findings(dumps: list[FrDump]) -> list[tuple[str, tuple[int, ...]]]:
+    return sorted((f.kind.value, f.ranks) for f in findings_of(dumps))
 
 
 # Rank 0 prints loss.item() every 10 steps: its host stays a few ms ahead of its GPU; rank 1's runs 225 ms ahead.
@@ -195,3 +198,23 @@ def test_real_fsdp2_dumps_before_the_fault_have_a_late_host_and_no_straggler() -
     assert all(t.last_rank == 0 and t.lead_s > 0.1 for t in gathers[-100:])  # by enqueue, always rank 0
     shares = {p.rank: p.last_arrival_share for p in collective_health(timings, {}, now=now, hosts={}, links={}).rank_perf}
     assert max(shares.values()) < 0.6  # on the GPU, neither rank is usually last
+
+
+def _look_dumps(tarball: str) -> list[FrDump]:
+    dumps = []
+    with tarfile.open(tarball) as tar:
+        for member in tar.getmembers():
+            data = tar.extractfile(member).read()  # type: ignore[union-attr]
+            dumps += [e for e in parse_flight_recorder(data, member.name) if isinstance(e, FrDump)]
+    return dumps
+
+
+def test_real_fsdp2_gpu_straggler_is_named_from_the_look_dumps() -> None:
+    """H100, FSDP2, rank 1's GPU spinning 80 ms before every step, its host enqueuing ~250 ms ahead: the dumps the
+    look took mid-run (tests/fixtures/flight_recorder/h100-fsdp2-gpu-straggler).  Before, the root all-gather
+    shared a series with the blocks' and enqueue order decided: no finding in 600 steps."""
+    dumps = _look_dumps(str(shared("flight_recorder", "h100-fsdp2-gpu-straggler", "look-dumps.tar.gz")))
+    (straggler,) = [f for f in findings_of(dumps) if f.kind is PerfKind.straggler]
+    assert straggler.ranks == (1,) and "its GPU reached them last" in straggler.summary
+    assert 25e-3 < straggler.measured < 40e-3  # the root all-gather's wait, 31 ms
+    assert [f.kind for f in findings_of(dumps)] == [PerfKind.straggler]

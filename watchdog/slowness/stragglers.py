@@ -42,7 +42,7 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ncclwatch.watchdog.slowness.bandwidth import CollectiveTiming, size_bucket, size_text
+from ncclwatch.watchdog.slowness.bandwidth import CollectiveTiming, size_text
 from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind, ranks_text, where
 
 Round = Mapping[int, float]  # rank -> seconds (any common origin)
@@ -65,12 +65,16 @@ class LastArrivals:
 
 
 def collective_series(timings: Sequence[CollectiveTiming]) -> dict[str, list[CollectiveTiming]]:
-    """The instances of each recurring collective (group, op, size within a factor of two) every rank of its group
-    arrived at, in sequence order, named for people."""
+    """The instances of each recurring collective (group, op, exact size) every rank of its group arrived at, in
+    sequence order, named for people.
+
+    The exact size, not the bandwidth checks' factor-of-two bucket: on the H100 an FSDP2 job's root all-gather
+    (1,048,576 bytes, the first of each step, where a late GPU makes the others wait) shared a bucket with its
+    blocks' thirteen (1,052,160 bytes, at which the two ranks take turns being last), and the straggler drowned."""
     series: dict[tuple[str, str, int], list[CollectiveTiming]] = defaultdict(list)
     for t in timings:
         if t.all_arrived:
-            series[(t.pg, t.op, size_bucket(t.nbytes or 0))].append(t)
+            series[(t.pg, t.op, t.nbytes or 0)].append(t)
     return {f"{op} ({size_text(ts[-1].nbytes)}) of process group {pg}": ts for (pg, op, _), ts in series.items()}
 
 
