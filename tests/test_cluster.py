@@ -14,6 +14,7 @@ from ncclwatch.watchdog.cluster.payload import (
     FR_ENTRIES_COMPACT,
     FR_ENTRIES_SHARED,
     FR_FRAMES_SHARED,
+    TAIL_SHARED_MAX,
     encode,
     pack,
     shareable,
@@ -414,3 +415,41 @@ class TestSequenceTails:
         finding = judge(take_snapshot(job_state(zero, {1: shared}, stall), observed_at=NOW)).finding
         assert finding.verdict == Verdict.collective_mismatch
         assert finding.position == tails[0].base + 8
+
+    def test_a_host_far_past_the_divergence_is_shared_back_to_the_slowest_rank(self) -> None:
+        """H100, FSDP2 on two wrappers: rank 1 skipped a collective and its host enqueued 157 more before the job
+        stopped, so its newest 64 began past rank 0's last and the leader read ``rank_behind [0]``.  The leader
+        asks for full evidence back to the fewest collectives any rank issued (``IncidentView.since``)."""
+        import nccl_lines as L
+
+        from ncclwatch.watchdog.hang.classify import judge
+        from ncclwatch.watchdog.hang.snapshot import take_snapshot
+        from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
+
+        comm = "0x5583d3a1f0e0"
+
+        def node(rank: int, text: str) -> JobState:
+            state = JobState()
+            for event in NcclLogParser(f"node{rank}.{1000 + rank}").feed(text.encode(), final=True):
+                state.apply(event)
+            return state
+
+        zero = node(0, L.init(0, 2, comm, host="node0") + L.steps(0, comm, 40, host="node0") + L.op(0, "AllReduce", 4096, comm, host="node0"))
+        one = node(1, L.init(1, 2, comm, host="node1") + L.steps(1, comm, 40, host="node1") + L.steps(1, comm, 60, host="node1"))
+        ahead = one.sequence_tails(TAIL_SHARED_MAX)
+        stall = Stall(at=NOW, stalled_for_s=6, stall_timeout_s=5, progress_timeout_s=600)
+
+        def leader_sees(events: list) -> Finding:
+            shared = unpack(pack(1, "full", NOW, events, since=zero.fewest_issued()), "node 1")
+            assert shared is not None
+            return judge(take_snapshot(job_state(zero, {1: shared.events}, stall), observed_at=NOW)).finding
+
+        newest_only = unpack(pack(1, "full", NOW, ahead), "node 1")
+        assert newest_only is not None
+        alone = judge(take_snapshot(job_state(zero, {1: newest_only.events}, stall), observed_at=NOW)).finding
+        assert (alone.verdict, alone.culprits) == (Verdict.rank_behind, (0,))  # what the leader read before
+        since = job_state(zero, {1: one.sequence_tails(8)}, stall).fewest_issued()
+        assert since == zero.fewest_issued()  # rank 0's count: it is the slowest
+        finding = leader_sees(ahead)
+        assert finding.verdict == Verdict.collective_mismatch
+        assert finding.position == next(iter(since.values())) and finding.culprits == (0,)  # its AllReduce is in no step

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,7 +35,12 @@ Kind = Literal["compact", "full"]
 FR_ENTRIES_SHARED = 32  # per process group
 FR_FRAMES_SHARED = 4  # entries (the newest) that keep their recorded stack
 STACK_FRAMES_SHARED = 24
-TAIL_SHARED = 64  # newest collectives per rank and NCCL communicator: the divergence is near the end
+TAIL_SHARED = 64  # newest collectives per rank and NCCL communicator: the divergence is near the end...
+# ... unless a rank's host ran ahead: on NCCL a call returns at enqueue, and on the H100 an FSDP2 rank that had
+# skipped a collective enqueued 157 more before the job stopped.  The leader says where the slowest rank stands
+# (``IncidentView.since``); a full tail reaches back to it, by this margin, to at most TAIL_SHARED_MAX.
+TAIL_BEFORE_SINCE = 16
+TAIL_SHARED_MAX = 2048
 # Compact, per rank: where it is and what it is doing, no history.
 FR_ENTRIES_COMPACT = 4
 FR_FRAMES_COMPACT = 1
@@ -71,8 +76,9 @@ class Payload:
     events: list[Event]
 
 
-def shareable(events: Iterable[Event], kind: Kind = "full") -> list[Event]:
-    """What travels, trimmed to ``kind``: only the journal's kinds (a probe's notes stay on its node)."""
+def shareable(events: Iterable[Event], kind: Kind = "full", since: Mapping[str, int] = {}) -> list[Event]:
+    """What travels, trimmed to ``kind``: only the journal's kinds (a probe's notes stay on its node).  ``since``:
+    communicator -> the fewest collectives a rank of the job issued on it, which a full tail reaches back to."""
     limits = LIMITS[kind]
     out: list[Event] = []
     samples: dict[int, int] = {}
@@ -87,7 +93,7 @@ def shareable(events: Iterable[Event], kind: Kind = "full") -> list[Event]:
             threads = [t.model_copy(update={"frames": t.frames[: limits.stack_frames]}) for t in event.threads]
             event = event.model_copy(update={"threads": threads})
         elif isinstance(event, SequenceTail):
-            event = _trimmed_tail(event, limits.tail)
+            event = _trimmed_tail(event, _tail_length(event, limits.tail, since.get(event.comm_key)))
         elif isinstance(event, ProcessState) and limits.samples is not None:
             samples[event.pid] = samples.get(event.pid, 0) + 1
             if samples[event.pid] > limits.samples:
@@ -101,6 +107,14 @@ def _without_identity(group: FrProcessGroup) -> FrProcessGroup:
     """Members 0..n-1 in order say nothing a rank's own number does not (``JobState`` reads an empty list so)."""
     identity = group.ranks == list(range(len(group.ranks)))
     return group.model_copy(update={"ranks": []}) if identity and group.ranks else group
+
+
+def _tail_length(tail: SequenceTail, usual: int, since: int | None) -> int:
+    """``usual`` newest collectives, or back to ``since`` (less a margin) where that is further, within the cap."""
+    if since is None:
+        return usual
+    issued = tail.base + len(tail.sigs)
+    return min(max(usual, issued - since + TAIL_BEFORE_SINCE), TAIL_SHARED_MAX)
 
 
 def _trimmed_tail(tail: SequenceTail, length: int) -> SequenceTail:
@@ -137,9 +151,9 @@ def encode(events: Iterable[Event]) -> bytes:
     return (HEADER.decode() + "\n" + "\n".join(journal_line(e) for e in events)).encode()
 
 
-def pack(node: int, kind: Kind, stall_at: float, events: Iterable[Event]) -> bytes:
+def pack(node: int, kind: Kind, stall_at: float, events: Iterable[Event], since: Mapping[str, int] = {}) -> bytes:
     meta = json.dumps({"node": node, "kind": kind, "stall_at": stall_at}).encode()
-    return meta + b"\n" + zlib.compress(encode(shareable(events, kind)), 6)
+    return meta + b"\n" + zlib.compress(encode(shareable(events, kind, since)), 6)
 
 
 def unpack(raw: bytes, name: str) -> Payload | None:

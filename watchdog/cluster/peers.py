@@ -292,7 +292,10 @@ class Cluster:
     # -- at a stall ---------------------------------------------------------
 
     async def share(self, kind: Kind, events: list[Event], stall_at: float) -> None:
-        await self.client.set(self.key(kind, self.me), pack(self.me, kind, stall_at, events))
+        """This node's evidence; full evidence reaches back to where the leader says the slowest rank stands."""
+        incident = self.view.incident if self.view is not None else None
+        since = incident.since if kind == "full" and incident is not None else {}
+        await self.client.set(self.key(kind, self.me), pack(self.me, kind, stall_at, events, since))
 
     async def gather(self, kind: Kind, wanted: set[int], since: float, wait_s: float) -> dict[int, list[Event]]:
         """``kind`` evidence of each wanted node from a probe at or after ``since``; waits up to ``wait_s``."""
@@ -305,14 +308,18 @@ class Cluster:
         self._evidence_keys |= {self.key(kind, n) for n in found}
         return found
 
-    async def open_incident(self, opened_at: float, want: list[int] | None = None, judging: bool = True) -> None:
-        """The leader's incident, in the view: the others look now; ``want`` asks for full evidence; not
-        ``judging`` while the stall is held (a pause), so the members go back to their usual pace."""
+    async def open_incident(
+        self, opened_at: float, want: list[int] | None = None, judging: bool = True, since: dict[str, int] | None = None,
+    ) -> None:  # fmt: skip
+        """The leader's incident, in the view: the others look now; ``want`` asks for full evidence, reaching back
+        to ``since`` (``IncidentView.since``); not ``judging`` while the stall is held (a pause), so the members
+        go back to their usual pace."""
         assert self.view is not None
         incident = self.view.incident
         if incident is None or incident.opened_at != opened_at:
             incident = IncidentView(opened_at=opened_at)
-        incident = incident.model_copy(update={"judging": judging, **({"want": want} if want is not None else {})})
+        asked = {"want": want, "since": since or {}} if want is not None else {}
+        incident = incident.model_copy(update={"judging": judging, **asked})
         if incident != self.view.incident:
             await self._publish(self.view.model_copy(update={"incident": incident, "seq": self.view.seq + 1}))
 

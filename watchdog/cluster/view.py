@@ -57,6 +57,9 @@ class IncidentView(BaseModel):
     opened_at: float  # the leader's clock: names the incident
     judging: bool = True  # the leader is gathering and judging now (False while a pause is held): members hurry
     want: list[int] = []  # nodes asked for their full evidence
+    # NCCL communicator -> the fewest collectives any rank issued on it (compact evidence): full evidence's
+    # tails reach back to it, for a rank whose host ran far ahead of the divergence (``payload.shareable``).
+    since: dict[str, int] = {}
     verdict: str | None = None  # the incident key, once the leader judged and paged (``verdict`` holds it)
 
 

@@ -418,6 +418,13 @@ class JobState:
                 ))  # fmt: skip
         return tails
 
+    def fewest_issued(self) -> dict[str, int]:
+        """NCCL communicator -> the fewest collectives one of its ranks issued, as far as this state knows."""
+        return {
+            comm.key: min(seq.total for seq in comm.ranks.values())
+            for comm in self.comms.values() if comm.source == "nccl_log" and comm.ranks
+        }  # fmt: skip
+
     def world_size(self) -> int | None:
         """The job's rank count as torchrun told the workers (WORLD_SIZE), when any worker was seen."""
         sizes = [w.world_size for w in self.workers.values() if w.world_size]

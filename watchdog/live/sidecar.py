@@ -43,7 +43,7 @@ from typing import Protocol, TextIO
 
 from ncclwatch.watchdog.cluster.judge import STORE_GONE, degraded, focus, incident_key, job_state, unread_verdict, with_lost_nodes
 from ncclwatch.watchdog.cluster.lifeline import LINGER_S, STORE_GONE_LINGER_S, Lifeline
-from ncclwatch.watchdog.cluster.payload import TAIL_SHARED
+from ncclwatch.watchdog.cluster.payload import TAIL_SHARED_MAX
 from ncclwatch.watchdog.cluster.peers import (
     EVIDENCE_WAIT_S,
     FULL_NODES,
@@ -383,7 +383,7 @@ class Sidecar:
             return _judge_at(self.live.state, stall.at)
         if "cluster" in self.live.down:
             return await self._judge_without_store(cluster, stall, self.live.down["cluster"])
-        self._shared = live_inputs(self.live.state) + self.live.state.sequence_tails(TAIL_SHARED) + self._probed + [stall]
+        self._shared = live_inputs(self.live.state) + self.live.state.sequence_tails(TAIL_SHARED_MAX) + self._probed + [stall]
         try:
             if cluster.leads():
                 return await self._judge_job(cluster, stall)
@@ -405,7 +405,7 @@ class Sidecar:
         decision = _judge_at(self._job_wide, stall.at)
         nodes_of = {e.rank: node for node, events in remote.items() for e in events if isinstance(e, WorkerSeen)}
         if want := focus(decision, nodes_of, set(cluster.lost()), FULL_NODES):
-            await cluster.open_incident(opened, want)
+            await cluster.open_incident(opened, want, since=self._job_wide.fewest_issued())
             remote |= await cluster.gather("full", set(want), since=started, wait_s=FULL_WAIT_S)
             self._job_wide = job_state(self.live.state, remote, stall)
             decision = _judge_at(self._job_wide, stall.at)
