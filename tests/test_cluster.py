@@ -380,6 +380,15 @@ class TestJobWideVerdict:
         assert focus(decision(Verdict.inconclusive, rows=rows[:4]), nodes_of, lost=set(), limit=8) == []  # a tie names no one
         assert focus(d, nodes_of, lost={2}, limit=8) == []
 
+    def test_a_rank_behind_an_unseen_operation_asks_the_nodes_ahead(self) -> None:
+        """H100, FSDP2 on two wrappers: rank 0 behind, and what rank 1 issued at its position unknown (its host ran
+        157 collectives ahead, past its compact tail); the leader, rank 0's node, must ask rank 1's."""
+        rows = (RankStatus(0, "h", 0, 1107, "x", "behind"), RankStatus(1, "h", 1, 1264, "x", "waiting"))
+        d = Decision(Finding(Verdict.rank_behind, "s", culprits=(0,), operation="?", rows=rows), page=True)
+        assert focus(d, {0: 0, 1: 1}, lost=set(), limit=8) == [0, 1]
+        known = Decision(Finding(Verdict.rank_behind, "s", culprits=(0,), operation="AllReduce", rows=rows), page=True)
+        assert focus(known, {0: 0, 1: 1}, lost=set(), limit=8)[0] == 0
+
     def test_remote_workers_join_the_local_state(self) -> None:
         local = JobState()
         local.apply(WorkerSeen(pid=1, rank=0, host="a", at=NOW))

@@ -37,11 +37,18 @@ def job_state(local: JobState, remote: dict[int, list[Event]], stall: Stall) -> 
 
 def focus(decision: Decision, nodes_of: dict[int, int], lost: set[int], limit: int) -> list[int]:
     """The nodes whose full evidence decides: the culprits' and absent ranks', then those of ranks whose row
-    differs from the most common one (behind, diverged), at most ``limit``; never a lost node (it cannot answer)."""
+    differs from the most common one (behind, diverged), at most ``limit``; never a lost node (it cannot answer).
+
+    A rank behind where the others' operation at its position is unknown (``?``) asks the others' nodes too:
+    their compact tails began after that position, their hosts having run ahead (on the H100, FSDP2 across two
+    wrappers: the rank that skipped a collective enqueued 157 more), and only their full evidence tells a rank
+    behind from ranks that diverged.  With two ranks the most common row is a tie, so this was left to chance."""
     finding = decision.finding
     statuses = [row.status for row in finding.rows]
     usual = max(set(statuses), key=statuses.count) if statuses else None
-    ranks = [*finding.culprits, *finding.absent, *(row.rank for row in finding.rows if row.status != usual)]
+    unseen = finding.verdict == Verdict.rank_behind and finding.operation == "?"
+    ahead = [row.rank for row in finding.rows if row.rank not in finding.culprits] if unseen else []
+    ranks = [*finding.culprits, *finding.absent, *(row.rank for row in finding.rows if row.status != usual), *ahead]
     chosen: list[int] = []
     for rank in ranks:
         node = nodes_of.get(rank)
