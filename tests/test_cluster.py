@@ -398,6 +398,16 @@ class TestJobWideVerdict:
         assert [w.rank for w in local.current_workers()] == [0]  # the local state is left as it was
 
 
+def node(rank: int, text: str) -> JobState:
+    """What node ``rank``'s sidecar read: that rank's NCCL log only."""
+    from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
+
+    state = JobState()
+    for event in NcclLogParser(f"node{rank}.{1000 + rank}").feed(text.encode(), final=True):
+        state.apply(event)
+    return state
+
+
 class TestSequenceTails:
     def test_another_nodes_newest_collectives_align_by_absolute_position(self) -> None:
         """Each node reads only its own ranks' NCCL logs; the tails it shares let the leader see the divergence."""
@@ -405,15 +415,7 @@ class TestSequenceTails:
 
         from ncclwatch.watchdog.hang.classify import judge
         from ncclwatch.watchdog.hang.snapshot import take_snapshot
-        from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
-
         comm = "0x5583d3a1f0e0"
-
-        def node(rank: int, text: str) -> JobState:
-            state = JobState()
-            for event in NcclLogParser(f"node{rank}.{1000 + rank}").feed(text.encode(), final=True):
-                state.apply(event)
-            return state
 
         zero = node(0, L.init(0, 2, comm, host="node0") + L.steps(0, comm, 40, host="node0") + L.op(0, "AllReduce", 4096, comm, host="node0"))
         one = node(1, L.init(1, 2, comm, host="node1") + L.steps(1, comm, 40, host="node1") + L.op(1, "Broadcast", 16, comm, host="node1"))
@@ -433,15 +435,7 @@ class TestSequenceTails:
 
         from ncclwatch.watchdog.hang.classify import judge
         from ncclwatch.watchdog.hang.snapshot import take_snapshot
-        from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
-
         comm = "0x5583d3a1f0e0"
-
-        def node(rank: int, text: str) -> JobState:
-            state = JobState()
-            for event in NcclLogParser(f"node{rank}.{1000 + rank}").feed(text.encode(), final=True):
-                state.apply(event)
-            return state
 
         zero = node(0, L.init(0, 2, comm, host="node0") + L.steps(0, comm, 40, host="node0") + L.op(0, "AllReduce", 4096, comm, host="node0"))
         one = node(1, L.init(1, 2, comm, host="node1") + L.steps(1, comm, 40, host="node1") + L.steps(1, comm, 60, host="node1"))
