@@ -22,7 +22,7 @@ from test_straggler_symptoms import job
 from ncclwatch.watchdog.slowness.bandwidth import match_collectives
 from ncclwatch.watchdog.slowness.findings import PerfKind
 from ncclwatch.watchdog.slowness.health import collective_health
-from ncclwatch.watchdog.slowness.stragglers import last_arrivals, stragglers
+from ncclwatch.watchdog.slowness.stragglers import collective_series, last_arrivals, stragglers
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState
 from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
 
@@ -214,6 +214,8 @@ def test_real_fsdp2_gpu_straggler_is_named_from_the_look_dumps() -> None:
     look took mid-run (tests/fixtures/flight_recorder/h100-fsdp2-gpu-straggler).  Before, the root all-gather
     shared a series with the blocks' and enqueue order decided: no finding in 600 steps."""
     dumps = _look_dumps(str(shared("flight_recorder", "h100-fsdp2-gpu-straggler", "look-dumps.tar.gz")))
+    gathers = [name for name in collective_series(match_collectives(dumps)) if name.startswith("AllGather")]
+    assert sorted(gathers) == ["AllGather (1,048,576 bytes) of process group 0", "AllGather (1,052,160 bytes) of process group 0"]
     (straggler,) = [f for f in findings_of(dumps) if f.kind is PerfKind.straggler]
     assert straggler.ranks == (1,) and "its GPU reached them last" in straggler.summary
     assert 25e-3 < straggler.measured < 40e-3  # the root all-gather's wait, 31 ms

@@ -70,12 +70,18 @@ def collective_series(timings: Sequence[CollectiveTiming]) -> dict[str, list[Col
 
     The exact size, not the bandwidth checks' factor-of-two bucket: on the H100 an FSDP2 job's root all-gather
     (1,048,576 bytes, the first of each step, where a late GPU makes the others wait) shared a bucket with its
-    blocks' thirteen (1,052,160 bytes, at which the two ranks take turns being last), and the straggler drowned."""
+    blocks' thirteen (1,052,160 bytes, at which the two ranks take turns being last), and the straggler drowned.
+    Sizes that read alike ("1.0 MiB" both) are named by their bytes, so neither series replaces the other."""
     series: dict[tuple[str, str, int], list[CollectiveTiming]] = defaultdict(list)
     for t in timings:
         if t.all_arrived:
             series[(t.pg, t.op, t.nbytes or 0)].append(t)
-    return {f"{op} ({size_text(ts[-1].nbytes)}) of process group {pg}": ts for (pg, op, _), ts in series.items()}
+    readable = Counter((pg, op, size_text(nbytes or None)) for pg, op, nbytes in series)
+    named = {}
+    for (pg, op, nbytes), ts in series.items():
+        size = size_text(nbytes or None)
+        named[f"{op} ({size if readable[(pg, op, size)] == 1 else f'{nbytes:,} bytes'}) of process group {pg}"] = ts
+    return named
 
 
 def arrival_round(t: CollectiveTiming) -> dict[int, float]:
