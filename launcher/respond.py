@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.hang.detectors import Verdict
+from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.hang.report import ActionRecord, Report
 from ncclwatch.watchdog.response.drain import drain_reason, drain_slurm
 from ncclwatch.watchdog.response.hook import run_hook

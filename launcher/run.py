@@ -36,15 +36,15 @@ from ncclwatch.watchdog.hang.report import EXIT_DRAINED, EXIT_KILLED_ON_HANG
 from ncclwatch.watchdog.live.bundle import BundleWriter
 from ncclwatch.watchdog.live.journal import Journal
 from ncclwatch.watchdog.live.performance_look import PerfWatch, perf_watch
-from ncclwatch.watchdog.live.probe import JobProber, comm_errored
+from ncclwatch.watchdog.live.prober import JobProber, comm_errored
 from ncclwatch.watchdog.live.sidecar import Reporter, Sidecar
 from ncclwatch.watchdog.probes.procfs import listens_on
 from ncclwatch.watchdog.response.policy import Response
 from ncclwatch.watchdog.server.app import make_app, start_server, stop_server
 from ncclwatch.watchdog.sinks.delivery import Dispatcher, sinks_from_settings, spool_dir_for
-from ncclwatch.watchdog.sinks.metrics import HealthCollector, TextfileWriter
+from ncclwatch.watchdog.server.metrics import HealthCollector, TextfileWriter
 from ncclwatch.watchdog.sources.files import HeartbeatSource, NcclFileSource
-from ncclwatch.watchdog.sources.gpus import NvmlSource
+from ncclwatch.watchdog.sources.nvml import NvmlSource
 from ncclwatch.watchdog.sources.workers import WorkerSource
 
 from ncclwatch.launcher import busbw

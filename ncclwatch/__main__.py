@@ -1,3 +1,3 @@
-from ncclwatch.watchdog.cli import main
+from ncclwatch.launcher.cli import main
 
 raise SystemExit(main())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import NOW
 
-from ncclwatch.watchdog.hang.detectors import Finding
+from ncclwatch.watchdog.hang.types import Finding
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
 from ncclwatch.watchdog.hang.snapshot import Snapshot, take_snapshot
 from ncclwatch.watchdog.hang.state import JobState

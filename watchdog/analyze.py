@@ -3,7 +3,7 @@
 The same engine the live sidecar runs: parse (``parsing``) -> fold
 (``state.JobState``) -> freeze (``snapshot``) -> judge (``classify``); and,
 from the Flight Recorder dumps given, the performance findings the live
-look makes (``slowness.health``).  A
+look makes (``slowness.engine``).  A
 kept run folder or a bundle holds the sidecar's journal (``journal.jsonl``),
 so the live-only inputs (process state, stacks, GPU samples, the stall's
 clock) reach the classifier here too.  The
@@ -23,9 +23,9 @@ from pathlib import Path
 
 from ncclwatch.watchdog.bundles_in import expand_bundles
 from ncclwatch.watchdog.hang.classify import judge
-from ncclwatch.watchdog.hang.detectors import Finding, OpRef
+from ncclwatch.watchdog.hang.types import Finding, OpRef
 from ncclwatch.watchdog.slowness.bandwidth import match_collectives
-from ncclwatch.watchdog.slowness.health import collective_health
+from ncclwatch.watchdog.slowness.engine import collective_health
 from ncclwatch.watchdog.hang.report import InputFile, PerfNote, Report, build_report
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import DEFAULT_WINDOW, JobState

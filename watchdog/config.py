@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from ncclwatch.watchdog.hang.detectors import HANG_VERDICTS
+from ncclwatch.watchdog.hang.verdicts import HANG_VERDICTS
 from ncclwatch.watchdog.response.policy import DRAIN_ON, RESTART_ON
 
 ENV_PREFIX = "NCCLWATCH_"

@@ -19,11 +19,9 @@ absence is recorded, not fatal.
 """
 import argparse
 import concurrent.futures
-import errno
 import glob
 import json
 import os
-import platform
 import shutil
 import signal
 import socket

@@ -19,7 +19,8 @@ from dataclasses import replace
 from ncclwatch.watchdog.cluster.peers import Membership
 from ncclwatch.watchdog.cluster.view import LOST_AFTER_S, Contact
 from ncclwatch.watchdog.hang.classify import Decision
-from ncclwatch.watchdog.hang.detectors import PRIORITY, Fact, Verdict
+from ncclwatch.watchdog.hang.types import Fact
+from ncclwatch.watchdog.hang.verdicts import PRIORITY, Verdict
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.events import Event, Stall
 

@@ -16,7 +16,7 @@ fewer channels or HCAs than its peers): a node alone only sees its own.
 
 Size: 8 ranks of one group, 64 NCCL rows each (durations, 64 MiB sizes),
 encode to 31.5 KB of JSON, about 61 bytes a row
-(``tests/test_cluster_perf.py`` holds it under 40 KB): one set per
+(``tests/cluster/test_cluster_perf.py`` holds it under 40 KB): one set per
 ``perf_interval`` per node, and the leader reads one per other node (64
 nodes: 2 MB a minute). NCCL's choices add 0.44-0.5 KB per process and
 communicator (the recorded 2-node IB/socket log and the real H200 capture),

@@ -29,7 +29,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from ncclwatch.watchdog.hang.detectors import HANG_VERDICTS, P2P_DEADLOCK_FIX, Fact, Finding, Verdict
+from ncclwatch.watchdog.hang.detectors import P2P_DEADLOCK_FIX
+from ncclwatch.watchdog.hang.types import Fact, Finding
+from ncclwatch.watchdog.hang.verdicts import HANG_VERDICTS, Verdict
 from ncclwatch.watchdog.hang.snapshot import Snapshot, WorkerView
 from ncclwatch.watchdog.hang.stacks import Whereabouts, short_frame, split_frame, whereabouts
 from ncclwatch.watchdog.hang.verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures

@@ -19,104 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
-from enum import StrEnum
 from typing import Literal
 
 from ncclwatch.watchdog.hang.snapshot import CommView, PeerView, RankView
 from ncclwatch.watchdog.hang.stacks import call_line, short_frame, split_frame, user_frame
 from ncclwatch.watchdog.hang.step_pattern import Expectation, expected_next
-from ncclwatch.watchdog.events import Citation, OpSig, OpState, ProcKey
+from ncclwatch.watchdog.events import Citation, OpSig, OpState
+from ncclwatch.watchdog.hang.types import Fact, Finding, OpRef, RankStatus
+from ncclwatch.watchdog.hang.verdicts import Verdict
 
 MAX_SKEW = 16  # how far apart two ranks' sequences may be realigned
-
-
-class Verdict(StrEnum):
-    collective_mismatch = "collective_mismatch"
-    rank_behind = "rank_behind"
-    process_dead = "process_dead"
-    process_stopped = "process_stopped"
-    gpu_compute_hang = "gpu_compute_hang"
-    stuck_in_collective = "stuck_in_collective"
-    progress_stalled = "progress_stalled"
-    network_error = "network_error"  # a link failed (InfiniBand completion error): offline, from partial evidence
-    node_lost = "node_lost"  # a node's sidecar stopped answering while the other nodes' ranks wait (multi-node)
-    p2p_deadlock = "p2p_deadlock"  # ranks each wait in a send/recv for the other's missing side
-    no_hang = "no_hang"
-    inconclusive = "inconclusive"
-
-
-# Higher wins when communicators disagree.
-PRIORITY = {
-    Verdict.collective_mismatch: 9,
-    Verdict.process_dead: 8,
-    Verdict.node_lost: 8,
-    Verdict.process_stopped: 7,
-    Verdict.network_error: 7,
-    Verdict.p2p_deadlock: 7,
-    Verdict.rank_behind: 6,
-    Verdict.gpu_compute_hang: 5,
-    Verdict.stuck_in_collective: 4,
-    Verdict.progress_stalled: 3,
-    Verdict.no_hang: 2,
-    Verdict.inconclusive: 1,
-}
-HANG_VERDICTS = frozenset(v for v in Verdict if v not in (Verdict.no_hang, Verdict.inconclusive))
-
-
-@dataclass(frozen=True)
-class OpRef:
-    """An operation to cite as file:line; resolved after the verdict (the state keeps no line numbers)."""
-
-    file: str
-    proc: ProcKey
-    comm_ptr: str
-    kind: Literal["coll", "Send", "Recv"]
-    peer: int | None
-    ordinal: int  # 0-based among this kind (and peer) on this communicator in this process
-
-
-@dataclass(frozen=True)
-class Fact:
-    """One piece of a finding's evidence: what a source showed, and where (``evidence/`` collects files, not these)."""
-
-    source: str
-    fact: str
-    cite: Citation | None = None
-    op_ref: OpRef | None = None
-
-
-@dataclass(frozen=True)
-class RankStatus:
-    """One rank's state on the finding's communicator (the report's ``RankRow`` adds the live fields)."""
-
-    rank: int
-    host: str | None
-    pid: int | None
-    issued: int | None
-    last_op: str | None
-    status: str
-    detail: str = ""
-    # The operation at the finding's position as Flight Recorder recorded its stack: "all_reduce (...) <- main (train.py:71)"
-    call_site: str | None = None
-
-
-@dataclass(frozen=True)
-class Finding:
-    verdict: Verdict
-    summary: str
-    reason: str = ""
-    culprits: tuple[int, ...] = ()
-    comm_key: str | None = None
-    comm_label: str | None = None
-    source: str | None = None
-    position: int | None = None  # 1-based sequence number of the operation in its communicator
-    operation: str | None = None
-    evidence: tuple[Fact, ...] = ()
-    missing: tuple[str, ...] = ()
-    rows: tuple[RankStatus, ...] = ()
-    # Culprits named only because their dump is absent: right when the live watchdog asked them
-    # (they could not answer), no evidence when files were merely not given (``classify.judge``).
-    absent: tuple[int, ...] = ()
 
 
 # --------------------------------------------------------------------------

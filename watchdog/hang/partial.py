@@ -26,7 +26,7 @@ which files or settings would decide it.
   (a count, datatype or operation that differs at one opCount is a mismatch,
   opCount 0 included); with opCount 0 on every line, by the operation each
   process stopped in.  Culprits whose rank no prefix or file name gives are
-  named as processes (``ProcessFinding``: host:pid and the GPU of the line).
+  named as processes (``Finding.culprit_processes``: host:pid and the GPU of the line).
 
 Failure mode, by design: one rank's view never names a culprit (its peers'
 side is unknown), and sequence numbers of different groups are never compared.
@@ -39,7 +39,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import replace
 
-from ncclwatch.watchdog.hang.detectors import PRIORITY, Fact, Finding, RankStatus, Verdict
+from ncclwatch.watchdog.hang.types import Fact, Finding, RankStatus
+from ncclwatch.watchdog.hang.verdicts import PRIORITY, Verdict
 from ncclwatch.watchdog.hang.partial_rules import Facts, describe_network, judge_groups, judge_orphans, network_finding, reporter
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.hang.step_pattern import learn_steps

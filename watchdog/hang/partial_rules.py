@@ -11,7 +11,8 @@ import signal
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ncclwatch.watchdog.hang.detectors import Fact, Finding, RankStatus, Verdict
+from ncclwatch.watchdog.hang.types import CulpritProcess, Fact, Finding, RankStatus
+from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.hang.pg_status import Group, RankInGroup, build_groups
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.events import (
@@ -25,25 +26,6 @@ from ncclwatch.watchdog.events import (
     WatchdogTimeout,
     WorkerFailure,
 )
-
-
-@dataclass(frozen=True)
-class CulpritProcess:
-    """A culprit known as a process only (NCCL lines without Init or rank prefix): ``host:pid`` and its GPU."""
-
-    host: str
-    pid: int
-    cuda_dev: int | None = None  # from the line prefix "[cudaDev]": a hint, the device the process drove
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.pid}" + (f" (GPU {self.cuda_dev})" if self.cuda_dev is not None else "")
-
-
-@dataclass(frozen=True)
-class ProcessFinding(Finding):
-    """A verdict whose culprits are named as processes where their ranks are unknown (report: ``culprit_processes``)."""
-
-    culprit_processes: tuple[CulpritProcess, ...] = ()
 
 
 # OpTypes whose NumelIn must be equal on every rank (not all-to-all, gather/scatter, p2p).
@@ -371,11 +353,11 @@ def _who(orphan: OrphanOps) -> str:
 
 
 def _process(orphan: OrphanOps) -> CulpritProcess:
-    return CulpritProcess(orphan.proc.host, orphan.proc.pid, orphan.cuda_dev)
+    return CulpritProcess(host=orphan.proc.host, pid=orphan.proc.pid, cuda_dev=orphan.cuda_dev)
 
 
 def _named(orphans: list[OrphanOps]) -> dict:
-    """Culprits as ``ProcessFinding`` fields: ranks where a prefix or file name gave them, else the processes."""
+    """Culprits as ``Finding`` fields: ranks where a prefix or file name gave them, else the processes."""
     return {
         "culprits": tuple(sorted(o.rank for o in orphans if o.rank is not None)),
         "culprit_processes": tuple(_process(o) for o in orphans if o.rank is None),
@@ -404,7 +386,7 @@ def _align_orphans(size: int | None, procs: dict[ProcKey, list[OrphanOps]]) -> F
     if not behind:
         return Finding(Verdict.inconclusive, summary=f"NCCL operations without Init lines ({label}) all end at opCount {top:#x}: {seen}", missing=missing)
     ahead = [o for o in single if last[o.proc] == top]
-    return ProcessFinding(
+    return Finding(
         verdict=Verdict.rank_behind,
         summary=f"{', '.join(_who(o) for o in behind)} stopped at an earlier opCount than {', '.join(_who(o) for o in ahead)} "
         f"(last {top:#x}, {ahead[0].last[-1][1].describe()}) on the {label}.",
@@ -440,7 +422,7 @@ def _orphan_mismatch(label: str, single: list[OrphanOps]) -> Finding | None:
     (good, n_good), (_, n_next) = sigs.most_common(2)
     tie = n_good == n_next
     odd = [] if tie else [o for o in single if issued[o.proc][0] != good]
-    return ProcessFinding(
+    return Finding(
         verdict=Verdict.collective_mismatch,
         summary=f"At {where} on the {label}: " + "; ".join(f"{_who(o)} issued {issued[o.proc][0].describe()}" for o in single),
         reason="Ranks of one communicator launch the same operation at the same opCount (count, datatype and operation alike). "

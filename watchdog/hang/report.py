@@ -8,8 +8,8 @@ import textwrap
 from pydantic import BaseModel, Field
 
 from ncclwatch.watchdog import __version__
-from ncclwatch.watchdog.hang.detectors import Finding, Verdict
-from ncclwatch.watchdog.hang.partial_rules import ProcessFinding
+from ncclwatch.watchdog.hang.types import CulpritProcess, Finding
+from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.hang.stacks import CALL_ARROW, call_line, main_thread, short_frame, split_frame, user_frame
 from ncclwatch.watchdog.hang.verdict import gpu_signature
@@ -26,17 +26,6 @@ class EvidenceItem(BaseModel):
     fact: str
     cite: str | None = None  # "file:line" or "file entries[n]"
     text: str | None = None  # the cited line, when there is one
-
-
-class CulpritProcess(BaseModel):
-    """A culprit whose rank the input does not give (NCCL lines without Init lines or rank prefixes)."""
-
-    host: str
-    pid: int
-    cuda_dev: int | None = Field(None, description="the CUDA device of its NCCL lines' prefix: a hint, not a rank")
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.pid}" + (f" (GPU {self.cuda_dev})" if self.cuda_dev is not None else "")
 
 
 class RankRow(BaseModel):
@@ -233,9 +222,7 @@ def build_report(finding: Finding, snapshot: Snapshot, inputs: list[InputFile], 
     report = Report(
         verdict=finding.verdict,
         culprit_ranks=list(finding.culprits),
-        culprit_processes=[CulpritProcess(host=c.host, pid=c.pid, cuda_dev=c.cuda_dev) for c in finding.culprit_processes]
-        if isinstance(finding, ProcessFinding)
-        else [],
+        culprit_processes=list(finding.culprit_processes),
         communicator=finding.comm_label,
         position=finding.position,
         operation=finding.operation,

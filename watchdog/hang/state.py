@@ -221,7 +221,7 @@ class JobState:
         self.comms: dict[str, Communicator] = {}
         self.procs: dict[ProcKey, NcclProcess] = {}
         self.warnings: list[NcclWarning] = []
-        # The latest dump of each file, whole: bandwidth and arrival skew need its timings (slowness/health.py).
+        # The latest dump of each file, whole: bandwidth and arrival skew need its timings (slowness/engine.py).
         self.fr_dumps: dict[str, FrDump] = {}
         self.peer_closed: list[LocalPeerClosed] = []
         self.timeouts: list[WatchdogTimeout] = []

@@ -29,7 +29,7 @@ from pathlib import Path
 from ncclwatch.watchdog.analyze import resolve_citations
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.hang.classify import Decision
-from ncclwatch.watchdog.hang.detectors import Finding
+from ncclwatch.watchdog.hang.types import Finding
 from ncclwatch.watchdog.slowness.findings import PerfFinding
 from ncclwatch.watchdog.hang.report import (
     TERMINAL_COLUMNS, EvidenceFile, PerfNote, RankRow, Report, build_report, gpu_of, headline, iso, main_frame, render_text,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ncclwatch.watchdog.slowness.findings import PerfFinding
-from ncclwatch.watchdog.slowness.health import CommBandwidth, IbPortHealth, PerfHealth, RankPerf
+from ncclwatch.watchdog.slowness.engine import CommBandwidth, IbPortHealth, PerfHealth, RankPerf
 from ncclwatch.watchdog.live.job import LiveJob
 
 

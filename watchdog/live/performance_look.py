@@ -55,14 +55,14 @@ from ncclwatch.watchdog.cluster.perf_records import PerfRecord, perf_record
 from ncclwatch.watchdog.slowness.bandwidth import RankEntry, match_entries, rank_entries
 from ncclwatch.watchdog.slowness.links import ib_port_findings, rank_links, transport_anomalies
 from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind
-from ncclwatch.watchdog.slowness.health import IbPortHealth, PerfHealth, collective_health
+from ncclwatch.watchdog.slowness.engine import IbPortHealth, PerfHealth, collective_health
 from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.hang.state import group_label
 from ncclwatch.watchdog.events import STOPPED_STATES, FrDump, ProcKey
 from ncclwatch.watchdog.parsing.transport import RankTransport
 from ncclwatch.watchdog.probes.infiniband import SYS_INFINIBAND, ib_delta, rate_bytes_per_s, read_ib_counters, state_name
 from ncclwatch.watchdog.sources.files import TransportReader
-from ncclwatch.watchdog.sources.flight_recorder import read_dump, request_dumps
+from ncclwatch.watchdog.probes.flight_recorder import read_dump, request_dumps
 
 log = logging.getLogger("ncclwatch")
 

@@ -59,9 +59,10 @@ from ncclwatch.watchdog.cluster.store import StoreError
 from ncclwatch.watchdog.cluster.view import HOT_S, PUBLISH_S, Contact, NodeSummary
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.hang.classify import Decision, judge
-from ncclwatch.watchdog.hang.detectors import Finding, Verdict
+from ncclwatch.watchdog.hang.types import Finding
+from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.slowness.findings import pages
-from ncclwatch.watchdog.slowness.health import PerfHealth
+from ncclwatch.watchdog.slowness.engine import PerfHealth
 from ncclwatch.watchdog.hang.report import ActionRecord, Report
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
@@ -72,7 +73,7 @@ from ncclwatch.watchdog.live.incident import WATCHING, Incident, Page, Phase, Pr
 from ncclwatch.watchdog.live.job import LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import Journal, live_inputs
 from ncclwatch.watchdog.live.performance_look import JobLook, PerfWatch
-from ncclwatch.watchdog.live.probe import PRIME_EXCUSE_S, Prober
+from ncclwatch.watchdog.live.prober import PRIME_EXCUSE_S, Prober
 from ncclwatch.watchdog.response.policy import Plan, Response
 from ncclwatch.watchdog.sinks.alert import Alert, resolve_for, trigger_from_finding, trigger_from_report
 from ncclwatch.watchdog.sinks.delivery import Dispatcher

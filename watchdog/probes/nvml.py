@@ -25,6 +25,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ncclwatch.watchdog.events import Citation, GpuSnapshot
+from ncclwatch.watchdog.parsing.nvml import snapshot_from_doc
+
 try:
     import pynvml
 except ImportError:  # the daemon runs without it: every call is "no data"
@@ -145,3 +148,12 @@ def _gpm_metrics(sample1: Any, sample2: Any) -> dict | None:
         name: round(request.metrics[k].value, 4) if int(request.metrics[k].nvmlReturn) == 0 else None
         for k, (name, _) in enumerate(GPM_METRICS)
     }
+
+
+async def gpu_snapshot() -> GpuSnapshot | None:
+    """One NVML sample with GPM over the preceding second; None without NVML."""
+    sample = await sample_gpus_async()
+    if sample is None:
+        return None
+    snapshot = snapshot_from_doc(sample, Citation(file="nvml (live)"))
+    return snapshot if isinstance(snapshot, GpuSnapshot) else None

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from ncclwatch.watchdog.hang.detectors import Verdict
+from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.hang.report import STACK_ARROW, Report
 
 RESTART_ON = (

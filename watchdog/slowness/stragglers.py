@@ -40,7 +40,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ncclwatch.watchdog.slowness.bandwidth import CollectiveTiming, size_text
 from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind, ranks_text, where

@@ -1,0 +1,57 @@
+"""End to end: a real hang under the real wrapper pages a real (loopback) PagerDuty-compatible receiver.
+
+The receiver fails the first attempt (500), so delivery must retry; the
+hang then resolves by itself (the ``straggle`` fault: a rank sleeps, then
+goes on), which must send one ``resolve`` with the trigger's dedup key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from receiver import Receiver, Reply
+
+import ncclwatch.launcher.demo_job as demo_job
+
+pytest.importorskip("torch")
+
+
+async def run_job(tmp_path: Path, receiver: Receiver) -> tuple[int, str]:
+    env = dict(os.environ, NCCLWATCH_PAGERDUTY_ROUTING_KEY="test-routing-key", NCCLWATCH_PAGERDUTY_URL=receiver.url)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"), "--stall-timeout", "4",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "--monitor-interval=0.2",
+        demo_job.__file__, "--fault=straggle", "--fault-step=10", "--pause-s=14", "--step-time=0.05", "--steps=20",
+        "--mark-dir", str(tmp_path),
+        env=env, cwd=tmp_path, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, stderr = await asyncio.wait_for(process.communicate(), 150)
+    return process.returncode, stderr.decode(errors="replace")
+
+
+def test_hang_pages_once_with_retries_and_resolves_when_progress_returns(tmp_path: Path) -> None:
+    async def scenario() -> tuple[int, str, list]:  # type: ignore[type-arg]
+        async with Receiver(Reply(500), Reply(202)) as receiver:
+            code, stderr = await run_job(tmp_path, receiver)
+            return code, stderr, receiver.seen
+
+    code, stderr, seen = asyncio.run(scenario())
+    assert code == 0, stderr[-3000:]
+    accepted = [json.loads(s.body) for s in seen if s.status == 202]
+    actions = [a["event_action"] for a in accepted]
+    assert actions == ["trigger", "resolve"], (actions, stderr[-2000:])
+    trigger, resolve = accepted
+    assert trigger["dedup_key"] == resolve["dedup_key"]
+    assert trigger["routing_key"] == "test-routing-key"
+    payload = trigger["payload"]
+    assert payload["severity"] == "critical"
+    assert "rank 2" in payload["summary"] and len(payload["summary"]) <= 1024
+    assert payload["custom_details"]["verdict"] == "rank_behind"
+    assert payload["custom_details"]["culprit_ranks"] == [2]
+    assert payload["custom_details"]["bundle_url"].startswith("file://")
+    assert seen[0].status == 500  # the first attempt failed and was retried

@@ -1,0 +1,127 @@
+"""``--on-hang restart`` end to end: the real wrapper, real torchrun with --max-restarts, a gloo job that
+checkpoints and resumes (bench/checkpoint_job.py), pages counted at a loopback webhook receiver.
+
+- A rank stopped once (SIGSTOP in the first round only): one page that says "restarting (1 of 2)", one
+  restart from the last checkpoint, the page resolved when the new round trains, exit 0.
+- A rank that gathers where the others reduce, every round: a mismatch is never restarted by default
+  (exit 3, the page says why); when the user allows it, the loop guard ends the second round's identical hang.
+- Two wrappers (two nodes): the stopped rank on node 1; both nodes restart together, one page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from conftest import stderr_at_end
+from receiver import Receiver
+from support import free_port
+
+from ncclwatch.watchdog.hang.report import EXIT_KILLED_ON_HANG
+
+pytest.importorskip("torch")
+
+JOB = Path(__file__).resolve().parents[2] / "bench" / "checkpoint_job.py"
+TIMEOUT_S = 300
+
+
+def job_args(tmp_path: Path, fault: str, fault_rank: int, *more: str) -> list[str]:
+    return [str(JOB), "--steps=50", "--ckpt-every=10", f"--ckpt-dir={tmp_path}", f"--events={tmp_path / 'events.jsonl'}",
+            f"--fault={fault}", f"--fault-rank={fault_rank}", "--fault-step=25", *more]  # fmt: skip
+
+
+async def wrapper(tmp_path: Path, hook: str, name: str, watch: list[str], torchrun: list[str], job: list[str]):  # type: ignore[no-untyped-def]
+    env = dict(os.environ, NCCLWATCH_WEBHOOK_URL=hook, PYTHONUNBUFFERED="1")
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ncclwatch", "--job-name", "ckpt", "--bundle-dir", str(tmp_path / f"bundles-{name}"), *watch,
+        sys.executable, "-m", "torch.distributed.run", "--max-restarts=2", "--monitor-interval=0.2", *torchrun, *job,
+        env=env, cwd=tmp_path, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+
+
+async def watched(tmp_path: Path, nodes: list[tuple[list[str], list[str]]], job: list[str]) -> tuple[list[int], list[str], list[dict]]:  # type: ignore[type-arg]
+    """Run one wrapper per (watch options, torchrun options); their exit codes, stderr and the webhook's posts."""
+    async with Receiver() as receiver:
+        started = [await wrapper(tmp_path, receiver.url, str(n), watch, torchrun, job) for n, (watch, torchrun) in enumerate(nodes)]
+        stderr = await stderr_at_end(started, TIMEOUT_S)
+        await asyncio.sleep(0.5)  # a late delivery would still be counted
+        posts = [json.loads(s.body) for s in receiver.seen]
+    return [w.returncode or 0 for w in started], stderr, posts
+
+
+def events(tmp_path: Path) -> list[dict]:  # type: ignore[type-arg]
+    return [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+
+
+def reports(folder: Path) -> list[dict]:  # type: ignore[type-arg]
+    found = []
+    for bundle in sorted(folder.glob("*.tar.gz")):
+        with tarfile.open(bundle) as tar:
+            name = next(n for n in tar.getnames() if n.endswith("/report.json"))
+            found.append(json.loads(tar.extractfile(name).read()))  # type: ignore[union-attr]
+    return found
+
+
+def single(*watch: str) -> list[tuple[list[str], list[str]]]:
+    return [(["--on-hang", "restart", *watch], ["--standalone", "--nproc-per-node=2"])]
+
+
+def test_a_rank_stopped_once_is_restarted_once_and_the_job_finishes(tmp_path: Path) -> None:
+    codes, stderr, posts = asyncio.run(watched(tmp_path, single(), job_args(tmp_path, "sigstop", 0)))
+    assert codes == [0], stderr[0][-3000:]
+    triggers = [p for p in posts if p["action"] == "trigger"]
+    resolves = [p for p in posts if p["action"] == "resolve"]
+    assert len(triggers) == 1 and triggers[0]["verdict"] == "process_stopped" and triggers[0]["culprit_ranks"] == [0]
+    assert "(restarting (1 of 2))" in triggers[0]["summary"]
+    assert len(resolves) == 1 and resolves[0]["reason"] == "training again after restart 1 of 2"
+    seen = events(tmp_path)
+    starts = [(e["round"], e["step"]) for e in seen if e["event"] == "start"]
+    assert starts == [(0, 0), (1, 20)]  # the second round resumed from the checkpoint of step 19
+    assert [e["round"] for e in seen if e["event"] == "done"] == [1]
+    (report,) = reports(tmp_path / "bundles-0")
+    assert report["response"] == "restarting (1 of 2)"
+    assert [(a["kind"], a["ok"]) for a in report["actions"]] == [("restart", True)]
+
+
+def test_a_mismatch_is_not_restarted_and_the_page_says_why(tmp_path: Path) -> None:
+    codes, stderr, posts = asyncio.run(watched(tmp_path, single(), job_args(tmp_path, "gather", 1, "--fault-rounds=9")))
+    assert codes == [EXIT_KILLED_ON_HANG], stderr[0][-3000:]
+    triggers = [p for p in posts if p["action"] == "trigger"]
+    assert len(triggers) == 1 and triggers[0]["verdict"] == "collective_mismatch"
+    assert "(ending the job: a restart cannot help: a collective mismatch comes from the program" in triggers[0]["summary"]
+    assert [e["round"] for e in events(tmp_path) if e["event"] == "start"] == [0]
+
+
+def test_the_loop_guard_ends_a_mismatch_that_recurs_after_the_restart_the_user_allowed(tmp_path: Path) -> None:
+    watch = single("--restart-on", "collective_mismatch")
+    codes, stderr, posts = asyncio.run(watched(tmp_path, watch, job_args(tmp_path, "gather", 1, "--fault-rounds=9")))
+    assert codes == [EXIT_KILLED_ON_HANG], stderr[0][-3000:]
+    triggers = [p for p in posts if p["action"] == "trigger"]
+    assert [t["verdict"] for t in triggers] == ["collective_mismatch", "collective_mismatch"]
+    assert "(restarting (1 of 2))" in triggers[0]["summary"]
+    assert "(ending the job: recurs after restart: not transient (collective_mismatch, " in triggers[1]["summary"]
+    assert [e["round"] for e in events(tmp_path) if e["event"] == "start"] == [0, 1]
+    assert "recurs after restart: not transient" in stderr[0]
+
+
+def test_two_nodes_restart_together_with_one_page(tmp_path: Path) -> None:
+    port = free_port()
+    nodes = [
+        (["--on-hang", "restart", "--run-dir", str(tmp_path / f"run{n}")],
+         ["--nnodes=2", f"--node-rank={n}", "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}"])
+        for n in range(2)
+    ]  # fmt: skip
+    codes, stderr, posts = asyncio.run(watched(tmp_path, nodes, job_args(tmp_path, "sigstop", 3)))
+    assert codes == [0, 0], "\n".join(s[-2500:] for s in stderr)
+    triggers = [p for p in posts if p["action"] == "trigger"]
+    assert len(triggers) == 1 and triggers[0]["verdict"] == "process_stopped" and triggers[0]["culprit_ranks"] == [3]
+    assert "(restarting (1 of 2))" in triggers[0]["summary"]
+    assert [e["round"] for e in events(tmp_path) if e["event"] == "done"] == [1]
+    for n in range(2):  # each node ended its own ranks, the member on the leader's word
+        (report,) = reports(tmp_path / f"bundles-{n}")
+        assert [(a["kind"], a["ok"]) for a in report["actions"]] == [("restart", True)], (n, report["actions"])

@@ -1,0 +1,325 @@
+"""The sidecar driven tick by tick: scripted events, a scripted prober, a fake clock, no sleeps.
+
+Each test walks one edge of the incident lifecycle (``live/incident.py``)
+through the real ``Sidecar``: watching -> suspect -> confirming -> paged ->
+resolved, and the ways back (progress, a rank moving between looks), the
+holds (a pause, a busy rank) and a probe that cannot see.  The pure state
+machine has its own edge tests below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+
+import nccl_lines as L
+import pytest
+from conftest import NOW, Clock
+
+from ncclwatch.watchdog.config import Settings
+from ncclwatch.watchdog.hang.classify import Decision
+from ncclwatch.watchdog.hang.types import Finding
+from ncclwatch.watchdog.hang.verdicts import Verdict
+from ncclwatch.watchdog.events import Citation, Event, Heartbeat, ProcessState, StackDump, Stall, ThreadStack, WorkerSeen
+from ncclwatch.watchdog.live.incident import CONFIRM_S, REPROBE_S, WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick
+from ncclwatch.watchdog.live.journal import Journal
+from ncclwatch.watchdog.live.prober import PRIME_EXCUSE_S
+from ncclwatch.watchdog.live.sidecar import Sidecar
+from ncclwatch.watchdog.parsing.journal import parse_journal
+from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
+
+COMM = "0x5583d3a1f0e0"
+SETTINGS = Settings(stall_timeout_floor=5.0, warmup_stall_timeout=300.0, progress_timeout=600.0, poll_interval=0.25)
+IN_ALL_REDUCE = "all_reduce (torch/distributed/distributed_c10d.py:3252)"
+IN_TRAIN = "main (train.py:105)"
+
+
+class ScriptedProber:
+    """Answers each probe with the events a test scripted (stacks by pid); records every call."""
+
+    def __init__(self) -> None:
+        self.frames: dict[int, str] = {}
+        self.calls: list[bool] = []  # with_gpus of each probe
+        self.primed: set[int] = set()
+
+    def prime(self, workers) -> int:  # type: ignore[no-untyped-def]
+        new = {w.pid for w in workers} - self.primed
+        self.primed |= new
+        return len(new)
+
+    async def probe(self, workers, with_gpus: bool, stalled_since: float | None = None) -> list[Event]:  # type: ignore[no-untyped-def]
+        self.calls.append(with_gpus)
+        return [
+            StackDump(pid=w.pid, threads=[ThreadStack(name="MainThread", frames=[self.frames[w.pid]])], cite=Citation(file="py-spy"))
+            for w in workers
+            if w.pid in self.frames
+        ]
+
+
+class Alerts:
+    """Records what the sidecar submits (the real Dispatcher's delivery has its own tests)."""
+
+    def __init__(self) -> None:
+        self.submitted: list[str] = []
+
+    def submit(self, alert) -> None:  # type: ignore[no-untyped-def]
+        self.submitted.append(alert.action)
+
+
+class Rig:
+    def __init__(self, tmp_path: Path) -> None:
+        self.clock = Clock()
+        self.prober = ScriptedProber()
+        self.out = io.StringIO()
+        self.pages: list[Decision] = []
+        self.alerts = Alerts()
+        self.sidecar = Sidecar(
+            SETTINGS, "train", sources=[], prober=self.prober, reporter=self.report, journal=Journal(tmp_path / "journal.jsonl"),
+            out=self.out, dispatcher=self.alerts, host="node1", clock=self.clock,  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    async def report(self, report, decision, view):  # type: ignore[no-untyped-def]
+        self.pages.append(decision)
+        return report, None
+
+    def at(self, seconds: float) -> None:
+        self.clock.now = NOW + seconds
+
+    def emit(self, *events: Event) -> None:
+        for event in events:
+            self.sidecar.emit(event)
+
+    def tick(self, seconds: float) -> None:
+        self.at(seconds)
+        asyncio.run(self.sidecar.tick())
+
+    @property
+    def phase(self) -> Phase:
+        return self.sidecar.incident.phase
+
+
+def healthy_job(rig: Rig, behind: bool = True, cpu: float = 0.0) -> None:
+    """Three ranks beat every second for 20 s; rank 2 issued one collective fewer (pids 100-102)."""
+    for rank in range(3):
+        rig.emit(WorkerSeen(pid=100 + rank, rank=rank, host="node1", at=NOW))
+    for second in range(21):
+        rig.at(second)
+        rig.emit(*(Heartbeat(pid=100 + r, rank=r, step=second, time=NOW + second) for r in range(3)))
+    for rank in range(3):
+        steps = 5 if behind and rank == 2 else 6
+        text = L.init(rank, 3, COMM, pid=100 + rank) + L.steps(rank, COMM, steps, pid=100 + rank)
+        rig.emit(*NcclLogParser(f"node1.{100 + rank}").feed(text.encode(), final=True))
+        for i, t in enumerate((18.0, 19.0, 20.0)):
+            rig.emit(ProcessState(pid=100 + rank, rank=rank, state="S", cpu_seconds=cpu * i * (rank == 2), at=NOW + t))
+    rig.tick(20)
+
+
+def stuck_frames(rig: Rig, lead: str = IN_TRAIN) -> None:
+    rig.prober.frames = {100: IN_ALL_REDUCE, 101: IN_ALL_REDUCE, 102: lead}
+
+
+class TestSidecarTicks:
+    def test_priming_excuses_the_gap_it_may_cause(self, tmp_path: Path) -> None:
+        """The first dumps are asked once the job has a rhythm; the next PRIME_EXCUSE_S of gaps are not learned."""
+        rig = Rig(tmp_path)
+        healthy_job(rig)
+        assert rig.prober.primed == {100, 101, 102}
+        (window,) = rig.sidecar.live.excused
+        assert window[1] - window[0] == PRIME_EXCUSE_S
+        rig.tick(21)
+        assert len(rig.sidecar.live.excused) == 1  # asked once per worker, excused once
+
+    def test_quiet_until_the_stall_timeout(self, tmp_path: Path) -> None:
+        rig = Rig(tmp_path)
+        healthy_job(rig)
+        rig.tick(24.9)  # learned timeout: 3 x 1 s + 2 polls, floored at 5 s
+        assert rig.phase is Phase.watching and rig.prober.calls == []
+
+    def test_stall_is_suspect_and_probed_then_confirmed_then_paged_once(self, tmp_path: Path) -> None:
+        rig = Rig(tmp_path)
+        healthy_job(rig)
+        stuck_frames(rig)
+        rig.tick(25.1)
+        assert rig.phase is Phase.confirming and rig.prober.calls == [True] and rig.pages == []
+        rig.tick(25.1 + CONFIRM_S / 2)
+        assert rig.phase is Phase.confirming and len(rig.prober.calls) == 1
+        rig.tick(25.1 + CONFIRM_S)
+        assert rig.phase is Phase.paged and rig.prober.calls == [True, False]  # the confirming look reuses the GPU sample
+        assert [d.finding.verdict for d in rig.pages] == [Verdict.rank_behind]
+        assert rig.pages[0].finding.culprits == (2,)
+        assert rig.alerts.submitted == ["trigger"]
+        rig.tick(40)
+        assert len(rig.pages) == 1 and len(rig.prober.calls) == 2
+
+    def test_progress_after_the_page_resolves_and_watching_starts_over(self, tmp_path: Path) -> None:
+        rig = Rig(tmp_path)
+        healthy_job(rig)
+        stuck_frames(rig)
+        rig.tick(25.1)
+        rig.tick(26.2)
+        rig.emit(Heartbeat(pid=100, rank=0, step=21, time=NOW + 30))
+        rig.tick(30)
+        assert rig.phase is Phase.resolved
+        assert rig.alerts.submitted == ["trigger", "resolve"]
+        assert "job progressing again" in rig.out.getvalue()
+        rig.tick(30.25)
+        assert rig.phase is Phase.watching
+
+    def test_progress_while_suspect_goes_back_to_watching_without_a_page(self, tmp_path: Path) -> None:
+        rig = Rig(tmp_path)
+        healthy_job(rig)
+        stuck_frames(rig)
+        rig.tick(25.1)
+        rig.emit(*(Heartbeat(pid=100 + r, rank=r, step=21, time=NOW + 25.5) for r in range(3)))
+        rig.tick(25.6)
+        assert rig.phase is Phase.watching and rig.pages == []
+
+    def test_a_pause_is_held_and_said_once_then_paged_past_the_progress_timeout(self, tmp_path: Path) -> None:
+        rig = Rig(tmp_path)
+        healthy_job(rig, behind=False)
+        rig.prober.frames = {100 + r: IN_TRAIN for r in range(3)}
+        rig.tick(25.1)
+        assert rig.phase is Phase.suspect and rig.pages == []
+        rig.tick(25.1 + REPROBE_S)
+        assert rig.out.getvalue().count("not paging: no rank is inside a collective") == 1
+        rig.tick(20 + SETTINGS.progress_timeout + 1)
+        rig.tick(20 + SETTINGS.progress_timeout + 1 + CONFIRM_S)
+        assert [d.finding.verdict for d in rig.pages] == [Verdict.progress_stalled]
+
+    def test_a_busy_culprit_outside_collectives_is_held(self, tmp_path: Path) -> None:
+        rig = Rig(tmp_path)
+        healthy_job(rig, cpu=0.9)
+        stuck_frames(rig, lead="write (torch/serialization.py:650)")
+        rig.tick(25.1)
+        assert rig.phase is Phase.suspect and rig.pages == []
+        assert "busy (CPU or I/O moving outside any collective" in rig.out.getvalue()
+
+    def test_a_busy_culprit_waiting_on_the_gpu_is_not_held(self, tmp_path: Path) -> None:
+        """Ranks spinning in a CUDA or NCCL wait burn a core: that is waiting, not a checkpoint."""
+        rig = Rig(tmp_path)
+        healthy_job(rig, cpu=0.9)
+        stuck_frames(rig, lead="synchronize (torch/cuda/__init__.py:1083)")
+        rig.tick(25.1)
+        rig.tick(25.1 + CONFIRM_S)
+        assert [d.finding.verdict for d in rig.pages] == [Verdict.rank_behind]
+
+    def test_a_blind_probe_is_said_never_read_as_a_pause(self, tmp_path: Path) -> None:
+        rig = Rig(tmp_path)
+        healthy_job(rig, behind=False)  # sequences agree and never end: they cannot decide
+        rig.tick(25.1)  # py-spy and Flight Recorder both denied: the prober returns nothing
+        assert rig.phase is Phase.suspect and rig.pages == []
+        said = rig.out.getvalue()
+        assert "a stall that cannot be decided" in said and "cannot see where rank 0, 1, 2 is" in said
+        assert "a pause" not in said
+
+    def test_every_probe_is_journaled_for_offline_replay(self, tmp_path: Path) -> None:
+        rig = Rig(tmp_path)
+        healthy_job(rig)
+        stuck_frames(rig)
+        rig.tick(25.1)
+        rig.tick(26.2)
+        events = parse_journal((tmp_path / "journal.jsonl").read_bytes(), "journal.jsonl")
+        kinds = {type(e).__name__ for e in events}
+        assert {"WorkerSeen", "ProcessState", "StackDump", "Stall"} <= kinds
+        assert sum(type(e).__name__ == "Stall" for e in events) == 2
+        assert WorkerSeen(pid=100, rank=0, host="node1", at=NOW) in events  # the worker exactly as its source saw it
+
+
+# -- the pure state machine ------------------------------------------------------
+
+
+def decision(page: bool, held: str | None = None, blind: bool = False) -> Decision:
+    return Decision(Finding(Verdict.rank_behind if page else Verdict.progress_stalled, "s"), page=page, held=held, blind=blind)
+
+
+class TestIncidentEdges:
+    def test_watching_below_the_timeout_does_nothing(self) -> None:
+        assert on_tick(WATCHING, NOW, NOW - 1, 1.0, 5.0) == (WATCHING, [])
+
+    def test_watching_past_the_timeout_is_suspect_and_probes(self) -> None:
+        incident, actions = on_tick(WATCHING, NOW, NOW - 6, 6.0, 5.0)
+        assert incident.phase is Phase.suspect and incident.started_at == NOW - 6 and actions == [Probe(confirming=False)]
+
+    def test_suspect_probes_again_only_after_the_reprobe_interval(self) -> None:
+        suspect = Incident(Phase.suspect, started_at=NOW - 6, opened_at=NOW, next_probe=NOW + REPROBE_S)
+        assert on_tick(suspect, NOW + 1, NOW - 6, 7.0, 5.0)[1] == []
+        assert on_tick(suspect, NOW + REPROBE_S, NOW - 6, 11.0, 5.0)[1] == [Probe(confirming=False)]
+
+    def test_paging_decision_confirms_before_paging(self) -> None:
+        suspect = Incident(Phase.suspect, started_at=NOW - 6, opened_at=NOW)
+        confirming, actions = on_probe(suspect, NOW, decision(True), moved=False, stalled_for=6.0)
+        assert confirming.phase is Phase.confirming and actions == [] and confirming.next_probe == NOW + CONFIRM_S
+        assert on_tick(confirming, NOW + CONFIRM_S, NOW - 6, 7.0, 5.0)[1] == [Probe(confirming=True)]
+        paged, actions = on_probe(confirming, NOW + CONFIRM_S, decision(True), moved=False, stalled_for=7.0)
+        assert paged.phase is Phase.paged and actions == [Page(decision(True))]
+
+    def test_confirming_look_that_no_longer_pages_is_held(self) -> None:
+        confirming = Incident(Phase.confirming, started_at=NOW - 6, opened_at=NOW, decision=decision(True))
+        held, actions = on_probe(confirming, NOW + 1, decision(False, held="a pause"), moved=False, stalled_for=7.0)
+        assert held.phase is Phase.suspect and held.held == "a pause"
+        assert actions == [Say("nothing has moved for 7 s, not paging: a pause")]
+
+    def test_the_same_hold_is_said_once(self) -> None:
+        suspect = Incident(Phase.suspect, started_at=NOW - 6, opened_at=NOW, held="a pause")
+        assert on_probe(suspect, NOW, decision(False, held="a pause"), moved=False, stalled_for=9.0)[1] == []
+
+    def test_blind_is_said_as_undecided(self) -> None:
+        suspect = Incident(Phase.suspect, started_at=NOW - 6, opened_at=NOW)
+        _, actions = on_probe(suspect, NOW, decision(False, held="cannot see", blind=True), moved=False, stalled_for=6.0)
+        assert actions == [Say("nothing has moved for 6 s, a stall that cannot be decided: cannot see")]
+
+    @pytest.mark.parametrize("phase", [Phase.suspect, Phase.confirming])
+    def test_a_rank_moving_between_looks_is_progress(self, phase: Phase) -> None:
+        incident = Incident(phase, started_at=NOW - 6, opened_at=NOW)
+        assert on_probe(incident, NOW, decision(True), moved=True, stalled_for=6.0) == (WATCHING, [])
+
+    @pytest.mark.parametrize("phase", [Phase.suspect, Phase.confirming])
+    def test_progress_before_a_page_is_watching(self, phase: Phase) -> None:
+        incident = Incident(phase, started_at=NOW - 6, opened_at=NOW)
+        assert on_tick(incident, NOW + 1, NOW + 0.5, 0.5, 5.0) == (WATCHING, [])
+
+    def test_progress_after_a_page_resolves(self) -> None:
+        paged = Incident(Phase.paged, started_at=NOW - 6, opened_at=NOW, decision=decision(True))
+        resolved, actions = on_tick(paged, NOW + 9, NOW + 8, 1.0, 5.0)
+        assert resolved.phase is Phase.resolved
+        assert actions == [Say("job progressing again (1.0 s since the last progress)"), Resolve("the job is making progress again")]
+        assert on_tick(resolved, NOW + 10, NOW + 8, 2.0, 5.0) == (WATCHING, [])
+
+    def test_paged_without_progress_stays_paged(self) -> None:
+        paged = Incident(Phase.paged, started_at=NOW - 6, opened_at=NOW)
+        assert on_tick(paged, NOW + 60, NOW - 6, 66.0, 5.0) == (paged, [])
+
+
+def test_the_journal_starts_over_past_its_bound(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from ncclwatch.watchdog.hang.state import JobState
+    from ncclwatch.watchdog.live import journal as journal_module
+
+    monkeypatch.setattr(journal_module, "MAX_BYTES", 2000)
+    state = JobState()
+    state.apply(WorkerSeen(pid=100, rank=0, host="node1", at=NOW))
+    journal = Journal(tmp_path / "journal.jsonl")
+    for second in range(40):
+        journal.record(state, Stall(at=NOW + second, stalled_for_s=second, stall_timeout_s=5, progress_timeout_s=600))
+    events = parse_journal((tmp_path / "journal.jsonl").read_bytes(), "journal.jsonl")
+    stalls = [e for e in events if isinstance(e, Stall)]
+    assert (tmp_path / "journal.jsonl").stat().st_size <= 2000 + 400 and stalls[-1].at == NOW + 39
+
+
+def test_a_peer_node_probing_a_stall_makes_this_node_look_at_the_floor(tmp_path: Path) -> None:
+    """A node whose own learned timeout is longer would keep the leader waiting for its evidence."""
+    from ncclwatch.watchdog.cluster.peers import Cluster, Membership
+    from ncclwatch.watchdog.cluster.view import JobView
+
+    rig = Rig(tmp_path)
+    for rank in range(2):
+        rig.emit(WorkerSeen(pid=100 + rank, rank=rank, host="node1", at=NOW))
+    rig.tick(6)  # no rhythm learned yet: the warm-up timeout (300 s) applies
+    cluster = rig.sidecar.cluster = Cluster(Membership("127.0.0.1", 1, "job", 0, 1, 2), "node1", clock=rig.clock)
+    cluster.view, cluster._view_changed_at = JobView(leader=0, term=0, seq=1, nnodes=2), NOW + 6
+    rig.tick(6.5)
+    assert rig.phase is Phase.watching
+    cluster.view, cluster._view_changed_at = JobView(leader=0, term=0, seq=2, nnodes=2, probing=[0]), NOW + 6.5
+    rig.sidecar.live.down["cluster"] = "test: judge alone"  # no store here: this node judges its own ranks
+    rig.tick(7)
+    assert rig.phase is not Phase.watching and rig.prober.calls  # probed at the 5 s floor, not 300 s

@@ -1,0 +1,225 @@
+"""What the sidecar looks at when a stall is suspected: dumps, stacks, GPUs, in parallel.
+
+``JobProber`` asks every rank that can answer for a Flight Recorder dump,
+takes non-blocking py-spy stacks of every rank and (except on the
+confirming look, which reuses it) an NVML sample.  Each piece is bounded in
+time; one that fails is a missing piece of evidence (logged), never an
+exception: the classifier then sees less, and says so ("blind").
+A stopped rank is not asked for a dump: it cannot answer, and waiting for
+it would only delay the verdict.  Once NCCL has reported a communicator
+error in the job's logs (a network WARN: "message truncated", "remote
+process exited"), dumps are waited for ``ERRORED_DUMP_WAIT_S``
+instead of ``DUMP_WAIT_S``: on the H100 suite no rank answered within 3 s
+in that state (torch's watchdog is busy failing the communicator), and the
+NCCL logs already hold the sequences the verdict needs.
+
+NCCL RAS is asked once per incident, on its first look, and only when the
+job's NCCL version is known and not one whose RAS thread was seen crashing
+the job when asked (``RAS_CRASHES``): a watchdog must not kill the job it
+watches.  When it is not asked, the report's notes say why, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from ncclwatch.watchdog.hang.snapshot import WorkerView
+from ncclwatch.watchdog.events import STOPPED_STATES, Citation, Event, NcclWarning, Unusable, WarningCategory
+from ncclwatch.watchdog.parsing.pyspy import parse_pyspy
+from ncclwatch.watchdog.parsing.ras import parse_ras
+from ncclwatch.watchdog.probes.flight_recorder import prime, read_dump, request_dumps, written_since
+from ncclwatch.watchdog.probes.nvml import gpu_snapshot
+
+log = logging.getLogger("ncclwatch")
+
+STACK_TIMEOUT_S = 5.0
+# A rank's first dump takes 4-5 s (H200: torch symbolises its C++ stacks) and can hold up its training thread;
+# the job's gaps in that time are ours, not its rhythm, and do not widen the learned stall timeout.
+PRIME_EXCUSE_S = 10.0
+DUMP_WAIT_S = 3.0  # a primed rank dumps in 0.02-1 s (H200, H100)
+ERRORED_DUMP_WAIT_S = 1.0
+RAS_QUERY_S = 4.0  # the whole query; RAS answers in milliseconds when it answers at all
+RAS_SERVER_TIMEOUT_S = 3  # how long the RAS server waits for its peers before replying
+RAS_FIRST = (2, 24, 0)  # NCCL starts a RAS thread from 2.24
+# [first affected, first fixed) -> what was seen.  From NVIDIA/nccl's issues; a range with no
+# fixed release ends at the next version, the only one reported, and is to be widened if seen again.
+RAS_CRASHES: tuple[tuple[tuple[int, int, int], tuple[int, int, int], str], ...] = (
+    ((2, 24, 0), (2, 27, 3), "a RAS report during communicator initialization crashes the process "
+     "(NVIDIA/nccl#1669, #1718; fixed in 2.27.3)"),
+    ((2, 27, 3), (2, 29, 2), "VERBOSE STATUS can corrupt memory and crash the job (NVIDIA/nccl#1762, fixed in 2.29.2; "
+     "2.27.7 also segfaults inside RAS, #1996)"),
+    ((2, 29, 7), (2, 29, 8), "a RAS report while a communicator initializes can segfault (NVIDIA/nccl#2346, open)"),
+)  # fmt: skip
+_VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)")  # "2.28.9+cuda13.0"
+
+
+def ras_skip_reason(versions: Collection[str]) -> str | None:
+    """Why RAS must not be asked for this job's NCCL versions; None when it is safe to ask."""
+    if not versions:
+        return (
+            "not queried: no NCCL version in the job's NCCL logs (a gloo job, or none written yet), and RAS queries crash "
+            "several NCCL versions"
+        )
+    for text in sorted(versions):
+        match = _VERSION.match(text)
+        if match is None:
+            return f"not queried: NCCL version {text!r} could not be read, and RAS queries crash several NCCL versions"
+        version = tuple(map(int, match.groups()))
+        if version < RAS_FIRST:
+            return f"not queried: NCCL {text} has no RAS (2.24+)"
+        for first, fixed, seen in RAS_CRASHES:
+            if first <= version < fixed:
+                return f"not queried: on NCCL {text} {seen}"
+    return None
+
+
+def comm_errored(warnings: Sequence[NcclWarning]) -> bool:
+    """Whether NCCL reported a network failure of a communicator (its WARN lines), so dumps are unlikely."""
+    return any(warning.category is WarningCategory.network for warning in warnings)
+
+
+class Prober(Protocol):
+    async def probe(self, workers: Sequence[WorkerView], with_gpus: bool, stalled_since: float | None = None) -> list[Event]: ...
+
+    def prime(self, workers: Sequence[WorkerView]) -> int: ...
+
+
+class JobProber:
+    def __init__(
+        self, fr_dir: Path, pyspy: str | None, ras_port: int | None = None,
+        nccl_versions: Callable[[], Collection[str]] = tuple, nccl_errored: Callable[[], bool] = bool,
+        nccl_logged: Callable[[], bool] = lambda: True,
+    ) -> None:  # fmt: skip
+        """``ras_port`` None: never ask RAS; ``nccl_versions``: the job's NCCL versions as its logs say them;
+        ``nccl_errored``: whether those logs reported a communicator error (shortens the wait for dumps);
+        ``nccl_logged``: whether NCCL wrote any debug file (no: a job without NCCL, no RAS to speak of)."""
+        self.fr_dir = fr_dir
+        self.pyspy = pyspy
+        self.ras_port = ras_port
+        self.nccl_versions = nccl_versions
+        self.nccl_errored = nccl_errored
+        self.nccl_logged = nccl_logged
+        self._primed: set[int] = set()  # worker pids whose Flight Recorder was primed
+        self._ras_asked_at: tuple[tuple[int, int | None], ...] | None = None  # (pid, step) of each worker then
+        self._unanswered: set[int] = set()  # pids whose dump did not come on the last look
+
+    def unanswered(self) -> frozenset[int]:
+        """Pids whose Flight Recorder did not answer the latest first look (the bundle does not ask them again)."""
+        return frozenset(self._unanswered)
+
+    def prime(self, workers: Sequence[WorkerView]) -> int:
+        """Ask each rank for one dump while healthy: the first is slow (seconds), later ones fast.
+        How many ranks were asked now (0: all were before)."""
+        ranks = {w.rank: w.pid for w in workers if not w.gone}
+        if self._primed >= set(ranks.values()):
+            return 0
+        self._primed |= set(ranks.values())
+        asked = prime(self.fr_dir, ranks)
+        log.info("primed Flight Recorder of %d rank(s)", asked)
+        return asked
+
+    async def probe(self, workers: Sequence[WorkerView], with_gpus: bool, stalled_since: float | None = None) -> list[Event]:
+        """``stalled_since``: when the job last moved; a rank whose dump does not come is read from a dump of it
+        already on disk that was written after that (``written_since``), and the report says so."""
+        alive = [w for w in workers if not w.gone]
+        answering = {w.rank: w.pid for w in alive if w.state not in STOPPED_STATES}
+        if not with_gpus:
+            # The confirming look, a second after the first: a rank that could not dump then (its
+            # communicator errored, it holds the GIL) will not now; waiting again only delays the page.
+            answering = {rank: pid for rank, pid in answering.items() if pid not in self._unanswered}
+        dumps, stacks, gpus, ras = await asyncio.gather(
+            request_dumps(self.fr_dir, answering, ERRORED_DUMP_WAIT_S if self.nccl_errored() else DUMP_WAIT_S),
+            asyncio.gather(*(self._stack(w.pid) for w in alive)),
+            gpu_snapshot() if with_gpus else asyncio.sleep(0),
+            self._ras(alive) if with_gpus else asyncio.sleep(0, []),
+            return_exceptions=True,
+        )
+        events: list[Event] = list(ras) if isinstance(ras, list) else []
+        if isinstance(dumps, tuple):
+            fresh, errors = dumps
+            for path in fresh.values():
+                events += read_dump(path)
+            for rank, error in errors.items():
+                log.info("rank %s: no Flight Recorder dump: %s", rank, error)
+            if with_gpus:
+                self._unanswered = {answering[rank] for rank in errors}
+            if stalled_since is not None:
+                unasked = {w.rank: w.pid for w in alive if w.rank not in answering}
+                events += self._dumps_on_disk({**unasked, **{r: answering[r] for r in errors}}, stalled_since)
+        if isinstance(stacks, list):
+            events += [event for found in stacks for event in found]
+        if gpus is not None and not isinstance(gpus, BaseException):
+            events.append(gpus)
+        return events
+
+    def _dumps_on_disk(self, ranks: dict[int, int], stalled_since: float) -> list[Event]:
+        """Ranks (rank -> pid) whose dump did not come now: their dump written since the stall began, if any."""
+        events: list[Event] = []
+        for rank, pid in sorted(ranks.items()):
+            found = written_since(self.fr_dir, rank, pid, stalled_since)
+            if found is None:
+                continue
+            path, mtime = found
+            dump = read_dump(path)
+            if not dump:
+                continue
+            when = time.strftime("%H:%M:%S", time.gmtime(mtime))
+            why = (f"no Flight Recorder dump came from rank {rank} at this probe; its dump already on disk, written at "
+                   f"{when} UTC, {mtime - stalled_since:.1f} s after the job last moved, was read instead (PyTorch "
+                   "writes one by itself when NCCL fails a communicator)")  # fmt: skip
+            log.info("%s", why)
+            events += [*dump, Unusable(reason=why, cite=Citation(file=str(path)))]
+        return events
+
+    async def _ras(self, alive: Sequence[WorkerView]) -> list[Event]:
+        """One bounded RAS query per incident (its first look), when this NCCL version is safe to ask.
+
+        The sidecar does not say which incident a look belongs to; no worker's step moving and no
+        worker restarting since the last query means the same incident, so it is not asked again.
+        """
+        if self.ras_port is None:
+            return []
+        seen = tuple(sorted((w.pid, w.step) for w in alive))
+        if seen == self._ras_asked_at:
+            return []
+        self._ras_asked_at = seen
+        if not self._nccl_job():
+            return []  # a gloo job: a note on NCCL RAS in its report would only puzzle the reader
+        cite = Citation(file=f"NCCL RAS 127.0.0.1:{self.ras_port}")
+        why = self.ras_withheld()
+        if why is not None:
+            log.info("RAS %s", why)
+            return [Unusable(reason=why, cite=cite)]
+        from ncclwatch.watchdog.probes.ras import query_ras
+
+        data, error = await query_ras(
+            self.ras_port, json_format=False, timeout_s=RAS_QUERY_S, server_timeout_s=RAS_SERVER_TIMEOUT_S
+        )
+        events = parse_ras(data, f"{cite.file} (live)") if data else []
+        return events + ([Unusable(reason=error, cite=cite)] if error else [])
+
+    def ras_withheld(self) -> str | None:
+        """Why RAS must not be asked now, by the probe or the bundle (None: it may be)."""
+        if self.ras_port is None:
+            return "not queried: no RAS port configured"
+        if not self._nccl_job():
+            return "not queried: the job wrote no NCCL log (without NCCL there is no RAS)"
+        return ras_skip_reason(self.nccl_versions())
+
+    def _nccl_job(self) -> bool:
+        return bool(self.nccl_versions()) or self.nccl_logged()
+
+    async def _stack(self, pid: int) -> list[Event]:
+        from ncclwatch.watchdog.probes.pyspy import pyspy_dump
+
+        data, error = await pyspy_dump(pid, native=False, timeout_s=STACK_TIMEOUT_S, pyspy=self.pyspy)
+        if data is None:
+            log.info("py-spy on pid %s: %s", pid, error)
+            return []
+        return parse_pyspy(data, f"py-spy pid {pid} (live)")
