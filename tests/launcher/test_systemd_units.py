@@ -177,7 +177,7 @@ class TestAgent:
         assert one(AGENT, "LockPersonality") == "yes"
 
     def test_serve_subcommand_exists_when_written(self):
-        from ncclwatch.watchdog import cli
+        from ncclwatch.launcher import cli
 
         if "serve" not in getattr(cli, "SUBCOMMANDS", ()):
             pytest.skip("ncclwatch serve is not written yet")
