@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pydantic_core import PydanticUndefined
@@ -13,6 +14,32 @@ from pydantic_core import PydanticUndefined
 from ncclwatch.watchdog import __version__
 from ncclwatch.watchdog.hang.report import EXIT_DRAINED, EXIT_HANG, EXIT_INCONCLUSIVE, EXIT_KILLED_ON_HANG, EXIT_NO_HANG
 from ncclwatch.watchdog.hang.state import DEFAULT_WINDOW
+from ncclwatch.watchdog.hang.verdicts import CATALOGUE, DRAIN_ON_DEFAULT, RESTART_ON_DEFAULT, Verdict, VerdictEntry
+
+HELP_COLUMNS = 78
+
+
+def verdict_lines(entries: Sequence[VerdictEntry]) -> str:
+    """One line per verdict: its name, then what it means (the verdict catalogue's words)."""
+    width = max(len(entry.verdict.value) for entry in entries) + 2
+    return "\n".join(f"  {entry.verdict.value:<{width}}{entry.meaning}" for entry in entries)
+
+
+def names(verdicts: Iterable[Verdict]) -> str:
+    return ", ".join(verdict.value for verdict in verdicts)
+
+
+def paragraph(text: str, indent: str = "") -> str:
+    """Filled to the help's width; an option's name (``--restart-on``) is never split at its hyphens."""
+    return textwrap.fill(text, HELP_COLUMNS, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False,
+                         break_long_words=False)  # fmt: skip
+
+
+# analyze's help lists every verdict it can give; the wrapper's, every hang it pages; each names the other's own.
+ANALYZE_VERDICTS = [entry for entry in CATALOGUE.values() if entry.offline]
+PAGED_LIVE = [entry for entry in CATALOGUE.values() if entry.live and entry.hang]
+LIVE_ONLY = [verdict for verdict, entry in CATALOGUE.items() if not entry.offline]
+FROM_FILES_ONLY = [verdict for verdict, entry in CATALOGUE.items() if entry.hang and not entry.live]
 
 ANALYZE_HELP = f"""\
 Say which rank a hung job is waiting on, and why, from the files it left:
@@ -32,14 +59,8 @@ without their Init lines, network errors (NET/IB completion errors,
 was read as and how many of its lines were used.
 
 verdicts:
-  collective_mismatch   ranks issued different operations at the same position
-  rank_behind           some ranks never entered the collective the others wait in
-  process_dead          a rank exited without shutting NCCL down
-  stuck_in_collective   every rank issued it, it never completed
-  p2p_deadlock          ranks each wait in a send or recv for the other's missing side
-  network_error         a link failed (InfiniBand completion error); names the peer
-  no_hang               the job ended cleanly, or nothing is pending
-  inconclusive          not enough evidence (the report says what is missing)
+{verdict_lines(ANALYZE_VERDICTS)}
+{paragraph(f"live only (ncclwatch --help): {names(LIVE_ONLY)}", "  ")}
 
 exit status:
   {EXIT_NO_HANG}  no hang
@@ -108,6 +129,15 @@ def render_inputs(inputs: list, shown: int = 40) -> str:  # list[InputFile]
     return "\n".join(lines)
 
 
+AFTER_THE_PAGE = paragraph(
+    "after the page (--on-hang): report leaves the job running (the default); kill ends it; restart ends the "
+    "workers so that torchrun restarts them from the job's last checkpoint, on every node (needs torchrun's "
+    f"--max-restarts), where a restart can help: --restart-on verdicts (default: {names(RESTART_ON_DEFAULT)}), and "
+    "never twice for the same hang (verdict, operation, line, step).  --drain slurm drains a node whose hardware "
+    f"the verdict blames (--drain-on, default: {names(DRAIN_ON_DEFAULT)}) and ends the job with exit {EXIT_DRAINED}; "
+    "--on-hang-exec CMD runs your command with the verdict."
+)
+
 WRAP_HELP = f"""\
 Run a torchrun job exactly as torchrun would (same output, exit code and
 signals) with a watchdog beside it.  When a collective stops making progress
@@ -125,24 +155,10 @@ usage:
   ncclwatch serve [--bundle-dir DIR]           the bundles' page, API and /metrics
 
 verdicts (live):
-  collective_mismatch  ranks issued different operations at the same position
-  rank_behind          some ranks never entered the collective the others wait in
-  process_dead         a rank exited while its peers wait
-  process_stopped      a rank is stopped (state T: SIGSTOP, a debugger)
-  gpu_compute_hang     a rank's GPU runs a non-NCCL kernel that never ends while peers spin in NCCL
-  stuck_in_collective  every rank entered it and it never completed
-  p2p_deadlock         ranks each wait in a send or recv for the other's missing side
-  node_lost            several nodes: a node's sidecar stopped answering while the others wait
-  progress_stalled     nothing moved for --progress-timeout and no rank is in a collective
+{verdict_lines(PAGED_LIVE)}
+{paragraph(f"from files only (ncclwatch analyze --help): {names(FROM_FILES_ONLY)}", "  ")}
 
-after the page (--on-hang): report leaves the job running (the default); kill
-ends it; restart ends the workers so that torchrun restarts them from the
-job's last checkpoint, on every node (needs torchrun's --max-restarts), where
-a restart can help: --restart-on verdicts (default: network_error,
-process_dead, process_stopped, gpu_compute_hang, stuck_in_collective,
-node_lost), and never twice for the same hang (verdict, operation, line,
-step).  --drain slurm drains a node whose hardware the verdict blames and ends
-the job with exit {EXIT_DRAINED}; --on-hang-exec CMD runs your command with the verdict.
+{AFTER_THE_PAGE}
 
 timing: the stall timeout is learned: 3 x the longest gap between progress the
 job showed in the last 15 minutes, at least --stall-timeout-floor

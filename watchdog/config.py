@@ -19,12 +19,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from ncclwatch.watchdog.hang.verdicts import HANG_VERDICTS
-from ncclwatch.watchdog.response.policy import DRAIN_ON, RESTART_ON
+from ncclwatch.watchdog.hang.verdicts import DRAIN_ON_DEFAULT, HANG_VERDICT_NAMES, RESTART_ON_DEFAULT
 
 ENV_PREFIX = "NCCLWATCH_"
 DEFAULT_CONFIG_FILE = Path("ncclwatch.toml")
-HANG_VERDICT_NAMES = frozenset(v.value for v in HANG_VERDICTS)
 
 
 class ConfigError(ValueError):
@@ -58,7 +56,7 @@ class Settings(BaseSettings):
         "can help (--restart-on) and the same hang has not come back after one",
     )
     restart_on: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: [v.value for v in RESTART_ON],
+        default_factory=lambda: [v.value for v in RESTART_ON_DEFAULT],
         description="verdicts --on-hang restart restarts (comma-separated); the others end the job",
     )
     drain: Literal["none", "slurm"] = Field(
@@ -67,7 +65,7 @@ class Settings(BaseSettings):
         "the job with exit 75 for a requeue elsewhere (with --on-hang kill or restart)",
     )
     drain_on: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: [v.value for v in DRAIN_ON],
+        default_factory=lambda: [v.value for v in DRAIN_ON_DEFAULT],
         description="verdicts that blame the culprit's node (comma-separated)",
     )
     on_hang_exec: str | None = Field(

@@ -14,7 +14,7 @@ import pytest
 
 from ncclwatch.watchdog.analyze import analyze_paths
 
-from ncclwatch.watchdog.hang.verdicts import Verdict
+from ncclwatch.watchdog.hang.verdicts import CATALOGUE, Verdict
 from ncclwatch.watchdog.hang.report import (
     STACK_ARROW,
     TERMINAL_COLUMNS,
@@ -141,8 +141,9 @@ class TestHeadline:
         assert line.startswith("ncclwatch: PROGRESS STALLED No rank has made progress for 1800 s. Next: read the stacks")
 
     @pytest.mark.parametrize("verdict", list(Verdict))
-    def test_every_verdict_has_advice(self, verdict: Verdict) -> None:
-        assert "Next: read report.md" not in headline(report(verdict=verdict))
+    def test_every_verdict_has_the_catalogues_advice(self, verdict: Verdict) -> None:
+        advice = CATALOGUE[verdict].next_step.format(ranks="rank 2")
+        assert headline(report(verdict=verdict)).endswith(f" Next: {advice}.")
 
     def test_live_report_carries_it(self) -> None:
         assert Report.model_validate_json(report(headline=headline(report())).model_dump_json()).headline == headline(report())

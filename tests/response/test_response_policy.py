@@ -6,9 +6,9 @@ import pytest
 
 from ncclwatch.launcher.command import max_restarts_of
 from ncclwatch.watchdog.config import ConfigError, load_settings
-from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.hang.report import RankRow, Report
-from ncclwatch.watchdog.response.policy import DRAIN_ON, RESTART_ON, Policy, Response, plan, signature_of
+from ncclwatch.watchdog.hang.verdicts import CATALOGUE, DRAIN_ON_DEFAULT, RESTART_ON_DEFAULT, Verdict
+from ncclwatch.watchdog.response.policy import Policy, Response, plan, signature_of
 
 TRAIN_LINE = "all_reduce (torch/distributed/distributed_c10d.py:2950) <- main (train.py:113)"
 
@@ -21,21 +21,35 @@ def report(verdict: Verdict, culprits: tuple[int, ...] = (1,), step: int = 26, c
     return Report(verdict=verdict, culprit_ranks=list(culprits), operation=operation, summary="s", ranks=rows, analyzed_at="x")
 
 
-def policy(on_hang: str = "restart", max_restarts: int = 3, drain: str = "none", restart_on=RESTART_ON, drain_on=DRAIN_ON) -> Policy:  # type: ignore[no-untyped-def]
+def policy(on_hang: str = "restart", max_restarts: int = 3, drain: str = "none", restart_on=RESTART_ON_DEFAULT, drain_on=DRAIN_ON_DEFAULT) -> Policy:  # type: ignore[no-untyped-def]
     return Policy(on_hang, max_restarts, frozenset(restart_on), drain, frozenset(drain_on))
 
 
 class TestRestart:
-    @pytest.mark.parametrize("verdict", RESTART_ON)
+    @pytest.mark.parametrize("verdict", RESTART_ON_DEFAULT)
     def test_a_transient_verdict_restarts_numbered_against_torchruns_budget(self, verdict: Verdict) -> None:
         chosen = plan(report(verdict), policy(), restarts_done=1, restarted=[])
-        assert chosen.response is Response.restart
+        assert chosen.response is Response.restart and chosen.why == CATALOGUE[verdict].restart_why
         assert chosen.headline() == "restarting (2 of 3)"
 
-    @pytest.mark.parametrize("verdict", [Verdict.collective_mismatch, Verdict.rank_behind, Verdict.p2p_deadlock, Verdict.progress_stalled])
+    @pytest.mark.parametrize("verdict", [v for v, entry in CATALOGUE.items() if entry.hang and not entry.restart])
     def test_a_hang_of_the_programs_own_making_ends_the_job_and_says_why(self, verdict: Verdict) -> None:
         chosen = plan(report(verdict), policy(), restarts_done=0, restarted=[])
-        assert chosen.response is Response.kill and chosen.why.startswith("a restart cannot help")
+        assert chosen.response is Response.kill
+        assert chosen.why == f"a restart cannot help: {CATALOGUE[verdict].restart_why}"
+
+    def test_the_words_of_the_page_stay(self) -> None:
+        """Pages and hooks quote them (tests/e2e/test_e2e_restart.py too)."""
+        mismatch = plan(report(Verdict.collective_mismatch), policy(), restarts_done=0, restarted=[])
+        why = "a restart cannot help: a collective mismatch comes from the program (a branch on the rank) and recurs"
+        assert mismatch.why == why
+        assert plan(report(Verdict.process_dead), policy(), 0, []).why == "the restart replaces the dead process"
+
+    def test_a_verdict_the_user_changed_says_so_not_the_default_reason(self) -> None:
+        dead = plan(report(Verdict.process_dead), policy(restart_on=[]), restarts_done=0, restarted=[])
+        assert dead.why == "a restart cannot help: process_dead is not in --restart-on"
+        mismatch = plan(report(Verdict.collective_mismatch), policy(restart_on=[Verdict.collective_mismatch]), 0, [])
+        assert mismatch.why == "--restart-on includes collective_mismatch"
 
     def test_the_user_may_restart_a_mismatch_and_the_loop_guard_stops_the_second(self) -> None:
         mine = policy(restart_on=[Verdict.collective_mismatch])
@@ -91,7 +105,7 @@ class TestNothingUnasked:
 
 
 class TestDrain:
-    @pytest.mark.parametrize("verdict", [Verdict.network_error, Verdict.node_lost])
+    @pytest.mark.parametrize("verdict", DRAIN_ON_DEFAULT)
     def test_a_verdict_that_blames_hardware_drains_the_culprits_host(self, verdict: Verdict) -> None:
         chosen = plan(report(verdict, culprits=(2, 3)), policy(drain="slurm"), restarts_done=0, restarted=[])
         assert chosen.response is Response.drain and chosen.drain_hosts == ("node2", "node3") and chosen.ends_job
@@ -99,7 +113,7 @@ class TestDrain:
     def test_a_gpu_hang_restarts_unless_the_site_says_it_blames_the_node(self) -> None:
         hang = report(Verdict.gpu_compute_hang)
         assert plan(hang, policy(drain="slurm"), 0, []).response is Response.restart
-        site = policy(drain="slurm", drain_on=[*DRAIN_ON, Verdict.gpu_compute_hang])
+        site = policy(drain="slurm", drain_on=[*DRAIN_ON_DEFAULT, Verdict.gpu_compute_hang])
         assert plan(hang, site, 0, []).response is Response.drain
 
     def test_a_mismatch_never_drains_and_no_named_host_never_drains(self) -> None:

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 
 from ncclwatch.watchdog import __version__
 from ncclwatch.watchdog.hang.types import CulpritProcess, Finding
-from ncclwatch.watchdog.hang.verdicts import Verdict
+from ncclwatch.watchdog.hang.verdicts import CATALOGUE, Verdict
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.hang.stacks import CALL_ARROW, call_line, main_thread, short_frame, split_frame, user_frame
 from ncclwatch.watchdog.hang.verdict import gpu_signature
@@ -400,38 +400,9 @@ def _gpu_forms(gpu: str) -> list[str]:
     return list(dict.fromkeys((gpu, short, signature)))
 
 
-# What to do next, per verdict ({ranks}: the culprits, "the lead rank" when none is named).
-NEXT_STEP: dict[str, str] = {
-    "collective_mismatch": "compare the two call sites (stacks in the bundle); look for a branch on the rank or on "
-    "data that differs between ranks before that line",
-    "rank_behind": "py-spy stack in the bundle; check why {ranks} skipped the collective (an early exit, a branch "
-    "on the rank, a data loader that ran dry)",
-    "process_dead": "read {ranks}'s output and exit status (torchrun's log, the bundle): an exception, or the OOM "
-    "killer (dmesg)",
-    "process_stopped": "send SIGCONT to {ranks}, or find who stopped it (a debugger, a scheduler's suspend)",
-    "gpu_compute_hang": "find the kernel {ranks} launched before the collective (a custom op, a spinning kernel): "
-    "stack and NVML sample in the bundle",
-    "stuck_in_collective": "check the network and GPUs of {ranks}: NCCL logs, NVML and InfiniBand counters in the "
-    "bundle",
-    "progress_stalled": "read the stacks in the bundle: a checkpoint, an evaluation or a data stall that does not end",
-    "network_error": "check the named adapter and its peer: InfiniBand counters, cable, switch port",
-    "node_lost": "check the lost node: its sidecar, its network, whether it is up",
-    "p2p_deadlock": "reorder the send/recv pair on one side of {ranks} (one sends first), or post both with "
-    "batch_isend_irecv",
-    "no_hang": "nothing to do",
-    "inconclusive": "add what the report lists under 'could not see' and analyze again",
-}
-_DOES = {
-    Verdict.rank_behind: "never entered {op}; its peers wait in it",
-    Verdict.process_dead: "exited while its peers wait in {op}",
-    Verdict.process_stopped: "is stopped (state T) while its peers wait in {op}",
-    Verdict.gpu_compute_hang: "has its GPU stuck in a non-NCCL kernel while its peers wait in {op}",
-    Verdict.stuck_in_collective: "leads: {op} never completed",
-}
-
-
 def headline(report: Report) -> str:
-    """One sentence: what happened, which rank (host, pid), where in its own code, what to do next.
+    """One sentence: what happened, which rank (host, pid), where in its own code, what to do next (the
+    verdict's ``culprit_does`` and ``next_step`` in ``verdicts.CATALOGUE``).
 
     ``ncclwatch: RANK BEHIND rank 2 (node1, pid 4242) never entered AllReduce #57; its peers wait in it —
     it is at train.py:105 in step(). Next: py-spy stack in the bundle; ...``
@@ -450,7 +421,7 @@ def headline(report: Report) -> str:
         who = f"rank {culprits[0]}" + (f" ({place})" if place and len(culprits) == 1 else "")
         if len(culprits) > 1:
             who = f"ranks {', '.join(map(str, culprits))}"
-        does = _DOES.get(report.verdict)
+        does = CATALOGUE[report.verdict].culprit_does
         if report.verdict == Verdict.collective_mismatch:
             does = _mismatch_words(_op_at(first, report.position), report.operation, report.position)
         what = f"{who} {does.format(op=op)}" if does else f"{who}: {report.summary.rstrip('.')}"
@@ -469,7 +440,7 @@ def headline(report: Report) -> str:
         sites = [f"rank {row.rank} from {site}" for row in report.ranks if (site := _user_site(row.call_site))]
         what += f" — {', '.join(sites)}" if sites and report.verdict == Verdict.collective_mismatch else ""
     ranks = f"rank {', '.join(map(str, culprits))}" if culprits else "the lead rank"
-    advice = NEXT_STEP.get(report.verdict, "read report.md in the bundle").format(ranks=ranks)
+    advice = CATALOGUE[report.verdict].next_step.format(ranks=ranks)
     return f"ncclwatch: {title} {what}. Next: {advice}."
 
 

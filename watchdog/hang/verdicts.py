@@ -1,7 +1,19 @@
-"""The verdicts the hang engine gives, and how they rank against each other."""
+"""The verdicts the hang engine gives, and one catalogue of what each means and what is done about it.
+
+Every reader takes its words from ``CATALOGUE``: the help of ``ncclwatch`` and ``ncclwatch analyze``
+(``launcher/cli.py``), the report's headline (its "Next:" advice, ``report.py``), the defaults of
+``--restart-on`` and ``--drain-on`` and the response's "why" (``config.py``, ``response/policy.py``), and
+the engine's ranking of findings (``PRIORITY``).
+
+Adding a verdict is its member in ``Verdict``, its entry in ``CATALOGUE`` (a member without one, or with
+two, fails at import) and its detector; nothing else is edited by hand, except the README's three verdict
+tables, whose rows ``tests/hang/test_verdict_catalogue.py`` renders from here and requires word for word.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -13,26 +25,197 @@ class Verdict(StrEnum):
     gpu_compute_hang = "gpu_compute_hang"
     stuck_in_collective = "stuck_in_collective"
     progress_stalled = "progress_stalled"
-    network_error = "network_error"  # a link failed (InfiniBand completion error): offline, from partial evidence
-    node_lost = "node_lost"  # a node's sidecar stopped answering while the other nodes' ranks wait (multi-node)
-    p2p_deadlock = "p2p_deadlock"  # ranks each wait in a send/recv for the other's missing side
+    network_error = "network_error"
+    node_lost = "node_lost"
+    p2p_deadlock = "p2p_deadlock"
     no_hang = "no_hang"
     inconclusive = "inconclusive"
 
 
-# Higher wins when communicators disagree.
-PRIORITY = {
-    Verdict.collective_mismatch: 9,
-    Verdict.process_dead: 8,
-    Verdict.node_lost: 8,
-    Verdict.process_stopped: 7,
-    Verdict.network_error: 7,
-    Verdict.p2p_deadlock: 7,
-    Verdict.rank_behind: 6,
-    Verdict.gpu_compute_hang: 5,
-    Verdict.stuck_in_collective: 4,
-    Verdict.progress_stalled: 3,
-    Verdict.no_hang: 2,
-    Verdict.inconclusive: 1,
-}
-HANG_VERDICTS = frozenset(v for v in Verdict if v not in (Verdict.no_hang, Verdict.inconclusive))
+@dataclass(frozen=True, kw_only=True)
+class VerdictEntry:
+    verdict: Verdict
+    priority: int  # higher wins when communicators or sources disagree
+    hang: bool  # paged, and a --restart-on / --drain-on choice (no_hang and inconclusive are not)
+    meaning: str  # one line, for the help texts
+    detail: str  # how it is decided and who is named (the README, after the meaning)
+    # What on-call checks first (the headline's "Next:"); "{ranks}" stands for the culprits, or "the lead rank".
+    next_step: str
+    restart: bool = False  # restarted by default (--restart-on)
+    # Why a restart helps (``restart``) or cannot help (a hang verdict not restarted by default): the response's words.
+    restart_why: str = ""
+    drain: bool = False  # blames the culprit's node's hardware by default (--drain-on)
+    live: bool = True  # the live watchdog can give it
+    offline: bool = True  # ``ncclwatch analyze`` can give it (from a bundle or a kept run folder too)
+    # What the culprit does, in the headline after "rank N (host, pid)"; "{op}" stands for the operation and its
+    # position.  Empty: the headline quotes the finding's summary.
+    culprit_does: str = ""
+
+
+_ENTRIES = (
+    VerdictEntry(
+        verdict=Verdict.collective_mismatch,
+        priority=9,
+        hang=True,
+        meaning="ranks issued different operations at the same position",
+        detail="At the first diverging position their type, count, datatype, reduce op or root differ, or a send and "
+        "its recv disagree. The culprit is the rank that departs from the others: the minority, or with an even split "
+        '(two ranks) the side that breaks the step the communicator repeats (see "How ranks are aligned"); where '
+        "nothing decides, both sides are named as suspects and no culprit.",
+        next_step="compare the two call sites (stacks in the bundle); look for a branch on the rank or on data that "
+        "differs between ranks before that line",
+        restart_why="a collective mismatch comes from the program (a branch on the rank) and recurs",
+    ),
+    VerdictEntry(
+        verdict=Verdict.rank_behind,
+        priority=6,
+        hang=True,
+        meaning="some ranks never entered the collective the others wait in",
+        detail="The sequences agree up to it; with point-to-point operations, the rank that never posted the send or "
+        "recv its peer waits for.",
+        next_step="py-spy stack in the bundle; check why {ranks} skipped the collective (an early exit, a branch on "
+        "the rank, a data loader that ran dry)",
+        restart_why="a rank held up in its own code is in the program's hands, not the hardware's",
+        culprit_does="never entered {op}; its peers wait in it",
+    ),
+    VerdictEntry(
+        verdict=Verdict.process_dead,
+        priority=8,
+        hang=True,
+        meaning="a rank exited while its peers wait",
+        detail="It ended without shutting NCCL down: its process is gone (live), torchrun's failure summary names it, "
+        "or a peer's NCCL log saw its connection close.",
+        next_step="read {ranks}'s output and exit status (torchrun's log, the bundle): an exception, or the OOM killer "
+        "(dmesg)",
+        restart=True,
+        restart_why="the restart replaces the dead process",
+        culprit_does="exited while its peers wait in {op}",
+    ),
+    VerdictEntry(
+        verdict=Verdict.process_stopped,
+        priority=7,
+        hang=True,
+        meaning="a rank is stopped (state T: SIGSTOP, a debugger)",
+        detail="Read from its /proc state, live or from a run folder's or bundle's journal.",
+        next_step="send SIGCONT to {ranks}, or find who stopped it (a debugger, a scheduler's suspend)",
+        restart=True,
+        restart_why="the restart replaces the stopped process",
+        culprit_does="is stopped (state T) while its peers wait in {op}",
+    ),
+    VerdictEntry(
+        verdict=Verdict.gpu_compute_hang,
+        priority=5,
+        hang=True,
+        meaning="a rank's GPU is stuck in a non-NCCL kernel while its peers spin in NCCL",
+        detail="Flight Recorder (with timing) shows its GPU never started the collective its peers' GPUs run, or NVML "
+        "shows it busy in another kernel while theirs spin.",
+        next_step="find the kernel {ranks} launched before the collective (a custom op, a spinning kernel): stack and "
+        "NVML sample in the bundle",
+        restart=True,
+        restart_why="a new process clears the GPU's endless kernel",
+        # Not drained: without the GPU's Xid (not collected yet) a kernel that never ends is as often the program's.
+        culprit_does="has its GPU stuck in a non-NCCL kernel while its peers wait in {op}",
+    ),
+    VerdictEntry(
+        verdict=Verdict.stuck_in_collective,
+        priority=4,
+        hang=True,
+        meaning="every rank entered the collective and it never completed",
+        detail="Flight Recorder, an abort, or the stacks say so; the lead rank comes from Flight Recorder's "
+        "started/scheduled states, GPU signatures or stacks, where they differ.",
+        next_step="check the network and GPUs of {ranks}: NCCL logs, NVML and InfiniBand counters in the bundle",
+        restart=True,
+        restart_why="a collective lost in the network often completes on fresh communicators",
+        culprit_does="leads: {op} never completed",
+    ),
+    VerdictEntry(
+        verdict=Verdict.progress_stalled,
+        priority=3,
+        hang=True,
+        meaning="nothing moved for the progress timeout and no rank is in a collective",
+        detail="A pause outside collectives (a checkpoint, an evaluation) is no hang until `--progress-timeout` has "
+        "passed; offline, only from a run folder's or bundle's journal.",
+        next_step="read the stacks in the bundle: a checkpoint, an evaluation or a data stall that does not end",
+        restart_why="no rank waits in a collective (a checkpoint or evaluation may still be running)",
+    ),
+    VerdictEntry(
+        verdict=Verdict.network_error,
+        priority=7,
+        hang=True,
+        meaning="a link failed (InfiniBand completion error); names the peer",
+        detail="From NCCL's `NET/IB ... Got completion from peer` errors in the files given: the peer host and the "
+        "adapter are named, and the peer's rank where the files give it. Offline only: the live watchdog lists NCCL's "
+        "network warnings in the evidence of its verdict.",
+        next_step="check the named adapter and its peer: InfiniBand counters, cable, switch port",
+        restart=True,
+        restart_why="a link error often clears once the communicators are built again",
+        drain=True,
+        live=False,
+    ),
+    VerdictEntry(
+        verdict=Verdict.node_lost,
+        priority=8,
+        hang=True,
+        meaning="a node's sidecar stopped answering while the other nodes' ranks wait",
+        detail="Jobs on several nodes, live only: the lost node's ranks are the culprits, unless a fault at least as "
+        "strong (a mismatch, a dead process) names ranks elsewhere.",
+        next_step="check the lost node: its sidecar, its network, whether it is up",
+        restart=True,
+        restart_why="the nodes meet again in the rendezvous (an elastic job goes on without the lost one)",
+        drain=True,
+        offline=False,
+    ),
+    VerdictEntry(
+        verdict=Verdict.p2p_deadlock,
+        priority=7,
+        hang=True,
+        meaning="ranks each wait in a send or recv for the other's missing side",
+        detail="E.g. both `recv` first: from NCCL's log where a rank never posted its side, from Flight Recorder where "
+        "both posted but each queued its recv first (over NVLink the host never blocks), from the stacks where "
+        "neither tells.",
+        next_step="reorder the send/recv pair on one side of {ranks} (one sends first), or post both with "
+        "batch_isend_irecv",
+        restart_why="a send/recv order that deadlocks is the program's and recurs",
+    ),
+    VerdictEntry(
+        verdict=Verdict.no_hang,
+        priority=2,
+        hang=False,
+        meaning="the job ended cleanly, or nothing is pending",
+        detail="Its communicators were shut down cleanly, or Flight Recorder shows nothing pending.",
+        next_step="nothing to do",
+    ),
+    VerdictEntry(
+        verdict=Verdict.inconclusive,
+        priority=1,
+        hang=False,
+        meaning="not enough evidence (the report says what is missing)",
+        detail="`missing` (\"could not see\") says what would decide it. Also: no usable input.",
+        next_step="add what the report lists under 'could not see' and analyze again",
+    ),
+)
+
+
+def _catalogue(entries: Iterable[VerdictEntry]) -> dict[Verdict, VerdictEntry]:
+    """Entries by verdict, in ``Verdict``'s order; raises when a verdict has no entry, or two."""
+    by_verdict: dict[Verdict, VerdictEntry] = {}
+    for entry in entries:
+        if entry.verdict in by_verdict:
+            raise ValueError(f"verdict catalogue: {entry.verdict.value} has two entries")
+        if not entry.hang and (entry.restart or entry.drain or entry.restart_why):
+            raise ValueError(f"verdict catalogue: {entry.verdict.value} is no hang: nothing to restart or drain")
+        if entry.hang and not entry.restart_why:
+            raise ValueError(f"verdict catalogue: {entry.verdict.value} needs restart_why (why a restart helps or not)")
+        by_verdict[entry.verdict] = entry
+    unlisted = [v.value for v in Verdict if v not in by_verdict]
+    if unlisted:
+        raise ValueError(f"verdict catalogue: no entry for {', '.join(unlisted)}")
+    return {v: by_verdict[v] for v in Verdict}
+
+
+CATALOGUE = _catalogue(_ENTRIES)
+PRIORITY = {v: entry.priority for v, entry in CATALOGUE.items()}
+HANG_VERDICTS = frozenset(v for v, entry in CATALOGUE.items() if entry.hang)
+HANG_VERDICT_NAMES = frozenset(v.value for v in HANG_VERDICTS)
+RESTART_ON_DEFAULT = tuple(v for v, entry in CATALOGUE.items() if entry.restart)
+DRAIN_ON_DEFAULT = tuple(v for v, entry in CATALOGUE.items() if entry.drain)

@@ -5,14 +5,18 @@ flapped, a process that died or was stopped, a GPU kernel that never
 finished, an NCCL error.  It cannot help when the program itself diverged:
 a collective mismatch from a branch on the rank, or a p2p pattern that
 deadlocks, recurs at the same step after every restart and burns the
-allocation.  ``RESTART_ON`` is that split, and the user can change it.
+allocation.  The verdict catalogue's ``restart`` (``hang/verdicts.py``) is
+that split, with the words said for each verdict, and the user can change
+it (``--restart-on``).
 
 The loop guard is what keeps a wrong guess cheap: a hang whose signature
 (verdict, operation, the culprit's line of code, step) equals one that a
 restart was already tried on is not transient, whatever the policy says.
 
 Draining is for hardware: the node stays bad after a restart, so the job
-is ended with ``EXIT_DRAINED`` and a requeue lands on other nodes.
+is ended with ``EXIT_DRAINED`` and a requeue lands on other nodes.  The
+catalogue's ``drain`` names the verdicts that blame a node by default
+(``--drain-on``).
 """
 
 from __future__ import annotations
@@ -21,30 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from ncclwatch.watchdog.hang.verdicts import Verdict
+from ncclwatch.watchdog.hang.verdicts import CATALOGUE, Verdict
 from ncclwatch.watchdog.hang.report import STACK_ARROW, Report
-
-RESTART_ON = (
-    Verdict.network_error, Verdict.process_dead, Verdict.process_stopped, Verdict.gpu_compute_hang,
-    Verdict.stuck_in_collective, Verdict.node_lost,
-)  # fmt: skip
-NEVER_RESTARTED = {
-    Verdict.collective_mismatch: "a collective mismatch comes from the program (a branch on the rank) and recurs",
-    Verdict.rank_behind: "a rank held up in its own code is in the program's hands, not the hardware's",
-    Verdict.p2p_deadlock: "a send/recv order that deadlocks is the program's and recurs",
-    Verdict.progress_stalled: "no rank waits in a collective (a checkpoint or evaluation may still be running)",
-}
-RESTART_HELPS = {
-    Verdict.network_error: "a link error often clears once the communicators are built again",
-    Verdict.process_dead: "the restart replaces the dead process",
-    Verdict.process_stopped: "the restart replaces the stopped process",
-    Verdict.gpu_compute_hang: "a new process clears the GPU's endless kernel",
-    Verdict.stuck_in_collective: "a collective lost in the network often completes on fresh communicators",
-    Verdict.node_lost: "the nodes meet again in the rendezvous (an elastic job goes on without the lost one)",
-}
-# Verdicts that blame a node's hardware.  A GPU hang is not among them: without the GPU's Xid (not collected
-# yet) a kernel that never ends is as often the program's.
-DRAIN_ON = (Verdict.network_error, Verdict.node_lost)
 
 
 class Response(StrEnum):
@@ -151,12 +133,14 @@ def plan(report: Report, policy: Policy, restarts_done: int, restarted: Sequence
         return Plan(Response.kill, "torchrun was given no --max-restarts", signature=signature)
     if any(signature.same_hang(before) for before in restarted):
         return Plan(Response.kill, f"recurs after restart: not transient ({signature.describe()})", signature=signature)
+    entry = CATALOGUE[verdict]
     if verdict not in policy.restart_on:
-        why = NEVER_RESTARTED.get(verdict, f"{verdict.value} is not in --restart-on")
+        # A verdict restarted by default that the user took out of --restart-on: its words say a restart helps.
+        why = entry.restart_why if not entry.restart and entry.hang else f"{verdict.value} is not in --restart-on"
         return Plan(Response.kill, f"a restart cannot help: {why}", signature=signature)
     if restarts_done >= policy.max_restarts:
         return Plan(Response.kill, f"restarts used up ({restarts_done} of {policy.max_restarts})", signature=signature)
-    why = RESTART_HELPS.get(verdict, f"--restart-on includes {verdict.value}")
+    why = entry.restart_why if entry.restart else f"--restart-on includes {verdict.value}"
     return Plan(Response.restart, why, restart_number=restarts_done + 1,
                 max_restarts=policy.max_restarts, signature=signature)  # fmt: skip
 
