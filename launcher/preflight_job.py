@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ncclwatch.watchdog.slowness.bandwidth import algbw, busbw
+from ncclwatch.bus_bandwidth import algbw, busbw
 
 _OPS = {"all_reduce": "AllReduce", "all_gather": "AllGather"}
 

@@ -2,13 +2,15 @@
 
 The same engine the live sidecar runs: parse (``parsing``) -> fold
 (``state.JobState``) -> freeze (``snapshot``) -> judge (``classify``); and,
-from the Flight Recorder dumps given, the performance findings the live
-look makes (``slowness.engine``).  A
+from the Flight Recorder dumps and the NCCL logs given, the performance
+findings the live look makes (``slowness.engine.perf_health``: stragglers,
+slow collectives and links, odd transports).  A
 kept run folder or a bundle holds the sidecar's journal (``journal.jsonl``),
 so the live-only inputs (process state, stacks, GPU samples, the stall's
 clock) reach the classifier here too.  The
-only extra step offline is resolving cited operations to ``file:line``,
-which the state does not keep (it would cost memory per line).
+extra steps offline: resolving cited operations to ``file:line``, which the
+state does not keep (``evidence.citations``), and reading NCCL's transport
+choices from the logs again (``nccl_transports``).
 
 Failure modes: unreadable paths, unknown files and broken dumps become lines
 in the report's ``inputs`` and ``notes``; nothing here raises on bad input.
@@ -16,64 +18,23 @@ in the report's ``inputs`` and ``notes``; nothing here raises on bad input.
 
 from __future__ import annotations
 
+import lzma
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from ncclwatch.watchdog.bundles_in import expand_bundles
+from ncclwatch.watchdog.evidence.citations import resolve_citations
 from ncclwatch.watchdog.hang.classify import judge
-from ncclwatch.watchdog.hang.types import Finding, OpRef
 from ncclwatch.watchdog.slowness.bandwidth import match_collectives
-from ncclwatch.watchdog.slowness.engine import collective_health
+from ncclwatch.watchdog.slowness.engine import perf_health
 from ncclwatch.watchdog.hang.report import InputFile, PerfNote, Report, build_report
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import DEFAULT_WINDOW, JobState
-from ncclwatch.watchdog.events import P2P_OPS, FrDump, OpSig, ProcKey
-from ncclwatch.watchdog.inputs import CHUNK_BYTES, cleanup_stdin, ingest_file, iter_files, rescan_orphans
-from ncclwatch.watchdog.parsing.nccl_log import iter_op_lines
-
-
-def resolve_citations(finding: Finding) -> dict[int, tuple[str, str | None]]:
-    """Turn each evidence ``OpRef`` into "file:line" by rescanning only the cited files."""
-    wanted: dict[str, list[tuple[int, OpRef]]] = {}
-    for index, item in enumerate(finding.evidence):
-        if item.op_ref is not None:
-            wanted.setdefault(item.op_ref.file, []).append((index, item.op_ref))
-    resolved: dict[int, tuple[str, str | None]] = {}
-    for file, refs in wanted.items():
-        counters: dict[tuple, int] = {}
-        targets = {(r.proc, r.comm_ptr, r.kind, r.peer, r.ordinal): i for i, r in refs}
-        for line, text, proc, comm_ptr, sig in _op_lines(file):
-            kind = sig.op if sig.op in P2P_OPS else "coll"
-            peer = sig.root if kind != "coll" else None
-            key = (proc, comm_ptr, kind, peer)
-            ordinal = counters.get(key, 0)
-            counters[key] = ordinal + 1
-            index = targets.pop((*key, ordinal), None)
-            if index is not None:
-                resolved[index] = (f"{file}:{line}", text)
-                if not targets:
-                    break
-    return resolved
-
-
-def _op_lines(file: str) -> Iterator[tuple[int, str, ProcKey, str, OpSig]]:
-    """Operation lines of a file, chunk by chunk: a cited 1 GB log is never read whole."""
-    try:
-        with open(file, "rb") as handle:
-            carry, lines = b"", 0
-            while chunk := handle.read(CHUNK_BYTES):
-                body = carry + chunk
-                cut = body.rfind(b"\n") + 1
-                for line, text, proc, comm_ptr, sig in iter_op_lines(body[:cut]):
-                    yield lines + line, text, proc, comm_ptr, sig
-                lines += body.count(b"\n", 0, cut)
-                carry = body[cut:]
-            for line, text, proc, comm_ptr, sig in iter_op_lines(carry):
-                yield lines + line, text, proc, comm_ptr, sig
-    except OSError:
-        return
+from ncclwatch.watchdog.events import FrDump, ProcKey, RankTransport
+from ncclwatch.watchdog.inputs import CHUNK_BYTES, cleanup_stdin, ingest_file, iter_files, open_input, rescan_orphans
+from ncclwatch.watchdog.parsing.transport import TransportScanner
 
 
 def analyze_paths(paths: Iterable[str], window: int = DEFAULT_WINDOW, now: float | None = None) -> Report:
@@ -87,24 +48,48 @@ def analyze_paths(paths: Iterable[str], window: int = DEFAULT_WINDOW, now: float
             for name, problem in iter_files(paths):
                 inputs.append(InputFile(path=name, kinds=[], note=problem) if problem else ingest_file(state, name, stdin_spool))
             rescan_orphans(state, inputs, stdin_spool)
+            transport = nccl_transports(inputs, stdin_spool)
         finally:
             cleanup_stdin(stdin_spool)
         state.finish()
         snapshot = take_snapshot(state, observed_at=time.time() if now is None else now)
         finding = judge(snapshot).finding
         report = build_report(finding, snapshot, inputs, resolve_citations(finding))
-        return report.model_copy(update={"performance": performance_notes(state.fr_dumps.values())})
+        performance = performance_notes(state.fr_dumps.values(), transport, state.global_ranks())
+        return report.model_copy(update={"performance": performance})
 
 
-def performance_notes(dumps: Iterable[FrDump]) -> list[PerfNote]:
-    """What the live performance look would say of these dumps: stragglers, slow collectives and links.
+def nccl_transports(inputs: Iterable[InputFile], stdin_spool: dict[str, str]) -> list[RankTransport]:
+    """The transports NCCL chose, from the init and channel lines of every input read as an NCCL log.
+
+    A second pass over those files: the first (``inputs.TextIngest``) feeds the hang engine's parsers only.  One
+    scanner for all of them, each file ended on its own: a process whose lines are split over files (a bundle's
+    tail beside the whole log) is one process.
+    """
+    scanner = TransportScanner()
+    for entry in inputs:
+        if "nccl_log" not in entry.kinds:
+            continue
+        try:
+            with open_input(entry.path, stdin_spool) as (handle, _):
+                while chunk := handle.read(CHUNK_BYTES):
+                    scanner.feed(chunk)
+        except (OSError, EOFError, lzma.LZMAError):
+            pass  # the first pass said what was wrong with it
+        scanner.feed(b"", final=True)
+    return scanner.facts()
+
+
+def performance_notes(
+    dumps: Iterable[FrDump], transport: Sequence[RankTransport] = (), global_ranks: Mapping[ProcKey, int] = {}
+) -> list[PerfNote]:
+    """What the live performance look would say of these dumps and NCCL's transport choices: stragglers, slow
+    collectives and links, a node on another transport than its peers (``global_ranks``: NCCL's process -> rank).
 
     Judged as of the newest entry, so the collective a hang left pending (its dumps end there) is
     never "running slowly" for the hours between the dump and this run.
     """
     timings = match_collectives(dumps)
-    arrivals = [ns for t in timings for ns in t.arrivals.values()]
-    if not arrivals:
-        return []
-    health = collective_health(timings, {}, now=max(arrivals) / 1e9, hosts={}, links={})
+    newest_ns = max((ns for t in timings for ns in t.arrivals.values()), default=0)
+    health = perf_health(timings, now=newest_ns / 1e9, transport=transport, global_ranks=global_ranks)
     return [PerfNote.model_validate(finding.to_dict()) for finding in health.perf_findings]

@@ -11,10 +11,19 @@ lines and ingestion must sustain >= 500k lines/s on one core; a validated
 pydantic object per line costs more than the whole per-line budget, so
 operations travel in ``OpBatch`` events built with ``model_construct`` (the
 regex in the parser has already validated every field).
+
+Beside the events, the few products of the parsers and probes that the
+engines (``hang``, ``slowness``) read and that must therefore live below
+them: NCCL's transport choices (``RankTransport``, frozen dataclasses: they
+are never folded into the state, the performance look compares them), the
+vocabulary of NCCL's RAS reports, what an InfiniBand port's sysfs text
+says, and how a process group is named.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal, NamedTuple
 
@@ -307,9 +316,25 @@ class FrDump(Event):
     cite: Citation
 
 
+def group_label(pg: str, desc: str | None) -> str:
+    """A Flight Recorder process group as communicators, reports and metrics name it: "process group 0 (default_pg)"."""
+    return f"process group {pg}" + (f" ({desc})" if desc else "")
+
+
 # --------------------------------------------------------------------------
 # NCCL RAS
 # --------------------------------------------------------------------------
+
+
+# RasRank.status words of ours, beside NCCL's (NOCOMM, INIT, RUNNING, FINALIZE, ABORT, "ERROR: ..."):
+# MISSING did not answer RAS, DEAD is a process RAS gave up on.
+RAS_MISSING, RAS_DEAD = "MISSING", "DEAD"
+# NCCL's sentences in RasCommunicator.messages (client_support.cc) that say how its ranks differ: the parser reads
+# them, and the hang engine counts the ranks of each group, which NCCL does not name (hang/ras.py).
+RAS_DIFFERENT_OPS = re.compile(r"^Communicator ranks have different (\w+) operation counts$")
+RAS_DIFFERENT_STATUS = re.compile(r"^Communicator ranks have different status$")
+RAS_GROUP_OPS = re.compile(r"^(\d+) ranks have (?:launched up to operation (\d+)|not launched any operations)$")
+RAS_GROUP_STATUS = re.compile(r"^(\d+) ranks have status (\w+)$")
 
 
 class RasRank(Event):
@@ -639,3 +664,72 @@ class OrphanOps(Event):
     cuda_dev: int | None = None  # the line prefix's "[cudaDev]": which GPU the process drove, a hint where ranks are unknown
     count: int
     last: list[tuple[int, OpSig, int]]  # (opCount, signature, 1-based line), oldest first
+
+
+# --------------------------------------------------------------------------
+# NCCL's transport choices (parsing/transport.py reads them from its INIT lines)
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NetDevice:
+    index: int  # NCCL's net device number: the <d> of "via NET/IB/<d>"
+    name: str  # "mlx5_0" (IB, RoCE) or "eth0" (Socket)
+    port: int | None = None
+    link_layer: str | None = None  # "IB", "RoCE"
+    address: str | None = None  # Socket: "192.0.2.2<0>"
+
+    @property
+    def label(self) -> str:
+        """``mlx5_0/1`` (the sysfs port path) or ``eth0``."""
+        return f"{self.name}/{self.port}" if self.port is not None else self.name
+
+
+@dataclass(frozen=True)
+class RankTransport:
+    """What one process's NCCL chose for one communicator."""
+
+    proc: ProcKey
+    comm_ptr: str | None
+    rank: int | None  # in the communicator
+    nranks: int | None = None
+    nnodes: int | None = None
+    local_ranks: int | None = None
+    cuda_dev: int | None = None
+    bus_id: str | None = None
+    network: str | None = None  # "Using network <name>"
+    ib_devices: tuple[NetDevice, ...] = ()
+    ib_absent: bool = False  # "NET/IB : No device found."
+    socket_devices: tuple[NetDevice, ...] = ()
+    socket_threads: tuple[int, int] | None = None  # (threads, sockets per thread)
+    ib_hca: str | None = None  # NCCL_IB_HCA as this process's NCCL read it (None: unset, or its line not seen)
+    coll_channels: int | None = None
+    nvls_channels: int | None = None
+    p2p_channels: int | None = None
+    connections: dict[str, int] = field(default_factory=dict)  # "P2P/CUMEM", "SHM", "NET/IB", "NET/Socket" -> count
+    net_devices_used: tuple[int, ...] = ()  # the <d> of every "via NET/<name>/<d>"
+    gdr: bool | None = None  # some NET connection used GPU Direct RDMA
+    p2p_disabled: str | None = None  # the line that says so
+
+    def links(self) -> tuple[str, ...]:
+        """The NICs this rank's network connections go through (``mlx5_1/1``); IB first, then sockets."""
+        devices = {d.index: d for d in (self.ib_devices if "NET/IB" in self.connections else self.socket_devices)}
+        return tuple(devices[i].label for i in self.net_devices_used if i in devices)
+
+
+# --------------------------------------------------------------------------
+# InfiniBand ports: what the sysfs text of a reading says (probes/infiniband.py reads it)
+# --------------------------------------------------------------------------
+
+_RATE_RE = re.compile(r"([\d.]+) Gb/sec")
+
+
+def rate_bytes_per_s(rate: str | None) -> float | None:
+    """``"400 Gb/sec (4X NDR)"`` -> 5e10 bytes/s; anything else -> None."""
+    match = _RATE_RE.match(rate or "")
+    return float(match[1]) * 1e9 / 8 if match else None
+
+
+def state_name(state: str | None) -> str | None:
+    """``"4: ACTIVE"`` -> ``"ACTIVE"``, ``"5: LinkUp"`` -> ``"LinkUp"``; None stays None."""
+    return None if state is None else state.partition(":")[2].strip() or state

@@ -6,6 +6,9 @@ a broadcast, every one completed with its kernel time; rank 1 enters each
 step's gradient all_reduce 60 ms after rank 0, whose kernel spins 60 ms
 longer waiting for it.  Not a hang: the verdict
 stays ``no_hang``, and the report's performance notes name rank 1.
+
+NCCL logs: the transports their init lines show are compared as the live
+look compares them (the recorded 2-node, 4-rank lines of ``tests/data/transport``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import DATA
 
 from ncclwatch.watchdog.analyze import analyze_paths
 
@@ -71,3 +76,16 @@ def test_the_command_prints_the_section_and_its_json(tmp_path: Path) -> None:
     assert "performance (slow, not hung):\n  - [straggler] rank 1 was last" in text.stdout, text.stdout[-2000:]
     done = subprocess.run([sys.executable, "-m", "ncclwatch", "analyze", "--json", *paths], capture_output=True, text=True, timeout=60)
     assert [n["kind"] for n in json.loads(done.stdout)["performance"]] == ["straggler"]
+
+
+def test_a_node_on_sockets_among_infiniband_nodes_is_a_performance_note() -> None:
+    report = analyze_paths([str(DATA / "transport" / "socket-fallback-node2.log")])
+    notes = {note.key: note for note in report.performance}
+    network = notes["transport-network-node2"]
+    assert (network.kind, network.ranks, network.hosts) == ("transport_anomaly", [2, 3], ["node2"])
+    assert "uses network Socket while the other nodes use IB" in network.summary
+    assert notes["transport-hcas-node2"].links == ["mlx5_0", "mlx5_1"]  # node2's NCCL listed no HCA at all
+
+
+def test_a_healthy_infiniband_job_has_no_transport_note() -> None:
+    assert analyze_paths([str(DATA / "transport" / "healthy-ib.log")]).performance == []

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import CAPTURES, DATA
 
+from ncclwatch.watchdog.hang.ras import ras_outliers
 from ncclwatch.watchdog.parsing.ras import (
     MALFORMED_JSON_REASON,
     looks_like_ras,
@@ -29,7 +30,6 @@ from ncclwatch.watchdog.parsing.ras import (
     parse_ras,
     parse_ras_json,
     parse_ras_text,
-    ras_outliers,
 )
 from ncclwatch.watchdog.events import Citation, RasCommunicator, RasRank, RasReport, Unusable
 

@@ -9,7 +9,7 @@ collectives as rows ``(collective_seq_id, time_created_ns, duration_ms,
 state, op, bytes)``; plus its hosts and each rank's links
 (``slowness.links.rank_links``), so the leader's findings name the other
 nodes' links; and what NCCL chose on this node (its ranks' init lines,
-``parsing.transport``) with the node's InfiniBand ports that are up, so the
+``events.RankTransport``) with the node's InfiniBand ports that are up, so the
 leader compares transports across nodes (a node on sockets among IB nodes,
 fewer channels or HCAs than its peers): a node alone only sees its own.
 ``at`` (the look's time, the publisher's clock) versions it.
@@ -32,9 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pydantic import BaseModel
 
 from ncclwatch.watchdog.slowness.bandwidth import RankEntry
-from ncclwatch.watchdog.hang.state import group_label
-from ncclwatch.watchdog.events import OpState, ProcKey
-from ncclwatch.watchdog.parsing.transport import RankTransport
+from ncclwatch.watchdog.events import OpState, ProcKey, RankTransport, group_label
 
 # Per group and rank.  The straggler detector reads the last 20 rounds of one recurring collective
 # (stragglers.last_arrivals' window) and a data-parallel step issues about three collectives per group

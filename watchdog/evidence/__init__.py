@@ -20,7 +20,9 @@ Collectors, each usable alone: ``collect_flight_recorder``, ``collect_nvml``,
 ``collect_ras``, ``collect_stacks`` (= ``collect_python_stacks`` then
 ``collect_native_stacks``), ``collect_proc``, ``collect_env``,
 ``collect_nccl_logs``, ``collect_worker_logs``, ``collect_infiniband``;
-``collect_all`` runs them in order within ``ctx.budget_s``.
+``collect_all`` runs them in order within ``ctx.budget_s``.  Beside them,
+``citations.resolve_citations`` turns a verdict's cited operations into
+``file:line`` (the bundle's report and ``ncclwatch analyze``'s).
 """
 
 from ncclwatch.watchdog.evidence.base import EvidenceContext, EvidenceRecord, RankTarget

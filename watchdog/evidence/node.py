@@ -15,7 +15,7 @@ import json
 import socket
 import time
 
-from ncclwatch.watchdog.slowness.links import ib_port_findings
+from ncclwatch.watchdog.slowness.engine import IbPorts, perf_health
 from ncclwatch.watchdog.probes.infiniband import hca_gpu_map, ib_delta, read_ib_counters
 from ncclwatch.watchdog.probes.nvml import sample_gpus_async
 from ncclwatch.watchdog.probes.ras import query_ras
@@ -85,7 +85,8 @@ async def collect_infiniband(ctx: EvidenceContext) -> list[EvidenceRecord]:
         delta = ib_delta(before, after, seconds)
         # /sys/class/infiniband -> /sys: the PCI tree the HCAs' device links point into.
         hcas = await asyncio.to_thread(hca_gpu_map, ctx.sys_infiniband.parent.parent)
-        findings = [f.to_dict() for f in ib_port_findings(socket.gethostname(), after, delta)]
+        health = perf_health(now=time.time(), ib=IbPorts(socket.gethostname(), after, delta))
+        findings = [f.to_dict() for f in health.perf_findings]
         doc = {"before": before, "after": after, "delta": delta, "hca_gpus": hcas, "findings": findings}
         rel = write_file(ctx, "ib/counters.json", json.dumps(doc, indent=1) + "\n")
         slow = [f["summary"] for f in findings if f["key"].startswith("ib_port-rate-")]

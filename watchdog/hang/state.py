@@ -62,6 +62,7 @@ from ncclwatch.watchdog.events import (
     WorkerFailure,
     WorkerGone,
     WorkerSeen,
+    group_label,
 )
 
 DEFAULT_WINDOW = 2048
@@ -206,11 +207,6 @@ class Worker:
             return None, None
         io = (last.io_bytes - first.io_bytes) / seconds if last.io_bytes is not None and first.io_bytes is not None else None
         return (last.cpu_seconds - first.cpu_seconds) / seconds, io
-
-
-def group_label(pg: str, desc: str | None) -> str:
-    """A Flight Recorder process group as communicators, reports and metrics name it: "process group 0 (default_pg)"."""
-    return f"process group {pg}" + (f" ({desc})" if desc else "")
 
 
 class JobState:

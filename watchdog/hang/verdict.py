@@ -17,8 +17,8 @@ from dataclasses import replace
 from ncclwatch.watchdog.hang.detectors import analyze_comm, missing_send_behind_cycle, with_call_sites
 from ncclwatch.watchdog.hang.types import Fact, Finding
 from ncclwatch.watchdog.hang.verdicts import HANG_VERDICTS, PRIORITY, Verdict
-from ncclwatch.watchdog.parsing.ras import ras_outliers
 from ncclwatch.watchdog.hang.partial import decide_partial, strong_partial
+from ncclwatch.watchdog.hang.ras import ras_outliers
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.events import Citation, RasCommunicator, RasReport
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ncclwatch.watchdog.analyze import resolve_citations
+from ncclwatch.watchdog.evidence.citations import resolve_citations
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.hang.classify import Decision
 from ncclwatch.watchdog.hang.types import Finding

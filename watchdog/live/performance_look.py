@@ -3,10 +3,10 @@
 Every ``perf_interval`` seconds the sidecar, when no incident is open, asks
 ``PerfWatch.look``: every rank of this node is asked for one Flight
 Recorder dump (the hang probe's doors, waited for at most ``DUMP_WAIT_S``),
-the dumps are matched into collectives and the pure detectors run over
-them (``slowness.bandwidth``, ``slowness.stragglers``, ``slowness.links``),
-together with the transports NCCL chose (its init lines) and this node's
-InfiniBand ports (counter deltas since the previous look).  The result is
+the dumps are matched into collectives and the slowness engine
+(``slowness.engine.perf_health``) runs over them, together with the
+transports NCCL chose (its init lines) and this node's InfiniBand ports
+(counter deltas since the previous look).  The result is
 kept as ``health`` (metrics) and ``findings`` (the hang bundle); the look
 returns the findings not seen before in this run, which the sidecar logs
 and, where the operator asked for it, pages.  Nothing here judges hangs,
@@ -17,8 +17,8 @@ Several nodes (``JobLook``): a group spanning nodes is seen in part here,
 so after its look each node publishes a compact record of its ranks'
 newest collectives and of what NCCL chose there (``cluster.perf_records``)
 and the leader, after its own look, merges the others' records of the same
-round into its entries and runs the same ``collective_health`` and
-``transport_anomalies`` over the whole job. Its findings are the job's:
+round into its entries and its transport facts and runs the same
+``perf_health`` over the whole job. Its findings are the job's:
 the leader alone logs and pages them (a member logs and pages its node's
 InfiniBand ports only, and keeps its own ranks' view for its metrics).
 Every node looks at the same wall-clock moments (multiples of the
@@ -53,14 +53,12 @@ from pathlib import Path
 
 from ncclwatch.watchdog.cluster.perf_records import PerfRecord, perf_record
 from ncclwatch.watchdog.slowness.bandwidth import RankEntry, match_entries, rank_entries
-from ncclwatch.watchdog.slowness.links import ib_port_findings, rank_links, transport_anomalies
+from ncclwatch.watchdog.slowness.links import rank_links
 from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind
-from ncclwatch.watchdog.slowness.engine import IbPortHealth, PerfHealth, collective_health
+from ncclwatch.watchdog.slowness.engine import IbPorts, IbReading, PerfHealth, perf_health, port_health
 from ncclwatch.watchdog.hang.snapshot import WorkerView
-from ncclwatch.watchdog.hang.state import group_label
-from ncclwatch.watchdog.events import STOPPED_STATES, FrDump, ProcKey
-from ncclwatch.watchdog.parsing.transport import RankTransport
-from ncclwatch.watchdog.probes.infiniband import SYS_INFINIBAND, ib_delta, rate_bytes_per_s, read_ib_counters, state_name
+from ncclwatch.watchdog.events import STOPPED_STATES, FrDump, ProcKey, RankTransport, group_label
+from ncclwatch.watchdog.probes.infiniband import SYS_INFINIBAND, ib_delta, read_ib_counters
 from ncclwatch.watchdog.sources.files import TransportReader
 from ncclwatch.watchdog.probes.flight_recorder import read_dump, request_dumps
 
@@ -71,7 +69,6 @@ log = logging.getLogger("ncclwatch")
 DUMP_WAIT_S = 2.0
 
 DumpRequest = Callable[[Mapping[int, int]], Awaitable[list[FrDump]]]  # rank -> pid: the dumps that came
-IbReading = dict  # probes.infiniband.read_ib_counters
 # Publishes this node's record; answers the other nodes' records when this node judges the job, None when another does.
 PerfExchange = Callable[[PerfRecord], Awaitable[Mapping[int, PerfRecord] | None]]
 
@@ -138,8 +135,8 @@ class PerfWatch:
         hosts = {w.rank: w.host or host for w in workers}
         links = rank_links(facts, global_ranks)
         descs = _descs(dumps)
-        ports, port_findings = self._ports(host, ib_now, links, hosts, now)
-        active = [p.port for p in ports if p.active]
+        ib = self._ib_ports(host, ib_now, now)
+        active = [p.port for p in port_health(ib_now, None) if p.active] if ib_now is not None else []
         # Thousands of entries per rank: read and matched off the event loop (it also serves /metrics and the cluster).
         entries = await asyncio.to_thread(rank_entries, dumps)
         others: Mapping[int, PerfRecord] | None = {}
@@ -149,13 +146,15 @@ class PerfWatch:
                                     global_ranks=global_ranks, ib_active=active)
             )  # fmt: skip
             others = await job.exchange(mine)
-        remote = (others or {}).values()
-        perf = await asyncio.to_thread(lambda: job_health(entries, descs, hosts, links, remote, now=now))
         # A member of several nodes keeps its ranks' view for its metrics and tells its own ports; the collectives'
         # findings and the transports compared across nodes are the leader's.
-        found = port_findings
-        if others is not None:
-            found = list(perf.perf_findings) + self._transports(host, facts, global_ranks, active, remote) + found
+        judges = others is not None
+        remote, compared = (others or {}).values(), facts if judges else ()
+        perf = await asyncio.to_thread(
+            lambda: job_health(entries, descs, hosts, links, remote, now=now, transport=compared,
+                               global_ranks=global_ranks, ib_active={host: active} if active else {}, ib=ib)
+        )  # fmt: skip
+        found = list(perf.perf_findings) if judges else [f for f in perf.perf_findings if f.kind is PerfKind.ib_port]
         # A straggler is "consistently" last: two looks in a row, never one window of rounds (on the 2-core
         # CI machine one healthy run in three had a rank last in 13 of 20 rounds by chance and load).
         confirmed = [f for f in found if f.kind is not PerfKind.straggler or f.key in self._found_last]
@@ -163,55 +162,45 @@ class PerfWatch:
         found = confirmed
         straggling = {rank for f in found if f.kind is PerfKind.straggler for rank in f.ranks}
         rank_perf = tuple(replace(r, straggler=r.rank in straggling) for r in perf.rank_perf)
-        self.health = replace(perf, perf_findings=tuple(found), ib_ports=tuple(ports), rank_perf=rank_perf)
+        self.health = replace(perf, perf_findings=tuple(found), rank_perf=rank_perf)
         new = [f for f in found if f.key not in self._told]
         self._told.update(f.key for f in new)
         return new
 
-    def _transports(
-        self, host: str, facts: Sequence[RankTransport], global_ranks: Mapping[ProcKey, int], active: Sequence[str],
-        remote: Iterable[PerfRecord],
-    ) -> list[PerfFinding]:  # fmt: skip
-        """Transport anomalies over this node's NCCL choices and, on the leader, every other node's."""
-        every, ranks, up = list(facts), dict(global_ranks), {host: list(active)} if active else {}
-        for record in remote:
-            every += record.transport
-            ranks |= dict(record.global_ranks)
-            if record.ib_active:
-                up[record.host] = record.ib_active
-        return transport_anomalies(every, global_ranks=ranks, active_ib_ports=up)
-
-    def _ports(
-        self, host: str, reading: IbReading | None, links: Mapping[int, Sequence[str]], hosts: Mapping[int, str], now: float
-    ) -> tuple[list[IbPortHealth], list[PerfFinding]]:
+    def _ib_ports(self, host: str, reading: IbReading | None, now: float) -> IbPorts | None:
+        """This node's ports and, from the second look on, what changed since the previous look's reading."""
         if reading is None:
-            return [], []
+            return None
         before, self._ib_before = self._ib_before, (now, reading)
         delta = ib_delta(before[1], reading, now - before[0]) if before is not None and now > before[0] else None
-        users: dict[str, list[int]] = {}  # port -> this node's ranks whose NCCL traffic goes through it
-        for rank, labels in links.items():
-            if hosts.get(rank) == host:
-                for label in labels:
-                    users.setdefault(label, []).append(rank)
-        findings = ib_port_findings(host, reading, delta, used=users.keys(), port_ranks=users)
-        return port_health(reading, delta), findings
+        return IbPorts(host, reading, delta)
 
 
 def job_health(
     entries: Sequence[RankEntry], descs: Mapping[str, str | None], hosts: Mapping[int, str],
     links: Mapping[int, Sequence[str]], others: Iterable[PerfRecord], *, now: float,
+    transport: Sequence[RankTransport] = (), global_ranks: Mapping[ProcKey, int] = {},
+    ib_active: Mapping[str, Sequence[str]] = {}, ib: IbPorts | None = None,
 ) -> PerfHealth:  # fmt: skip
-    """``collective_health`` over this node's entries and the other nodes' records: each rank lives on one node,
-    so the union is every rank's view of each collective (none: this node alone)."""
-    every_rank = list(entries)
+    """``perf_health`` over this node's entries and NCCL's choices (``transport``, ``ib_active``: host -> its ports
+    that are up) and the other nodes' records: each rank lives on one node, so the union is every rank's view of each
+    collective and every process's transport (none: this node alone).  ``ib``: this node's ports."""
+    every_rank, every_transport = list(entries), list(transport)
     labels = {pg: group_label(pg, desc) for pg, desc in descs.items()}
-    all_hosts, all_links = dict(hosts), dict(links)
+    all_hosts, all_links, all_ranks, up = dict(hosts), dict(links), dict(global_ranks), dict(ib_active)
     for record in others:
         every_rank += record.rank_entries()
         labels = record.labels() | labels
         all_hosts |= record.hosts
         all_links |= record.links
-    return collective_health(match_entries(every_rank), labels, now=now, hosts=all_hosts, links=all_links)
+        every_transport += record.transport
+        all_ranks |= dict(record.global_ranks)
+        if record.ib_active:
+            up[record.host] = record.ib_active
+    return perf_health(
+        match_entries(every_rank), labels, now=now, hosts=all_hosts, links=all_links, transport=every_transport,
+        global_ranks=all_ranks, active_ib_ports=up, ib=ib,
+    )
 
 
 def _descs(dumps: Sequence[FrDump]) -> dict[str, str | None]:
@@ -220,27 +209,6 @@ def _descs(dumps: Sequence[FrDump]) -> dict[str, str | None]:
     for dump in dumps:
         for pg_id, pg in dump.process_groups.items():
             out.setdefault(pg_id, pg.desc)
-    return out
-
-
-def port_health(reading: IbReading, delta: Mapping | None) -> list[IbPortHealth]:
-    """Each port's state and rate, and over the last window its throughput and error counters' rise."""
-    moved = (delta or {}).get("ports", {})
-    out = []
-    for dev, ports in sorted(reading.items()):
-        for port, info in sorted(ports.items()):
-            label = f"{dev}/{port}"
-            window = moved.get(label, {})
-            out.append(
-                IbPortHealth(
-                    port=label,
-                    active=state_name(info.get("state")) == "ACTIVE",
-                    rate_bytes_per_s=rate_bytes_per_s(info.get("rate")),
-                    xmit_bytes_per_s=window.get("xmit_bytes_per_s"),
-                    rcv_bytes_per_s=window.get("rcv_bytes_per_s"),
-                    errors=sum(window.get("errors", {}).values()),
-                )
-            )
     return out
 
 

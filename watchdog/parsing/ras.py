@@ -47,15 +47,27 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ncclwatch.watchdog.events import Citation, Event, RasCommunicator, RasRank, RasReport, Unusable
+from ncclwatch.watchdog.events import (
+    RAS_DEAD,
+    RAS_DIFFERENT_OPS,
+    RAS_DIFFERENT_STATUS,
+    RAS_GROUP_OPS,
+    RAS_GROUP_STATUS,
+    RAS_MISSING,
+    Citation,
+    Event,
+    RasCommunicator,
+    RasRank,
+    RasReport,
+    Unusable,
+)
 
 MALFORMED_JSON_REASON = "malformed RAS JSON (known on NCCL 2.28.9); capture the text report too"
 
 # Rank status words.  NCCL's own: NOCOMM (2.26+; UNKNOWN before) INIT RUNNING
-# FINALIZE ABORT.  Ours: MISSING (did not answer RAS), DEAD (RAS gave up on the
-# process), "ERROR: <NCCL error text> (<phase>)".
-MISSING, DEAD = "MISSING", "DEAD"
-_STATUS_RANK = {DEAD: 4, MISSING: 3}  # higher wins when sections disagree; ERROR: 2, others 1
+# FINALIZE ABORT.  Ours: RAS_MISSING (did not answer RAS), RAS_DEAD (RAS gave up
+# on the process), "ERROR: <NCCL error text> (<phase>)".
+_STATUS_RANK = {RAS_DEAD: 4, RAS_MISSING: 3}  # higher wins when sections disagree; ERROR: 2, others 1
 _ERROR_ORDER = ("INCOMPLETE", "ERROR", "MISMATCH")  # NCCL's errorStr order
 _NCCL_ERRORS = {
     1: "Unhandled CUDA error",
@@ -192,10 +204,10 @@ _R = {
     "comm": re.compile(r"^#(\d+)-(\d+) \(([0-9a-fA-F]+)\) (INCOMPLETE|ERROR|MISMATCH)\s*$"),
     "job": re.compile(r"^(INCOMPLETE|DEAD|TIMEOUT)\s*$"),
     "process": re.compile(r"^Process (\d+) on node (\S*) managing GPUs? (.+)$"),
-    "diff_ops": re.compile(r"^Communicator ranks have different (\w+) operation counts$"),
-    "diff_status": re.compile(r"^Communicator ranks have different status$"),
-    "group_ops": re.compile(r"^(\d+) ranks have (?:launched up to operation (\d+)|not launched any operations)$"),
-    "group_status": re.compile(r"^(\d+) ranks have status (\w+)$"),
+    "diff_ops": RAS_DIFFERENT_OPS,
+    "diff_status": RAS_DIFFERENT_STATUS,
+    "group_ops": RAS_GROUP_OPS,
+    "group_status": RAS_GROUP_STATUS,
     "group_error": re.compile(r"^(\d+) ranks reported (.+)$"),
     "phase": re.compile(r"^(Initialization|Asynchronous) errors? on \d+ ranks?$"),
     "missing": re.compile(r"^Missing communicator data from \d+ ranks?$"),
@@ -287,7 +299,7 @@ def _scan_line(state: _TextState, line: str) -> None:
         if m.group(4) not in acc.kinds:
             acc.kinds.append(m.group(4))
         state.job, state.comm, state.op, state.phase = None, acc, "Collective", "unknown phase"
-        state.group = ("status", MISSING) if m.group(4) == "INCOMPLETE" else None
+        state.group = ("status", RAS_MISSING) if m.group(4) == "INCOMPLETE" else None
     elif m := _R["job"].match(line):
         state.job, state.comm = m.group(1), None
     elif m := _R["row"].match(line):
@@ -320,7 +332,7 @@ def _scan_detail(state: _TextState, line: str) -> None:
     elif m := _R["group_error"].match(line):
         state.group = ("status", f"ERROR: {m.group(2)} ({state.phase})")
     elif _R["missing"].match(line):
-        state.group = ("status", MISSING)
+        state.group = ("status", RAS_MISSING)
     elif _R["diff_status"].match(line):
         state.group = None
     else:
@@ -339,7 +351,7 @@ def _scan_rank_line(state: _TextState, acc: _CommAcc, line: str) -> None:
         kind, value = state.group or ("", None)
         _put_rank(acc, m, **{kind: value} if kind else {})
     elif m := _R["rank_list"].match(line):
-        status = MISSING if m.group(1) == "missing" else "UNKNOWN"
+        status = RAS_MISSING if m.group(1) == "missing" else "UNKNOWN"
         for rank in m.group(2).split(","):
             if rank:
                 _merge_rank(acc.ranks, int(rank), status=status)
@@ -391,8 +403,8 @@ def _text_comms(state: _TextState) -> list[RasCommunicator]:
         if life is not None:
             messages.insert(0, f"Status {life} (summary table: {nodes} node(s), {per_node} rank(s) per node)")
         for rec in acc.ranks.values():  # a missing rank whose process RAS declared dead
-            if rec.get("status") == MISSING and (rec.get("host"), rec.get("pid")) in state.dead:
-                rec["status"] = DEAD
+            if rec.get("status") == RAS_MISSING and (rec.get("host"), rec.get("pid")) in state.dead:
+                rec["status"] = RAS_DEAD
         ranks = [RasRank(**rec) for _, rec in sorted(acc.ranks.items())]
         comms.append(
             RasCommunicator(
@@ -480,7 +492,7 @@ def _json_comm(raw: dict) -> RasCommunicator | None:
         return None
     ranks = [_json_rank(r) for r in present] + [_json_missing_rank(r) for r in absent]
     errors, messages = set(), []
-    lost = [r for r in ranks if r.status in (MISSING, DEAD)]
+    lost = [r for r in ranks if r.status in (RAS_MISSING, RAS_DEAD)]
     if lost:
         errors.add("INCOMPLETE")
         messages.append(f"Missing communicator data from {len(lost)} rank{'s' if len(lost) > 1 else ''}")
@@ -559,7 +571,7 @@ def _json_missing_rank(raw: dict) -> RasRank:
     status = raw.get("status") if isinstance(raw.get("status"), dict) else {}
     # Trap: a missing rank that *did* answer is not lost: its process no longer
     # considers itself a member (mid-destroy) - NCCL calls that NOCOMM.
-    word = DEAD if status.get("considered_dead") else MISSING if status.get("unresponsive", True) else "NOCOMM"
+    word = RAS_DEAD if status.get("considered_dead") else RAS_MISSING if status.get("unresponsive", True) else "NOCOMM"
     return RasRank(rank=raw["rank"], status=word, **_json_ident(raw))
 
 
@@ -729,86 +741,3 @@ def _decode_record(body: str, at: int) -> dict | None:
         except ValueError:
             return None
     return record if isinstance(record, dict) else None
-
-
-# --------------------------------------------------------------------------
-# Outliers: RAS as one signal for the detectors
-# --------------------------------------------------------------------------
-
-_MSG_GROUP_OPS = re.compile(r"^(\d+) ranks have (?:launched up to operation (\d+)|not launched any operations)$")
-_MSG_GROUP_STATUS = re.compile(r"^(\d+) ranks have status (\w+)$")
-_LIFECYCLE = frozenset({"NOCOMM", "UNKNOWN", "INIT", "RUNNING", "FINALIZE", "ABORT"})
-
-
-def ras_outliers(comm: RasCommunicator) -> dict[int, str]:
-    """Rank -> why it stands out: missing, dead, in error, or off the majority.
-
-    Majorities come from the named ranks plus the text report's group
-    sentences (``3 ranks have launched up to operation 47``), whose members
-    NCCL does not name.  With no strict majority (e.g. 2 ranks, 47 vs 48),
-    every rank with a known value is returned with "no majority" (and
-    "lowest"/"highest") in its reason: RAS alone cannot tell which side is
-    wrong.  Ranks absent from a cut-short JSON are not reported.
-    """
-    reasons: dict[int, list[str]] = {}
-    for r in comm.ranks:
-        if r.status == DEAD:
-            reasons.setdefault(r.rank, []).append("process considered dead by RAS (unreachable)")
-        elif r.status == MISSING:
-            reasons.setdefault(r.rank, []).append("no answer to RAS (process unresponsive or stopped)")
-        elif r.status and r.status.startswith("ERROR"):
-            reasons.setdefault(r.rank, []).append(r.status.lower().replace("error: ", "reported ", 1))
-    op_groups, status_groups = _message_groups(comm.messages)
-    ops = dict.fromkeys([op for r in comm.ranks for op in r.collective_counts] + list(op_groups))
-    for op in ops:
-        values = {r.rank: r.collective_counts[op] for r in comm.ranks if op in r.collective_counts}
-        _flag_minority(reasons, values, op_groups.get(op, {}), f"{op} launched up to", numeric=True)
-    statuses = {r.rank: r.status for r in comm.ranks if r.status in _LIFECYCLE}
-    _flag_minority(reasons, statuses, status_groups, "status", numeric=False)
-    return {rank: "; ".join(why) for rank, why in sorted(reasons.items())}
-
-
-def _message_groups(messages: list[str]) -> tuple[dict[str, dict[int, int]], dict[str, int]]:
-    """The text report's unnamed groups: op -> {value: n ranks}, status -> n ranks."""
-    ops: dict[str, dict[int, int]] = {}
-    statuses: dict[str, int] = {}
-    op = None
-    for line in messages:
-        if m := _R["diff_ops"].match(line):
-            op = "Collective" if m.group(1) == "collective" else m.group(1)
-        elif _R["diff_status"].match(line):
-            op = None
-        elif (m := _MSG_GROUP_OPS.match(line)) and op is not None:
-            ops.setdefault(op, {})[int(m.group(2) or 0)] = int(m.group(1))
-        elif m := _MSG_GROUP_STATUS.match(line):
-            statuses[m.group(2)] = int(m.group(1))
-    return ops, statuses
-
-
-def _flag_minority(
-    reasons: dict[int, list[str]], values: dict[int, object], groups: dict, what: str, *, numeric: bool
-) -> None:
-    """Add a reason for each named rank whose value is not the strict majority's."""
-    tally = dict(groups)
-    for value in values.values():
-        if value not in groups:  # named members of an announced group are already counted
-            tally[value] = tally.get(value, 0) + 1
-    if len(tally) < 2:
-        return
-    ranked = sorted(tally.items(), key=lambda kv: (-kv[1], kv[0]))  # values of one call share a type
-    (top, top_n), total = ranked[0], sum(tally.values())
-    tie = ranked[1][1] == top_n
-    spread = ", ".join(f"{n} at {v}" for v, n in ranked)
-    for rank, value in values.items():
-        if tie:
-            # Trap: lowest is not "the culprit": a rank stuck in Python launches
-            # fewer, but one that skipped a collective launches more.
-            side = ""
-            if numeric and value in (min(tally), max(tally)):  # type: ignore[type-var]
-                side = ", lowest" if value == min(tally) else ", highest"  # type: ignore[type-var]
-            reasons.setdefault(rank, []).append(f"{what} {value}{side}; no majority ({spread})")
-        elif value != top:
-            gap = ""
-            if numeric:
-                gap = f", {'ahead' if value > top else 'behind'} by {abs(value - top)}"  # type: ignore[operator]
-            reasons.setdefault(rank, []).append(f"{what} {value}, majority {top} ({top_n} of {total} ranks){gap}")

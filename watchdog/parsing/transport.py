@@ -1,4 +1,4 @@
-"""NCCL's INIT lines -> which transport each rank's connections use (``RankTransport``).
+"""NCCL's INIT lines -> which transport each rank's connections use (``events.RankTransport``).
 
 Formats, from NCCL's source (2.18-2.29; file:format at v2.28.9)::
 
@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ncclwatch.watchdog.events import ProcKey
+from ncclwatch.watchdog.events import NetDevice, ProcKey, RankTransport
 
 _MARKER_RE = re.compile(rb" via |NET/|coll channels|nNodes|Using network|P2P is disabled|set by environment|IB_HCA set| - Init START")
 _LINE_RE = re.compile(r"(?:\[[^\]\n]*\]:? ?)*([^:\s\[\]]+):(\d+):\d+ \[(\d+)\] NCCL INFO (.*)")
@@ -50,52 +50,6 @@ _CHANNEL_RE = re.compile(r"Channel \d+(?:/\d+)? : (\d+)\[\d+\] -> (\d+)\[\d+\] (
 _IB_DEV_RE = re.compile(r"\[(\d+)\]([^:\s\]]+):(\d+)(?::\d*)?(?::\d+)?/(\w+)")
 _SOCKET_DEV_RE = re.compile(r"\[(\d+)\]([^:\s\]]+):(\S+)")
 _THREADS_RE = re.compile(r"NET/Socket: Using (\d+) threads and (\d+) sockets per thread")
-
-
-@dataclass(frozen=True)
-class NetDevice:
-    index: int  # NCCL's net device number: the <d> of "via NET/IB/<d>"
-    name: str  # "mlx5_0" (IB, RoCE) or "eth0" (Socket)
-    port: int | None = None
-    link_layer: str | None = None  # "IB", "RoCE"
-    address: str | None = None  # Socket: "192.0.2.2<0>"
-
-    @property
-    def label(self) -> str:
-        """``mlx5_0/1`` (the sysfs port path) or ``eth0``."""
-        return f"{self.name}/{self.port}" if self.port is not None else self.name
-
-
-@dataclass(frozen=True)
-class RankTransport:
-    """What one process's NCCL chose for one communicator."""
-
-    proc: ProcKey
-    comm_ptr: str | None
-    rank: int | None  # in the communicator
-    nranks: int | None = None
-    nnodes: int | None = None
-    local_ranks: int | None = None
-    cuda_dev: int | None = None
-    bus_id: str | None = None
-    network: str | None = None  # "Using network <name>"
-    ib_devices: tuple[NetDevice, ...] = ()
-    ib_absent: bool = False  # "NET/IB : No device found."
-    socket_devices: tuple[NetDevice, ...] = ()
-    socket_threads: tuple[int, int] | None = None  # (threads, sockets per thread)
-    ib_hca: str | None = None  # NCCL_IB_HCA as this process's NCCL read it (None: unset, or its line not seen)
-    coll_channels: int | None = None
-    nvls_channels: int | None = None
-    p2p_channels: int | None = None
-    connections: dict[str, int] = field(default_factory=dict)  # "P2P/CUMEM", "SHM", "NET/IB", "NET/Socket" -> count
-    net_devices_used: tuple[int, ...] = ()  # the <d> of every "via NET/<name>/<d>"
-    gdr: bool | None = None  # some NET connection used GPU Direct RDMA
-    p2p_disabled: str | None = None  # the line that says so
-
-    def links(self) -> tuple[str, ...]:
-        """The NICs this rank's network connections go through (``mlx5_1/1``); IB first, then sockets."""
-        devices = {d.index: d for d in (self.ib_devices if "NET/IB" in self.connections else self.socket_devices)}
-        return tuple(devices[i].label for i in self.net_devices_used if i in devices)
 
 
 @dataclass

@@ -28,9 +28,12 @@ left out of the map, never placed by guess.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
+
+# What a reading's text says lives in events, below the slowness engine that reads it too.  Re-exported only
+# until watchdog/preflight.py and tests/probes/test_probes_infiniband.py import it from there.
+from ncclwatch.watchdog.events import rate_bytes_per_s as rate_bytes_per_s, state_name as state_name
 
 SYS_INFINIBAND = Path("/sys/class/infiniband")
 SYS = Path("/sys")
@@ -68,7 +71,6 @@ HW_ERROR_COUNTERS = frozenset(
         "roce_adp_retrans_to",
     }
 )
-_RATE_RE = re.compile(r"([\d.]+) Gb/sec")
 
 
 def _read(path: Path) -> str | None:
@@ -156,17 +158,6 @@ def _port_delta(then: dict, now: dict, seconds: float) -> dict:
         entry[f"{direction}_bytes_per_s"] = None if words is None or seconds <= 0 else words * WORD_BYTES / seconds
     entry["errors"] = moved
     return entry
-
-
-def rate_bytes_per_s(rate: str | None) -> float | None:
-    """``"400 Gb/sec (4X NDR)"`` -> 5e10 bytes/s; anything else -> None."""
-    match = _RATE_RE.match(rate or "")
-    return float(match[1]) * 1e9 / 8 if match else None
-
-
-def state_name(state: str | None) -> str | None:
-    """``"4: ACTIVE"`` -> ``"ACTIVE"``, ``"5: LinkUp"`` -> ``"LinkUp"``; None stays None."""
-    return None if state is None else state.partition(":")[2].strip() or state
 
 
 def normalize_bus_id(bus_id: str) -> str:

@@ -1,10 +1,10 @@
-"""Achieved bus bandwidth and arrival skew from Flight Recorder entries, and the slow-collective/slow-link checks.
+"""Achieved bus bandwidth and arrival skew from Flight Recorder entries, and the slow-collective check.
 
 Bus bandwidth follows nccl-tests (``doc/PERFORMANCE.md``): ``algbw = S / t``
 with ``S`` the collective's size as nccl-tests counts it (the all-reduce
 buffer, the all-gather output, the reduce-scatter input, the whole
-all-to-all), and ``busbw = algbw * factor`` with the factor below, so one
-number can be compared with the hardware's link speed whatever the
+all-to-all), and ``busbw = algbw * factor`` with nccl-tests' factor
+(``ncclwatch/bus_bandwidth.py``), so one number can be compared with the hardware's link speed whatever the
 collective and the rank count.
 
 Matching: an entry of one rank is the same collective as another rank's
@@ -39,20 +39,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind, gbps, ranks_text, where
-from ncclwatch.watchdog.events import FrDump, FrEntry, OpSig, OpState
+from ncclwatch.bus_bandwidth import bus_factor, busbw
+from ncclwatch.watchdog.events import FrDump, FrEntry, OpState
+from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind, gbps, where
 
-# nccl-tests' bus-bandwidth factor per collective, as a function of the rank count.
-_FACTORS = {
-    "AllReduce": lambda n: 2 * (n - 1) / n,
-    "AllGather": lambda n: (n - 1) / n,
-    "ReduceScatter": lambda n: (n - 1) / n,
-    "AlltoAll": lambda n: (n - 1) / n,
-    "Broadcast": lambda n: 1.0,
-    "Reduce": lambda n: 1.0,
-    "Send": lambda n: 1.0,
-    "Recv": lambda n: 1.0,
-}
 # Element sizes: PyTorch's ScalarType names as Flight Recorder writes them (c10::toString,
 # older dumps lower case) and NCCL's ncclDataType_t numbers as its COLL lines print them.
 _TORCH_DTYPE_BYTES = {
@@ -63,23 +53,6 @@ _TORCH_DTYPE_BYTES = {
 _NCCL_DTYPE_BYTES = {"0": 1, "1": 1, "2": 4, "3": 4, "4": 8, "5": 8, "6": 2, "7": 4, "8": 8, "9": 2, "10": 1, "11": 1}
 
 MIN_BYTES = 1 << 20  # below this a collective is latency-bound: its bandwidth says nothing about links
-
-
-def bus_factor(op: str, nranks: int) -> float | None:
-    """nccl-tests' factor: all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; others 1."""
-    factor = _FACTORS.get(op)
-    return None if factor is None or nranks < 1 else factor(nranks)
-
-
-def algbw(nbytes: int, seconds: float) -> float | None:
-    """Bytes per second moved by the collective as a whole; None for a zero or negative time."""
-    return nbytes / seconds if seconds > 0 else None
-
-
-def busbw(op: str, nbytes: int, nranks: int, seconds: float) -> float | None:
-    """nccl-tests' bus bandwidth in bytes/s; None for an op without a factor or a zero time."""
-    factor, alg = bus_factor(op, nranks), algbw(nbytes, seconds)
-    return None if factor is None or alg is None else alg * factor
 
 
 def element_bytes(dtype: str | None) -> int | None:
@@ -105,16 +78,6 @@ def fr_collective_bytes(entry: FrEntry) -> int | None:
             return None
         totals.append(sum(_numel(shape) for shape in shapes) * width)
     return max(totals) if totals else None
-
-
-def nccl_op_bytes(sig: OpSig, nranks: int) -> int | None:
-    """nccl-tests' size S of a NCCL COLL line: ``count`` is per rank for all-gather (sendcount),
-    reduce-scatter (recvcount) and all-to-all, the whole buffer for the others."""
-    width = element_bytes(sig.dtype)
-    if width is None or sig.count is None:
-        return None
-    per_rank = sig.op in ("AllGather", "ReduceScatter", "AlltoAll")
-    return sig.count * width * (nranks if per_rank else 1)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -313,14 +276,15 @@ def size_bucket(nbytes: int) -> int:
     return max(nbytes, 1).bit_length()
 
 
-def _judged(timings: Iterable[CollectiveTiming], min_bytes: int) -> list[CollectiveTiming]:
+def judged_on_bandwidth(timings: Iterable[CollectiveTiming], min_bytes: int) -> list[CollectiveTiming]:
+    """The collectives with a bus bandwidth and at least ``min_bytes``: the only ones the detectors compare."""
     return [t for t in timings if t.busbw is not None and t.nbytes is not None and t.nbytes >= min_bytes]
 
 
 def comm_bandwidth(timings: Sequence[CollectiveTiming], *, window: int = 50, min_bytes: int = MIN_BYTES) -> dict[tuple[str, str], float]:
     """Median busbw of each (group, op) over its last ``window`` completed collectives of at least ``min_bytes``."""
     series: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for t in _judged(timings, min_bytes):
+    for t in judged_on_bandwidth(timings, min_bytes):
         series[(t.pg, t.op)].append(t.busbw)  # type: ignore[arg-type]
     return {key: statistics.median(values[-window:]) for key, values in series.items()}
 
@@ -329,14 +293,14 @@ def rank_bandwidth(timings: Sequence[CollectiveTiming], *, window: int = 50, min
     """Each rank's busbw: the median over the collectives it took part in (a collective moves at its slowest link,
     so a rank's own kernel time says how long it waited, not how fast its link is)."""
     series: dict[int, list[float]] = defaultdict(list)
-    for t in _judged(timings, min_bytes):
+    for t in judged_on_bandwidth(timings, min_bytes):
         for rank in t.arrivals:
             series[rank].append(t.busbw)  # type: ignore[arg-type]
     return {rank: statistics.median(values[-window:]) for rank, values in series.items()}
 
 
 # --------------------------------------------------------------------------
-# Detectors: slow against its own history, slow against its peers
+# Detector: slow against its own history (slow against its peers: links.slow_links)
 # --------------------------------------------------------------------------
 
 
@@ -368,10 +332,10 @@ def slow_collectives(
     usual time / ``ratio``.  Whether a running one still moves data (IB
     counters, GPU) or is hung is for the caller: this says only "slow".
     One collective is in every rank's path, so it names all the group's
-    ranks; ``slow_links`` and the IB port checks say which link.
+    ranks; ``links.slow_links`` and the IB port checks say which link.
     """
     groups: dict[tuple[str, str, int], list[CollectiveTiming]] = defaultdict(list)
-    for t in _judged(timings, min_bytes):
+    for t in judged_on_bandwidth(timings, min_bytes):
         groups[(t.pg, t.op, size_bucket(t.nbytes))].append(t)  # type: ignore[arg-type]
     findings: list[PerfFinding] = []
     for (pg, op, _), series in groups.items():
@@ -434,61 +398,6 @@ def _slow_finding(
         communicator=t.pg,
         measured=measured,
         expected=usual,
-    )
-
-
-def slow_links(
-    timings: Sequence[CollectiveTiming],
-    *,
-    hosts: Mapping[int, str] = {},
-    links: Mapping[int, Sequence[str]] = {},
-    ratio: float = 0.5,
-    min_samples: int = 5,
-    min_bytes: int = MIN_BYTES,
-) -> list[PerfFinding]:
-    """Groups far slower than their peers doing the same op at the same size, localised to the ranks they share.
-
-    Data-parallel replicas, tensor-parallel groups: same op, same size, on
-    different ranks.  A group under ``ratio`` x the median of the others is
-    slow; the suspects are the ranks in every slow group and in no fast one
-    (a faulty cable slows exactly the groups whose ring crosses it).
-    Without two groups to compare, says nothing.
-    """
-    per: dict[tuple[str, int], dict[str, list[CollectiveTiming]]] = defaultdict(lambda: defaultdict(list))
-    for t in _judged(timings, min_bytes):
-        per[(t.op, size_bucket(t.nbytes))][t.pg].append(t)  # type: ignore[arg-type]
-    findings = []
-    for (op, _), by_pg in per.items():
-        medians = {pg: statistics.median(x.busbw for x in ts[-50:]) for pg, ts in by_pg.items() if len(ts) >= min_samples}
-        if len(medians) < 2:
-            continue
-        slow = {pg for pg, m in medians.items() if m < ratio * statistics.median(v for p, v in medians.items() if p != pg)}
-        if not slow:
-            continue
-        members = {pg: set().union(*(t.arrivals for t in by_pg[pg])) for pg in medians}
-        suspects = set.intersection(*(members[pg] for pg in slow)) - set().union(*(members[pg] for pg in medians if pg not in slow))
-        findings.append(_link_finding(op, sorted(suspects or set().union(*(members[pg] for pg in slow))), slow, medians, hosts, links))
-    return findings
-
-
-def _link_finding(op: str, ranks: list[int], slow: set[str], medians: Mapping[str, float], hosts, links) -> PerfFinding:  # type: ignore[no-untyped-def]
-    host_names, link_names = where(ranks, hosts, links)
-    measured = min(medians[pg] for pg in slow)
-    peers = statistics.median(v for pg, v in medians.items() if pg not in slow)
-    through = f" through {', '.join(link_names)}" if link_names else ""
-    return PerfFinding(
-        kind=PerfKind.slow_link,
-        key=f"slow_link-{','.join(map(str, ranks))}",
-        summary=f"{op} in process group(s) {', '.join(sorted(slow))} runs at {gbps(measured)}, against {gbps(peers)} "
-        f"in the others; the slow groups share {ranks_text(ranks, hosts)}{through}",
-        detail="check that node's links: InfiniBand port rate and state, error counters, cables; NCCL's transport "
-        "lines for a fallback (NET/Socket, fewer channels); ncclwatch preflight on that node",
-        ranks=tuple(ranks),
-        hosts=host_names,
-        links=link_names,
-        communicator=",".join(sorted(slow)),
-        measured=measured,
-        expected=peers,
     )
 
 

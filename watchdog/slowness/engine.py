@@ -1,8 +1,11 @@
-"""A job's performance from its matched collectives: bandwidth, arrival skew, stragglers, slow collectives and links.
+"""The slowness engine's entry (``perf_health``): a job's performance from its matched collectives, NCCL's transport
+choices and a node's InfiniBand ports: bandwidth, arrival skew, stragglers, slow collectives and links, odd
+transports, bad ports.
 
 Pure: the live performance look (``live/performance_look.py``) runs it on the dumps it
-asked for (and the other nodes' records), ``ncclwatch analyze`` on the dumps
-it was given; the values are what ``Health`` and the metrics carry.
+asked for (and the other nodes' records), its transport facts and this node's ports;
+``ncclwatch analyze`` on the dumps and NCCL logs it was given; the evidence bundle on the
+ports it read.  The values are what ``Health`` and the metrics carry.
 """
 
 from __future__ import annotations
@@ -10,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from ncclwatch.watchdog.slowness.bandwidth import CollectiveTiming, comm_bandwidth, rank_bandwidth, size_bucket, slow_collectives, slow_links
+from ncclwatch.watchdog.events import ProcKey, RankTransport, group_label, rate_bytes_per_s, state_name
+from ncclwatch.watchdog.slowness.bandwidth import CollectiveTiming, comm_bandwidth, rank_bandwidth, size_bucket, slow_collectives
 from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind
-from ncclwatch.watchdog.hang.state import group_label
+from ncclwatch.watchdog.slowness.links import ib_port_findings, slow_links, transport_anomalies
 from ncclwatch.watchdog.slowness.stragglers import MIN_ROUNDS, LastArrivals, collective_arrivals, collective_series, stragglers
 
 
@@ -37,20 +41,78 @@ class IbPortHealth:
     port: str  # "mlx5_0/1"
     active: bool
     rate_bytes_per_s: float | None = None
-    xmit_bytes_per_s: float | None = None  # over the last window (probes.infiniband.ib_delta)
+    xmit_bytes_per_s: float | None = None  # over the last window (IbPorts.delta)
     rcv_bytes_per_s: float | None = None
     errors: int = 0  # error counters' rise over the last window
 
 
 @dataclass(frozen=True)
 class PerfHealth:
-    """The latest performance look (``live/performance_look.py``), as the ``Health`` fields of the same names carry it."""
+    """What ``perf_health`` found (the live look keeps its latest), as the ``Health`` fields of these names carry it."""
 
     comm_bandwidth: tuple[CommBandwidth, ...] = ()
     rank_perf: tuple[RankPerf, ...] = ()
     arrival_skew_s: float | None = None
     perf_findings: tuple[PerfFinding, ...] = ()
     ib_ports: tuple[IbPortHealth, ...] = ()
+
+
+IbReading = Mapping[str, Mapping[str, Mapping]]  # probes.infiniband.read_ib_counters: device -> port -> its sysfs files
+
+
+@dataclass(frozen=True)
+class IbPorts:
+    """One node's InfiniBand ports: a reading and what changed over the window before it (``ib_delta``; None: first)."""
+
+    host: str
+    reading: IbReading
+    delta: Mapping | None = None
+
+
+def perf_health(
+    timings: Sequence[CollectiveTiming] = (), labels: Mapping[str, str] = {}, *, now: float,
+    hosts: Mapping[int, str] = {}, links: Mapping[int, Sequence[str]] = {}, transport: Sequence[RankTransport] = (),
+    global_ranks: Mapping[ProcKey, int] = {}, active_ib_ports: Mapping[str, Sequence[str]] = {},
+    ib: IbPorts | None = None,
+) -> PerfHealth:  # fmt: skip
+    """The slowness engine, whole: ``collective_health`` over the matched collectives, ``transport_anomalies`` over
+    NCCL's transport choices (``global_ranks``: NCCL's process -> global rank; ``active_ib_ports``: host -> its ports
+    that are up) and, where ``ib`` is given, that node's ports' state and ``ib_port_findings``, a port's ranks being
+    those of ``ib.host`` whose ``links`` go through it.  Findings in that order."""
+    health = collective_health(timings, labels, now=now, hosts=hosts, links=links)
+    findings = list(health.perf_findings)
+    findings += transport_anomalies(transport, global_ranks=global_ranks, active_ib_ports=active_ib_ports)
+    ports: tuple[IbPortHealth, ...] = ()
+    if ib is not None:
+        users: dict[str, list[int]] = {}  # port -> the node's ranks whose NCCL traffic goes through it
+        for rank, nics in links.items():
+            if hosts.get(rank) == ib.host:
+                for port in nics:
+                    users.setdefault(port, []).append(rank)
+        findings += ib_port_findings(ib.host, ib.reading, ib.delta, used=users.keys(), port_ranks=users)
+        ports = tuple(port_health(ib.reading, ib.delta))
+    return replace(health, perf_findings=tuple(findings), ib_ports=ports)
+
+
+def port_health(reading: IbReading, delta: Mapping | None) -> list[IbPortHealth]:
+    """Each port's state and rate, and over the last window its throughput and error counters' rise."""
+    moved = (delta or {}).get("ports", {})
+    out = []
+    for dev, ports in sorted(reading.items()):
+        for port, info in sorted(ports.items()):
+            label = f"{dev}/{port}"
+            window = moved.get(label, {})
+            out.append(
+                IbPortHealth(
+                    port=label,
+                    active=state_name(info.get("state")) == "ACTIVE",
+                    rate_bytes_per_s=rate_bytes_per_s(info.get("rate")),
+                    xmit_bytes_per_s=window.get("xmit_bytes_per_s"),
+                    rcv_bytes_per_s=window.get("rcv_bytes_per_s"),
+                    errors=sum(window.get("errors", {}).values()),
+                )
+            )
+    return out
 
 
 def collective_health(

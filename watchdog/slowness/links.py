@@ -1,6 +1,7 @@
-"""Links: transport anomalies across ranks and nodes, InfiniBand port anomalies, and which link each rank uses.
+"""Links: slow links, transport anomalies across ranks and nodes, InfiniBand port anomalies, which link each rank uses.
 
-Pure: reads ``RankTransport`` records (``parsing/transport.py``) and the
+Pure: reads matched collectives (``bandwidth.CollectiveTiming``),
+``events.RankTransport`` records (made by ``parsing/transport.py``) and the
 InfiniBand probe's readings (``probes/infiniband.py``), returns
 ``PerfFinding``s.  The rule throughout: a node is odd when it differs from
 its peers in the same job, so a job that is uniformly on sockets (no
@@ -17,15 +18,80 @@ and for NCCL on sockets while the node's sysfs shows active InfiniBand ports.
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind, ranks_text
-from ncclwatch.watchdog.events import ProcKey
-from ncclwatch.watchdog.parsing.transport import RankTransport
-from ncclwatch.watchdog.probes.infiniband import rate_bytes_per_s, state_name
+from ncclwatch.watchdog.events import ProcKey, RankTransport, rate_bytes_per_s, state_name
+from ncclwatch.watchdog.slowness.bandwidth import MIN_BYTES, CollectiveTiming, judged_on_bandwidth, size_bucket
+from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind, gbps, ranks_text, where
 
 RankOf = Callable[[ProcKey], int | None]  # a process's global rank, where known
+
+
+# --------------------------------------------------------------------------
+# Slow links: groups far below their peers
+# --------------------------------------------------------------------------
+
+
+def slow_links(
+    timings: Sequence[CollectiveTiming],
+    *,
+    hosts: Mapping[int, str] = {},
+    links: Mapping[int, Sequence[str]] = {},
+    ratio: float = 0.5,
+    min_samples: int = 5,
+    min_bytes: int = MIN_BYTES,
+) -> list[PerfFinding]:
+    """Groups far slower than their peers doing the same op at the same size, localised to the ranks they share.
+
+    Data-parallel replicas, tensor-parallel groups: same op, same size, on
+    different ranks.  A group under ``ratio`` x the median of the others is
+    slow; the suspects are the ranks in every slow group and in no fast one
+    (a faulty cable slows exactly the groups whose ring crosses it).
+    Without two groups to compare, says nothing.
+    """
+    per: dict[tuple[str, int], dict[str, list[CollectiveTiming]]] = defaultdict(lambda: defaultdict(list))
+    for t in judged_on_bandwidth(timings, min_bytes):
+        per[(t.op, size_bucket(t.nbytes))][t.pg].append(t)  # type: ignore[arg-type]
+    findings = []
+    for (op, _), by_pg in per.items():
+        medians = {pg: statistics.median(x.busbw for x in ts[-50:]) for pg, ts in by_pg.items() if len(ts) >= min_samples}
+        if len(medians) < 2:
+            continue
+        slow = {pg for pg, m in medians.items() if m < ratio * statistics.median(v for p, v in medians.items() if p != pg)}
+        if not slow:
+            continue
+        members = {pg: set().union(*(t.arrivals for t in by_pg[pg])) for pg in medians}
+        suspects = set.intersection(*(members[pg] for pg in slow)) - set().union(*(members[pg] for pg in medians if pg not in slow))
+        findings.append(_link_finding(op, sorted(suspects or set().union(*(members[pg] for pg in slow))), slow, medians, hosts, links))
+    return findings
+
+
+def _link_finding(op: str, ranks: list[int], slow: set[str], medians: Mapping[str, float], hosts, links) -> PerfFinding:  # type: ignore[no-untyped-def]
+    host_names, link_names = where(ranks, hosts, links)
+    measured = min(medians[pg] for pg in slow)
+    peers = statistics.median(v for pg, v in medians.items() if pg not in slow)
+    through = f" through {', '.join(link_names)}" if link_names else ""
+    return PerfFinding(
+        kind=PerfKind.slow_link,
+        key=f"slow_link-{','.join(map(str, ranks))}",
+        summary=f"{op} in process group(s) {', '.join(sorted(slow))} runs at {gbps(measured)}, against {gbps(peers)} "
+        f"in the others; the slow groups share {ranks_text(ranks, hosts)}{through}",
+        detail="check that node's links: InfiniBand port rate and state, error counters, cables; NCCL's transport "
+        "lines for a fallback (NET/Socket, fewer channels); ncclwatch preflight on that node",
+        ranks=tuple(ranks),
+        hosts=host_names,
+        links=link_names,
+        communicator=",".join(sorted(slow)),
+        measured=measured,
+        expected=peers,
+    )
+
+
+# --------------------------------------------------------------------------
+# Transports
+# --------------------------------------------------------------------------
 
 
 def rank_links(facts: Iterable[RankTransport], global_ranks: Mapping[ProcKey, int] = {}) -> dict[int, tuple[str, ...]]:
