@@ -38,7 +38,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ncclwatch.watchdog.slowness.findings import gbps
-from ncclwatch.watchdog.probes.infiniband import SYS_INFINIBAND, rate_bytes_per_s, read_ib_counters, state_name
+from ncclwatch.watchdog.events import rate_bytes_per_s, state_name
+from ncclwatch.watchdog.probes.infiniband import SYS_INFINIBAND, read_ib_counters
 
 # One-way bandwidth of one NVLink, bytes/s, by NVML's nvmlNvlinkVersion_t (nvmlDeviceGetNvLinkVersion), which
 # counts point releases: 1 = NVLink 1.0 (P100) 20 GB/s; 2 = 2.0 (V100), 3 = 2.2, 4 = 3.0 (A100), 5 = 3.1,

@@ -23,7 +23,8 @@ from ncclwatch.watchdog.slowness.findings import PerfKind
 from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState, ProcKey
 from ncclwatch.watchdog.live.performance_look import JobLook, PerfWatch, job_health
-from ncclwatch.watchdog.parsing.transport import RankTransport, parse_transport
+from ncclwatch.watchdog.events import RankTransport
+from ncclwatch.watchdog.parsing.transport import parse_transport
 
 MiB = 1 << 20
 INTERVAL = 60.0

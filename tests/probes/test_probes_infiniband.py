@@ -90,7 +90,8 @@ import os  # noqa: E402
 
 from ncclwatch.watchdog.slowness.links import ib_port_findings  # noqa: E402
 from ncclwatch.watchdog.slowness.findings import PerfKind  # noqa: E402
-from ncclwatch.watchdog.probes.infiniband import hca_gpu_map, rate_bytes_per_s  # noqa: E402
+from ncclwatch.watchdog.events import rate_bytes_per_s  # noqa: E402
+from ncclwatch.watchdog.probes.infiniband import hca_gpu_map  # noqa: E402
 
 
 def test_rates_and_link_layer(tmp_path):

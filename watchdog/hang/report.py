@@ -65,7 +65,7 @@ class EvidenceFile(BaseModel):
 
 
 class PerfNote(BaseModel):
-    """A performance finding (``slowness/findings.py``): the live watchdog's latest look, or analyze's from the dumps; not the verdict."""
+    """A performance finding (``slowness/findings.py``): the live watchdog's latest look, or analyze's from the dumps and the NCCL logs' transports; not the verdict."""
 
     kind: str  # slow_collective, slow_link, straggler, transport_anomaly, ib_port
     key: str

@@ -31,10 +31,6 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-# What a reading's text says lives in events, below the slowness engine that reads it too.  Re-exported only
-# until watchdog/preflight.py and tests/probes/test_probes_infiniband.py import it from there.
-from ncclwatch.watchdog.events import rate_bytes_per_s as rate_bytes_per_s, state_name as state_name
-
 SYS_INFINIBAND = Path("/sys/class/infiniband")
 SYS = Path("/sys")
 NVIDIA_VENDOR = "0x10de"

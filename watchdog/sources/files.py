@@ -17,7 +17,8 @@ from typing import Generic, TypeVar
 
 from ncclwatch.watchdog.parsing.heartbeat import parse_heartbeat
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
-from ncclwatch.watchdog.parsing.transport import RankTransport, TransportScanner
+from ncclwatch.watchdog.events import RankTransport
+from ncclwatch.watchdog.parsing.transport import TransportScanner
 from ncclwatch.watchdog.events import Citation, Unusable
 from ncclwatch.watchdog.sources import DownOnce, Emit, PollingSource
 
