@@ -212,7 +212,8 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     if returncode == 0 and responder.ended is None:
         for reported in sidecar.reported:
             sidecar.resolve(reported, "the job ended cleanly")
-    sidecar.resolve_performance(why="the job ended (a slow link or port may still need a look)")
+    if sidecar.performance is not None:
+        sidecar.performance.resolve(why="the job ended (a slow link or port may still need a look)")
     for reported in sidecar.reported:
         culprits = ", ".join(map(str, reported.report.culprit_ranks)) or "-"
         print(

@@ -131,6 +131,8 @@ class Rig:
             settings, "train", sources=[], prober=self.prober, reporter=self.report, out=io.StringIO(),
             dispatcher=self.alerts, host="node1", clock=self.clock, perf=self.perf,  # type: ignore[arg-type]
         )  # fmt: skip
+        assert self.sidecar.performance is not None  # the looks' findings, logged and paged
+        self.performance = self.sidecar.performance
         for rank in RANKS:
             self.sidecar.emit(WorkerSeen(pid=100 + rank, rank=rank, host="node1", at=NOW))
         self.beaten = 0
@@ -152,7 +154,7 @@ class Rig:
 
         async def both() -> None:  # as the sidecar's run loop and its performance task would
             await self.sidecar.tick()
-            await self.sidecar.perf_tick()
+            await self.performance.tick()
 
         asyncio.run(both())
 
@@ -302,7 +304,7 @@ class TestStraggler:
         rig.tick(4 * INTERVAL + 1)
         trigger, resolve = rig.alerts.submitted
         assert (resolve.action, resolve.dedup_key) == ("resolve", trigger.dedup_key)
-        rig.sidecar.resolve_performance()  # the job ends: nothing left open to resolve
+        rig.performance.resolve()  # the job ends: nothing left open to resolve
         assert len(rig.alerts.submitted) == 2
 
     def test_a_page_still_open_when_the_job_ends_is_resolved(self) -> None:
@@ -310,7 +312,7 @@ class TestStraggler:
         rig.dumps.dumps = training(30, late_rank=2)
         rig.tick(INTERVAL + 1)
         rig.tick(2 * INTERVAL + 1)
-        rig.sidecar.resolve_performance(why="the job ended")
+        rig.performance.resolve(why="the job ended")
         trigger, resolve = rig.alerts.submitted
         assert (resolve.action, resolve.dedup_key, resolve.reason) == ("resolve", trigger.dedup_key, "the job ended")
 

@@ -66,7 +66,7 @@ def test_a_page_builds_the_live_report_once_and_the_bundle_holds_it(tmp_path: Pa
     responder = PlanRecorder()
     settings = SETTINGS.model_copy(update={"bundle_dir": tmp_path / "bundles"})
     writer = BundleWriter(settings, tmp_path / "run", "train", "node1", notes=[WRITER_NOTE])
-    rig.sidecar.reporter, rig.sidecar.responder = writer, responder
+    rig.sidecar.reporter, rig.sidecar.responding.responder = writer, responder
     healthy_job(rig)
     stuck_frames(rig)
     rig.tick(25.1)

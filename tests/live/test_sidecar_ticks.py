@@ -24,10 +24,12 @@ from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.events import Citation, Event, Heartbeat, ProcessState, StackDump, Stall, ThreadStack, WorkerSeen
 from ncclwatch.watchdog.live.incident import CONFIRM_S, REPROBE_S, WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick
 from ncclwatch.watchdog.live.journal import Journal
+from ncclwatch.watchdog.live.judging import NodeJudging
 from ncclwatch.watchdog.live.prober import PRIME_EXCUSE_S
 from ncclwatch.watchdog.live.sidecar import Sidecar
 from ncclwatch.watchdog.parsing.journal import parse_journal
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
+from ncclwatch.watchdog.response.policy import Plan, Response
 
 COMM = "0x5583d3a1f0e0"
 SETTINGS = Settings(stall_timeout_floor=5.0, warmup_stall_timeout=300.0, progress_timeout=600.0, poll_interval=0.25)
@@ -310,12 +312,15 @@ def test_a_peer_node_probing_a_stall_makes_this_node_look_at_the_floor(tmp_path:
     """A node whose own learned timeout is longer would keep the leader waiting for its evidence."""
     from ncclwatch.watchdog.cluster.peers import Cluster, Membership
     from ncclwatch.watchdog.cluster.view import JobView
+    from ncclwatch.watchdog.live.judging import ClusterJudging
 
     rig = Rig(tmp_path)
     for rank in range(2):
         rig.emit(WorkerSeen(pid=100 + rank, rank=rank, host="node1", at=NOW))
     rig.tick(6)  # no rhythm learned yet: the warm-up timeout (300 s) applies
-    cluster = rig.sidecar.cluster = Cluster(Membership("127.0.0.1", 1, "job", 0, 1, 2), "node1", clock=rig.clock)
+    cluster = Cluster(Membership("127.0.0.1", 1, "job", 0, 1, 2), "node1", clock=rig.clock)
+    rig.sidecar.judging = judging = ClusterJudging(rig.sidecar, join=lambda membership, host: cluster)
+    judging.cluster = cluster  # met: the workers named the store
     cluster.view, cluster._view_changed_at = JobView(leader=0, term=0, seq=1, nnodes=2), NOW + 6
     rig.tick(6.5)
     assert rig.phase is Phase.watching
@@ -323,3 +328,60 @@ def test_a_peer_node_probing_a_stall_makes_this_node_look_at_the_floor(tmp_path:
     rig.sidecar.live.down["cluster"] = "test: judge alone"  # no store here: this node judges its own ranks
     rig.tick(7)
     assert rig.phase is not Phase.watching and rig.prober.calls  # probed at the 5 s floor, not 300 s
+
+
+# -- the sidecar's parts, alone --------------------------------------------------
+
+
+class Restarts:
+    """The ``Responder``: every hang is answered by restart 1 of 3; carrying it out does nothing here."""
+
+    restarts = 0
+
+    def plan(self, report, restarts_done: int) -> Plan:  # type: ignore[no-untyped-def]
+        return Plan(Response.restart, "a transient fault", restart_number=1, max_restarts=3)
+
+    def follow(self, response: str, why: str, restarts_done: int) -> Plan:
+        raise AssertionError("a single node never follows a leader")
+
+    async def carry_out(self, plan, report, bundle, workers, pages):  # type: ignore[no-untyped-def]
+        return []
+
+
+def test_one_node_judges_its_own_ranks_and_pages_them(tmp_path: Path) -> None:
+    """``NodeJudging``: no store, no other node; the verdict is this node's, and this node pages it."""
+    rig = Rig(tmp_path)
+    healthy_job(rig)
+    stuck_frames(rig)
+    rig.tick(25.1)  # the probe's stacks are in the job's state now
+    judging = rig.sidecar.judging
+    assert isinstance(judging, NodeJudging)
+    stall = Stall(at=NOW + 26, stalled_for_s=6, stall_timeout_s=5, progress_timeout_s=600)
+    decision = asyncio.run(judging.judge(stall, []))
+    assert decision.page and decision.finding.culprits == (2,)
+    assert (judging.job_wide(), judging.follows(), judging.incident_key(decision)) == (False, False, None)
+    assert judging.report_state() is rig.sidecar.live.state
+    assert asyncio.run(judging.paged_elsewhere(job_wide=False, following=False)) is None
+
+
+def test_a_restart_is_followed_until_the_new_round_trains(tmp_path: Path) -> None:
+    """``Responding``: after restart 1 of 3 the old round's silence is not watched; the new round's ranks are, and
+    their first progress resolves the page."""
+    rig = Rig(tmp_path)
+    rig.sidecar.responding.responder = Restarts()
+    healthy_job(rig)
+    stuck_frames(rig)
+    rig.tick(25.1)
+    rig.tick(25.1 + CONFIRM_S)
+    assert rig.phase is Phase.paged and rig.alerts.submitted == ["trigger"]
+    assert "restarting (1 of 3): a transient fault" in rig.out.getvalue()
+    rig.tick(40)  # the old round's workers, dying: nothing is probed
+    assert rig.phase is Phase.paged and len(rig.prober.calls) == 2
+    rig.emit(*(WorkerSeen(pid=200 + r, rank=r, restart_count=1, host="node1", at=NOW + 41) for r in range(3)))
+    rig.tick(41)
+    assert rig.phase is Phase.watching and rig.alerts.submitted == ["trigger"]
+    assert "restart 1 of 3: the new round's ranks are up; watching them" in rig.out.getvalue()
+    rig.emit(*(Heartbeat(pid=200 + r, rank=r, step=1, time=NOW + 42, restart=1) for r in range(3)))
+    rig.tick(42)
+    assert rig.alerts.submitted == ["trigger", "resolve"] and rig.sidecar.responding.restarting is None
+    assert "training again after restart 1 of 3" in rig.out.getvalue()

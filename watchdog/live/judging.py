@@ -1,0 +1,395 @@
+"""Who judges a stall: this node alone (``NodeJudging``), or the whole job through its store (``ClusterJudging``).
+
+The sidecar asks its ``Judging`` for the decision at every probe (``judge``) and, when it pages, the few things
+that differ with several nodes: whether the verdict is the whole job's (``job_wide``), whether this node only
+follows the leader's page (``follows``), the state the report is taken from, the incident key, publishing the
+verdict with the response every node carries out, and which node pages when this one does not
+(``paged_elsewhere``).  It never needs to know which of the two it has.
+
+Several nodes: ``run`` meets the other nodes' sidecars once the workers name the store, then publishes this
+node's summary and reads the job's view every PUBLISH_S (HOT_S while a stall is judged).  The leader's sidecar
+judges the whole job from every node's compact evidence and the full evidence of the few nodes that decide; the
+others share theirs, hold, and follow the leader's verdict (``Watch.follow_verdict``): one verdict, one page.
+Without the store each judges alone, asks whether the store's node is lost (``store_node_lost``), and one node,
+elected through the lifelines, pages.  ``farewell`` does the same when the job fails here after the store went
+away.
+
+Failure modes: a store that fails mid-exchange is a ``SourceDown`` of the cluster source, and this node judges
+its own ranks (the verdict says it is degraded); a node whose lifeline cannot listen is taken for lost by the
+others once the store is gone; a leader's verdict that went unread before the store went is said, never paged
+twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Protocol
+
+from ncclwatch.watchdog.cluster.judge import STORE_GONE, degraded, focus, job_state, unread_verdict, with_lost_nodes
+from ncclwatch.watchdog.cluster.judge import incident_key as job_incident_key
+from ncclwatch.watchdog.cluster.lifeline import LINGER_S, STORE_GONE_LINGER_S, Lifeline
+from ncclwatch.watchdog.cluster.payload import TAIL_SHARED_MAX
+from ncclwatch.watchdog.cluster.peers import (
+    EVIDENCE_WAIT_S,
+    FULL_NODES,
+    FULL_WAIT_S,
+    HANDOFF_S,
+    Cluster,
+    LeaderVerdict,
+    Membership,
+    exchange_or_degrade,
+)
+from ncclwatch.watchdog.cluster.store import StoreError
+from ncclwatch.watchdog.cluster.view import HOT_S, PUBLISH_S, Contact, NodeSummary
+from ncclwatch.watchdog.events import Event, SourceDown, SourceUp, Stall, WorkerSeen
+from ncclwatch.watchdog.hang.classify import Decision, judge
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.state import JobState
+from ncclwatch.watchdog.hang.types import Finding
+from ncclwatch.watchdog.hang.verdicts import Verdict
+from ncclwatch.watchdog.live.incident import Action, Incident, Phase
+from ncclwatch.watchdog.live.job import LiveJob, LiveView
+from ncclwatch.watchdog.live.journal import live_inputs
+from ncclwatch.watchdog.response.policy import Plan
+
+log = logging.getLogger("ncclwatch")
+
+ClusterFactory = Callable[[Membership, str], Cluster]  # (membership, host) -> this node's side of the exchange
+CLUSTER = "cluster"  # the source the store's reachability is reported under (``SourceDown``, ``LiveJob.down``)
+
+
+def judge_at(state: JobState, at: float) -> Decision:
+    return judge(take_snapshot(state, observed_at=at))
+
+
+class Judging(Protocol):
+    """Who judges a stall, and this node's part in paging it."""
+
+    cluster: Cluster | None  # the other nodes' sidecars once met (the performance looks are shared through it too)
+    followed: LeaderVerdict | None  # the leader's latest verdict, with the response to carry out
+
+    async def run(self) -> None: ...  # beside the ticks for the job's life: the exchange with the other nodes
+    async def close(self) -> None: ...  # the watch stopped
+    def phase_changed(self) -> None: ...  # the incident moved: tell the other nodes now, not at the next round
+    def peer_suspects(self) -> bool: ...  # another node probes a stall and waits for this node's evidence
+    async def judge(self, stall: Stall, probed: list[Event]) -> Decision: ...
+    def job_wide(self) -> bool: ...  # a page's verdict stands for the whole job
+    def follows(self) -> bool: ...  # a page's verdict is the leader's, and the leader pages it
+    def report_state(self) -> JobState: ...
+    def incident_key(self, decision: Decision) -> str | None: ...  # the same on every node for one hang
+    async def publish_verdict(self, decision: Decision, plan: Plan | None) -> None: ...  # a job-wide verdict only
+    async def paged_elsewhere(self, job_wide: bool, following: bool) -> Callable[[], str] | None: ...
+    async def hand_off(self) -> None: ...  # before a job-wide response ends the job
+    async def farewell(self, job_failed: bool, paged: Callable[[], bool]) -> tuple[Decision, str] | None: ...
+
+
+class NodeJudging:
+    """One node: its ranks are the whole job; it judges them, and it pages."""
+
+    cluster: Cluster | None = None
+    followed: LeaderVerdict | None = None
+
+    def __init__(self, live: LiveJob) -> None:
+        self.live = live
+
+    async def run(self) -> None:
+        """Nothing to exchange: no other node."""
+
+    async def close(self) -> None:
+        """Nothing to close."""
+
+    def phase_changed(self) -> None:
+        """No other node to tell."""
+
+    def peer_suspects(self) -> bool:
+        return False
+
+    async def judge(self, stall: Stall, probed: list[Event]) -> Decision:
+        return judge_at(self.live.state, stall.at)
+
+    def job_wide(self) -> bool:
+        return False
+
+    def follows(self) -> bool:
+        return False
+
+    def report_state(self) -> JobState:
+        return self.live.state
+
+    def incident_key(self, decision: Decision) -> str | None:
+        return None
+
+    async def publish_verdict(self, decision: Decision, plan: Plan | None) -> None:
+        """No other node reads it."""
+
+    async def paged_elsewhere(self, job_wide: bool, following: bool) -> Callable[[], str] | None:
+        return None
+
+    async def hand_off(self) -> None:
+        """No other node waits for the verdict."""
+
+    async def farewell(self, job_failed: bool, paged: Callable[[], bool]) -> tuple[Decision, str] | None:
+        return None
+
+
+class Watch(Protocol):
+    """The node's watch (``Sidecar``), as the cluster judging reads it and hands it the leader's verdict."""
+
+    live: LiveJob
+    host: str
+    incident: Incident
+    clock: Callable[[], float]
+
+    def emit(self, event: Event) -> None: ...
+    def drain(self) -> None: ...  # fold the queued events into ``live`` now
+    def follow_verdict(self, decision: Decision, view: LiveView) -> list[Action]: ...
+    async def perform(self, actions: list[Action], view: LiveView) -> None: ...
+
+
+class ClusterJudging:
+    """Several nodes: the leader's sidecar judges the job from every node's evidence; the others follow it."""
+
+    def __init__(self, watch: Watch, join: ClusterFactory) -> None:
+        self.watch = watch
+        self.live = watch.live
+        self.join = join
+        self.cluster: Cluster | None = None  # once the workers say the job spans several nodes
+        self.followed: LeaderVerdict | None = None
+        self.job_state: JobState | None = None  # the latest probe's state merged with the other nodes' evidence
+        self._shared: list[Event] = []  # what this node shared at its latest probe (its full evidence on request)
+        self._store_node_lost: Contact | None = None  # found lost through its lifeline, the store being gone
+        self._lifeline: Lifeline | None = None
+        self._wake = asyncio.Event()  # the incident's phase changed: exchange now, not at the next round
+
+    # -- the exchange, every round ------------------------------------------
+
+    async def run(self) -> None:
+        """Find the other nodes' sidecars once the workers name the store; publish, read the view, follow it."""
+        down: str | None = None
+        while True:
+            if self.cluster is None and (membership := Membership.of(self.live.state)) is not None:
+                await self._join(membership)
+            if self.cluster is not None:
+                reason = await exchange_or_degrade(self.cluster, self._summary())
+                if reason != down:
+                    self.watch.emit(SourceDown(source=CLUSTER, reason=reason) if reason else SourceUp(source=CLUSTER))
+                    down = reason
+                if reason is None:
+                    await self._follow(self.cluster)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), HOT_S if self._hot() else PUBLISH_S)
+            except TimeoutError:
+                pass
+
+    async def _join(self, membership: Membership) -> None:
+        self.cluster = cluster = self.join(membership, self.watch.host)
+        log.info("node %d of %d; sidecars meet in the store at %s:%d", membership.node_rank, membership.nnodes,
+                 membership.store_host, membership.store_port)  # fmt: skip
+        self._lifeline = Lifeline(membership.node_rank, self._lifeline_state)
+        try:
+            cluster.lifeline_port = await self._lifeline.start()
+        except OSError as exc:
+            log.warning("no lifeline (%s): without the store, the other nodes will take this one for lost", exc)
+            self._lifeline = None
+
+    def _lifeline_state(self) -> str:
+        return "running" if self.live.view(self.watch.clock()).alive else "ended"
+
+    async def close(self) -> None:
+        if self._lifeline is not None:
+            # A node whose job failed a moment after this one's must still find it alive (``lifeline``);
+            # without the store, the nodes elect who pages by who answers: longer.
+            await asyncio.sleep(STORE_GONE_LINGER_S if CLUSTER in self.live.down else LINGER_S)
+            await self._lifeline.close()
+
+    def phase_changed(self) -> None:
+        self._wake.set()
+
+    def peer_suspects(self) -> bool:
+        return self.cluster is not None and self.cluster.peer_suspects()
+
+    def _hot(self) -> bool:
+        """Exchange every HOT_S while a stall is judged (``Cluster.hurry``): requests and verdicts travel fast."""
+        return self.cluster is not None and self.cluster.hurry()
+
+    async def _follow(self, cluster: Cluster) -> None:
+        """Send the full evidence the leader asks for; page the leader's verdict; close the leader's incident."""
+        try:
+            if (opened := cluster.full_wanted()) is not None and self._shared:
+                await cluster.share("full", self._shared, self._shared_at())
+                cluster.full_shared(opened)
+            if cluster.leads():
+                watching = self.watch.incident.phase in (Phase.watching, Phase.resolved)
+                if cluster.view is not None and cluster.view.incident is not None and watching:
+                    await cluster.close_incident()
+            elif (verdict := await cluster.read_verdict()) is not None:
+                decision = verdict.decision
+                log.info("node %d's job-wide verdict %s (%s)", cluster.leader(), decision.finding.verdict, verdict.key)
+                await cluster.drop_own_evidence()
+                view = self.live.view(self.watch.clock())
+                self.followed = verdict
+                actions = self.watch.follow_verdict(decision, view)
+                await cluster.publish_summary(self._summary())  # the leader waits for this before ending its job
+                await self.watch.perform(actions, view)
+        except StoreError as exc:
+            self.watch.emit(SourceDown(source=CLUSTER, reason=str(exc)))
+
+    def _shared_at(self) -> float:
+        return next((e.at for e in reversed(self._shared) if isinstance(e, Stall)), self.watch.clock())
+
+    def _summary(self) -> NodeSummary:
+        view = self.live.view(self.watch.clock())
+        assert self.cluster is not None
+        phase = self.watch.incident.phase.value if view.alive or not view.workers else "ended"
+        return NodeSummary(
+            node=self.cluster.me, host=self.watch.host, at=view.observed_at, ranks=[w.rank for w in view.workers],
+            last_progress=view.last_progress, phase=phase, world_size=self.live.state.world_size(),
+            started_at=self.live.started_at,
+        )  # fmt: skip
+
+    # -- at a probe ---------------------------------------------------------
+
+    async def judge(self, stall: Stall, probed: list[Event]) -> Decision:
+        """This node's view, or the whole job's: the leader judges it, the others share and wait for it."""
+        cluster = self.cluster
+        if cluster is None:
+            return judge_at(self.live.state, stall.at)
+        if CLUSTER in self.live.down:
+            return await self._judge_without_store(cluster, stall, self.live.down[CLUSTER])
+        self._shared = live_inputs(self.live.state) + self.live.state.sequence_tails(TAIL_SHARED_MAX) + probed + [stall]
+        try:
+            if cluster.leads():
+                return await self._judge_job(cluster, stall)
+            await cluster.share("compact", self._shared, stall.at)
+        except StoreError as exc:
+            self.watch.emit(SourceDown(source=CLUSTER, reason=str(exc)))
+            return await self._judge_without_store(cluster, stall, str(exc))
+        alone = judge_at(self.live.state, stall.at)
+        return replace(alone, page=False, held=f"node {cluster.leader()} judges the whole job; waiting for its verdict")
+
+    async def _judge_job(self, cluster: Cluster, stall: Stall) -> Decision:
+        """The leader: every node's compact evidence, then the full evidence of the nodes that decide."""
+        incident = self.watch.incident
+        started = incident.started_at if incident.started_at is not None else stall.at
+        opened = incident.opened_at if incident.opened_at is not None else stall.at
+        await cluster.open_incident(opened)
+        answering = cluster.answering()
+        remote = await cluster.gather("compact", answering, since=started, wait_s=EVIDENCE_WAIT_S)
+        self.job_state = job_state(self.live.state, remote, stall)
+        decision = judge_at(self.job_state, stall.at)
+        nodes_of = {e.rank: node for node, events in remote.items() for e in events if isinstance(e, WorkerSeen)}
+        if want := focus(decision, nodes_of, set(cluster.lost()), FULL_NODES):
+            await cluster.open_incident(opened, want, since=self.job_state.fewest_issued())
+            remote |= await cluster.gather("full", set(want), since=started, wait_s=FULL_WAIT_S)
+            self.job_state = job_state(self.live.state, remote, stall)
+            decision = judge_at(self.job_state, stall.at)
+        decision = with_lost_nodes(decision, cluster.lost(), remote)
+        if pending := sorted(answering - set(remote)):
+            # Their sidecar still publishes but has not probed yet (a longer learned timeout): look again.
+            waiting = f"waiting for node {', '.join(map(str, pending))} to share its evidence"
+            decision = replace(decision, page=False, held=waiting)
+        if not decision.page:  # held (a pause, a busy rank): the members go back to their usual pace
+            await cluster.open_incident(opened, judging=False)
+        return decision
+
+    async def _judge_without_store(self, cluster: Cluster, stall: Stall, why: str) -> Decision:
+        """This node's ranks alone; the store's node named lost when its lifeline does not answer either.  Where
+        the leader had announced its verdict and the store went (the leader ended its job) before this node read
+        it, the leader paged: this node's view is said to be only that, and no node is lost."""
+        decision = degraded(judge_at(self.live.state, stall.at), why)
+        if (announced := cluster.unread_verdict()) is not None:
+            return unread_verdict(decision, cluster.leader(), announced)
+        self._store_node_lost = await cluster.store_node_lost()
+        if self._store_node_lost is None:
+            return decision
+        return with_lost_nodes(decision, {self._store_node_lost.node: self._store_node_lost}, {}, why=STORE_GONE)
+
+    # -- at a page -----------------------------------------------------------
+
+    def job_wide(self) -> bool:
+        """The store answers: the verdict is the whole job's, and one node pages it."""
+        return self.cluster is not None and CLUSTER not in self.live.down
+
+    def follows(self) -> bool:
+        return self.job_wide() and self.cluster is not None and not self.cluster.leads()
+
+    def report_state(self) -> JobState:
+        """The job's state as the leader merged it at its latest probe, while the store answers; else this node's."""
+        return self.job_state if self.job_wide() and self.job_state is not None else self.live.state
+
+    def incident_key(self, decision: Decision) -> str | None:
+        return job_incident_key(self.cluster.membership, decision) if self.cluster is not None else None
+
+    async def publish_verdict(self, decision: Decision, plan: Plan | None) -> None:
+        """The leader's verdict, with the response every node carries out; a store that fails is the cluster
+        source down, and the members then judge alone."""
+        cluster = self.cluster
+        if cluster is None or not cluster.leads():
+            return
+        key = job_incident_key(cluster.membership, decision)
+        response, why = (plan.response.value, plan.why) if plan is not None else (None, "")
+        try:
+            await cluster.publish_verdict(key, decision, response, why)
+        except StoreError as exc:
+            self.watch.emit(SourceDown(source=CLUSTER, reason=str(exc)))
+
+    async def paged_elsewhere(self, job_wide: bool, following: bool) -> Callable[[], str] | None:
+        """None where this node pages; else the line it says instead, once its bundle is written (naming the
+        leader then).  Without the store, the node that pages is elected now, while the others' lifelines still
+        answer: a node whose leader announced a verdict it could not read, or a lower node that answers, pages."""
+        cluster = self.cluster
+        if cluster is None:
+            return None
+        if following:
+            return lambda: (f"node {cluster.me}: this node's evidence is in its bundle; node {cluster.leader()} "
+                            "pages the job-wide verdict")  # fmt: skip
+        if job_wide:
+            return None
+        if (announced := cluster.unread_verdict()) is not None:
+            return lambda: (f"node {cluster.me}: node {cluster.leader()} paged its job-wide verdict ({announced}), "
+                            "which this node could not read before the store went away; this node's own evidence "
+                            "is in its bundle")  # fmt: skip
+        lost = {self._store_node_lost.node} if self._store_node_lost is not None else set()
+        if await cluster.pages_alone(lost):
+            return None
+        return lambda: (f"node {cluster.me}: the store is gone; this node's evidence is in its bundle, "
+                        "and a lower node that answers pages")  # fmt: skip
+
+    async def hand_off(self) -> None:
+        """The leader's node serves the store: before its job ends, and the store with it, the members read the
+        verdict (bounded by HANDOFF_S; a member that did not says so in its own bundle)."""
+        cluster = self.cluster
+        if cluster is None or not cluster.leads():
+            return
+        try:
+            waiting = await cluster.handed_off()
+        except StoreError as exc:
+            self.watch.emit(SourceDown(source=CLUSTER, reason=str(exc)))
+            return
+        if waiting:
+            log.warning("node(s) %s did not show the verdict within %.0f s; ending the job (and the store) anyway",
+                        ", ".join(map(str, waiting)), HANDOFF_S)  # fmt: skip
+
+    async def farewell(self, job_failed: bool, paged: Callable[[], bool]) -> tuple[Decision, str] | None:
+        """The job ended here: say so to the other nodes.  If it failed and the store is gone too, the store's node
+        is lost when its lifeline does not answer (its ranks' peers fail at once when it dies, so no hang is ever
+        seen here): the decision to page, and the line that says why.  ``paged``: this node paged a hang already."""
+        cluster = self.cluster
+        if cluster is None:
+            return None
+        self.watch.drain()
+        reason = await exchange_or_degrade(cluster, self._summary())
+        if reason is None or not job_failed or paged() or cluster.unread_verdict():
+            return None  # an unread verdict: the leader paged the hang and ended its job, the store with it
+        self.watch.emit(SourceDown(source=CLUSTER, reason=reason))
+        self.watch.drain()
+        self._store_node_lost = lost = await cluster.store_node_lost()
+        if lost is None:
+            return None
+        failed = Finding(Verdict.inconclusive, "this node's ranks failed after the job's store went away")
+        decision = degraded(with_lost_nodes(Decision(failed, page=True), {lost.node: lost}, {}, why=STORE_GONE), reason)
+        return decision, f"the job's store is gone and node {lost.node} ({lost.host}), which served it, does not answer"
