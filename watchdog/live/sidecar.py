@@ -3,7 +3,7 @@
 - ``run`` starts one supervised task per source (``supervision.py``), the judging's exchange with the other
   nodes and the performance look, then calls ``tick`` every poll until ``stop``.
 - ``tick`` folds queued events into the ``LiveJob``, feeds the incident state machine (``incident.py``) the
-  clock, and performs the actions it answers with: probe (``probing.py``; journaled, so that ``ncclwatch
+  clock, and performs the actions it answers with: probe (``prober.py``; journaled, so that ``ncclwatch
   analyze`` replays the same decision offline), say a line on the terminal, resolve, or page (the ``Reporter``
   writes the verdict and the bundle, the alert goes out, then the response).
 - ``stop`` ends the tasks; before it, ``farewell`` tells the other nodes that the job ended here.
@@ -43,8 +43,7 @@ from ncclwatch.watchdog.live.journal import Journal
 from ncclwatch.watchdog.live.judging import ClusterFactory, ClusterJudging, Judging, NodeJudging
 from ncclwatch.watchdog.live.performance_look import PerfWatch
 from ncclwatch.watchdog.live.performance_paging import PerformancePaging
-from ncclwatch.watchdog.live.prober import Prober
-from ncclwatch.watchdog.live.probing import Probing
+from ncclwatch.watchdog.live.prober import Prober, Probing
 from ncclwatch.watchdog.live.responding import Reported, Responder, Responding
 from ncclwatch.watchdog.live.supervision import Source, supervise
 from ncclwatch.watchdog.sinks.alert import resolve_for
