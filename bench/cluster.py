@@ -23,7 +23,7 @@ processes so the simulator is not the bottleneck.  Measured:
   member shares its compact evidence (8 ranks: workers, /proc samples,
   stacks, a 2,000-entry Flight Recorder ring trimmed by ``pack``, NCCL
   tails; one rank of the last node one collective behind); the leader, in
-  this process, runs ``Sidecar._judge_job``'s sequence step by step
+  this process, runs ``ClusterJudging._judge_job`` (live/judging.py)'s sequence step by step
   (gather compact, judge, focus, ask full, gather full, judge) and
   publishes the verdict; the members follow it.  Bytes the leader read,
   gather / judge / total time (wall and CPU per step), the verdict and
@@ -242,7 +242,7 @@ class Node:
 
 class Sim:
     """The simulated sidecars of one process: each exchanges on a fixed grid; during an incident each also
-    sends its full evidence when asked and follows the leader's verdict, as ``Sidecar._follow`` does."""
+    sends its full evidence when asked and follows the leader's verdict, as ``ClusterJudging._follow`` does."""
 
     def __init__(self, port: int, nnodes: int, ranks: int) -> None:
         self.port, self.nnodes, self.ranks = port, nnodes, ranks
@@ -621,7 +621,7 @@ def step(out: dict, name: str) -> Iterator[None]:
 
 
 async def lead_incident(leader: Cluster, local: JobState, stall: Stall, out: dict) -> None:
-    """The leader's side, as ``Sidecar._judge_job`` runs it and ``_page`` publishes it, step by step.
+    """The leader's side, as ``ClusterJudging._judge_job`` (live/judging.py) runs it and ``_page`` publishes it, step by step.
     (The leader's own exchanges go on meanwhile, as in the sidecar: their CPU is in the steps' CPU.)"""
     client = leader.client
     assert isinstance(client, CountingClient)
