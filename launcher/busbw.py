@@ -29,7 +29,15 @@ import sys
 from pathlib import Path
 
 from ncclwatch.watchdog.live.runfolder import PREFLIGHT_NAME
-from ncclwatch.watchdog.preflight import CPU_SIZES, DEFAULT_SIZES, compare_to_baseline, nvlink_summary, render_table, run_preflight, slow_pairs
+from ncclwatch.watchdog.preflight import (
+    CPU_SIZES,
+    DEFAULT_SIZES,
+    compare_to_baseline,
+    nvlink_summary,
+    render_table,
+    run_preflight,
+    slow_pairs,
+)
 
 TIME_LIMIT_S = 120.0
 NOT_AT_THE_HANG = (
@@ -43,12 +51,16 @@ def measure(mode: str) -> dict:
     """One sweep of this node, with every pair of ranks: NCCL on the GPUs NVML sees, else gloo on the CPU."""
     gpus = len(nvlink_summary() or [])
     backend, sizes, pair = ("nccl", DEFAULT_SIZES, 64 << 20) if gpus else ("gloo", CPU_SIZES, 1 << 20)
-    return run_preflight(nproc=gpus or 2, backend=backend, sizes=sizes, pairs_bytes=pair, time_limit_s=TIME_LIMIT_S, mode=mode)
+    return run_preflight(
+        nproc=gpus or 2, backend=backend, sizes=sizes, pairs_bytes=pair, time_limit_s=TIME_LIMIT_S, mode=mode
+    )
 
 
 async def before_job(run_dir: Path) -> Path | None:
     """Measure the idle node and keep it as the baseline; its path, or None when the probe failed."""
-    print("ncclwatch: --preflight: measuring this node's bus bandwidth before the job starts", file=sys.stderr, flush=True)
+    print(
+        "ncclwatch: --preflight: measuring this node's bus bandwidth before the job starts", file=sys.stderr, flush=True
+    )
     doc = await asyncio.to_thread(measure, "idle")
     print(render_table(doc), file=sys.stderr, flush=True)
     if "error" in doc:
@@ -86,6 +98,8 @@ async def after_kill(baseline: Path | None, bundle: Path) -> Path:
 def bundle_note(on_hang: str) -> str:
     """What the report says of the bus-bandwidth probe, for a run with ``--preflight``."""
     if on_hang == "kill":
-        return ("bus bandwidth: measured before the job (busbw/before.json) and again once --on-hang kill has ended "
-                "it, with the GPUs free: <this bundle's name>-busbw.json beside this bundle")  # fmt: skip
+        return (
+            "bus bandwidth: measured before the job (busbw/before.json) and again once --on-hang kill has ended "
+            "it, with the GPUs free: <this bundle's name>-busbw.json beside this bundle"
+        )
     return f"bus bandwidth: measured before the job (busbw/before.json); {NOT_AT_THE_HANG}"

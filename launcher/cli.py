@@ -31,8 +31,14 @@ def names(verdicts: Iterable[Verdict]) -> str:
 
 def paragraph(text: str, indent: str = "") -> str:
     """Filled to the help's width; an option's name (``--restart-on``) is never split at its hyphens."""
-    return textwrap.fill(text, HELP_COLUMNS, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False,
-                         break_long_words=False)  # fmt: skip
+    return textwrap.fill(
+        text,
+        HELP_COLUMNS,
+        initial_indent=indent,
+        subsequent_indent=indent,
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
 
 
 # analyze's help lists every verdict it can give; the wrapper's, every hang it pages; each names the other's own.
@@ -88,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=ANALYZE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    analyze.add_argument("paths", nargs="+", metavar="PATH", help='files or folders (recursive); "-" reads standard input')
+    analyze.add_argument(
+        "paths", nargs="+", metavar="PATH", help='files or folders (recursive); "-" reads standard input'
+    )
     analyze.add_argument("--json", action="store_true", help="print only the report, as JSON, on stdout")
     analyze.add_argument(
         "--window",
@@ -200,7 +208,9 @@ def add_watch_options(parser: argparse.ArgumentParser) -> None:
     from ncclwatch.watchdog.config import Settings
 
     fields = Settings.model_fields
-    add = lambda flag, **kw: parser.add_argument(flag, default=None, help=help_with_default(fields[flag[2:].replace("-", "_")]), **kw)
+    add = lambda flag, **kw: parser.add_argument(
+        flag, default=None, help=help_with_default(fields[flag[2:].replace("-", "_")]), **kw
+    )
     add("--stall-timeout", type=float, metavar="SECONDS")
     add("--stall-timeout-floor", type=float, metavar="SECONDS")
     add("--warmup-stall-timeout", type=float, metavar="SECONDS")
@@ -213,8 +223,12 @@ def add_watch_options(parser: argparse.ArgumentParser) -> None:
     add("--on-hang-exec", metavar="CMD")
     add("--hook-timeout", type=float, metavar="SECONDS")
     add("--run-dir", metavar="DIR")
-    parser.add_argument("--keep-run-dir", action="store_const", const=True, default=None, help=fields["keep_run_dir"].description)
-    parser.add_argument("--preflight", action="store_const", const=True, default=None, help=fields["preflight"].description)
+    parser.add_argument(
+        "--keep-run-dir", action="store_const", const=True, default=None, help=fields["keep_run_dir"].description
+    )
+    parser.add_argument(
+        "--preflight", action="store_const", const=True, default=None, help=fields["preflight"].description
+    )
     add("--evidence-budget", type=float, metavar="SECONDS")
     add("--alert-drain-timeout", type=float, metavar="SECONDS")
     add("--pyspy", metavar="PATH")
@@ -245,7 +259,9 @@ def _logging(verbose: bool) -> None:
 def run_wrapped(argv: list[str]) -> int:
     from ncclwatch.watchdog.config import ConfigError
 
-    parser = argparse.ArgumentParser(prog="ncclwatch", description=WRAP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="ncclwatch", description=WRAP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"ncclwatch {__version__}")
     add_watch_options(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="torchrun and its arguments")
@@ -273,9 +289,8 @@ def run_wrapped(argv: list[str]) -> int:
 
 
 def run_demo(argv: list[str]) -> int:
-    from ncclwatch.watchdog.config import ConfigError
-
     from ncclwatch.launcher.demo_job import FAULTS
+    from ncclwatch.watchdog.config import ConfigError
 
     faults = "\n".join(f"  {name:<13} {FAULTS[name]}" for name in DEMO_FAULTS)
     parser = argparse.ArgumentParser(
@@ -286,8 +301,12 @@ def run_demo(argv: list[str]) -> int:
         epilog=f"faults (--fault):\n{faults}\n\n'extra' is caught by gloo itself, which checks sizes and raises.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--fault", default="skip", choices=DEMO_FAULTS, help="what the misbehaving rank does (default: skip; "
-                        "the list below)")  # fmt: skip
+    parser.add_argument(
+        "--fault",
+        default="skip",
+        choices=DEMO_FAULTS,
+        help="what the misbehaving rank does (default: skip; the list below)",
+    )
     parser.add_argument("--nproc", type=int, default=3, help="ranks (default: 3)")
     parser.add_argument("--steps", type=int, default=40, help="steps of a job that does not hang (default: 40)")
     add_watch_options(parser)
@@ -304,8 +323,15 @@ def run_demo(argv: list[str]) -> int:
     from ncclwatch.launcher.run import run_job
 
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-        "--monitor-interval=0.5", str(Path(demo_job.__file__)), f"--fault={args.fault}", f"--steps={args.steps}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        "--monitor-interval=0.5",
+        str(Path(demo_job.__file__)),
+        f"--fault={args.fault}",
+        f"--steps={args.steps}",
     ]
     print(f"ncclwatch demo: {' '.join(command)}", file=sys.stderr, flush=True)
     _logging(args.verbose)

@@ -12,7 +12,9 @@ def is_torchrun(command: Sequence[str]) -> bool:
     if program.startswith("torchrun"):
         return True
     modules = ("torch.distributed.run", "torch.distributed.launch")
-    return program.startswith("python") and any(list(command[i : i + 2]) == ["-m", m] for i in range(len(command)) for m in modules)
+    return program.startswith("python") and any(
+        list(command[i : i + 2]) == ["-m", m] for i in range(len(command)) for m in modules
+    )
 
 
 def torchrun_log_dir(command: Sequence[str]) -> str | None:

@@ -49,9 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     parser.add_argument("--numel", type=int, default=1 << 16, help="elements of the per-step all_reduce")
     parser.add_argument(
-        "--crash-attempts", type=int, default=0,
+        "--crash-attempts",
+        type=int,
+        default=0,
         help="the faulty rank first crashes (exit 3 at step 3) in this many attempts, so torchrun --max-restarts restarts the job",
-    )  # fmt: skip
+    )
     parser.add_argument("--mark-dir", default=os.environ.get("NCCLWATCH_RUN_DIR", "."), help="where fault.<rank> goes")
     return parser.parse_args(argv)
 

@@ -140,8 +140,10 @@ def _write_changed(heart: _Heart) -> None:
     local_rank = "null" if heart.local_rank is None else heart.local_rank
     # Every value is an int, a finite float or null: an f-string is valid
     # JSON and several times cheaper than json.dumps.
-    line = (f'{{"pid": {heart.pid}, "rank": {heart.rank}, "local_rank": {local_rank}, '
-            f'"restart": {heart.restart}, "step": {heart.step}, "time": {wall!r}, "beats": {beats}}}\n')
+    line = (
+        f'{{"pid": {heart.pid}, "rank": {heart.rank}, "local_rank": {local_rank}, '
+        f'"restart": {heart.restart}, "step": {heart.step}, "time": {wall!r}, "beats": {beats}}}\n'
+    )
     heart.written_beats = beats
     path = os.path.join(heart.folder, f"{heart.pid}.json")
     tmp = os.path.join(heart.folder, f".{heart.pid}.json.tmp")

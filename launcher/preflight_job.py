@@ -59,15 +59,23 @@ def sweep(ops: list[str], sizes: list[int], device: torch.device, warmup: int, i
             numel = max(world, nbytes // 4 // world * world)  # float32, a multiple of the rank count
             if op == "all_reduce":
                 buf = torch.ones(numel, dtype=torch.float32, device=device)
-                run = lambda: dist.all_reduce(buf)  # noqa: E731
+                run = lambda buf=buf: dist.all_reduce(buf)
             else:
                 out = torch.empty(numel, dtype=torch.float32, device=device)
                 part = torch.ones(numel // world, dtype=torch.float32, device=device)
-                run = lambda: dist.all_gather_into_tensor(out, part)  # noqa: E731
+                run = lambda out=out, part=part: dist.all_gather_into_tensor(out, part)
             seconds = _timed(run, device, warmup, iters)
             size = numel * 4
-            rows.append({"op": _OPS[op], "bytes": size, "nranks": world, "seconds": seconds,
-                         "algbw": algbw(size, seconds), "busbw": busbw(_OPS[op], size, world, seconds)})  # fmt: skip
+            rows.append(
+                {
+                    "op": _OPS[op],
+                    "bytes": size,
+                    "nranks": world,
+                    "seconds": seconds,
+                    "algbw": algbw(size, seconds),
+                    "busbw": busbw(_OPS[op], size, world, seconds),
+                }
+            )
     return rows
 
 
@@ -81,8 +89,14 @@ def pairs(nbytes: int, device: torch.device, warmup: int, iters: int) -> list[di
             if rank in (a, b):
                 buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
                 seconds = _timed(lambda: dist.all_reduce(buf, group=group), device, warmup, iters, group=group)  # noqa: B023
-                rows.append({"pair": [a, b], "bytes": buf.numel() * 4, "seconds": seconds,
-                             "busbw": busbw("AllReduce", buf.numel() * 4, 2, seconds)})  # fmt: skip
+                rows.append(
+                    {
+                        "pair": [a, b],
+                        "bytes": buf.numel() * 4,
+                        "seconds": seconds,
+                        "busbw": busbw("AllReduce", buf.numel() * 4, 2, seconds),
+                    }
+                )
             dist.barrier()
     gathered: list = [None] * world
     dist.all_gather_object(gathered, rows)
@@ -111,7 +125,9 @@ def main() -> None:
     else:
         device = torch.device("cpu")
     dist.init_process_group(args.backend)
-    result = {"rows": sweep(args.ops.split(","), [int(s) for s in args.sizes.split(",")], device, args.warmup, args.iters)}
+    result = {
+        "rows": sweep(args.ops.split(","), [int(s) for s in args.sizes.split(",")], device, args.warmup, args.iters)
+    }
     if args.pairs_bytes:
         result["pairs"] = pairs(args.pairs_bytes, device, args.warmup, args.iters)
     if dist.get_rank() == 0:

@@ -17,33 +17,39 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from ncclwatch.launcher.process import JobProcess
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.hang.report import ActionRecord, Report
+from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.response.drain import drain_reason, drain_slurm
 from ncclwatch.watchdog.response.hook import run_hook
 from ncclwatch.watchdog.response.policy import HangSignature, Plan, Policy, Response, plan
-
-from ncclwatch.launcher.process import JobProcess
 
 KILL_GRACE_S = 10.0
 
 
 def policy_of(settings: Settings, max_restarts: int) -> Policy:
     return Policy(
-        on_hang=settings.on_hang, max_restarts=max_restarts, restart_on=frozenset(map(Verdict, settings.restart_on)),
-        drain=settings.drain, drain_on=frozenset(map(Verdict, settings.drain_on)),
-    )  # fmt: skip
+        on_hang=settings.on_hang,
+        max_restarts=max_restarts,
+        restart_on=frozenset(map(Verdict, settings.restart_on)),
+        drain=settings.drain,
+        drain_on=frozenset(map(Verdict, settings.drain_on)),
+    )
 
 
 def start_notes(settings: Settings, max_restarts: int) -> list[str]:
     """Said once at start: settings that cannot do what they ask for."""
     notes = []
     if settings.on_hang == "restart" and max_restarts <= 0:
-        notes.append("--on-hang restart: torchrun has no --max-restarts, so it cannot restart the workers; "
-                     "a hang ends the job as with --on-hang kill (give torchrun --max-restarts=N)")  # fmt: skip
+        notes.append(
+            "--on-hang restart: torchrun has no --max-restarts, so it cannot restart the workers; "
+            "a hang ends the job as with --on-hang kill (give torchrun --max-restarts=N)"
+        )
     if settings.drain != "none" and settings.on_hang == "report":
-        notes.append(f"--drain {settings.drain} acts only with --on-hang kill or restart: this job is left running after a hang")
+        notes.append(
+            f"--drain {settings.drain} acts only with --on-hang kill or restart: this job is left running after a hang"
+        )
     return notes
 
 
@@ -69,7 +75,9 @@ class JobResponder:
             return Plan(chosen, why, restart_number=restarts_done + 1, max_restarts=self.policy.max_restarts)
         return Plan(chosen, why)
 
-    async def carry_out(self, chosen: Plan, report: Report, bundle: Path | None, workers: Sequence[int], pages: bool) -> list[ActionRecord]:
+    async def carry_out(
+        self, chosen: Plan, report: Report, bundle: Path | None, workers: Sequence[int], pages: bool
+    ) -> list[ActionRecord]:
         """End what the plan ends at once; then, where this node pages, drain and run the hook (bounded)."""
         actions: list[ActionRecord] = []
         if chosen.response is Response.restart:
@@ -77,8 +85,10 @@ class JobResponder:
             if chosen.signature is not None:
                 self.restarted.append(chosen.signature)
             self.restarts += 1
-            detail = (f"ended workers {', '.join(map(str, ended))}; torchrun restarts them "
-                      f"(restart {chosen.restart_number} of {chosen.max_restarts})")  # fmt: skip
+            detail = (
+                f"ended workers {', '.join(map(str, ended))}; torchrun restarts them "
+                f"(restart {chosen.restart_number} of {chosen.max_restarts})"
+            )
             actions.append(self._record("restart", bool(ended), detail if ended else "no worker was running"))
         elif chosen.ends_job and self.job.returncode is None:
             self.job.terminate(grace_s=KILL_GRACE_S)
@@ -86,10 +96,14 @@ class JobResponder:
             actions.append(self._record("kill", True, f"ended the job: {chosen.why}"))
         if pages and chosen.response is Response.drain and self.settings.drain == "slurm":
             # The incident: its key on several nodes, else the bundle that holds it (its name has host and time).
-            incident = report.incident_key or (bundle.name.removesuffix(".tar.gz") if bundle else report.hang_started_at)
+            incident = report.incident_key or (
+                bundle.name.removesuffix(".tar.gz") if bundle else report.hang_started_at
+            )
             outcome = await drain_slurm(chosen.drain_hosts, drain_reason(report.verdict.value, incident))
             hosts = ", ".join(chosen.drain_hosts)
-            actions.append(self._record("drain", outcome.ok, f"{hosts}: " + outcome.describe("scontrol update State=DRAIN")))
+            actions.append(
+                self._record("drain", outcome.ok, f"{hosts}: " + outcome.describe("scontrol update State=DRAIN"))
+            )
         if pages and self.settings.on_hang_exec:
             outcome = await run_hook(self.settings.on_hang_exec, report, chosen, bundle, self.settings.hook_timeout)
             actions.append(self._record("hook", outcome.ok, outcome.describe("--on-hang-exec")))

@@ -30,6 +30,11 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from ncclwatch.launcher import busbw
+from ncclwatch.launcher.command import max_restarts_of, torchrun_log_dir
+from ncclwatch.launcher.env import RunDirs, injected_env
+from ncclwatch.launcher.process import JobProcess, exit_status
+from ncclwatch.launcher.respond import JobResponder, start_notes
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.hang.report import EXIT_DRAINED, EXIT_KILLED_ON_HANG
@@ -41,17 +46,11 @@ from ncclwatch.watchdog.live.sidecar import Reporter, Sidecar
 from ncclwatch.watchdog.probes.procfs import listens_on
 from ncclwatch.watchdog.response.policy import Response
 from ncclwatch.watchdog.server.app import make_app, start_server, stop_server
-from ncclwatch.watchdog.sinks.delivery import Dispatcher, sinks_from_settings, spool_dir_for
 from ncclwatch.watchdog.server.metrics import HealthCollector, TextfileWriter
+from ncclwatch.watchdog.sinks.delivery import Dispatcher, sinks_from_settings, spool_dir_for
 from ncclwatch.watchdog.sources.files import HeartbeatSource, NcclFileSource
 from ncclwatch.watchdog.sources.nvml import NvmlSource
 from ncclwatch.watchdog.sources.workers import WorkerSource
-
-from ncclwatch.launcher import busbw
-from ncclwatch.launcher.command import max_restarts_of, torchrun_log_dir
-from ncclwatch.launcher.env import RunDirs, injected_env
-from ncclwatch.launcher.process import JobProcess, exit_status
-from ncclwatch.launcher.respond import JobResponder, start_notes
 
 SIDECAR_STOP_S = 10.0
 log = logging.getLogger("ncclwatch")
@@ -102,9 +101,12 @@ class Alerts:
             return
         spool = spool_dir_for(self.settings)
         if budget > self.QUIET_S:
-            print(f"ncclwatch: {dispatcher.pending()} alert(s) not delivered yet (the receiver does not answer); "
-                  f"retrying for up to {budget:g} s (--alert-drain-timeout); Ctrl-C stops waiting", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"ncclwatch: {dispatcher.pending()} alert(s) not delivered yet (the receiver does not answer); "
+                f"retrying for up to {budget:g} s (--alert-drain-timeout); Ctrl-C stops waiting",
+                file=sys.stderr,
+                flush=True,
+            )
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -117,9 +119,13 @@ class Alerts:
                 print("ncclwatch: alerts delivered", file=sys.stderr, flush=True)
                 return
             drained.cancel()
-        print(f"ncclwatch: {dispatcher.pending()} alert(s) still not delivered; they wait in {spool}: "
-              "`ncclwatch serve` on this node (the systemd agent) sends them as soon as the receiver answers, "
-              "else the next job here does", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"ncclwatch: {dispatcher.pending()} alert(s) still not delivered; they wait in {spool}: "
+            "`ncclwatch serve` on this node (the systemd agent) sends them as soon as the receiver answers, "
+            "else the next job here does",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 async def _operations(sidecar: Sidecar, settings: Settings, tasks: list) -> web.AppRunner | None:  # type: ignore[type-arg]
@@ -127,23 +133,37 @@ async def _operations(sidecar: Sidecar, settings: Settings, tasks: list) -> web.
     registry = CollectorRegistry(auto_describe=False)
     registry.register(HealthCollector(sidecar.health))
     if settings.metrics_textfile is not None:
-        tasks.append(asyncio.create_task(TextfileWriter().run(registry, settings.metrics_textfile), name="metrics:textfile"))
+        tasks.append(
+            asyncio.create_task(TextfileWriter().run(registry, settings.metrics_textfile), name="metrics:textfile")
+        )
     if settings.listen is None:
         return None
     app = make_app(settings.bundle_dir, token=settings.token(), registry=registry, health=sidecar.health)
     try:
         runner, bound = await start_server(app, settings.listen)
     except OSError as exc:
-        print(f"ncclwatch: cannot serve on {settings.listen} ({exc.strerror or exc}); the job runs without it", file=sys.stderr)
+        print(
+            f"ncclwatch: cannot serve on {settings.listen} ({exc.strerror or exc}); the job runs without it",
+            file=sys.stderr,
+        )
         return None
     sidecar.bundle_base_url = settings.public_url or f"http://{bound}"
     print(f"ncclwatch: bundles, status and metrics on http://{bound}/", file=sys.stderr, flush=True)
     return runner
 
 
-def _sidecar(settings: Settings, dirs: RunDirs, torchrun_pid: int, job_name: str, host: str, reporter: Reporter,
-             dispatcher: Dispatcher | None, prober: JobProber | None = None, perf: PerfWatch | None = None,
-             responder: JobResponder | None = None) -> Sidecar:  # fmt: skip
+def _sidecar(
+    settings: Settings,
+    dirs: RunDirs,
+    torchrun_pid: int,
+    job_name: str,
+    host: str,
+    reporter: Reporter,
+    dispatcher: Dispatcher | None,
+    prober: JobProber | None = None,
+    perf: PerfWatch | None = None,
+    responder: JobResponder | None = None,
+) -> Sidecar:
     """The sidecar with its real sources, prober, journal and performance look."""
     poll = settings.poll_interval
     sources = [
@@ -153,13 +173,24 @@ def _sidecar(settings: Settings, dirs: RunDirs, torchrun_pid: int, job_name: str
         NvmlSource(),
     ]
     prober = prober or JobProber(dirs.fr, settings.pyspy, ras_port=settings.ras_port)
+
     def join_cluster(membership: Membership, host: str) -> Cluster:
         return Cluster(membership, host, serves_store=listens_on(torchrun_pid, membership.store_port))
 
     sidecar = Sidecar(
-        settings, job_name, sources, prober, reporter, journal=Journal(dirs.journal),
-        out=sys.stderr, dispatcher=dispatcher, host=host, join_cluster=join_cluster, perf=perf, responder=responder,
-    )  # fmt: skip
+        settings,
+        job_name,
+        sources,
+        prober,
+        reporter,
+        journal=Journal(dirs.journal),
+        out=sys.stderr,
+        dispatcher=dispatcher,
+        host=host,
+        join_cluster=join_cluster,
+        perf=perf,
+        responder=responder,
+    )
     # RAS is asked only on NCCL versions known to survive it: the versions the job's NCCL logs name.
     prober.nccl_versions = lambda: {p.nccl_version for p in sidecar.live.state.procs.values() if p.nccl_version}
     prober.nccl_errored = lambda: comm_errored(sidecar.live.state.warnings)
@@ -185,11 +216,20 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     prober = JobProber(dirs.fr, settings.pyspy, ras_port=settings.ras_port)
     perf = perf_watch(settings.perf_interval, dirs.fr, dirs.nccl)
     write_bundle = BundleWriter(
-        settings, dirs.root, job_name, host, Path(log_dir) if log_dir else None, prober.unanswered, perf.findings,
-        prober.ras_withheld, [busbw.bundle_note(settings.on_hang)] if settings.preflight else [],
+        settings,
+        dirs.root,
+        job_name,
+        host,
+        Path(log_dir) if log_dir else None,
+        prober.unanswered,
+        perf.findings,
+        prober.ras_withheld,
+        [busbw.bundle_note(settings.on_hang)] if settings.preflight else [],
     )
 
-    sidecar = _sidecar(settings, dirs, job.pid, job_name, host, write_bundle, alerts.dispatcher, prober, perf, responder)
+    sidecar = _sidecar(
+        settings, dirs, job.pid, job_name, host, write_bundle, alerts.dispatcher, prober, perf, responder
+    )
     ops: list[asyncio.Task] = []  # type: ignore[type-arg]
     runner = await _operations(sidecar, settings, ops)
     watching = asyncio.create_task(sidecar.run())
@@ -207,7 +247,11 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     job.close_stderr()
     if leftovers:
         print(f"ncclwatch: killed {len(leftovers)} process(es) the job left behind: {leftovers}", file=sys.stderr)
-    if responder.ended and settings.preflight and (bundle := next((r.bundle for r in sidecar.reported if r.bundle), None)):
+    if (
+        responder.ended
+        and settings.preflight
+        and (bundle := next((r.bundle for r in sidecar.reported if r.bundle), None))
+    ):
         await busbw.after_kill(baseline, bundle)  # the job and its ranks are gone: the GPUs are free again
     if returncode == 0 and responder.ended is None:
         for reported in sidecar.reported:

@@ -68,7 +68,10 @@ async def stderr_at_end(processes: list[asyncio.subprocess.Process], timeout_s: 
     torchrun and workers would otherwise outlive the test, holding its port and its folder.
     """
     try:
-        return [(await asyncio.wait_for(process.communicate(), timeout_s))[1].decode(errors="replace") for process in processes]
+        return [
+            (await asyncio.wait_for(process.communicate(), timeout_s))[1].decode(errors="replace")
+            for process in processes
+        ]
     finally:
         for process in processes:
             if process.returncode is None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from conftest import NOW
 
-from ncclwatch.watchdog.hang.types import Finding
-from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
+from ncclwatch.watchdog.events import Event
 from ncclwatch.watchdog.hang.snapshot import Snapshot, take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
-from ncclwatch.watchdog.events import Event
+from ncclwatch.watchdog.hang.types import Finding
 from ncclwatch.watchdog.hang.verdict import decide
+from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
 
 
 def state_of(logs: dict[str, str], window: int = 2048, extra: list[Event] = ()) -> JobState:

@@ -25,7 +25,16 @@ def init(rank: int, nranks: int, comm: str, comm_id: str = COMM_ID, host: str = 
     return "\n".join(lines) + "\n"
 
 
-def op(rank: int, name: str, count: int, comm: str, root: int = 0, dtype: int = 7, host: str = "node1", pid: int | None = None) -> str:
+def op(
+    rank: int,
+    name: str,
+    count: int,
+    comm: str,
+    root: int = 0,
+    dtype: int = 7,
+    host: str = "node1",
+    pid: int | None = None,
+) -> str:
     send = "(nil)" if name in ("Send", "Recv") else "0x7f2963e05000"
     return (
         prefix(rank, host, pid)
@@ -34,8 +43,13 @@ def op(rank: int, name: str, count: int, comm: str, root: int = 0, dtype: int = 
     )
 
 
-def destroy(rank: int, nranks: int, comm: str, kind: str = "Destroy", host: str = "node1", pid: int | None = None) -> str:
-    return prefix(rank, host, pid) + f"comm {comm} rank {rank} nranks {nranks} cudaDev {rank} busId {rank}0 - {kind} COMPLETE\n"
+def destroy(
+    rank: int, nranks: int, comm: str, kind: str = "Destroy", host: str = "node1", pid: int | None = None
+) -> str:
+    return (
+        prefix(rank, host, pid)
+        + f"comm {comm} rank {rank} nranks {nranks} cudaDev {rank} busId {rank}0 - {kind} COMPLETE\n"
+    )
 
 
 STEP = (("AllReduce", 4195328), ("AllReduce", 16777216), ("AllGather", 1024), ("Broadcast", 1024))

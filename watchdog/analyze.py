@@ -25,16 +25,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from ncclwatch.watchdog.bundles_in import expand_bundles
+from ncclwatch.watchdog.events import FrDump, ProcKey, RankTransport
 from ncclwatch.watchdog.evidence.citations import resolve_citations
 from ncclwatch.watchdog.hang.classify import judge
-from ncclwatch.watchdog.slowness.bandwidth import match_collectives
-from ncclwatch.watchdog.slowness.engine import perf_health
 from ncclwatch.watchdog.hang.report import InputFile, PerfNote, Report, build_report
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import DEFAULT_WINDOW, JobState
-from ncclwatch.watchdog.events import FrDump, ProcKey, RankTransport
 from ncclwatch.watchdog.inputs import CHUNK_BYTES, cleanup_stdin, ingest_file, iter_files, open_input, rescan_orphans
 from ncclwatch.watchdog.parsing.transport import TransportScanner
+from ncclwatch.watchdog.slowness.bandwidth import match_collectives
+from ncclwatch.watchdog.slowness.engine import perf_health
 
 
 def analyze_paths(paths: Iterable[str], window: int = DEFAULT_WINDOW, now: float | None = None) -> Report:
@@ -46,7 +46,9 @@ def analyze_paths(paths: Iterable[str], window: int = DEFAULT_WINDOW, now: float
         inputs += [InputFile(path=tarball, kinds=[], note=note) for tarball, note in bundle_notes]
         try:
             for name, problem in iter_files(paths):
-                inputs.append(InputFile(path=name, kinds=[], note=problem) if problem else ingest_file(state, name, stdin_spool))
+                inputs.append(
+                    InputFile(path=name, kinds=[], note=problem) if problem else ingest_file(state, name, stdin_spool)
+                )
             rescan_orphans(state, inputs, stdin_spool)
             transport = nccl_transports(inputs, stdin_spool)
         finally:

@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
 from ncclwatch.watchdog.hang.verdicts import DRAIN_ON_DEFAULT, HANG_VERDICT_NAMES, RESTART_ON_DEFAULT
 
@@ -74,9 +80,12 @@ class Settings(BaseSettings):
         "stdin and in NCCLWATCH_* variables (docs/operations.md)",
     )
     hook_timeout: float = Field(60.0, gt=0, description="seconds --on-hang-exec may run before it is killed")
-    run_dir: Path | None = Field(None, description="folder for NCCL debug files, heartbeats, dumps (default: a temp folder)")
+    run_dir: Path | None = Field(
+        None, description="folder for NCCL debug files, heartbeats, dumps (default: a temp folder)"
+    )
     keep_run_dir: bool = Field(
-        False, description="keep the run folder after the job (default: removed, after a hang too: the bundle holds its evidence)"
+        False,
+        description="keep the run folder after the job (default: removed, after a hang too: the bundle holds its evidence)",
     )
     poll_interval: float = Field(0.25, gt=0, le=10, description="seconds between reads of logs, heartbeats and /proc")
     evidence_budget: float = Field(30.0, gt=0, description="seconds all evidence collection may take")
@@ -90,17 +99,26 @@ class Settings(BaseSettings):
 
     # Operations: server, alerts, metrics.
     listen: str | None = Field(
-        None, description="HOST:PORT for the bundle API, page and /metrics (serve: default 127.0.0.1:9464; a job: off unless set)"
+        None,
+        description="HOST:PORT for the bundle API, page and /metrics (serve: default 127.0.0.1:9464; a job: off unless set)",
     )
     api_token: SecretStr | None = Field(None, description="bearer token the API and page require (or --token-file)")
     token_file: Path | None = Field(None, description="file holding the bearer token (first line)")
     public_url: str | None = Field(None, description="base URL alerts link bundles with, e.g. http://node1:9464")
-    pagerduty_routing_key: SecretStr | None = Field(None, description="PagerDuty Events API v2 routing key (integration key)")
-    pagerduty_url: str = Field("https://events.pagerduty.com/v2/enqueue", description="PagerDuty Events API v2 endpoint")
+    pagerduty_routing_key: SecretStr | None = Field(
+        None, description="PagerDuty Events API v2 routing key (integration key)"
+    )
+    pagerduty_url: str = Field(
+        "https://events.pagerduty.com/v2/enqueue", description="PagerDuty Events API v2 endpoint"
+    )
     slack_webhook_url: SecretStr | None = Field(None, description="Slack incoming webhook URL")
-    webhook_url: str | None = Field(None, description="generic JSON webhook, signed with HMAC-SHA256 when webhook_secret is set")
+    webhook_url: str | None = Field(
+        None, description="generic JSON webhook, signed with HMAC-SHA256 when webhook_secret is set"
+    )
     webhook_secret: SecretStr | None = Field(None, description="HMAC-SHA256 key for the generic webhook's signature")
-    spool_dir: Path | None = Field(None, description="undelivered alerts wait here across restarts (default: <bundle_dir>/.spool)")
+    spool_dir: Path | None = Field(
+        None, description="undelivered alerts wait here across restarts (default: <bundle_dir>/.spool)"
+    )
     alert_drain_timeout: float = Field(
         120.0,
         ge=0,
@@ -108,9 +126,14 @@ class Settings(BaseSettings):
         "spool for the node agent (ncclwatch serve) or the next run",
     )
     alert_retry_interval: float = Field(
-        10.0, gt=0, le=3600, description="seconds between ncclwatch serve's looks at the alert spool and retries of a send"
+        10.0,
+        gt=0,
+        le=3600,
+        description="seconds between ncclwatch serve's looks at the alert spool and retries of a send",
     )
-    metrics_textfile: Path | None = Field(None, description="also write metrics to this file for node_exporter's textfile collector")
+    metrics_textfile: Path | None = Field(
+        None, description="also write metrics to this file for node_exporter's textfile collector"
+    )
 
     # Slow, not hung (slowness/findings.py): reported and exported always, paged only when asked.
     perf_interval: float = Field(
@@ -119,7 +142,9 @@ class Settings(BaseSettings):
         description="seconds between looks at bandwidth, arrival skew and transports while the job is healthy; each "
         "look asks every rank for one Flight Recorder dump (a background thread in the rank, milliseconds); 0: off",
     )
-    page_on_slow: bool = Field(False, description="page for a slow collective, a slow link or an InfiniBand port finding")
+    page_on_slow: bool = Field(
+        False, description="page for a slow collective, a slow link or an InfiniBand port finding"
+    )
     page_on_straggler: bool = Field(False, description="page for a rank last by a margin in most recent steps")
     page_on_transport: bool = Field(False, description="page for a node on another NCCL transport than its peers")
 
@@ -130,7 +155,9 @@ class Settings(BaseSettings):
         if isinstance(names, list):
             unknown = [n for n in names if n not in HANG_VERDICT_NAMES]
             if unknown:
-                raise ValueError(f"unknown verdict(s) {', '.join(map(str, unknown))}; one of {', '.join(sorted(HANG_VERDICT_NAMES))}")
+                raise ValueError(
+                    f"unknown verdict(s) {', '.join(map(str, unknown))}; one of {', '.join(sorted(HANG_VERDICT_NAMES))}"
+                )
         return names
 
     @field_validator("metrics_textfile")
@@ -186,12 +213,16 @@ class Settings(BaseSettings):
 _toml_file: dict[str, Path | None] = {"path": None}
 
 
-def load_settings(cli: Mapping[str, Any], config_file: str | None = None, environ: Mapping[str, str] = os.environ) -> Settings:
+def load_settings(
+    cli: Mapping[str, Any], config_file: str | None = None, environ: Mapping[str, str] = os.environ
+) -> Settings:
     """Settings from the command line (``cli``: only options the user gave), env, file, defaults."""
     path = Path(config_file or environ.get(f"{ENV_PREFIX}CONFIG") or DEFAULT_CONFIG_FILE)
     explicit = bool(config_file or environ.get(f"{ENV_PREFIX}CONFIG"))
     if explicit and not path.is_file():
-        raise ConfigError(f"config file {path}: not found (from {'--config' if config_file else ENV_PREFIX + 'CONFIG'})")
+        raise ConfigError(
+            f"config file {path}: not found (from {'--config' if config_file else ENV_PREFIX + 'CONFIG'})"
+        )
     _toml_file["path"] = path if path.is_file() else None
     try:
         return Settings(**{k: v for k, v in cli.items() if v is not None})
@@ -210,7 +241,9 @@ def _explain(exc: ValidationError, toml: Path | None) -> str:
         option = "--" + name.replace("_", "-")
         where = f"{option} / {ENV_PREFIX}{name.upper()}" + (f" / {name} in {toml}" if toml else "")
         if error["type"] == "extra_forbidden":
-            lines.append(f"unknown setting {name!r} ({'in ' + str(toml) if toml else 'environment'}); see ncclwatch --help")
+            lines.append(
+                f"unknown setting {name!r} ({'in ' + str(toml) if toml else 'environment'}); see ncclwatch --help"
+            )
             continue
         field = Settings.model_fields.get(name)
         expected = f" — {field.description}" if field and field.description else ""

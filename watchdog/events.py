@@ -67,8 +67,18 @@ P2P_OPS = frozenset({"Send", "Recv"})
 # NCCL prints its enums as numbers (nccl.h: ncclDataType_t, ncclRedOp_t); reports show names.
 # Reduce ops at or past ncclNumOps are user-made (ncclRedOpCreatePreMulSum) and keep their number.
 NCCL_DTYPES = {
-    "0": "int8", "1": "uint8", "2": "int32", "3": "uint32", "4": "int64", "5": "uint64", "6": "float16",
-    "7": "float32", "8": "float64", "9": "bfloat16", "10": "float8_e4m3", "11": "float8_e5m2",
+    "0": "int8",
+    "1": "uint8",
+    "2": "int32",
+    "3": "uint32",
+    "4": "int64",
+    "5": "uint64",
+    "6": "float16",
+    "7": "float32",
+    "8": "float64",
+    "9": "bfloat16",
+    "10": "float8_e4m3",
+    "11": "float8_e5m2",
 }
 NCCL_REDOPS = {"0": "sum", "1": "prod", "2": "max", "3": "min", "4": "avg"}
 
@@ -661,7 +671,9 @@ class OrphanOps(Event):
     file: str
     rank: int | None = None  # from a "[rankN]:" prefix or the file name
     nranks: int | None = None  # "[nranks=N]" on the line (2.19+)
-    cuda_dev: int | None = None  # the line prefix's "[cudaDev]": which GPU the process drove, a hint where ranks are unknown
+    cuda_dev: int | None = (
+        None  # the line prefix's "[cudaDev]": which GPU the process drove, a hint where ranks are unknown
+    )
     count: int
     last: list[tuple[int, OpSig, int]]  # (opCount, signature, 1-based line), oldest first
 

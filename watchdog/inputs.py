@@ -35,10 +35,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from ncclwatch.watchdog.events import Event, OpBatch, ProcKey, RankLog
 from ncclwatch.watchdog.hang.report import InputFile
 from ncclwatch.watchdog.hang.state import JobState
-from ncclwatch.watchdog.events import Event, OpBatch, ProcKey, RankLog
-from ncclwatch.watchdog.parsing import SNIFF_BYTES, EXCLUSIVE, NcclLogParser
+from ncclwatch.watchdog.parsing import EXCLUSIVE, SNIFF_BYTES, NcclLogParser
 from ncclwatch.watchdog.parsing.nccl_excerpt import OrphanScanner
 from ncclwatch.watchdog.parsing.rank_prefix import rank_of_file, ranks_in_chunk
 from ncclwatch.watchdog.parsing.torch_log import TorchLogParser
@@ -46,7 +46,10 @@ from ncclwatch.watchdog.parsing.torch_log import TorchLogParser
 CHUNK_BYTES = 8 << 20
 STDIN = "<stdin>"
 _SPECIAL = (
-    (stat.S_ISFIFO, "a FIFO (named pipe, e.g. a Flight Recorder debug pipe): not opened, reading it would wait forever"),
+    (
+        stat.S_ISFIFO,
+        "a FIFO (named pipe, e.g. a Flight Recorder debug pipe): not opened, reading it would wait forever",
+    ),
     (stat.S_ISSOCK, "a socket: not opened"),
     (stat.S_ISCHR, "a character device: not opened"),
     (stat.S_ISBLK, "a block device: not opened"),
@@ -58,9 +61,11 @@ _REPORT_SKIPPED = "skipped: ncclwatch's own report, not evidence (analyze judges
 _OWN_OUTPUT = (
     (re.compile(rb"# ncclwatch: "), _REPORT_SKIPPED),
     (re.compile(rb'\s*\{\s*"tool"\s*:\s*"ncclwatch"'), _REPORT_SKIPPED),
-    (re.compile(rb'\s*\{\s*"started_unix"\s*:[^{}]*"budget_s"\s*:'),
-     "skipped: ncclwatch's own index of the evidence it collected, not evidence"),
-)  # fmt: skip
+    (
+        re.compile(rb'\s*\{\s*"started_unix"\s*:[^{}]*"budget_s"\s*:'),
+        "skipped: ncclwatch's own index of the evidence it collected, not evidence",
+    ),
+)
 
 
 def iter_files(paths: Iterable[str]) -> Iterator[tuple[str, str | None]]:
@@ -82,7 +87,9 @@ def iter_files(paths: Iterable[str]) -> Iterator[tuple[str, str | None]]:
 
 def _walk(folder: str) -> Iterator[tuple[str, str | None]]:
     problems: list[tuple[str, str]] = []
-    for root, dirs, files in os.walk(folder, onerror=lambda exc: problems.append((exc.filename, "cannot list folder: " + _os_problem(exc)))):
+    for root, dirs, files in os.walk(
+        folder, onerror=lambda exc: problems.append((exc.filename, "cannot list folder: " + _os_problem(exc)))
+    ):
         dirs.sort()
         for name in sorted(files):
             path = os.path.join(root, name)
@@ -151,7 +158,11 @@ def ingest_file(state: JobState, name: str, stdin_spool: dict[str, str] | None =
                 return InputFile(path=name, kinds=[], note="not a recognised format; ignored")
             return TextIngest(state, name).run(head, handle, compression)
     except (OSError, EOFError, lzma.LZMAError) as exc:
-        problem = _os_problem(exc) if isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile) else f"cannot decompress: {exc}"
+        problem = (
+            _os_problem(exc)
+            if isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile)
+            else f"cannot decompress: {exc}"
+        )
         return InputFile(path=name, kinds=[], note=problem)
 
 
@@ -213,16 +224,25 @@ class TextIngest:
         kinds = [k for k, n in (("nccl_log", self.nccl_ops + self.nccl_other), ("torch_log", self.torch_events)) if n]
         used = self.nccl_ops + self.nccl_other + self.torch.lines_used
         if not kinds and not self._ranks_said:
-            return InputFile(path=self.name, kinds=[], note="not a recognised format; ignored" + _suffix(_compressed(compression)))
+            return InputFile(
+                path=self.name, kinds=[], note="not a recognised format; ignored" + _suffix(_compressed(compression))
+            )
         parts = [f"{used:,} of {total:,} lines used"]
-        detail = [f"{n:,} {what}" for n, what in (
-            (self.nccl_ops, "NCCL operations"), (self.nccl_other, "NCCL init/end/warning lines"),
-            (self.torch.lines_used, "PyTorch or network diagnostics"),
-        ) if n]
+        detail = [
+            f"{n:,} {what}"
+            for n, what in (
+                (self.nccl_ops, "NCCL operations"),
+                (self.nccl_other, "NCCL init/end/warning lines"),
+                (self.torch.lines_used, "PyTorch or network diagnostics"),
+            )
+            if n
+        ]
         if detail:
             parts[0] += f" ({', '.join(detail)})"
         if total > used:
-            parts.append(f"the other {total - used:,} are neither NCCL debug lines nor PyTorch/NCCL diagnostics (training output, tracebacks)")
+            parts.append(
+                f"the other {total - used:,} are neither NCCL debug lines nor PyTorch/NCCL diagnostics (training output, tracebacks)"
+            )
         if self.nccl.garbled:
             parts.append(f"{self.nccl.garbled} garbled operation line(s) skipped (interleaved or cut writes)")
         if self._ranks_said:

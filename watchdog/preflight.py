@@ -37,9 +37,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ncclwatch.watchdog.slowness.findings import gbps
 from ncclwatch.watchdog.events import rate_bytes_per_s, state_name
 from ncclwatch.watchdog.probes.infiniband import SYS_INFINIBAND, read_ib_counters
+from ncclwatch.watchdog.slowness.findings import gbps
 
 # One-way bandwidth of one NVLink, bytes/s, by NVML's nvmlNvlinkVersion_t (nvmlDeviceGetNvLinkVersion), which
 # counts point releases: 1 = NVLink 1.0 (P100) 20 GB/s; 2 = 2.0 (V100), 3 = 2.2, 4 = 3.0 (A100), 5 = 3.1,
@@ -81,36 +81,67 @@ def expected_busbw(nvlink: Sequence[dict] | None, ib_ports: dict | None, *, loca
         intra = min(per_gpu) or None
     inter = None
     if ib_ports and nnodes > 1:
-        rates = [rate_bytes_per_s(p.get("rate")) for dev in ib_ports.values() for p in dev.values() if state_name(p.get("state")) == "ACTIVE"]
+        rates = [
+            rate_bytes_per_s(p.get("rate"))
+            for dev in ib_ports.values()
+            for p in dev.values()
+            if state_name(p.get("state")) == "ACTIVE"
+        ]
         inter = sum(r for r in rates if r) or None
     bounds = [b for b in (intra, inter) if b is not None]
     basis = " and ".join(name for name, b in (("NVLink", intra), ("InfiniBand", inter)) if b is not None) or None
     return {"intra": intra, "inter": inter, "expected": min(bounds) if bounds else None, "basis": basis}
 
 
-def _rank_command(backend: str, sizes: Sequence[int], ops: Sequence[str], out: Path, pairs_bytes: int, iters: int) -> list[str]:
+def _rank_command(
+    backend: str, sizes: Sequence[int], ops: Sequence[str], out: Path, pairs_bytes: int, iters: int
+) -> list[str]:
     return [
-        sys.executable, "-m", "ncclwatch.launcher.preflight_job", f"--backend={backend}", f"--ops={','.join(ops)}",
-        f"--sizes={','.join(map(str, sizes))}", f"--out={out}", f"--pairs-bytes={pairs_bytes}", f"--iters={iters}",
+        sys.executable,
+        "-m",
+        "ncclwatch.launcher.preflight_job",
+        f"--backend={backend}",
+        f"--ops={','.join(ops)}",
+        f"--sizes={','.join(map(str, sizes))}",
+        f"--out={out}",
+        f"--pairs-bytes={pairs_bytes}",
+        f"--iters={iters}",
         f"--warmup={max(1, iters // 4)}",
-    ]  # fmt: skip
+    ]
 
 
-def run_ranks(command: list[str], nproc: int, *, nnodes: int, node_rank: int, master_addr: str, master_port: int,
-              time_limit_s: float, env: dict[str, str] | None = None) -> tuple[int | None, str]:  # fmt: skip
+def run_ranks(
+    command: list[str],
+    nproc: int,
+    *,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+    time_limit_s: float,
+    env: dict[str, str] | None = None,
+) -> tuple[int | None, str]:
     """Start ``nproc`` ranks in one new process group; wait up to ``time_limit_s``; SIGKILL the group at the limit.
 
     Returns (the first non-zero exit status, or 0; None on timeout) and the tail of the ranks' stderr.
     """
-    base = {**os.environ, **(env or {}), "WORLD_SIZE": str(nproc * nnodes), "LOCAL_WORLD_SIZE": str(nproc),
-            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}  # fmt: skip
+    base = {
+        **os.environ,
+        **(env or {}),
+        "WORLD_SIZE": str(nproc * nnodes),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
     logs = tempfile.TemporaryFile()
     procs: list[subprocess.Popen] = []
     try:
         for local in range(nproc):
             rank_env = {**base, "RANK": str(node_rank * nproc + local), "LOCAL_RANK": str(local)}
             group = {"process_group": procs[0].pid if procs else 0}  # one new group (in our session) for all ranks
-            procs.append(subprocess.Popen(command, env=rank_env, stdout=logs, stderr=logs, stdin=subprocess.DEVNULL, **group))
+            procs.append(
+                subprocess.Popen(command, env=rank_env, stdout=logs, stderr=logs, stdin=subprocess.DEVNULL, **group)
+            )
         deadline = time.monotonic() + time_limit_s
         status: int | None = None
         while time.monotonic() < deadline:
@@ -157,14 +188,34 @@ def run_preflight(
         out = Path(tmp) / "result.json"
         command = _rank_command(backend, sizes, ops, out, pairs_bytes, iters)
         port = master_port or _free_port()
-        status, tail = run_ranks(command, nproc, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-                                 master_port=port, time_limit_s=time_limit_s, env=env)  # fmt: skip
-        doc: dict = {"kind": "ncclwatch-preflight", "host": socket.gethostname(), "created_at": started, "mode": mode,
-                     "backend": backend, "nproc": nproc, "nnodes": nnodes, "node_rank": node_rank}  # fmt: skip
+        status, tail = run_ranks(
+            command,
+            nproc,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=port,
+            time_limit_s=time_limit_s,
+            env=env,
+        )
+        doc: dict = {
+            "kind": "ncclwatch-preflight",
+            "host": socket.gethostname(),
+            "created_at": started,
+            "mode": mode,
+            "backend": backend,
+            "nproc": nproc,
+            "nnodes": nnodes,
+            "node_rank": node_rank,
+        }
         if status is None:
             return {**doc, "error": f"timed out after {time_limit_s:g} s; every rank was killed", "stderr_tail": tail}
         if node_rank != 0:
-            return {**doc, "note": "results are written by the node of rank 0", **({"error": f"a rank exited with status {status}", "stderr_tail": tail} if status else {})}
+            return {
+                **doc,
+                "note": "results are written by the node of rank 0",
+                **({"error": f"a rank exited with status {status}", "stderr_tail": tail} if status else {}),
+            }
         if status != 0 or not out.is_file():
             return {**doc, "error": f"a rank exited with status {status}", "stderr_tail": tail}
         doc.update(json.loads(out.read_text()))
@@ -191,16 +242,22 @@ def render_table(doc: dict) -> str:
         return f"preflight failed: {doc['error']}\n{doc.get('stderr_tail', '')}"
     expected = (doc.get("expected") or {}).get("expected")
     basis = (doc.get("expected") or {}).get("basis") or "no NVLink/InfiniBand figure"
-    lines = [f"# {doc['host']} {doc['backend']} {doc['nproc']} ranks x {doc['nnodes']} nodes ({doc.get('device')}), "
-             f"mode {doc['mode']}; expected busbw: {gbps(expected) if expected else 'unknown'} ({basis})",
-             f"{'op':>14} {'size':>12} {'time(us)':>11} {'algbw GB/s':>11} {'busbw GB/s':>11} {'of expected':>12}"]  # fmt: skip
+    lines = [
+        f"# {doc['host']} {doc['backend']} {doc['nproc']} ranks x {doc['nnodes']} nodes ({doc.get('device')}), "
+        f"mode {doc['mode']}; expected busbw: {gbps(expected) if expected else 'unknown'} ({basis})",
+        f"{'op':>14} {'size':>12} {'time(us)':>11} {'algbw GB/s':>11} {'busbw GB/s':>11} {'of expected':>12}",
+    ]
     for row in doc.get("rows", []):
         share = f"{row['busbw'] / expected:.0%}" if expected and row["busbw"] else "-"
-        lines.append(f"{row['op']:>14} {row['bytes']:>12} {row['seconds'] * 1e6:>11.1f} {(row['algbw'] or 0) / 1e9:>11.2f} "
-                     f"{(row['busbw'] or 0) / 1e9:>11.2f} {share:>12}")  # fmt: skip
+        lines.append(
+            f"{row['op']:>14} {row['bytes']:>12} {row['seconds'] * 1e6:>11.1f} {(row['algbw'] or 0) / 1e9:>11.2f} "
+            f"{(row['busbw'] or 0) / 1e9:>11.2f} {share:>12}"
+        )
     for row in doc.get("pairs", []):
-        lines.append(f"{'pair ' + '-'.join(map(str, row['pair'])):>14} {row['bytes']:>12} {row['seconds'] * 1e6:>11.1f} "
-                     f"{'':>11} {(row['busbw'] or 0) / 1e9:>11.2f}")  # fmt: skip
+        lines.append(
+            f"{'pair ' + '-'.join(map(str, row['pair'])):>14} {row['bytes']:>12} {row['seconds'] * 1e6:>11.1f} "
+            f"{'':>11} {(row['busbw'] or 0) / 1e9:>11.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -212,11 +269,15 @@ def compare_to_baseline(doc: dict, baseline: dict, *, ratio: float = SLOW_RATIO)
     before = {(r["op"], r["bytes"]): r["busbw"] for r in baseline.get("rows", []) if r.get("busbw")}
     out = []
     if doc.get("mode") != "idle":
-        out.append(f"this run's GPUs were not idle (mode {doc.get('mode')}): lower figures may be contention, not links")
+        out.append(
+            f"this run's GPUs were not idle (mode {doc.get('mode')}): lower figures may be contention, not links"
+        )
     for row in doc.get("rows", []):
         then = before.get((row["op"], row["bytes"]))
         if then and row.get("busbw") is not None and row["busbw"] < ratio * then:
-            out.append(f"{row['op']} {row['bytes']} B: {gbps(row['busbw'])}, {row['busbw'] / then:.0%} of the baseline's {gbps(then)}")
+            out.append(
+                f"{row['op']} {row['bytes']} B: {gbps(row['busbw'])}, {row['busbw'] / then:.0%} of the baseline's {gbps(then)}"
+            )
     return out
 
 
@@ -250,15 +311,27 @@ def main(argv: Sequence[str]) -> int:
         "its NVLinks and InfiniBand ports should give, and keep it as the baseline. Runs in its own processes under a "
         "hard time limit. On CPU use --backend gloo.",
     )
-    parser.add_argument("--nproc", type=int, default=None, help="ranks on this node (default: the GPUs NVML sees, else 2)")
+    parser.add_argument(
+        "--nproc", type=int, default=None, help="ranks on this node (default: the GPUs NVML sees, else 2)"
+    )
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
-    parser.add_argument("--sizes", default=None, help="comma-separated, e.g. 1M,16M,256M (default 1M..1G by 4x; gloo 4K..1M)")
+    parser.add_argument(
+        "--sizes", default=None, help="comma-separated, e.g. 1M,16M,256M (default 1M..1G by 4x; gloo 4K..1M)"
+    )
     parser.add_argument("--ops", default="all_reduce,all_gather")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--pairs", default=None, metavar="SIZE", help="also time an all_reduce of SIZE between every pair of ranks")
-    parser.add_argument("--time-limit", type=float, default=300.0, metavar="SECONDS", help="every rank is killed at this limit")
-    parser.add_argument("--mode", choices=("idle", "at-hang"), default="idle", help="recorded with the result: were the GPUs free?")
-    parser.add_argument("--out", type=Path, default=None, help="result JSON (default ./ncclwatch-preflight-<host>.json)")
+    parser.add_argument(
+        "--pairs", default=None, metavar="SIZE", help="also time an all_reduce of SIZE between every pair of ranks"
+    )
+    parser.add_argument(
+        "--time-limit", type=float, default=300.0, metavar="SECONDS", help="every rank is killed at this limit"
+    )
+    parser.add_argument(
+        "--mode", choices=("idle", "at-hang"), default="idle", help="recorded with the result: were the GPUs free?"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="result JSON (default ./ncclwatch-preflight-<host>.json)"
+    )
     parser.add_argument("--baseline", type=Path, default=None, help="an earlier result to compare with")
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--node-rank", type=int, default=0)
@@ -269,12 +342,25 @@ def main(argv: Sequence[str]) -> int:
     if args.nnodes > 1 and args.master_port is None:
         parser.error("--master-port is required with --nnodes > 1 (every node must use the same one)")
     nproc = args.nproc or len(nvlink_summary() or []) or 2
-    sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else list(CPU_SIZES if args.backend == "gloo" else DEFAULT_SIZES)
+    sizes = (
+        [parse_size(s) for s in args.sizes.split(",")]
+        if args.sizes
+        else list(CPU_SIZES if args.backend == "gloo" else DEFAULT_SIZES)
+    )
     doc = run_preflight(
-        nproc=nproc, backend=args.backend, sizes=sizes, ops=args.ops.split(","), iters=args.iters,
-        pairs_bytes=parse_size(args.pairs) if args.pairs else 0, time_limit_s=args.time_limit, nnodes=args.nnodes,
-        node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port, mode=args.mode,
-    )  # fmt: skip
+        nproc=nproc,
+        backend=args.backend,
+        sizes=sizes,
+        ops=args.ops.split(","),
+        iters=args.iters,
+        pairs_bytes=parse_size(args.pairs) if args.pairs else 0,
+        time_limit_s=args.time_limit,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        mode=args.mode,
+    )
     out = args.out or Path(f"ncclwatch-preflight-{socket.gethostname()}.json")
     out.write_text(json.dumps(doc, indent=1) + "\n")
     problems = slow_pairs(doc)

@@ -288,7 +288,7 @@ def _next_sitecustomize():
     here = os.path.dirname(os.path.realpath(__file__))
     for index, entry in enumerate(sys.path):
         if os.path.realpath(entry or os.curdir) == here:
-            return importlib.machinery.PathFinder.find_spec("sitecustomize", sys.path[index + 1:])
+            return importlib.machinery.PathFinder.find_spec("sitecustomize", sys.path[index + 1 :])
     return None
 
 

@@ -12,9 +12,18 @@ from ncclwatch.watchdog.evidence import EVIDENCE_JSON, EvidenceRecord, collect_a
 from ncclwatch.watchdog.probes.procfs import proc_state
 
 ALL_NAMES = {
-    "proc", "flight_recorder", "nvml", "ras_text", "ras_json", "infiniband",
-    "stacks", "stacks_native", "env", "nccl_logs", "worker_logs",
-}  # fmt: skip
+    "proc",
+    "flight_recorder",
+    "nvml",
+    "ras_text",
+    "ras_json",
+    "infiniband",
+    "stacks",
+    "stacks_native",
+    "env",
+    "nccl_logs",
+    "worker_logs",
+}
 
 
 def run_dir(tmp_path):

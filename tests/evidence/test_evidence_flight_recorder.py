@@ -138,7 +138,9 @@ def test_rank_that_did_not_answer_the_probe_is_not_asked_again(tmp_path, fr_dir,
     """Its communicator is in error (seen on H100): waiting again only delays the bundle."""
     responder = responders(str(fr_dir / "pipe_0.pipe"), fr_dir / "nccl_trace_rank_0", answer=False)
     (fr_dir / "nccl_trace_rank_0").write_bytes(b"the primed dump")
-    ctx = context(tmp_path, run_dir=fr_dir.parent, ranks=(rank(0, responder.pid),), dumpless_pids=frozenset({responder.pid}))
+    ctx = context(
+        tmp_path, run_dir=fr_dir.parent, ranks=(rank(0, responder.pid),), dumpless_pids=frozenset({responder.pid})
+    )
     (rec,) = asyncio.run(collect_flight_recorder(ctx))
     assert rec.error == "rank 0 did not answer the probe's dump request moments before: not asked again"
     assert rec.duration_s < 1.0 and rec.note.startswith("copied the dump that was already there")

@@ -9,10 +9,10 @@ import pytest
 from conftest import DATA
 from support import RasServer, context, free_port, make_port
 
+from ncclwatch.watchdog.events import RasReport
 from ncclwatch.watchdog.evidence import collect_infiniband, collect_nvml, collect_ras
 from ncclwatch.watchdog.parsing.ras import parse_ras
 from ncclwatch.watchdog.probes.nvml import sample_gpus
-from ncclwatch.watchdog.events import RasReport
 
 REAL = DATA / "ras" / "real-2.28.9-h200x2"
 

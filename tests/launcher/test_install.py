@@ -50,7 +50,12 @@ def test_ncclwatch_and_pypi_watchdog_share_a_venv(env: Path, tmp_path: Path, edi
     assert done.returncode == 0, done.stderr
     site = env.parent.parent / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
 
-    both = run(env, "-c", "import watchdog.observers, ncclwatch.watchdog.analyze as c; print(watchdog.observers.__file__); print(c.__file__)", cwd=neutral)
+    both = run(
+        env,
+        "-c",
+        "import watchdog.observers, ncclwatch.watchdog.analyze as c; print(watchdog.observers.__file__); print(c.__file__)",
+        cwd=neutral,
+    )
     assert both.returncode == 0, both.stderr
     theirs, ours = both.stdout.split()
     assert Path(theirs).is_relative_to(site)  # PyPI's watchdog, untouched

@@ -36,8 +36,15 @@ def dirs(tmp_path: Path) -> RunDirs:
 def run_python(code: str, env: dict[str, str], cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     """``python -c code`` with exactly ``env`` (plus PATH/HOME); ``cwd`` comes first on its sys.path."""
     full = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), **env}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, cwd=cwd, timeout=60,
-                          capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full,
+        cwd=cwd,
+        timeout=60,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
 
 
 def worker_env(dirs: RunDirs, **extra: str) -> dict[str, str]:
@@ -71,13 +78,16 @@ class TestInjectedEnv:
             "PYTHONPATH": str(inject_dir()),
         }
 
-    @pytest.mark.parametrize("name, value", [
-        ("NCCL_DEBUG", "WARN"),
-        ("NCCL_DEBUG_FILE", "/elsewhere/nccl.%h.%p"),
-        ("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "/elsewhere/pipe_"),
-        ("TORCH_NCCL_DUMP_ON_TIMEOUT", "0"),
-        ("TORCH_NCCL_ENABLE_TIMING", "0"),
-    ])
+    @pytest.mark.parametrize(
+        "name, value",
+        [
+            ("NCCL_DEBUG", "WARN"),
+            ("NCCL_DEBUG_FILE", "/elsewhere/nccl.%h.%p"),
+            ("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "/elsewhere/pipe_"),
+            ("TORCH_NCCL_DUMP_ON_TIMEOUT", "0"),
+            ("TORCH_NCCL_ENABLE_TIMING", "0"),
+        ],
+    )
     def test_never_overrides_a_user_setting(self, dirs: RunDirs, name: str, value: str) -> None:
         assert injected_env({name: value}, dirs)[name] == value
 
@@ -85,19 +95,22 @@ class TestInjectedEnv:
         env = injected_env({"HOME": "/home/u", "CUDA_VISIBLE_DEVICES": "0,1"}, dirs)
         assert env["HOME"] == "/home/u" and env["CUDA_VISIBLE_DEVICES"] == "0,1"
 
-    @pytest.mark.parametrize("user, expected", [
-        ("INIT", "INIT,COLL,DESTROY,ENV"),
-        ("NET,GRAPH", "NET,GRAPH,INIT,COLL,DESTROY,ENV"),
-        ("coll,init", "coll,init,DESTROY,ENV"),  # NCCL compares names case-insensitively
-        ("INIT,COLL,DESTROY,env", "INIT,COLL,DESTROY,env"),
-        (" INIT , NET ", "INIT,NET,COLL,DESTROY,ENV"),
-        ("", "INIT,COLL,DESTROY,ENV"),  # set but empty prints nothing at all
-        ("ALL", "ALL"),
-        ("all", "all"),
-        ("NET,ALL", "NET,ALL"),
-        ("^NET", "^NET"),  # inverted: adding names would turn them off
-        ("^INIT,COLL", "^INIT,COLL"),
-    ])
+    @pytest.mark.parametrize(
+        "user, expected",
+        [
+            ("INIT", "INIT,COLL,DESTROY,ENV"),
+            ("NET,GRAPH", "NET,GRAPH,INIT,COLL,DESTROY,ENV"),
+            ("coll,init", "coll,init,DESTROY,ENV"),  # NCCL compares names case-insensitively
+            ("INIT,COLL,DESTROY,env", "INIT,COLL,DESTROY,env"),
+            (" INIT , NET ", "INIT,NET,COLL,DESTROY,ENV"),
+            ("", "INIT,COLL,DESTROY,ENV"),  # set but empty prints nothing at all
+            ("ALL", "ALL"),
+            ("all", "all"),
+            ("NET,ALL", "NET,ALL"),
+            ("^NET", "^NET"),  # inverted: adding names would turn them off
+            ("^INIT,COLL", "^INIT,COLL"),
+        ],
+    )
     def test_subsys_is_extended_not_replaced(self, dirs: RunDirs, user: str, expected: str) -> None:
         assert injected_env({"NCCL_DEBUG_SUBSYS": user}, dirs)["NCCL_DEBUG_SUBSYS"] == expected
 
@@ -144,7 +157,8 @@ def test_inject_dir_holds_sitecustomize_and_is_no_package() -> None:
 
 
 def test_optimizer_steps_beat_without_code_change(dirs: RunDirs) -> None:
-    done = run_python("""
+    done = run_python(
+        """
         import torch
         p = torch.nn.Parameter(torch.ones(2))
         opt = torch.optim.SGD([p], lr=0.1)
@@ -153,7 +167,9 @@ def test_optimizer_steps_beat_without_code_change(dirs: RunDirs) -> None:
         import sys
         print("loader", type(sys.modules["torch.optim.optimizer"].__loader__).__name__)
         print("shared", "ncclwatch.launcher.heartbeat" in sys.modules)
-    """, worker_env(dirs))
+    """,
+        worker_env(dirs),
+    )
     assert done.returncode == 0, done.stderr
     # The import hook hands the real loader back: nothing later sees ours.
     assert "loader SourceFileLoader" in done.stdout
@@ -172,11 +188,15 @@ def test_a_user_package_named_launcher_is_not_imported(dirs: RunDirs, tmp_path: 
     user = tmp_path / "user"
     (user / "launcher").mkdir(parents=True)
     (user / "launcher" / "__init__.py").write_text("print('user launcher imported')\n")
-    done = run_python("""
+    done = run_python(
+        """
         import sys, torch
         torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1).step()
         print(sorted(name for name in sys.modules if "heartbeat" in name or "launcher" in name))
-    """, worker_env(dirs, PYTHONPATH=f"{inject_dir()}:{user}"), cwd=tmp_path)
+    """,
+        worker_env(dirs, PYTHONPATH=f"{inject_dir()}:{user}"),
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     # Ours is imported under its own namespace; theirs stays untouched.
     assert done.stdout == "['ncclwatch.launcher', 'ncclwatch.launcher.heartbeat']\n"
@@ -184,10 +204,13 @@ def test_a_user_package_named_launcher_is_not_imported(dirs: RunDirs, tmp_path: 
 
 
 def test_job_without_torch_does_not_import_it(dirs: RunDirs) -> None:
-    done = run_python("""
+    done = run_python(
+        """
         import json, sys
         print("torch" in sys.modules, [type(f).__name__ for f in sys.meta_path][0])
-    """, worker_env(dirs))
+    """,
+        worker_env(dirs),
+    )
     assert done.returncode == 0 and done.stderr == ""
     assert done.stdout.split() == ["False", "_AfterImport"]
     assert heartbeats(dirs) == []
@@ -196,10 +219,13 @@ def test_job_without_torch_does_not_import_it(dirs: RunDirs) -> None:
 def test_torchrun_itself_and_plain_python_are_left_alone(dirs: RunDirs) -> None:
     env = worker_env(dirs)
     del env["RANK"]
-    done = run_python("""
+    done = run_python(
+        """
         import os, sys
         print([type(f).__name__ for f in sys.meta_path].count("_AfterImport"), "NCCLWATCH_WORKER_PID" in os.environ)
-    """, env)
+    """,
+        env,
+    )
     assert done.stdout.split() == ["0", "False"]
     assert list(dirs.fr.iterdir()) == []
 
@@ -207,12 +233,15 @@ def test_torchrun_itself_and_plain_python_are_left_alone(dirs: RunDirs) -> None:
 def test_a_worker_s_child_process_is_left_alone(dirs: RunDirs) -> None:
     # A spawned DataLoader or compile worker inherits RANK; its responder
     # would overwrite the rank's dump.  The worker marks itself by pid.
-    done = run_python("""
+    done = run_python(
+        """
         import os, subprocess, sys
         print("worker", os.environ["NCCLWATCH_WORKER_PID"] == str(os.getpid()), flush=True)
         code = "import sys; print('child', [type(f).__name__ for f in sys.meta_path].count('_AfterImport'))"
         subprocess.run([sys.executable, "-c", code], check=True)
-    """, worker_env(dirs))
+    """,
+        worker_env(dirs),
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["worker", "True", "child", "0"]
     assert len(list(dirs.fr.glob("ncclwatch_pipe.*"))) == 0  # removed at exit, the child made none
@@ -222,7 +251,11 @@ def test_fifo_has_no_reader_once_the_worker_is_dead(dirs: RunDirs) -> None:
     # ENXIO on a non-blocking open is how the sidecar tells a dead rank from
     # a slow one, so a forked child (DataLoader with fork) must not keep the
     # worker's read end open.
-    worker = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import os, sys, time
         pid = os.getpid()
         if os.fork() == 0:
@@ -230,7 +263,13 @@ def test_fifo_has_no_reader_once_the_worker_is_dead(dirs: RunDirs) -> None:
             time.sleep(30)
             os._exit(0)
         time.sleep(30)
-    """)], env={**os.environ, **worker_env(dirs)}, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    """),
+        ],
+        env={**os.environ, **worker_env(dirs)},
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         pid = int(worker.stdout.readline())
         fifo = dirs.fr / f"ncclwatch_pipe.{pid}"
@@ -249,10 +288,13 @@ def test_users_sitecustomize_still_runs(dirs: RunDirs, tmp_path: Path) -> None:
     user_site.mkdir()
     (user_site / "sitecustomize.py").write_text("import os\nMARK = 'user'\nprint('user sitecustomize ran')\n")
     env = worker_env(dirs, PYTHONPATH=f"{inject_dir()}:{user_site}:{REPO}")
-    done = run_python("""
+    done = run_python(
+        """
         import sitecustomize, sys
         print(sitecustomize.MARK, [type(f).__name__ for f in sys.meta_path][0])
-    """, env)
+    """,
+        env,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["user sitecustomize ran", "user _AfterImport"]
 
@@ -272,12 +314,15 @@ def test_unusable_run_dir_does_not_break_the_worker(tmp_path: Path) -> None:
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
     env = worker_env(RunDirs(not_a_dir, not_a_dir / "nccl", not_a_dir / "fr", not_a_dir / "hb"))
-    done = run_python("""
+    done = run_python(
+        """
         import ncclwatch
         for step in range(3):
             ncclwatch.beat(step)
         print("job ran")
-    """, env)
+    """,
+        env,
+    )
     assert (done.returncode, done.stdout, done.stderr) == (0, "job ran\n", "")
 
 
@@ -285,7 +330,8 @@ def test_unusable_run_dir_does_not_break_the_worker(tmp_path: Path) -> None:
 
 
 def test_beat_rate_limit_and_format(dirs: RunDirs) -> None:
-    done = run_python("""
+    done = run_python(
+        """
         import json, os, sys, time
         import ncclwatch
         path = os.path.join(os.environ["NCCLWATCH_RUN_DIR"], "hb", f"{os.getpid()}.json")
@@ -315,7 +361,9 @@ def test_beat_rate_limit_and_format(dirs: RunDirs) -> None:
         os.waitpid(child, 0)
         json.dump({"first": first, "last": last, "writes": writes, "before": before,
                    "last_beat": last_beat, "pid": os.getpid(), "child": child}, sys.stdout)
-    """, worker_env(dirs))
+    """,
+        worker_env(dirs),
+    )
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
     first, last = seen["first"], seen["last"]
@@ -330,11 +378,14 @@ def test_beat_rate_limit_and_format(dirs: RunDirs) -> None:
 
 
 def test_beat_is_a_no_op_outside_a_worker() -> None:
-    done = run_python("""
+    done = run_python(
+        """
         import threading, ncclwatch
         ncclwatch.beat(); ncclwatch.beat(5)
         print(threading.active_count())
-    """, {"PYTHONPATH": str(REPO)})
+    """,
+        {"PYTHONPATH": str(REPO)},
+    )
     assert (done.returncode, done.stdout, done.stderr) == (0, "1\n", "")  # no flusher thread either
 
 
@@ -400,7 +451,9 @@ def test_fr_responder_dumps_a_rank_blocked_in_gloo(dirs: RunDirs, tmp_path: Path
         [fr] = parse_flight_recorder(dump.read_bytes(), dump.name)
         assert fr.rank == 0
         assert [(e.op, e.collective_seq_id, e.input_sizes) for e in fr.entries] == [
-            ("AllReduce", 1, [[4]]), ("AllReduce", 2, [[8]])]
+            ("AllReduce", 1, [[4]]),
+            ("AllReduce", 2, [[8]]),
+        ]
         # gloo leaves every entry "scheduled"; the group status says where it is.
         default_pg = fr.process_groups["0"]
         assert (default_pg.last_enqueued, default_pg.last_completed) == (2, 1)

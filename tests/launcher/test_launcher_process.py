@@ -98,8 +98,13 @@ class Job:
         self.dir = tmp_path
         (tmp_path / "worker.py").write_text(WORKER)
         (tmp_path / "driver.py").write_text(DRIVER)
-        self.argv = ["torchrun", "--standalone", "--nproc-per-node=2", "--monitor-interval=0.1",
-                     str(tmp_path / "worker.py")]
+        self.argv = [
+            "torchrun",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--monitor-interval=0.1",
+            str(tmp_path / "worker.py"),
+        ]
         self.env = {**os.environ, "MODE": mode, "OUT": str(tmp_path), "PYTHONPATH": str(REPO)}
         self.proc: subprocess.Popen[str] | None = None
         self.seen: set[int] = set()
@@ -109,8 +114,13 @@ class Job:
 
     def start(self, **opts) -> None:
         arg = json.dumps({"argv": self.argv, "out": str(self.dir / "children.json"), **opts})
-        self.proc = subprocess.Popen([sys.executable, str(self.dir / "driver.py"), arg], env=self.env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(self.dir / "driver.py"), arg],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def tree(self) -> dict:
         """Wait for both workers to be up; the driver's view of the tree."""
@@ -169,13 +179,19 @@ def test_exit_status_is_what_a_shell_reports(returncode: int, status: int) -> No
 
 @pytest.mark.parametrize("no_pidfd", [False, True], ids=["pidfd", "polling"])
 @pytest.mark.parametrize("command, status", [("exit 7", 7), ("kill -TERM $$", 143), ("kill -KILL $$", 137)])
-def test_wrapper_exits_as_the_shell_reports_its_child(tmp_path: Path, command: str, status: int,
-                                                      no_pidfd: bool) -> None:
+def test_wrapper_exits_as_the_shell_reports_its_child(
+    tmp_path: Path, command: str, status: int, no_pidfd: bool
+) -> None:
     (tmp_path / "driver.py").write_text(DRIVER)
     opts = {"argv": ["sh", "-c", command], "out": str(tmp_path / "children.json"), "no_pidfd": no_pidfd}
     bare = subprocess.run(["sh", "-c", f"sh -c '{command}'; exit $?"], timeout=10, check=False)
-    wrapped = subprocess.run([sys.executable, str(tmp_path / "driver.py"), json.dumps(opts)],
-                             env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, timeout=20, check=False)
+    wrapped = subprocess.run(
+        [sys.executable, str(tmp_path / "driver.py"), json.dumps(opts)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        timeout=20,
+        check=False,
+    )
     assert wrapped.returncode == bare.returncode == status
 
 

@@ -25,8 +25,15 @@ pytest.importorskip("torch")
 
 @pytest.fixture(scope="module")
 def gloo_result(tmp_path_factory):
-    return run_preflight(nproc=3, backend="gloo", sizes=[4096, 65536], pairs_bytes=16384, iters=3, time_limit_s=120,
-                         sys_infiniband=tmp_path_factory.mktemp("no-ib"))  # fmt: skip
+    return run_preflight(
+        nproc=3,
+        backend="gloo",
+        sizes=[4096, 65536],
+        pairs_bytes=16384,
+        iters=3,
+        time_limit_s=120,
+        sys_infiniband=tmp_path_factory.mktemp("no-ib"),
+    )
 
 
 class TestRealGlooSweep:
@@ -55,7 +62,11 @@ class TestRealGlooSweep:
 
 def test_the_time_limit_kills_every_rank_and_returns(tmp_path):
     marker = tmp_path / "pids"
-    command = [sys.executable, "-c", f"import os, time; open({str(marker)!r} + str(os.getpid()), 'w').close(); time.sleep(60)"]
+    command = [
+        sys.executable,
+        "-c",
+        f"import os, time; open({str(marker)!r} + str(os.getpid()), 'w').close(); time.sleep(60)",
+    ]
     started = time.monotonic()
     status, _ = run_ranks(command, 3, nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=1, time_limit_s=1.5)
     assert status is None and time.monotonic() - started < 10
@@ -67,7 +78,11 @@ def test_the_time_limit_kills_every_rank_and_returns(tmp_path):
 
 
 def test_a_failing_rank_ends_the_run_with_its_status_and_stderr(tmp_path):
-    command = [sys.executable, "-c", "import os, sys, time\nif os.environ['RANK'] == '1': sys.exit('boom')\ntime.sleep(60)"]
+    command = [
+        sys.executable,
+        "-c",
+        "import os, sys, time\nif os.environ['RANK'] == '1': sys.exit('boom')\ntime.sleep(60)",
+    ]
     status, tail = run_ranks(command, 2, nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=1, time_limit_s=30)
     assert status == 1 and "boom" in tail
 
@@ -77,7 +92,12 @@ class TestReading:
         h200 = [{"index": i, "links": 18, "version": 6} for i in range(4)]  # as NVML reported them on 2 x H200
         port = {"state": "4: ACTIVE", "rate": "400 Gb/sec (4X NDR)"}
         ib = {"mlx5_0": {"1": port}, "mlx5_1": {"1": port}, "mlx5_2": {"1": {**port, "state": "1: DOWN"}}}
-        assert expected_busbw(h200, ib, local_ranks=4, nnodes=1) == {"intra": 450e9, "inter": None, "expected": 450e9, "basis": "NVLink"}
+        assert expected_busbw(h200, ib, local_ranks=4, nnodes=1) == {
+            "intra": 450e9,
+            "inter": None,
+            "expected": 450e9,
+            "basis": "NVLink",
+        }
         both = expected_busbw(h200, ib, local_ranks=4, nnodes=2)
         assert (both["inter"], both["expected"], both["basis"]) == (100e9, 100e9, "NVLink and InfiniBand")
         assert expected_busbw(None, None, local_ranks=1, nnodes=1)["expected"] is None
@@ -91,7 +111,9 @@ class TestReading:
         assert "not idle" in found[0] and "4% of the baseline's 336.00 GB/s" in found[1]
 
     def test_a_pair_far_below_the_others_is_named(self):
-        pairs = [{"pair": [a, b], "busbw": 5e9 if (a, b) == (1, 3) else 50e9} for a in range(4) for b in range(a + 1, 4)]
+        pairs = [
+            {"pair": [a, b], "busbw": 5e9 if (a, b) == (1, 3) else 50e9} for a in range(4) for b in range(a + 1, 4)
+        ]
         assert slow_pairs({"pairs": pairs}) == ["ranks 1-3: 5.00 GB/s, 10% of the median pair (50.00 GB/s)"]
         assert slow_pairs({"pairs": pairs[:2]}) == []
 
@@ -101,7 +123,23 @@ class TestReading:
 
 def test_cli_writes_the_result_and_prints_the_table(tmp_path, capsys):
     out = tmp_path / "pf.json"
-    code = main(["preflight", "--backend", "gloo", "--nproc", "2", "--sizes", "4K", "--ops", "all_reduce", "--iters", "2", "--out", str(out)])
+    code = main(
+        [
+            "preflight",
+            "--backend",
+            "gloo",
+            "--nproc",
+            "2",
+            "--sizes",
+            "4K",
+            "--ops",
+            "all_reduce",
+            "--iters",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     assert "AllReduce" in capsys.readouterr().out
     assert json.loads(out.read_text())["rows"][0]["op"] == "AllReduce"

@@ -15,13 +15,7 @@ import nccl_lines as L
 import pytest
 from conftest import NOW
 
-from ncclwatch.watchdog.hang.classify import judge
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.hang.verdicts import Verdict
-from ncclwatch.watchdog.live.job import MIN_PROGRESS, LiveJob
-from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
-from ncclwatch.watchdog.hang.snapshot import take_snapshot
-from ncclwatch.watchdog.sources.files import HeartbeatSource, NcclFileSource
 from ncclwatch.watchdog.events import (
     Citation,
     Event,
@@ -39,6 +33,12 @@ from ncclwatch.watchdog.events import (
     WorkerGone,
     WorkerSeen,
 )
+from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.verdicts import Verdict
+from ncclwatch.watchdog.live.job import MIN_PROGRESS, LiveJob
+from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
+from ncclwatch.watchdog.sources.files import HeartbeatSource, NcclFileSource
 
 COMM = "0x5583d3a1f0e0"
 SETTINGS = Settings(stall_timeout_floor=5.0, warmup_stall_timeout=300.0, progress_timeout=600.0, poll_interval=0.25)
@@ -162,7 +162,9 @@ class TestStallTimeout:
         held the page.  The beat count says 60 steps passed."""
         job = LiveJob(SETTINGS, started_at=NOW)
         worker(job, 1000, 0, NOW)
-        for event in NcclLogParser("node1.1000").feed((L.init(0, 2, COMM, pid=1000) + L.steps(0, COMM, 1, pid=1000)).encode(), final=True):
+        for event in NcclLogParser("node1.1000").feed(
+            (L.init(0, 2, COMM, pid=1000) + L.steps(0, COMM, 1, pid=1000)).encode(), final=True
+        ):
             job.apply(event, NOW + 2)
         job.apply(Heartbeat(pid=1000, rank=0, step=60, time=NOW + 2.3, beats=61), NOW + 2.4)
         assert job.learned_gap(NOW + 3) == (pytest.approx(0.3, abs=1e-3), 61)
@@ -201,7 +203,9 @@ class TestStallTimeout:
     def test_nccl_operations_are_progress(self) -> None:
         job = LiveJob(SETTINGS, started_at=NOW)
         worker(job, 1000, 0, NOW)
-        for event in NcclLogParser("node1.1000").feed((L.init(0, 2, COMM, pid=1000) + L.steps(0, COMM, 1, pid=1000)).encode(), final=True):
+        for event in NcclLogParser("node1.1000").feed(
+            (L.init(0, 2, COMM, pid=1000) + L.steps(0, COMM, 1, pid=1000)).encode(), final=True
+        ):
             job.apply(event, NOW + 3)
         assert job.last_progress() == NOW + 3
         assert job.view(NOW + 3).signals == {"nccl_log"}
@@ -211,7 +215,9 @@ class TestStallTimeout:
 
 
 def stack(pid: int, *frames: str) -> StackDump:
-    return StackDump(pid=pid, threads=[ThreadStack(name="MainThread", frames=list(frames))], cite=Citation(file="py-spy"))
+    return StackDump(
+        pid=pid, threads=[ThreadStack(name="MainThread", frames=list(frames))], cite=Citation(file="py-spy")
+    )
 
 
 IN_ALL_REDUCE = "all_reduce (torch/distributed/distributed_c10d.py:3252)"
@@ -225,7 +231,9 @@ def three_ranks(at: float, states: tuple[str, str, str] = ("S", "S", "S"), cpu: 
         worker(job, 100 + rank, rank, NOW)
         beats(job, 100 + rank, rank, [NOW + i for i in range(21)])
         for i, t in enumerate((at - 2, at - 1, at)):
-            job.apply(ProcessState(pid=100 + rank, rank=rank, state=states[rank], cpu_seconds=cpu * i * (rank == 2), at=t), t)
+            job.apply(
+                ProcessState(pid=100 + rank, rank=rank, state=states[rank], cpu_seconds=cpu * i * (rank == 2), at=t), t
+            )
     return job
 
 
@@ -235,8 +243,12 @@ def decided(job: LiveJob, now: float, stacks: list[StackDump], logs: dict[str, s
             job.apply(event, NOW)
     for dump in stacks:
         job.apply(dump, now)
-    stall = Stall(at=now, stalled_for_s=now - job.last_progress(), stall_timeout_s=job.stall_timeout(now),
-                  progress_timeout_s=SETTINGS.progress_timeout)  # fmt: skip
+    stall = Stall(
+        at=now,
+        stalled_for_s=now - job.last_progress(),
+        stall_timeout_s=job.stall_timeout(now),
+        progress_timeout_s=SETTINGS.progress_timeout,
+    )
     job.apply(stall, now)
     return judge(take_snapshot(job.state, observed_at=now))
 
@@ -244,7 +256,8 @@ def decided(job: LiveJob, now: float, stacks: list[StackDump], logs: dict[str, s
 def behind_logs() -> dict[str, str]:
     """Ranks 0 and 1 issued one more step than rank 2 (pids 100-102)."""
     return {
-        f"node1.{100 + r}": L.init(r, 3, COMM, pid=100 + r) + L.steps(r, COMM, 5 if r == 2 else 6, pid=100 + r) for r in range(3)
+        f"node1.{100 + r}": L.init(r, 3, COMM, pid=100 + r) + L.steps(r, COMM, 5 if r == 2 else 6, pid=100 + r)
+        for r in range(3)
     }
 
 
@@ -350,8 +363,8 @@ class TestClassifyMore:
 
 def test_gloo_dump_completion_comes_from_the_group_status() -> None:
     """gloo's entries stay 'scheduled' (torch 2.13); pg_status.last_completed_collective says what finished."""
-    from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
     from ncclwatch.watchdog.hang.state import JobState
+    from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
 
     path = Path(__file__).parents[1] / "data" / "flight_recorder" / "torch2.13_gloo_pickle_rank_0"
     dump = parse_flight_recorder(path.read_bytes(), "ncclwatch_trace_0")[0]

@@ -23,22 +23,33 @@ from prometheus_client import CollectorRegistry
 from support import make_port
 
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.hang.types import Finding
-from ncclwatch.watchdog.hang.verdicts import Verdict
-from ncclwatch.watchdog.slowness.findings import PerfKind
+from ncclwatch.watchdog.events import (
+    Citation,
+    Event,
+    FrDump,
+    FrEntry,
+    FrProcessGroup,
+    Heartbeat,
+    OpState,
+    StackDump,
+    ThreadStack,
+    WorkerSeen,
+)
 from ncclwatch.watchdog.hang.report import render_text
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
-from ncclwatch.watchdog.events import Citation, Event, FrDump, FrEntry, FrProcessGroup, Heartbeat, OpState, StackDump, ThreadStack, WorkerSeen
+from ncclwatch.watchdog.hang.types import Finding
+from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live.bundle import live_report, report_markdown
 from ncclwatch.watchdog.live.incident import Phase
 from ncclwatch.watchdog.live.performance_look import PerfWatch
 from ncclwatch.watchdog.live.sidecar import Sidecar
 from ncclwatch.watchdog.parsing.transport import parse_transport
 from ncclwatch.watchdog.probes.infiniband import read_ib_counters
-from ncclwatch.watchdog.sinks.alert import trigger_from_finding
 from ncclwatch.watchdog.server.metrics import HealthCollector
+from ncclwatch.watchdog.sinks.alert import trigger_from_finding
 from ncclwatch.watchdog.sinks.pagerduty import event_for
 from ncclwatch.watchdog.sinks.webhooks import slack_message
+from ncclwatch.watchdog.slowness.findings import PerfKind
 from ncclwatch.watchdog.sources.files import TransportReader
 
 MiB = 1 << 20
@@ -59,7 +70,10 @@ class IdleProber:
     async def probe(self, workers, with_gpus: bool, stalled_since: float | None = None) -> list[Event]:  # type: ignore[no-untyped-def]
         self.calls += 1
         frame = "all_reduce (torch/distributed/distributed_c10d.py:3252)"
-        return [StackDump(pid=w.pid, threads=[ThreadStack(name="MainThread", frames=[frame])], cite=Citation(file="py-spy")) for w in workers]
+        return [
+            StackDump(pid=w.pid, threads=[ThreadStack(name="MainThread", frames=[frame])], cite=Citation(file="py-spy"))
+            for w in workers
+        ]
 
 
 class ScriptedDumps:
@@ -84,14 +98,25 @@ class Alerts:
 
 def entry(seq: int, op: str, numel: int, created_ns: int, *, duration_ms: float | None) -> FrEntry:
     return FrEntry(
-        index=seq, pg_id="0", collective_seq_id=seq, profiling_name=f"x:{op}", op=op, is_p2p=False,
-        input_sizes=[[numel]], output_sizes=[[numel]], input_dtypes=["Float"], output_dtypes=["Float"],
+        index=seq,
+        pg_id="0",
+        collective_seq_id=seq,
+        profiling_name=f"x:{op}",
+        op=op,
+        is_p2p=False,
+        input_sizes=[[numel]],
+        output_sizes=[[numel]],
+        input_dtypes=["Float"],
+        output_dtypes=["Float"],
         state=OpState.completed if duration_ms is not None else OpState.scheduled,
-        time_created_ns=created_ns, duration_ms=duration_ms,
-    )  # fmt: skip
+        time_created_ns=created_ns,
+        duration_ms=duration_ms,
+    )
 
 
-def training(steps: int, *, late_rank: int | None = None, late_ms: float = 60.0, durations_ms: list[float] | None = None) -> list[FrDump]:
+def training(
+    steps: int, *, late_rank: int | None = None, late_ms: float = 60.0, durations_ms: list[float] | None = None
+) -> list[FrDump]:
     """Each rank's dump of ``steps`` steps of a data-parallel job, ``STEP_MS`` apart.
 
     A step is a 64 MiB gradient all-reduce (16 Mi floats), a 4 KiB loss all-reduce and a
@@ -115,7 +140,9 @@ def training(steps: int, *, late_rank: int | None = None, late_ms: float = 60.0,
                 entry(3 * step + 3, "Broadcast", 16, start + int((late_ms + 6) * 1e6), duration_ms=small),
             ]
         groups = {"0": FrProcessGroup(pg_id="0", desc="default_pg", ranks=list(RANKS))}
-        dumps.append(FrDump(rank=rank, version="2.10", process_groups=groups, entries=entries, cite=Citation(file=f"fr_{rank}")))
+        dumps.append(
+            FrDump(rank=rank, version="2.10", process_groups=groups, entries=entries, cite=Citation(file=f"fr_{rank}"))
+        )
     return dumps
 
 
@@ -128,9 +155,17 @@ class Rig:
         self.reports: list = []  # type: ignore[type-arg]
         self.perf = PerfWatch(interval=settings.perf_interval, dumps=self.dumps, **watch)
         self.sidecar = Sidecar(
-            settings, "train", sources=[], prober=self.prober, reporter=self.report, out=io.StringIO(),
-            dispatcher=self.alerts, host="node1", clock=self.clock, perf=self.perf,  # type: ignore[arg-type]
-        )  # fmt: skip
+            settings,
+            "train",
+            sources=[],
+            prober=self.prober,
+            reporter=self.report,
+            out=io.StringIO(),
+            dispatcher=self.alerts,
+            host="node1",
+            clock=self.clock,
+            perf=self.perf,  # type: ignore[arg-type]
+        )
         assert self.sidecar.performance is not None  # the looks' findings, logged and paged
         self.performance = self.sidecar.performance
         for rank in RANKS:
@@ -232,16 +267,26 @@ class TestStraggler:
             rig.tick(INTERVAL + 1)
             rig.tick(2 * INTERVAL + 1)
         (line,) = straggler_lines(caplog)
-        assert "rank 2 (node1) was last in 20 of the last 20 collectives at AllReduce (64.0 MiB) of process group 0" in line
+        assert (
+            "rank 2 (node1) was last in 20 of the last 20 collectives at AllReduce (64.0 MiB) of process group 0"
+            in line
+        )
         assert "on average 60 ms after the next rank" in line
         health = rig.sidecar.health()
         assert [f.key for f in health.perf_findings] == ["straggler-2"]
         perf = {p.rank: p for p in health.rank_perf}
-        assert perf[2].straggler and perf[2].last_arrival_share == 1.0 and perf[2].arrival_lead_s == pytest.approx(0.06, abs=1e-3)
+        assert (
+            perf[2].straggler
+            and perf[2].last_arrival_share == 1.0
+            and perf[2].arrival_lead_s == pytest.approx(0.06, abs=1e-3)
+        )
         assert not perf[0].straggler and perf[0].last_arrival_share == 0.0
         assert perf[2].busbw_bytes_per_s is None and health.comm_bandwidth == ()  # gloo records no durations
         assert health.arrival_skew_s == pytest.approx(0.0002)  # the latest collective, a broadcast all enter together
-        assert rig.metric("ncclwatch_rank_straggler", rank="2") == 1 and rig.metric("ncclwatch_rank_straggler", rank="0") == 0
+        assert (
+            rig.metric("ncclwatch_rank_straggler", rank="2") == 1
+            and rig.metric("ncclwatch_rank_straggler", rank="0") == 0
+        )
         assert rig.metric("ncclwatch_perf_findings", kind="straggler") == 1
         assert rig.alerts.submitted == [] and rig.reports == []
 
@@ -277,7 +322,9 @@ class TestStraggler:
         rig.tick(INTERVAL + 1)
         health = rig.sidecar.health()
         assert health.perf_findings == () and not any(p.straggler for p in health.rank_perf)
-        late_once = next(p for p in health.rank_perf if p.rank == 2)  # last by 1 s at a one-off: not a share of anything
+        late_once = next(
+            p for p in health.rank_perf if p.rank == 2
+        )  # last by 1 s at a one-off: not a share of anything
         assert late_once.last_arrival_share == 0.0 and late_once.arrival_lead_s is None
         assert rig.metric("ncclwatch_perf_findings", kind="straggler") == 0
 
@@ -287,7 +334,12 @@ class TestStraggler:
         rig.tick(INTERVAL + 1)
         rig.tick(2 * INTERVAL + 1)
         (alert,) = rig.alerts.submitted
-        assert (alert.action, alert.problem, alert.verdict, alert.culprit_ranks) == ("trigger", "performance", "straggler", [2])
+        assert (alert.action, alert.problem, alert.verdict, alert.culprit_ranks) == (
+            "trigger",
+            "performance",
+            "straggler",
+            [2],
+        )
         assert alert.dedup_key.startswith("ncclwatch-perf-train-straggler_2-")
         assert rig.reports == [] and rig.sidecar.reported == []  # no hang report, so --on-hang kill never applies
         assert event_for(alert, "key")["payload"]["severity"] == "warning"
@@ -320,9 +372,15 @@ class TestStraggler:
         from ncclwatch.watchdog.slowness.stragglers import last_arrivals, stragglers
 
         (finding,) = stragglers(last_arrivals([{0: i, 1: i + 0.5} for i in range(20)]))
-        keys = {trigger_from_finding(finding, job="train", host="node1", run_started_at=t, environ={}).dedup_key for t in (NOW, NOW)}
+        keys = {
+            trigger_from_finding(finding, job="train", host="node1", run_started_at=t, environ={}).dedup_key
+            for t in (NOW, NOW)
+        }
         assert len(keys) == 1
-        assert trigger_from_finding(finding, job="train", host="node1", run_started_at=NOW + 86400, environ={}).dedup_key not in keys
+        assert (
+            trigger_from_finding(finding, job="train", host="node1", run_started_at=NOW + 86400, environ={}).dedup_key
+            not in keys
+        )
 
 
 class TestBandwidthTransportsAndPorts:
@@ -338,8 +396,9 @@ class TestBandwidthTransportsAndPorts:
         (comm,) = health.comm_bandwidth
         assert (comm.communicator, comm.op) == ("process group 0 (default_pg)", "AllReduce")
         assert comm.busbw_bytes_per_s == pytest.approx(busbw)
-        assert rig.metric("ncclwatch_comm_bus_bandwidth_bytes_per_second", communicator="process group 0 (default_pg)",
-                          op="AllReduce") == pytest.approx(busbw)  # fmt: skip
+        assert rig.metric(
+            "ncclwatch_comm_bus_bandwidth_bytes_per_second", communicator="process group 0 (default_pg)", op="AllReduce"
+        ) == pytest.approx(busbw)
         assert {p.rank: p.busbw_bytes_per_s for p in health.rank_perf} == {r: pytest.approx(busbw) for r in RANKS}
         (slow,) = [f for f in health.perf_findings if f.kind is PerfKind.slow_collective]
         assert slow.ranks == RANKS and slow.measured == pytest.approx(busbw / 20)
@@ -364,9 +423,15 @@ class TestBandwidthTransportsAndPorts:
             rig.tick(INTERVAL + 1)
         found = {f.key: f for f in rig.sidecar.health().perf_findings}
         assert set(found) == {"transport-network-node2", "transport-hcas-node2"}
-        assert found["transport-network-node2"].ranks == (2, 3) and found["transport-hcas-node2"].links == ("mlx5_0", "mlx5_1")
+        assert found["transport-network-node2"].ranks == (2, 3) and found["transport-hcas-node2"].links == (
+            "mlx5_0",
+            "mlx5_1",
+        )
         said = [r.getMessage() for r in caplog.records]
-        assert "performance: transport_anomaly: NCCL on ranks 2, 3 (node2) uses network Socket while the other nodes use IB" in said
+        assert (
+            "performance: transport_anomaly: NCCL on ranks 2, 3 (node2) uses network Socket while the other nodes use IB"
+            in said
+        )
         assert rig.alerts.submitted == []  # page_on_transport is off
 
     def test_infiniband_ports_state_rate_and_error_counters_between_looks(self, tmp_path: Path) -> None:
@@ -378,7 +443,9 @@ class TestBandwidthTransportsAndPorts:
         assert rig.sidecar.health().perf_findings == ()
         assert rig.metric("ncclwatch_ib_port_active", port="mlx5_1/1") == 1
         assert rig.metric("ncclwatch_ib_port_rate_bytes_per_second", port="mlx5_1/1") == 50e9
-        make_port(sysfs, "mlx5_1", link_layer="InfiniBand", counters__symbol_error=7, counters__port_xmit_data=1000 + 60 * 250)
+        make_port(
+            sysfs, "mlx5_1", link_layer="InfiniBand", counters__symbol_error=7, counters__port_xmit_data=1000 + 60 * 250
+        )
         rig.tick(2 * INTERVAL + 1)
         (finding,) = rig.sidecar.health().perf_findings
         assert finding.key == "ib_port-errors-node1-mlx5_1/1" and "symbol_error +7" in finding.summary
@@ -414,7 +481,9 @@ def test_a_hang_report_carries_the_latest_findings(tmp_path: Path) -> None:
     view = rig.sidecar.live.view(rig.clock())
     snapshot = take_snapshot(rig.sidecar.live.state, observed_at=rig.clock())
     finding = Finding(Verdict.rank_behind, "rank 2 is behind", culprits=(2,))
-    report = live_report(finding, snapshot, view, job="train", host="node1", started_at=NOW, performance=rig.perf.findings())
+    report = live_report(
+        finding, snapshot, view, job="train", host="node1", started_at=NOW, performance=rig.perf.findings()
+    )
     (note,) = report.performance
     assert (note.kind, note.key, note.ranks, note.hosts) == ("straggler", "straggler-2", [2], ["node1"])
     assert type(report).model_validate_json(report.model_dump_json()).performance == report.performance

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.events import FrDump, NcclWarning, Unusable
+from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.live.prober import DUMP_WAIT_S, ERRORED_DUMP_WAIT_S, JobProber, comm_errored
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
-from ncclwatch.watchdog.probes.flight_recorder import FULL_REQUEST, QUIET_REQUEST
-from ncclwatch.watchdog.probes.flight_recorder import request_dumps
+from ncclwatch.watchdog.probes.flight_recorder import FULL_REQUEST, QUIET_REQUEST, request_dumps
 
 TRUNCATED = (
     b"vm:2072:2301 [0] include/socket.h:409 NCCL WARN NET/Socket : peer 192.0.2.2<37060> message truncated : "
@@ -52,8 +51,18 @@ def test_a_rank_that_never_dumps_is_waited_for_less_once_nccl_reported_an_error(
     reader = os.open(fifo, os.O_RDWR)  # alive, never answers
     try:
         prober = JobProber(tmp_path, pyspy=str(tmp_path / "no-py-spy"), nccl_errored=lambda: errored)
-        worker = WorkerView(rank=0, pid=pid, local_rank=0, world_size=1, host="vm", state="S",
-                            cpu_share=0.0, io_rate=0.0, step=5, gone=False)  # fmt: skip
+        worker = WorkerView(
+            rank=0,
+            pid=pid,
+            local_rank=0,
+            world_size=1,
+            host="vm",
+            state="S",
+            cpu_share=0.0,
+            io_rate=0.0,
+            step=5,
+            gone=False,
+        )
         with caplog.at_level(logging.INFO, logger="ncclwatch"):
             asyncio.run(prober.probe([worker], with_gpus=False))
         assert f"no new dump within {wait_s:g} s of the trigger" in caplog.text
@@ -119,8 +128,18 @@ def test_a_rank_that_does_not_answer_is_read_from_its_dump_written_since_the_sta
     stalled_since = written - 0.4 if written_after_the_stall else written + 0.4
     try:
         prober = JobProber(tmp_path, pyspy=str(tmp_path / "no-py-spy"), nccl_errored=lambda: True)
-        worker = WorkerView(rank=1, pid=pid, local_rank=0, world_size=2, host="vm", state="S",
-                            cpu_share=0.0, io_rate=0.0, step=90, gone=False)  # fmt: skip
+        worker = WorkerView(
+            rank=1,
+            pid=pid,
+            local_rank=0,
+            world_size=2,
+            host="vm",
+            state="S",
+            cpu_share=0.0,
+            io_rate=0.0,
+            step=90,
+            gone=False,
+        )
         events = asyncio.run(prober.probe([worker], with_gpus=False, stalled_since=stalled_since))
     finally:
         os.close(reader)

@@ -14,16 +14,26 @@ import pytest
 from conftest import DATA
 from support import RasServer
 
-from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.events import RasReport, Unusable
+from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.live.prober import JobProber, ras_skip_reason
 
 TEXT = (DATA / "ras" / "real-2.28.9-h200x2" / "skip.txt").read_bytes()
 
 
 def worker(rank: int, step: int) -> WorkerView:
-    return WorkerView(rank=rank, pid=999_000 + rank, local_rank=rank, world_size=2, host="node1", state="S",
-                      cpu_share=0.0, io_rate=0.0, step=step, gone=False)  # fmt: skip
+    return WorkerView(
+        rank=rank,
+        pid=999_000 + rank,
+        local_rank=rank,
+        world_size=2,
+        host="node1",
+        state="S",
+        cpu_share=0.0,
+        io_rate=0.0,
+        step=step,
+        gone=False,
+    )
 
 
 def looks(tmp_path: Path, versions: list[str], steps: list[tuple[int, bool]]) -> tuple[RasServer, list[list]]:  # type: ignore[type-arg]
@@ -32,7 +42,9 @@ def looks(tmp_path: Path, versions: list[str], steps: list[tuple[int, bool]]) ->
 
     async def go() -> list[list]:  # type: ignore[type-arg]
         async with server:
-            prober = JobProber(tmp_path, pyspy=str(tmp_path / "no-py-spy"), ras_port=server.port, nccl_versions=lambda: versions)
+            prober = JobProber(
+                tmp_path, pyspy=str(tmp_path / "no-py-spy"), ras_port=server.port, nccl_versions=lambda: versions
+            )
             found = []
             for step, first_look in steps:
                 events = await prober.probe([worker(0, step), worker(1, step)], with_gpus=first_look)
@@ -49,8 +61,15 @@ class TestVersions:
 
     @pytest.mark.parametrize(
         "version, issue",
-        [("2.26.2", "#1669"), ("2.26.5", "#1718"), ("2.27.3", "#1762"), ("2.27.7", "#1996"), ("2.28.9+cuda13.0", "#1762"),
-         ("2.29.1", "#1762"), ("2.29.7", "#2346")],  # fmt: skip
+        [
+            ("2.26.2", "#1669"),
+            ("2.26.5", "#1718"),
+            ("2.27.3", "#1762"),
+            ("2.27.7", "#1996"),
+            ("2.28.9+cuda13.0", "#1762"),
+            ("2.29.1", "#1762"),
+            ("2.29.7", "#2346"),
+        ],
     )
     def test_versions_seen_crashing_are_not_asked_and_the_issue_is_named(self, version: str, issue: str) -> None:
         why = ras_skip_reason([version])
@@ -97,8 +116,9 @@ def test_a_job_without_nccl_gets_no_ras_note(tmp_path: Path, nccl_logged: bool, 
 
     async def go() -> list:  # type: ignore[type-arg]
         async with server:
-            prober = JobProber(tmp_path, pyspy=str(tmp_path / "no-py-spy"), ras_port=server.port,
-                               nccl_logged=lambda: nccl_logged)  # fmt: skip
+            prober = JobProber(
+                tmp_path, pyspy=str(tmp_path / "no-py-spy"), ras_port=server.port, nccl_logged=lambda: nccl_logged
+            )
             return await prober.probe([worker(0, 1), worker(1, 1)], with_gpus=True)
 
     notes = [e for e in asyncio.run(go()) if isinstance(e, RasReport | Unusable)]
@@ -108,9 +128,14 @@ def test_a_job_without_nccl_gets_no_ras_note(tmp_path: Path, nccl_logged: bool, 
 
 @pytest.mark.parametrize(
     "port, versions, logged, withheld",
-    [(None, ["2.30.1"], True, "no RAS port"), (28028, [], False, "no NCCL log"), (28028, ["2.28.9+cuda13.0"], True, "#1762"),
-     (28028, [], True, "no NCCL version"), (28028, ["2.30.1+cuda13.0"], True, None)],
-)  # fmt: skip
+    [
+        (None, ["2.30.1"], True, "no RAS port"),
+        (28028, [], False, "no NCCL log"),
+        (28028, ["2.28.9+cuda13.0"], True, "#1762"),
+        (28028, [], True, "no NCCL version"),
+        (28028, ["2.30.1+cuda13.0"], True, None),
+    ],
+)
 def test_the_bundle_is_told_the_probes_reason_not_to_ask(
     tmp_path: Path, port: int | None, versions: list[str], logged: bool, withheld: str | None
 ) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from test_sidecar_ticks import SETTINGS, Rig, healthy_job, stuck_frames
 
-from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.hang.report import Report
+from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live import bundle, sidecar
 from ncclwatch.watchdog.live.bundle import BundleWriter
 from ncclwatch.watchdog.live.incident import CONFIRM_S, Phase
@@ -61,7 +61,9 @@ def live_report_builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return builds
 
 
-def test_a_page_builds_the_live_report_once_and_the_bundle_holds_it(tmp_path: Path, live_report_builds: list[str]) -> None:
+def test_a_page_builds_the_live_report_once_and_the_bundle_holds_it(
+    tmp_path: Path, live_report_builds: list[str]
+) -> None:
     rig = Rig(tmp_path)
     responder = PlanRecorder()
     settings = SETTINGS.model_copy(update={"bundle_dir": tmp_path / "bundles"})

@@ -18,11 +18,32 @@ import pytest
 from conftest import NOW, Clock
 
 from ncclwatch.watchdog.config import Settings
+from ncclwatch.watchdog.events import (
+    Citation,
+    Event,
+    Heartbeat,
+    ProcessState,
+    StackDump,
+    Stall,
+    ThreadStack,
+    WorkerSeen,
+)
 from ncclwatch.watchdog.hang.classify import Decision
 from ncclwatch.watchdog.hang.types import Finding
 from ncclwatch.watchdog.hang.verdicts import Verdict
-from ncclwatch.watchdog.events import Citation, Event, Heartbeat, ProcessState, StackDump, Stall, ThreadStack, WorkerSeen
-from ncclwatch.watchdog.live.incident import CONFIRM_S, REPROBE_S, WATCHING, Incident, Page, Phase, Probe, Resolve, Say, on_probe, on_tick
+from ncclwatch.watchdog.live.incident import (
+    CONFIRM_S,
+    REPROBE_S,
+    WATCHING,
+    Incident,
+    Page,
+    Phase,
+    Probe,
+    Resolve,
+    Say,
+    on_probe,
+    on_tick,
+)
 from ncclwatch.watchdog.live.journal import Journal
 from ncclwatch.watchdog.live.judging import NodeJudging
 from ncclwatch.watchdog.live.prober import PRIME_EXCUSE_S
@@ -53,7 +74,11 @@ class ScriptedProber:
     async def probe(self, workers, with_gpus: bool, stalled_since: float | None = None) -> list[Event]:  # type: ignore[no-untyped-def]
         self.calls.append(with_gpus)
         return [
-            StackDump(pid=w.pid, threads=[ThreadStack(name="MainThread", frames=[self.frames[w.pid]])], cite=Citation(file="py-spy"))
+            StackDump(
+                pid=w.pid,
+                threads=[ThreadStack(name="MainThread", frames=[self.frames[w.pid]])],
+                cite=Citation(file="py-spy"),
+            )
             for w in workers
             if w.pid in self.frames
         ]
@@ -77,9 +102,17 @@ class Rig:
         self.pages: list[Decision] = []
         self.alerts = Alerts()
         self.sidecar = Sidecar(
-            SETTINGS, "train", sources=[], prober=self.prober, reporter=self.report, journal=Journal(tmp_path / "journal.jsonl"),
-            out=self.out, dispatcher=self.alerts, host="node1", clock=self.clock,  # type: ignore[arg-type]
-        )  # fmt: skip
+            SETTINGS,
+            "train",
+            sources=[],
+            prober=self.prober,
+            reporter=self.report,
+            journal=Journal(tmp_path / "journal.jsonl"),
+            out=self.out,
+            dispatcher=self.alerts,
+            host="node1",
+            clock=self.clock,  # type: ignore[arg-type]
+        )
 
     async def report(self, report, decision, view):  # type: ignore[no-untyped-def]
         self.pages.append(decision)
@@ -147,7 +180,10 @@ class TestSidecarTicks:
         rig.tick(25.1 + CONFIRM_S / 2)
         assert rig.phase is Phase.confirming and len(rig.prober.calls) == 1
         rig.tick(25.1 + CONFIRM_S)
-        assert rig.phase is Phase.paged and rig.prober.calls == [True, False]  # the confirming look reuses the GPU sample
+        assert rig.phase is Phase.paged and rig.prober.calls == [
+            True,
+            False,
+        ]  # the confirming look reuses the GPU sample
         assert [d.finding.verdict for d in rig.pages] == [Verdict.rank_behind]
         assert rig.pages[0].finding.culprits == (2,)
         assert rig.alerts.submitted == ["trigger"]
@@ -232,7 +268,9 @@ class TestSidecarTicks:
 
 
 def decision(page: bool, held: str | None = None, blind: bool = False) -> Decision:
-    return Decision(Finding(Verdict.rank_behind if page else Verdict.progress_stalled, "s"), page=page, held=held, blind=blind)
+    return Decision(
+        Finding(Verdict.rank_behind if page else Verdict.progress_stalled, "s"), page=page, held=held, blind=blind
+    )
 
 
 class TestIncidentEdges:
@@ -241,7 +279,9 @@ class TestIncidentEdges:
 
     def test_watching_past_the_timeout_is_suspect_and_probes(self) -> None:
         incident, actions = on_tick(WATCHING, NOW, NOW - 6, 6.0, 5.0)
-        assert incident.phase is Phase.suspect and incident.started_at == NOW - 6 and actions == [Probe(confirming=False)]
+        assert (
+            incident.phase is Phase.suspect and incident.started_at == NOW - 6 and actions == [Probe(confirming=False)]
+        )
 
     def test_suspect_probes_again_only_after_the_reprobe_interval(self) -> None:
         suspect = Incident(Phase.suspect, started_at=NOW - 6, opened_at=NOW, next_probe=NOW + REPROBE_S)
@@ -268,7 +308,9 @@ class TestIncidentEdges:
 
     def test_blind_is_said_as_undecided(self) -> None:
         suspect = Incident(Phase.suspect, started_at=NOW - 6, opened_at=NOW)
-        _, actions = on_probe(suspect, NOW, decision(False, held="cannot see", blind=True), moved=False, stalled_for=6.0)
+        _, actions = on_probe(
+            suspect, NOW, decision(False, held="cannot see", blind=True), moved=False, stalled_for=6.0
+        )
         assert actions == [Say("nothing has moved for 6 s, a stall that cannot be decided: cannot see")]
 
     @pytest.mark.parametrize("phase", [Phase.suspect, Phase.confirming])
@@ -285,7 +327,10 @@ class TestIncidentEdges:
         paged = Incident(Phase.paged, started_at=NOW - 6, opened_at=NOW, decision=decision(True))
         resolved, actions = on_tick(paged, NOW + 9, NOW + 8, 1.0, 5.0)
         assert resolved.phase is Phase.resolved
-        assert actions == [Say("job progressing again (1.0 s since the last progress)"), Resolve("the job is making progress again")]
+        assert actions == [
+            Say("job progressing again (1.0 s since the last progress)"),
+            Resolve("the job is making progress again"),
+        ]
         assert on_tick(resolved, NOW + 10, NOW + 8, 2.0, 5.0) == (WATCHING, [])
 
     def test_paged_without_progress_stays_paged(self) -> None:

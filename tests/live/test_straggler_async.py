@@ -19,12 +19,12 @@ import pytest
 from conftest import NOW, shared
 from test_straggler_symptoms import job
 
-from ncclwatch.watchdog.slowness.bandwidth import match_collectives
-from ncclwatch.watchdog.slowness.findings import PerfKind
-from ncclwatch.watchdog.slowness.engine import collective_health
-from ncclwatch.watchdog.slowness.stragglers import collective_series, last_arrivals, stragglers
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState
 from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
+from ncclwatch.watchdog.slowness.bandwidth import match_collectives
+from ncclwatch.watchdog.slowness.engine import collective_health
+from ncclwatch.watchdog.slowness.findings import PerfKind
+from ncclwatch.watchdog.slowness.stragglers import collective_series, last_arrivals, stragglers
 
 T0 = int(NOW * 1e9)
 KiB_FLOATS = 256  # floats per KiB
@@ -32,15 +32,24 @@ STEP_S = 0.06  # the FSDP2 job's step on the H100 (300 steps in about 20 s)
 RETIRE_S = 0.003
 # FSDP2's step: an all-gather of the parameters (1 MiB out of 0.5 MiB per rank) and a reduce-scatter of the
 # gradients (2 MiB in), each kernel ~0.5 ms on that box's NET/Socket transport.
-FSDP = (("AllGather", "nccl:_allgather_base", 512 * KiB_FLOATS, 1024 * KiB_FLOATS, 0.010),
-        ("ReduceScatter", "nccl:_reduce_scatter_base", 2048 * KiB_FLOATS, 1024 * KiB_FLOATS, 0.040))  # fmt: skip
+FSDP = (
+    ("AllGather", "nccl:_allgather_base", 512 * KiB_FLOATS, 1024 * KiB_FLOATS, 0.010),
+    ("ReduceScatter", "nccl:_reduce_scatter_base", 2048 * KiB_FLOATS, 1024 * KiB_FLOATS, 0.040),
+)
 KERNEL_S = 0.0005
 
 
 def fsdp_job(
-    steps: int, *, host_ahead: Mapping[int, float], gpu_late: Mapping[int, float] = {}, ranks: tuple[int, ...] = (0, 1),
-    unretired: Mapping[int, int] = {}, nccl: bool = True, live: bool = False, retire_s: float = RETIRE_S,
-) -> list[FrDump]:  # fmt: skip
+    steps: int,
+    *,
+    host_ahead: Mapping[int, float],
+    gpu_late: Mapping[int, float] = {},
+    ranks: tuple[int, ...] = (0, 1),
+    unretired: Mapping[int, int] = {},
+    nccl: bool = True,
+    live: bool = False,
+    retire_s: float = RETIRE_S,
+) -> list[FrDump]:
     """Every rank's dump after ``steps`` FSDP2 steps.  ``host_ahead``: rank -> seconds its host enqueues before its GPU
     reaches the collective; ``gpu_late``: rank -> seconds its GPU reaches it after the others'; ``unretired``:
     rank -> its newest steps not retired at the dump; ``nccl`` False: gloo entries (scheduled, no times).
@@ -74,20 +83,41 @@ def fsdp_job(
             else:
                 discovered = end + int(retire_s * 1e9) if retired else dumped
                 state, started, completed = OpState.completed, discovered, discovered
-            entries.append(FrEntry(
-                index=i + 1, record_id=i + 1, pg_id="0", collective_seq_id=i + 1, profiling_name=name, op=op, is_p2p=False,
-                input_sizes=[[numel_in]], output_sizes=[[numel_out]], input_dtypes=["Float"], output_dtypes=["Float"],
-                state=state, time_created_ns=created[rank][i], time_started_ns=started, time_completed_ns=completed,
-                duration_ms=(end - reach[rank]) / 1e6 if retired else None, timeout_ms=600_000,
-            ))  # fmt: skip
-        dumps.append(FrDump(rank=rank, version="2.10", process_groups=groups, entries=entries, cite=Citation(file=f"fr_{rank}")))
+            entries.append(
+                FrEntry(
+                    index=i + 1,
+                    record_id=i + 1,
+                    pg_id="0",
+                    collective_seq_id=i + 1,
+                    profiling_name=name,
+                    op=op,
+                    is_p2p=False,
+                    input_sizes=[[numel_in]],
+                    output_sizes=[[numel_out]],
+                    input_dtypes=["Float"],
+                    output_dtypes=["Float"],
+                    state=state,
+                    time_created_ns=created[rank][i],
+                    time_started_ns=started,
+                    time_completed_ns=completed,
+                    duration_ms=(end - reach[rank]) / 1e6 if retired else None,
+                    timeout_ms=600_000,
+                )
+            )
+        dumps.append(
+            FrDump(rank=rank, version="2.10", process_groups=groups, entries=entries, cite=Citation(file=f"fr_{rank}"))
+        )
     return dumps
 
 
 def findings_of(dumps: list[FrDump]):  # type: ignore[no-untyped-def]
     """The look's findings a second after the newest moment the dumps recorded."""
-    times = [t for d in dumps for e in d.entries for t in (e.time_created_ns, e.time_started_ns, e.time_completed_ns) if t]
-    return collective_health(match_collectives(dumps), {}, now=max(times) / 1e9 + 1, hosts={r: "vm" for r in range(8)}, links={}).perf_findings
+    times = [
+        t for d in dumps for e in d.entries for t in (e.time_created_ns, e.time_started_ns, e.time_completed_ns) if t
+    ]
+    return collective_health(
+        match_collectives(dumps), {}, now=max(times) / 1e9 + 1, hosts={r: "vm" for r in range(8)}, links={}
+    ).perf_findings
 
 
 def findings(dumps: list[FrDump]) -> list[tuple[str, tuple[int, ...]]]:
@@ -110,7 +140,9 @@ class TestHostRunningAhead:
     def test_its_newest_entries_without_rank_0s_duration_are_timed_by_rank_1s_kernel(self) -> None:
         """Rank 1's kernel (0.5 ms, no wait) bounds the link time where rank 0 has no duration yet: the first
         discovered completion less rank 0's enqueue (5.5 ms, 9 % of the usual speed) is not taken."""
-        newest = [t for t in match_collectives(fsdp_job(40, host_ahead=H100, unretired={0: 3})) if t.op == "ReduceScatter"][-1]
+        newest = [
+            t for t in match_collectives(fsdp_job(40, host_ahead=H100, unretired={0: 3})) if t.op == "ReduceScatter"
+        ][-1]
         assert newest.gpu_arrivals is None and newest.transfer_s == pytest.approx(KERNEL_S, rel=0.05)
 
     def test_every_instance_timed_still_no_straggler(self) -> None:
@@ -165,7 +197,11 @@ class TestGpuArrivals:
     enqueue order (H100: a rank whose GPU spun 80 ms every step enqueued as early as its peer, and was missed)."""
 
     def test_the_shortest_kernel_reached_it_last_by_the_others_wait(self) -> None:
-        (t,) = [t for t in match_collectives(fsdp_job(1, host_ahead={0: 0.002, 1: 0.3}, gpu_late={1: 0.08})) if t.op == "AllGather"]
+        (t,) = [
+            t
+            for t in match_collectives(fsdp_job(1, host_ahead={0: 0.002, 1: 0.3}, gpu_late={1: 0.08}))
+            if t.op == "AllGather"
+        ]
         assert t.last_rank == 0  # by enqueue: rank 1's host ran 300 ms ahead of its GPU, rank 0's 2 ms
         arrivals = t.gpu_arrivals
         assert arrivals is not None and arrivals[1] - arrivals[0] == pytest.approx(0.08, abs=1e-4)
@@ -181,7 +217,9 @@ class TestGpuArrivals:
 def test_real_fsdp2_dumps_before_the_fault_have_a_late_host_and_no_straggler() -> None:
     """The H100 FSDP2 job's own dumps (2 ranks, NCCL 2.28.9, timing on), up to the collective rank 1 skipped: rank 0
     enqueued every all-gather ~230 ms after rank 1, and its GPU reached them last in no more than half."""
-    bundle = shared("bundles", "nccl-2.28.9-h100x1", "fsdp2_skip_rank1_late-vm-20261124T215626Z-collective_mismatch.tar.gz")
+    bundle = shared(
+        "bundles", "nccl-2.28.9-h100x1", "fsdp2_skip_rank1_late-vm-20261124T215626Z-collective_mismatch.tar.gz"
+    )
     dumps = []
     with tarfile.open(bundle) as tar:
         for member in tar.getmembers():
@@ -190,13 +228,17 @@ def test_real_fsdp2_dumps_before_the_fault_have_a_late_host_and_no_straggler() -
                 dumps += [e for e in parse_flight_recorder(data, member.name) if isinstance(e, FrDump)]
     ops = [{e.collective_seq_id: e.op for e in d.entries if not e.is_p2p} for d in dumps]
     diverged = min(seq for seq in ops[0].keys() & ops[1].keys() if ops[0][seq] != ops[1][seq])
-    healthy = [d.model_copy(update={"entries": [e for e in d.entries if (e.collective_seq_id or 0) < diverged]}) for d in dumps]
+    healthy = [
+        d.model_copy(update={"entries": [e for e in d.entries if (e.collective_seq_id or 0) < diverged]}) for d in dumps
+    ]
     assert findings(healthy) == []
     timings = match_collectives(healthy)
     now = max(e.time_created_ns for d in healthy for e in d.entries) / 1e9 + 1
     gathers = [t for t in timings if t.op == "AllGather" and t.all_arrived]
     assert all(t.last_rank == 0 and t.lead_s > 0.1 for t in gathers[-100:])  # by enqueue, always rank 0
-    shares = {p.rank: p.last_arrival_share for p in collective_health(timings, {}, now=now, hosts={}, links={}).rank_perf}
+    shares = {
+        p.rank: p.last_arrival_share for p in collective_health(timings, {}, now=now, hosts={}, links={}).rank_perf
+    }
     assert max(shares.values()) < 0.6  # on the GPU, neither rank is usually last
 
 
@@ -215,7 +257,10 @@ def test_real_fsdp2_gpu_straggler_is_named_from_the_look_dumps() -> None:
     shared a series with the blocks' and enqueue order decided: no finding in 600 steps."""
     dumps = _look_dumps(str(shared("flight_recorder", "h100-fsdp2-gpu-straggler", "look-dumps.tar.gz")))
     gathers = [name for name in collective_series(match_collectives(dumps)) if name.startswith("AllGather")]
-    assert sorted(gathers) == ["AllGather (1,048,576 bytes) of process group 0", "AllGather (1,052,160 bytes) of process group 0"]
+    assert sorted(gathers) == [
+        "AllGather (1,048,576 bytes) of process group 0",
+        "AllGather (1,052,160 bytes) of process group 0",
+    ]
     (straggler,) = [f for f in findings_of(dumps) if f.kind is PerfKind.straggler]
     assert straggler.ranks == (1,) and "its GPU reached them last" in straggler.summary
     assert 25e-3 < straggler.measured < 40e-3  # the root all-gather's wait, 31 ms

@@ -17,10 +17,10 @@ import pytest
 from conftest import NOW
 from test_performance_look import INTERVAL, Rig, training
 
-from ncclwatch.watchdog.slowness.bandwidth import busbw, match_collectives
-from ncclwatch.watchdog.slowness.findings import PerfKind
-from ncclwatch.watchdog.slowness.engine import collective_health, without_lateness
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState
+from ncclwatch.watchdog.slowness.bandwidth import busbw, match_collectives
+from ncclwatch.watchdog.slowness.engine import collective_health, without_lateness
+from ncclwatch.watchdog.slowness.findings import PerfKind
 
 T0 = int(NOW * 1e9)
 MiB = 1 << 20
@@ -35,17 +35,36 @@ STEPS = 20
 def fr_entry(seq: int, numel: int, created_ns: int, end_ns: int, *, retired: bool, dumped_ns: int) -> FrEntry:
     discovered = end_ns + int(RETIRE_S * 1e9) if retired else dumped_ns
     return FrEntry(
-        index=seq, record_id=seq, pg_id="0", collective_seq_id=seq, profiling_name="nccl:all_reduce", op="AllReduce",
-        is_p2p=False, input_sizes=[[numel]], output_sizes=[[numel]], input_dtypes=["Float"], output_dtypes=["Float"],
-        state=OpState.completed, time_created_ns=created_ns, time_started_ns=discovered, time_completed_ns=discovered,
-        duration_ms=(end_ns - created_ns) / 1e6 if retired else None, timeout_ms=600_000,
-    )  # fmt: skip
+        index=seq,
+        record_id=seq,
+        pg_id="0",
+        collective_seq_id=seq,
+        profiling_name="nccl:all_reduce",
+        op="AllReduce",
+        is_p2p=False,
+        input_sizes=[[numel]],
+        output_sizes=[[numel]],
+        input_dtypes=["Float"],
+        output_dtypes=["Float"],
+        state=OpState.completed,
+        time_created_ns=created_ns,
+        time_started_ns=discovered,
+        time_completed_ns=discovered,
+        duration_ms=(end_ns - created_ns) / 1e6 if retired else None,
+        timeout_ms=600_000,
+    )
 
 
 def job(
-    *, late_rank: int | None = None, late_s: float = 0.4, late_from: int = 0, link_s: dict[int, float] | None = None,
-    unretired: int = 0, group: tuple[int, ...] = RANKS, pg: str = "0",
-) -> list[FrDump]:  # fmt: skip
+    *,
+    late_rank: int | None = None,
+    late_s: float = 0.4,
+    late_from: int = 0,
+    link_s: dict[int, float] | None = None,
+    unretired: int = 0,
+    group: tuple[int, ...] = RANKS,
+    pg: str = "0",
+) -> list[FrDump]:
     """Every rank's dump after ``STEPS`` steps.  ``late_rank`` enqueues the gradient all-reduce ``late_s`` after the
     others from step ``late_from`` on; ``link_s``: step -> the gradient all-reduce's link time (default
     ``LINK_S``); ``unretired``: the late rank's newest gradient all-reduces its watchdog had not retired."""
@@ -59,12 +78,16 @@ def job(
                 arrivals[late_rank] += int(late_s * 1e9)
             end = max(arrivals.values()) + int((link_s or {}).get(step, LINK_S) * 1e9)
             newest = step >= STEPS - unretired and rank == late_rank
-            entries.append(fr_entry(2 * step + 1, GRAD_NUMEL, arrivals[rank], end, retired=not newest, dumped_ns=dumped))
+            entries.append(
+                fr_entry(2 * step + 1, GRAD_NUMEL, arrivals[rank], end, retired=not newest, dumped_ns=dumped)
+            )
             loss_at = end + 1_000_000
             entries.append(fr_entry(2 * step + 2, 1024, loss_at, loss_at + 20_000, retired=True, dumped_ns=dumped))
         groups = {pg: FrProcessGroup(pg_id=pg, desc="default_pg" if pg == "0" else None, ranks=list(group))}
         entries = [e.model_copy(update={"pg_id": pg}) for e in entries]
-        dumps.append(FrDump(rank=rank, version="2.10", process_groups=groups, entries=entries, cite=Citation(file=f"fr_{rank}")))
+        dumps.append(
+            FrDump(rank=rank, version="2.10", process_groups=groups, entries=entries, cite=Citation(file=f"fr_{rank}"))
+        )
     return dumps
 
 
@@ -88,7 +111,10 @@ class TestLinkTime:
         assert newest.transfer_s == pytest.approx(LINK_S, rel=1e-3)
 
     def test_without_any_duration_the_first_completion_seen_less_the_last_arrival(self) -> None:
-        dumps = [d.model_copy(update={"entries": [e.model_copy(update={"duration_ms": None}) for e in d.entries]}) for d in job(late_rank=2)]
+        dumps = [
+            d.model_copy(update={"entries": [e.model_copy(update={"duration_ms": None}) for e in d.entries]})
+            for d in job(late_rank=2)
+        ]
         newest = [t for t in match_collectives(dumps) if t.nbytes == 32 * MiB][-1]
         assert newest.transfer_s == pytest.approx(LINK_S + RETIRE_S, rel=1e-3)  # a lower bound on busbw, never the wait
 
@@ -132,7 +158,9 @@ class TestOneFindingPerStraggler:
 
 class TestWithoutLateness:
     def test_only_instances_the_straggler_was_last_at_are_shortened_never_below_the_fastest(self) -> None:
-        timings = [t for t in match_collectives(job(late_rank=2, late_from=10, link_s={15: 0.5})) if t.nbytes == 32 * MiB]
+        timings = [
+            t for t in match_collectives(job(late_rank=2, late_from=10, link_s={15: 0.5})) if t.nbytes == 32 * MiB
+        ]
         lagging = timings[15]
         assert without_lateness(lagging, {2}, LINK_S).transfer_s == pytest.approx(0.5 - lagging.lead_s)
         assert without_lateness(lagging, {1}, LINK_S) == lagging  # rank 1 was not last there
@@ -143,10 +171,13 @@ class TestWithoutLateness:
 def kernels_waiting(dumps: list[FrDump], late_rank: int, late_ms: float = 60.0) -> list[FrDump]:
     """``training``'s NCCL dumps with the early ranks' gradient all-reduce kernels (``collective_seq_id`` 1, 4, ...)
     spinning ``late_ms`` longer, until the late rank's joins, as a GPU records a real straggler's wait."""
+
     def waited(e: FrEntry) -> FrEntry:
         return e.model_copy(update={"duration_ms": e.duration_ms + late_ms}) if e.collective_seq_id % 3 == 1 else e
 
-    return [d if d.rank == late_rank else d.model_copy(update={"entries": [waited(e) for e in d.entries]}) for d in dumps]
+    return [
+        d if d.rank == late_rank else d.model_copy(update={"entries": [waited(e) for e in d.entries]}) for d in dumps
+    ]
 
 
 class TestLiveLook:
@@ -168,4 +199,7 @@ class TestLiveLook:
         rig.dumps.dumps = kernels_waiting(training(30, late_rank=2, durations_ms=[2.0] * 27 + [400.0] * 3), late_rank=2)
         rig.tick(INTERVAL + 1)
         rig.tick(2 * INTERVAL + 1)
-        assert sorted(f.key for f in rig.sidecar.health().perf_findings) == ["slow_collective-0-AllReduce", "straggler-2"]
+        assert sorted(f.key for f in rig.sidecar.health().perf_findings) == [
+            "slow_collective-0-AllReduce",
+            "straggler-2",
+        ]

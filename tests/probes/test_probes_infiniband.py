@@ -88,10 +88,10 @@ def test_port_seen_only_once_is_skipped(tmp_path):
 
 import os  # noqa: E402
 
-from ncclwatch.watchdog.slowness.links import ib_port_findings  # noqa: E402
-from ncclwatch.watchdog.slowness.findings import PerfKind  # noqa: E402
 from ncclwatch.watchdog.events import rate_bytes_per_s  # noqa: E402
 from ncclwatch.watchdog.probes.infiniband import hca_gpu_map  # noqa: E402
+from ncclwatch.watchdog.slowness.findings import PerfKind  # noqa: E402
+from ncclwatch.watchdog.slowness.links import ib_port_findings  # noqa: E402
 
 
 def test_rates_and_link_layer(tmp_path):
@@ -106,12 +106,22 @@ def test_port_slower_than_its_siblings_down_while_used_and_rising_errors(tmp_pat
         make_port(tmp_path, dev, link_layer="InfiniBand")
     make_port(tmp_path, "mlx5_1", rate="40 Gb/sec (4X QDR)", link_layer="InfiniBand")  # renegotiated down: a bad cable
     make_port(tmp_path, "mlx5_2", state="1: DOWN", phys_state="3: Disabled", link_layer="InfiniBand")
-    make_port(tmp_path, "mlx5_3", state="1: DOWN", phys_state="2: Polling", link_layer="InfiniBand")  # unused: not flagged
+    make_port(
+        tmp_path, "mlx5_3", state="1: DOWN", phys_state="2: Polling", link_layer="InfiniBand"
+    )  # unused: not flagged
     before = read_ib_counters(tmp_path)
     make_port(tmp_path, "mlx5_1", rate="40 Gb/sec (4X QDR)", link_layer="InfiniBand", counters__symbol_error=12)
     after = read_ib_counters(tmp_path)
-    found = {f.key: f for f in ib_port_findings("node7", after, ib_delta(before, after, 10.0), used=["mlx5_0/1", "mlx5_1/1", "mlx5_2/1"],
-                                                port_ranks={"mlx5_1/1": [5]})}  # fmt: skip
+    found = {
+        f.key: f
+        for f in ib_port_findings(
+            "node7",
+            after,
+            ib_delta(before, after, 10.0),
+            used=["mlx5_0/1", "mlx5_1/1", "mlx5_2/1"],
+            port_ranks={"mlx5_1/1": [5]},
+        )
+    }
     assert set(found) == {"ib_port-rate-node7-mlx5_1/1", "ib_port-down-node7-mlx5_2/1", "ib_port-errors-node7-mlx5_1/1"}
     rate = found["ib_port-rate-node7-mlx5_1/1"]
     assert rate.kind is PerfKind.ib_port and (rate.measured, rate.expected) == (5e9, 50e9) and rate.ranks == (5,)

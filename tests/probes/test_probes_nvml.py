@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from ncclwatch.watchdog.events import GpuSnapshot
 from ncclwatch.watchdog.parsing.nvml import parse_nvml
 from ncclwatch.watchdog.probes.nvml import sample_gpus, sample_gpus_async
-from ncclwatch.watchdog.events import GpuSnapshot
 
 REPO = Path(__file__).resolve().parents[2]
 HAVE_GPU = sample_gpus(gpm_window_s=0.1) is not None

@@ -96,7 +96,9 @@ class TestReaders:
         with sleepers(1) as (proc,):
             deadline = time.monotonic() + 5
             # A child still starting, or between two sleeps, reads "R" or wchan 0 for a moment.
-            while (info := read_proc(proc.pid)) and not (info.state == "S" and info.wchan) and time.monotonic() < deadline:
+            while (
+                (info := read_proc(proc.pid)) and not (info.state == "S" and info.wchan) and time.monotonic() < deadline
+            ):
                 time.sleep(0.05)
             assert info.state == "S" and info.wchan  # e.g. hrtimer_nanosleep; kernels name it differently
 

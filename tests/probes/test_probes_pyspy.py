@@ -108,18 +108,29 @@ def test_tool_failure_is_a_short_error(tmp_path):
 def test_no_ptrace_permission_is_an_error_string():
     """Without CAP_SYS_PTRACE, another user's process cannot be read: the probe says so, it does not raise."""
     target = subprocess.Popen(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
-         "print('ready', flush=True); import time; time.sleep(60)"],
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+            "print('ready', flush=True); import time; time.sleep(60)",
+        ],
         stdout=subprocess.PIPE,
-    )  # fmt: skip
+    )
     try:
         assert target.stdout.readline() == b"ready\n"
         probe = "import asyncio, sys; from watchdog.probes.pyspy import pyspy_dump; "
         probe += f"print(asyncio.run(pyspy_dump({target.pid}, pyspy={find_pyspy()!r})))"
         out = subprocess.run(
             ["setpriv", "--bounding-set", "-sys_ptrace", sys.executable, "-c", probe],
-            check=False, capture_output=True, text=True, timeout=30, cwd=Path(__file__).parents[2],
-        )  # fmt: skip
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=Path(__file__).parents[2],
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.startswith("(None, 'py-spy exited 1: ") and "Permission denied" in out.stdout
     finally:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import psutil
 
-from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.hang.report import ActionRecord, RankRow, Report
+from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live.bundle import amend_bundle
 from ncclwatch.watchdog.response.command import TAIL_CHARS, run_bounded
 from ncclwatch.watchdog.response.hook import run_hook
@@ -20,9 +20,16 @@ from ncclwatch.watchdog.response.policy import Plan, Response
 
 def hung_report() -> Report:
     rows = [RankRow(rank=0, host="node0", pid=10), RankRow(rank=1, host="node1", pid=11)]
-    return Report(verdict=Verdict.process_stopped, culprit_ranks=[1], summary="rank 1 is stopped", ranks=rows,
-                  analyzed_at="2026-11-24T00:00:00+00:00", job="train", incident_key="run/0|pg0#26",
-                  headline="ncclwatch: PROCESS STOPPED rank 1 ...")  # fmt: skip
+    return Report(
+        verdict=Verdict.process_stopped,
+        culprit_ranks=[1],
+        summary="rank 1 is stopped",
+        ranks=rows,
+        analyzed_at="2026-11-24T00:00:00+00:00",
+        job="train",
+        incident_key="run/0|pg0#26",
+        headline="ncclwatch: PROCESS STOPPED rank 1 ...",
+    )
 
 
 RESTART = Plan(Response.restart, "the restart replaces the stopped process", restart_number=1, max_restarts=3)
@@ -31,7 +38,7 @@ RESTART = Plan(Response.restart, "the restart replaces the stopped process", res
 class TestHook:
     def test_the_hook_reads_the_verdict_as_json_on_stdin_and_in_its_environment(self, tmp_path: Path) -> None:
         seen = tmp_path / "seen"
-        command = f'cat > {seen}.json; env | grep ^NCCLWATCH_ | sort > {seen}.env'
+        command = f"cat > {seen}.json; env | grep ^NCCLWATCH_ | sort > {seen}.env"
         outcome = asyncio.run(run_hook(command, hung_report(), RESTART, tmp_path / "b.tar.gz", timeout_s=20))
         assert outcome.ok, outcome
         verdict = json.loads(seen.with_suffix(".json").read_text())
@@ -43,7 +50,9 @@ class TestHook:
         assert env["NCCLWATCH_INCIDENT"] == "run/0|pg0#26" and env["NCCLWATCH_JOB"] == "train"
 
     def test_a_failing_hook_is_recorded_with_its_status_and_output(self, tmp_path: Path) -> None:
-        outcome = asyncio.run(run_hook("echo 'kubectl: no such node' >&2; exit 2", hung_report(), RESTART, None, timeout_s=20))
+        outcome = asyncio.run(
+            run_hook("echo 'kubectl: no such node' >&2; exit 2", hung_report(), RESTART, None, timeout_s=20)
+        )
         assert not outcome.ok
         assert outcome.describe("--on-hang-exec") == "--on-hang-exec exit 2: kubectl: no such node"
 
@@ -87,15 +96,24 @@ class TestAmendBundle:
         with tarfile.open(bundle, "w:gz") as tar:
             tar.add(folder, arcname=folder.name)
         done = ActionRecord(kind="restart", at="2026-11-24T00:00:01+00:00", ok=True, detail="ended workers 10, 11")
-        asyncio.run(amend_bundle(bundle, report.model_copy(update={"response": "restarting (1 of 3)", "actions": [done]})))
+        asyncio.run(
+            amend_bundle(bundle, report.model_copy(update={"response": "restarting (1 of 3)", "actions": [done]}))
+        )
         with tarfile.open(bundle) as tar:
             names = sorted(tar.getnames())
             amended = json.loads(tar.extractfile("train-node0-x/report.json").read())  # type: ignore[union-attr]
             markdown = tar.extractfile("train-node0-x/report.md").read().decode()  # type: ignore[union-attr]
             stack = tar.extractfile("train-node0-x/stacks/rank1.txt").read().decode()  # type: ignore[union-attr]
-        assert names == ["train-node0-x", "train-node0-x/report.json", "train-node0-x/report.md", "train-node0-x/stacks",
-                         "train-node0-x/stacks/rank1.txt"]  # fmt: skip
-        assert amended["response"] == "restarting (1 of 3)" and amended["actions"][0]["detail"] == "ended workers 10, 11"
+        assert names == [
+            "train-node0-x",
+            "train-node0-x/report.json",
+            "train-node0-x/report.md",
+            "train-node0-x/stacks",
+            "train-node0-x/stacks/rank1.txt",
+        ]
+        assert (
+            amended["response"] == "restarting (1 of 3)" and amended["actions"][0]["detail"] == "ended workers 10, 11"
+        )
         assert "## What was done" in markdown and "restart: ended workers 10, 11" in markdown
         assert stack == "Thread 1 (idle)\n"
         assert not list(tmp_path.glob(".*partial"))

@@ -13,15 +13,36 @@ from ncclwatch.watchdog.response.policy import Policy, Response, plan, signature
 TRAIN_LINE = "all_reduce (torch/distributed/distributed_c10d.py:2950) <- main (train.py:113)"
 
 
-def report(verdict: Verdict, culprits: tuple[int, ...] = (1,), step: int = 26, call_site: str | None = TRAIN_LINE,
-           operation: str | None = "AllReduce count=1 Float") -> Report:  # fmt: skip
-    rows = [RankRow(rank=r, host=f"node{r}", pid=100 + r, step=step + (0 if r in culprits else 1),
-                    stack="forward (model.py:40) <- main (train.py:97)", call_site=call_site if r in culprits else None)
-            for r in range(4)]  # fmt: skip
-    return Report(verdict=verdict, culprit_ranks=list(culprits), operation=operation, summary="s", ranks=rows, analyzed_at="x")
+def report(
+    verdict: Verdict,
+    culprits: tuple[int, ...] = (1,),
+    step: int = 26,
+    call_site: str | None = TRAIN_LINE,
+    operation: str | None = "AllReduce count=1 Float",
+) -> Report:
+    rows = [
+        RankRow(
+            rank=r,
+            host=f"node{r}",
+            pid=100 + r,
+            step=step + (0 if r in culprits else 1),
+            stack="forward (model.py:40) <- main (train.py:97)",
+            call_site=call_site if r in culprits else None,
+        )
+        for r in range(4)
+    ]
+    return Report(
+        verdict=verdict, culprit_ranks=list(culprits), operation=operation, summary="s", ranks=rows, analyzed_at="x"
+    )
 
 
-def policy(on_hang: str = "restart", max_restarts: int = 3, drain: str = "none", restart_on=RESTART_ON_DEFAULT, drain_on=DRAIN_ON_DEFAULT) -> Policy:  # type: ignore[no-untyped-def]
+def policy(
+    on_hang: str = "restart",
+    max_restarts: int = 3,
+    drain: str = "none",
+    restart_on=RESTART_ON_DEFAULT,
+    drain_on=DRAIN_ON_DEFAULT,
+) -> Policy:  # type: ignore[no-untyped-def]
     return Policy(on_hang, max_restarts, frozenset(restart_on), drain, frozenset(drain_on))
 
 
@@ -57,28 +78,40 @@ class TestRestart:
         assert first.response is Response.restart and first.signature is not None
         again = plan(report(Verdict.collective_mismatch), mine, restarts_done=1, restarted=[first.signature])
         assert again.response is Response.kill
-        assert again.why.startswith("recurs after restart: not transient (collective_mismatch, AllReduce, at main (train.py:113), step 26")
+        assert again.why.startswith(
+            "recurs after restart: not transient (collective_mismatch, AllReduce, at main (train.py:113), step 26"
+        )
 
     def test_steps_one_apart_are_the_same_step(self) -> None:
         mine = policy(restart_on=[Verdict.collective_mismatch])
         first = plan(report(Verdict.collective_mismatch, step=37), mine, 0, [])
         assert plan(report(Verdict.collective_mismatch, step=36), mine, 1, [first.signature]).response is Response.kill
-        assert plan(report(Verdict.collective_mismatch, step=35), mine, 1, [first.signature]).response is Response.restart
+        assert (
+            plan(report(Verdict.collective_mismatch, step=35), mine, 1, [first.signature]).response is Response.restart
+        )
 
-    @pytest.mark.parametrize("changed", [{"step": 31}, {"call_site": "main (train.py:90)"}, {"operation": "AllGather count=4 Float"}])
+    @pytest.mark.parametrize(
+        "changed", [{"step": 31}, {"call_site": "main (train.py:90)"}, {"operation": "AllGather count=4 Float"}]
+    )
     def test_a_hang_that_differs_in_any_part_of_its_signature_restarts_again(self, changed: dict) -> None:  # type: ignore[type-arg]
         first = plan(report(Verdict.process_stopped), policy(), restarts_done=0, restarted=[])
         other = plan(report(Verdict.process_stopped, **changed), policy(), restarts_done=1, restarted=[first.signature])
         assert other.response is Response.restart and other.restart_number == 2
 
     def test_a_line_known_in_one_round_only_is_no_difference(self) -> None:
-        first = plan(report(Verdict.collective_mismatch, call_site=None), policy(restart_on=[Verdict.collective_mismatch]), 0, [])
-        again = plan(report(Verdict.collective_mismatch), policy(restart_on=[Verdict.collective_mismatch]), 1, [first.signature])
+        first = plan(
+            report(Verdict.collective_mismatch, call_site=None), policy(restart_on=[Verdict.collective_mismatch]), 0, []
+        )
+        again = plan(
+            report(Verdict.collective_mismatch), policy(restart_on=[Verdict.collective_mismatch]), 1, [first.signature]
+        )
         assert first.signature.frame is None and again.response is Response.kill
 
     def test_the_same_hang_on_another_rank_is_the_same_hang(self) -> None:
         first = plan(report(Verdict.process_stopped), policy(), restarts_done=0, restarted=[])
-        other = plan(report(Verdict.process_stopped, culprits=(2,)), policy(), restarts_done=1, restarted=[first.signature])
+        other = plan(
+            report(Verdict.process_stopped, culprits=(2,)), policy(), restarts_done=1, restarted=[first.signature]
+        )
         assert other.response is Response.kill
 
     def test_restarts_used_up_end_the_job(self) -> None:
@@ -139,7 +172,9 @@ class TestSignature:
 
 
 class TestSettings:
-    def test_verdict_lists_come_comma_separated_from_the_environment_and_as_lists_from_toml(self, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    def test_verdict_lists_come_comma_separated_from_the_environment_and_as_lists_from_toml(
+        self, tmp_path, monkeypatch
+    ) -> None:  # type: ignore[no-untyped-def]
         monkeypatch.setenv("NCCLWATCH_RESTART_ON", "process_dead, node_lost")
         assert load_settings({}, environ={}).restart_on == ["process_dead", "node_lost"]
         monkeypatch.delenv("NCCLWATCH_RESTART_ON")
@@ -149,7 +184,9 @@ class TestSettings:
         assert (settings.on_hang, settings.drain, settings.drain_on) == ("restart", "slurm", ["network_error"])
 
     def test_an_unknown_verdict_is_refused_naming_the_setting_and_the_choices(self) -> None:
-        with pytest.raises(ConfigError, match=r"--restart-on / NCCLWATCH_RESTART_ON: .*unknown verdict\(s\) stuck; one of"):
+        with pytest.raises(
+            ConfigError, match=r"--restart-on / NCCLWATCH_RESTART_ON: .*unknown verdict\(s\) stuck; one of"
+        ):
             load_settings({"restart_on": "stuck"}, environ={})
 
 

@@ -41,7 +41,11 @@ def _unavailable() -> str | None:
         return f"no {', '.join(missing)} (apt-get install slurm-wlm munge)"
     if os.geteuid() != 0:
         return "slurmd must run as root"
-    if not Path("/etc/munge/munge.key").is_file() and shutil.which("mungekey") is None and not Path("/usr/sbin/mungekey").exists():
+    if (
+        not Path("/etc/munge/munge.key").is_file()
+        and shutil.which("mungekey") is None
+        and not Path("/usr/sbin/mungekey").exists()
+    ):
         return "no munge key and no mungekey to make one"
     return None
 
@@ -101,15 +105,32 @@ PartitionName=test Nodes={HOST} Default=YES State=UP
 """)
     env = dict(os.environ, SLURM_CONF=str(conf))
     daemons = [
-        subprocess.Popen([_daemon("munged"), "-F", "-f", f"--socket={munge}/sock", f"--key-file={key}",
-                          f"--log-file={munge}/log", f"--pid-file={munge}/pid", f"--seed-file={munge}/seed"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),  # fmt: skip
+        subprocess.Popen(
+            [
+                _daemon("munged"),
+                "-F",
+                "-f",
+                f"--socket={munge}/sock",
+                f"--key-file={key}",
+                f"--log-file={munge}/log",
+                f"--pid-file={munge}/pid",
+                f"--seed-file={munge}/seed",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
     ]
     try:
         _until(lambda: (munge / "sock").exists(), 10, "munged's socket")
         for daemon in ("slurmctld", "slurmd"):
-            daemons.append(subprocess.Popen([_daemon(daemon), "-D", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL))  # fmt: skip
+            daemons.append(
+                subprocess.Popen(
+                    [_daemon(daemon), "-D", "-f", str(conf)],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         _until(lambda: node_state(env)[0] in ("idle", "mixed", "allocated"), 30, f"node {HOST} idle in sinfo")
         yield env
     finally:
@@ -149,17 +170,24 @@ def test_drain_slurm_drains_the_node_with_the_reason(slurm: dict[str, str], monk
         assert outcome.ok, outcome
         assert node_state(slurm) == ("drained", "ncclwatch: network_error run/0|node_lost")
         # What docs/slurm.md's requeue script asks Slurm.
-        reasons = subprocess.run(["sinfo", "-h", "-R", "-n", HOST, "-o", "%E"], env=slurm, capture_output=True, text=True)
+        reasons = subprocess.run(
+            ["sinfo", "-h", "-R", "-n", HOST, "-o", "%E"], env=slurm, capture_output=True, text=True
+        )
         assert reasons.stdout.strip() == "ncclwatch: network_error run/0|node_lost"
     finally:
         resume(slurm)
 
 
-def test_an_unknown_node_is_a_failed_drain_with_scontrols_words(slurm: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unknown_node_is_a_failed_drain_with_scontrols_words(
+    slurm: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
     outcome = asyncio.run(drain_slurm(["no-such-node"], "ncclwatch: test"))
     assert not outcome.ok and outcome.returncode not in (0, None)
-    assert outcome.describe("scontrol").startswith(f"scontrol exit {outcome.returncode}: ") and "node" in outcome.output.lower()
+    assert (
+        outcome.describe("scontrol").startswith(f"scontrol exit {outcome.returncode}: ")
+        and "node" in outcome.output.lower()
+    )
 
 
 def test_the_wrapper_drains_the_culprits_node_and_exits_for_a_requeue(slurm: dict[str, str], tmp_path: Path) -> None:
@@ -170,13 +198,35 @@ def test_the_wrapper_drains_the_culprits_node_and_exits_for_a_requeue(slurm: dic
         async with Receiver() as receiver:
             env = dict(slurm, NCCLWATCH_WEBHOOK_URL=receiver.url, PYTHONUNBUFFERED="1")
             wrapper = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "ncclwatch", "--on-hang", "kill", "--drain", "slurm", "--drain-on", "process_stopped",
-                "--bundle-dir", str(tmp_path / "bundles"),
-                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--monitor-interval=0.2",
-                str(JOB), "--steps=60", f"--ckpt-dir={tmp_path}", f"--events={tmp_path / 'events.jsonl'}", "--fault=sigstop",
-                "--fault-rank=1", "--fault-step=20",
-                env=env, cwd=tmp_path, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-            )  # fmt: skip
+                sys.executable,
+                "-m",
+                "ncclwatch",
+                "--on-hang",
+                "kill",
+                "--drain",
+                "slurm",
+                "--drain-on",
+                "process_stopped",
+                "--bundle-dir",
+                str(tmp_path / "bundles"),
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                "--monitor-interval=0.2",
+                str(JOB),
+                "--steps=60",
+                f"--ckpt-dir={tmp_path}",
+                f"--events={tmp_path / 'events.jsonl'}",
+                "--fault=sigstop",
+                "--fault-rank=1",
+                "--fault-step=20",
+                env=env,
+                cwd=tmp_path,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+            )
             _, stderr = await asyncio.wait_for(wrapper.communicate(), 240)
             await asyncio.sleep(0.5)
             return wrapper.returncode or 0, stderr.decode(errors="replace"), [json.loads(s.body) for s in receiver.seen]

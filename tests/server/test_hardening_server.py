@@ -27,7 +27,10 @@ ODD_REPORT = {
     "analyzed_at": "2026-11-23T12:00:00+00:00",
     "job": "odd",
     "ranks": [{"rank": 0, "status": "waiting"}, {"rank": "two", "status": 3}],
-    "timeline": [{"rank": 0, "first_position": 5, "ops": 12}, {"rank": 1, "first_position": 5, "ops": ["AllReduce 4 f32"]}],
+    "timeline": [
+        {"rank": 0, "first_position": 5, "ops": 12},
+        {"rank": 1, "first_position": 5, "ops": ["AllReduce 4 f32"]},
+    ],
     "evidence": [{"source": "nccl", "fact": "rank 2 issued 6"}, "not a dict"],
     "evidence_files": [{"name": "stacks", "paths": [7, None, "stacks/rank0.json"]}],
     "missing": "everything",
@@ -90,7 +93,9 @@ class TestTokensNeverLogged:
 
 
 class TestRedirect:
-    @pytest.mark.parametrize("path", ["//evil.example/", "///evil.example/", "/\\evil.example/", "/%2F%2Fevil.example/"])
+    @pytest.mark.parametrize(
+        "path", ["//evil.example/", "///evil.example/", "/\\evil.example/", "/%2F%2Fevil.example/"]
+    )
     def test_the_token_trade_redirects_only_to_a_path_here(self, live, path):
         reply = live.get(f"{path}?token={TOKEN}&bundle=b", raw=True)
         assert reply.status == 303

@@ -20,10 +20,10 @@ from conftest import NOW, REPO
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind
-from ncclwatch.watchdog.slowness.engine import CommBandwidth, IbPortHealth, RankPerf
 from ncclwatch.watchdog.live.health import CommPosition, Health, RankHealth
 from ncclwatch.watchdog.server.metrics import SOURCES, HealthCollector, TextfileError, TextfileWriter
+from ncclwatch.watchdog.slowness.engine import CommBandwidth, IbPortHealth, RankPerf
+from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind
 
 JOB = {"job_name": "train", "host": "node1"}
 DASHBOARD = REPO / "dashboards" / "ncclwatch.json"
@@ -73,11 +73,16 @@ def rich() -> Health:
         rank_perf=(RankPerf(0, 3.2e11, 0.05, None), RankPerf(1, 3.2e11, 0.9, 0.12, straggler=True)),
         arrival_skew_s=0.13,
         perf_findings=(PERF,),
-        ib_ports=(IbPortHealth("mlx5_0/1", True, 50e9, 4e10, 3.9e10), IbPortHealth("mlx5_1/1", True, 5e9, 1e9, 1e9, errors=12)),
+        ib_ports=(
+            IbPortHealth("mlx5_0/1", True, 50e9, 4e10, 3.9e10),
+            IbPortHealth("mlx5_1/1", True, 5e9, 1e9, 1e9, errors=12),
+        ),
     )
 
 
-PERF = PerfFinding(PerfKind.straggler, "straggler-1", "rank 1 was last in 18 of the last 20 collectives", "look", ranks=(1,))
+PERF = PerfFinding(
+    PerfKind.straggler, "straggler-1", "rank 1 was last in 18 of the last 20 collectives", "look", ranks=(1,)
+)
 
 
 def registry_for(value, **kw) -> tuple[CollectorRegistry, HealthCollector]:
@@ -105,7 +110,15 @@ def exported_names(registry: CollectorRegistry) -> set[str]:
 class TestPerfSeries:
     def test_bandwidth_per_communicator_and_rank(self):
         registry, _ = registry_for(rich())
-        assert sample(registry, "ncclwatch_comm_bus_bandwidth_bytes_per_second", communicator="process group 0 (default_pg)", op="AllReduce") == 3.2e11
+        assert (
+            sample(
+                registry,
+                "ncclwatch_comm_bus_bandwidth_bytes_per_second",
+                communicator="process group 0 (default_pg)",
+                op="AllReduce",
+            )
+            == 3.2e11
+        )
         assert sample(registry, "ncclwatch_rank_bus_bandwidth_bytes_per_second", rank="1") == 3.2e11
 
     def test_stragglers_and_skew(self):
@@ -119,7 +132,10 @@ class TestPerfSeries:
         registry, _ = registry_for(rich())
         assert sample(registry, "ncclwatch_perf_findings", kind="straggler") == 1
         assert sample(registry, "ncclwatch_perf_findings", kind="transport_anomaly") == 0
-        assert sample(registry, "ncclwatch_perf_finding_info", kind="straggler", key="straggler-1", ranks="1", links="") == 1
+        assert (
+            sample(registry, "ncclwatch_perf_finding_info", kind="straggler", key="straggler-1", ranks="1", links="")
+            == 1
+        )
 
     def test_ib_ports(self):
         registry, _ = registry_for(rich())
@@ -130,7 +146,9 @@ class TestPerfSeries:
     def test_nothing_measured_exports_only_zero_counts(self):
         names = exported_names(registry_for(health())[0])
         assert "ncclwatch_perf_findings" in names
-        assert not {n for n in names if n.startswith(("ncclwatch_ib_", "ncclwatch_comm_bus", "ncclwatch_rank_straggler"))}
+        assert not {
+            n for n in names if n.startswith(("ncclwatch_ib_", "ncclwatch_comm_bus", "ncclwatch_rank_straggler"))
+        }
 
 
 class TestRankSeries:

@@ -37,8 +37,17 @@ def chromium() -> str:
 
 
 def browse(browser: str, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
-               f"--user-data-dir={profile}", "--window-size=1400,1000", *args]  # fmt: skip
+    command = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--window-size=1400,1000",
+        *args,
+    ]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return done

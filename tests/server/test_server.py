@@ -34,10 +34,10 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
 from ncclwatch.watchdog.analyze import analyze_paths
-from ncclwatch.watchdog.live.bundle import report_markdown
-from ncclwatch.watchdog.hang.verdicts import Verdict
-from ncclwatch.watchdog.live.health import Health, RankHealth
 from ncclwatch.watchdog.hang.report import EvidenceFile, Report
+from ncclwatch.watchdog.hang.verdicts import Verdict
+from ncclwatch.watchdog.live.bundle import report_markdown
+from ncclwatch.watchdog.live.health import Health, RankHealth
 from ncclwatch.watchdog.server.app import COOKIE, BundleIndex, make_app, start_server, stop_server
 
 SKIP = CAPTURES / "nccl-2.28.9-h200x4" / "skip"
@@ -65,7 +65,9 @@ def make_bundle(bundle_dir: Path, name: str = BUNDLE, report: Report | None = No
     shutil.copytree(SKIP / "fr", staging / "fr")
     records.append(EvidenceFile(name="flight_recorder", paths=sorted(f"fr/{p.name}" for p in (SKIP / "fr").iterdir())))
     records.append(EvidenceFile(name="ras", error="no NCCL RAS server on 127.0.0.1:28028", duration_s=0.01))
-    report = report.model_copy(update={"job": report.job or "h200x4-skip", "host": report.host or "vm", "evidence_files": records})
+    report = report.model_copy(
+        update={"job": report.job or "h200x4-skip", "host": report.host or "vm", "evidence_files": records}
+    )
     (staging / "evidence.json").write_text(json.dumps({"records": [r.model_dump() for r in records]}))
     (staging / "report.json").write_text(report.model_dump_json(indent=2))
     (staging / "report.md").write_text(report_markdown(report))
@@ -229,7 +231,12 @@ class TestBundles:
         rows = serve(bundle_dir).get("/api/bundles", token=TOKEN).json()
         assert [r["id"] for r in rows] == [BUNDLE, "older-20260101T000000Z-rank_behind"]
         first = rows[0]
-        assert (first["job"], first["verdict"], first["culprit_ranks"], first["error"]) == ("h200x4-skip", "collective_mismatch", [3], None)
+        assert (first["job"], first["verdict"], first["culprit_ranks"], first["error"]) == (
+            "h200x4-skip",
+            "collective_mismatch",
+            [3],
+            None,
+        )
         assert first["size"] == (bundle_dir / f"{BUNDLE}.tar.gz").stat().st_size
         assert first["created"].endswith("+00:00") and rows[1]["created"] < first["created"]
         assert rows[1]["verdict"] == "rank_behind" and rows[1]["culprit_ranks"] == [1]
@@ -309,17 +316,43 @@ class TestBundles:
 
 
 TRAVERSALS = [
-    "/api/bundles/..%2Fsecret", "/api/bundles/%2e%2e%2fsecret", "/api/bundles/%2E%2E%2Fsecret", "/api/bundles/%2e%2e/secret",
-    "/api/bundles/../secret", "/api/bundles/..%5Csecret", "/api/bundles/..\\secret", "/api/bundles/%2Ftmp%2Fsecret",
-    "/api/bundles//etc/passwd", "/api/bundles/%2Fetc%2Fpasswd", "/api/bundles/secret%00", "/api/bundles/%00",
-    "/api/bundles/..%252Fsecret", "/api/bundles/%c0%ae%c0%ae%2fsecret", "/api/bundles/..%2F..%2F..%2Fetc%2Fpasswd",
-    "/api/bundles/%2e%2e%2fsecret/report", "/api/bundles/..%2Fsecret/report", "/api/bundles/outside-link",
-    "/api/bundles/outside-link/report", "/api/bundles/.hidden", "/api/bundles/.%2e%2fsecret", "/api/bundles/x.partial",
-    "/api/bundles/secret%0A", "/bundles/..%2Fsecret", "/bundles/%2e%2e%2fsecret", "/bundles/outside-link",
-    "/?bundle=../secret", "/?bundle=%2E%2E%2Fsecret", "/?bundle=..%2Fsecret", "/?bundle=/etc/passwd",
-    "/?bundle=%2Fetc%2Fpasswd", "/?bundle=outside-link", "/?bundle=..%5Csecret", "/?bundle=secret%00",
-    "/api/bundles/" + "a" * 202, "/api/bundles/%20secret",
-]  # fmt: skip
+    "/api/bundles/..%2Fsecret",
+    "/api/bundles/%2e%2e%2fsecret",
+    "/api/bundles/%2E%2E%2Fsecret",
+    "/api/bundles/%2e%2e/secret",
+    "/api/bundles/../secret",
+    "/api/bundles/..%5Csecret",
+    "/api/bundles/..\\secret",
+    "/api/bundles/%2Ftmp%2Fsecret",
+    "/api/bundles//etc/passwd",
+    "/api/bundles/%2Fetc%2Fpasswd",
+    "/api/bundles/secret%00",
+    "/api/bundles/%00",
+    "/api/bundles/..%252Fsecret",
+    "/api/bundles/%c0%ae%c0%ae%2fsecret",
+    "/api/bundles/..%2F..%2F..%2Fetc%2Fpasswd",
+    "/api/bundles/%2e%2e%2fsecret/report",
+    "/api/bundles/..%2Fsecret/report",
+    "/api/bundles/outside-link",
+    "/api/bundles/outside-link/report",
+    "/api/bundles/.hidden",
+    "/api/bundles/.%2e%2fsecret",
+    "/api/bundles/x.partial",
+    "/api/bundles/secret%0A",
+    "/bundles/..%2Fsecret",
+    "/bundles/%2e%2e%2fsecret",
+    "/bundles/outside-link",
+    "/?bundle=../secret",
+    "/?bundle=%2E%2E%2Fsecret",
+    "/?bundle=..%2Fsecret",
+    "/?bundle=/etc/passwd",
+    "/?bundle=%2Fetc%2Fpasswd",
+    "/?bundle=outside-link",
+    "/?bundle=..%5Csecret",
+    "/?bundle=secret%00",
+    "/api/bundles/" + "a" * 202,
+    "/api/bundles/%20secret",
+]
 
 
 class TestIds:
@@ -348,8 +381,23 @@ class TestIds:
         index = BundleIndex(bundle_dir)
         (tmp_path / "secret.tar.gz").write_bytes(b"x")
         assert index.path_of(BUNDLE) == (bundle_dir / f"{BUNDLE}.tar.gz").resolve()
-        for bad in ("../secret", "..", ".", "", "a/../../secret", "/etc/passwd", f"{BUNDLE}\x00", f"{BUNDLE}\n",
-                    "..\\secret", f"{BUNDLE}/", f".{BUNDLE}", f"{BUNDLE}.tar.gz.partial", "x.partial", "a" * 202, "é"):  # fmt: skip
+        for bad in (
+            "../secret",
+            "..",
+            ".",
+            "",
+            "a/../../secret",
+            "/etc/passwd",
+            f"{BUNDLE}\x00",
+            f"{BUNDLE}\n",
+            "..\\secret",
+            f"{BUNDLE}/",
+            f".{BUNDLE}",
+            f"{BUNDLE}.tar.gz.partial",
+            "x.partial",
+            "a" * 202,
+            "é",
+        ):
             assert index.path_of(bad) is None, repr(bad)
 
 
@@ -358,22 +406,38 @@ class TestPage:
         page = serve(bundle_dir).get("/", token=TOKEN)
         assert page.status == 200 and page.headers["Content-Type"].startswith("text/html")
         assert f"href='/bundles/{BUNDLE}'" in page.text and f"href='/api/bundles/{BUNDLE}'" in page.text
-        assert "script-src" not in page.headers["Content-Security-Policy"] and "default-src 'none'" in page.headers["Content-Security-Policy"]
+        assert (
+            "script-src" not in page.headers["Content-Security-Policy"]
+            and "default-src 'none'" in page.headers["Content-Security-Policy"]
+        )
         assert page.headers["Cache-Control"] == "no-store"
 
     def test_report_page_has_the_verdict_the_timeline_and_the_culprit_row(self, serve, bundle_dir):
         live = serve(bundle_dir)
         page = live.get(f"/bundles/{BUNDLE}", token=TOKEN).text
         assert page == live.get(f"/?bundle={BUNDLE}", token=TOKEN).text
-        for needle in ("collective mismatch", "culprit rank 3", skip_report().summary[:40], '<svg class="timeline"',
-                       'class="rank culprit" data-culprit="true" data-rank="3"', "diverges here", "#82",
-                       "class='culprit' data-culprit='true' data-rank='3'", "stacks/rank3.json",
-                       "no NCCL RAS server", "fr/nccl_trace_rank_3", "report.json", "Evidence"):  # fmt: skip
+        for needle in (
+            "collective mismatch",
+            "culprit rank 3",
+            skip_report().summary[:40],
+            '<svg class="timeline"',
+            'class="rank culprit" data-culprit="true" data-rank="3"',
+            "diverges here",
+            "#82",
+            "class='culprit' data-culprit='true' data-rank='3'",
+            "stacks/rank3.json",
+            "no NCCL RAS server",
+            "fr/nccl_trace_rank_3",
+            "report.json",
+            "Evidence",
+        ):
             assert needle in page, needle
         assert page.count('class="op differs') >= 1
 
     def test_bundle_values_are_escaped(self, serve, tmp_path):
-        evil = skip_report().model_copy(update={"summary": "<script>alert(1)</script>", "job": "<img src=x onerror=alert(1)>"})
+        evil = skip_report().model_copy(
+            update={"summary": "<script>alert(1)</script>", "job": "<img src=x onerror=alert(1)>"}
+        )
         make_bundle(tmp_path / "b", "evil", evil)
         live = serve(tmp_path / "b")
         for path in ("/", "/bundles/evil"):
@@ -384,7 +448,9 @@ class TestPage:
 class TestMetricsAndHealth:
     def test_metrics_expose_the_injected_registry(self, serve, bundle_dir):
         registry = CollectorRegistry()
-        gauge = Gauge("ncclwatch_rank_progress_age_seconds", "since progress", ["rank", "host", "pid"], registry=registry)
+        gauge = Gauge(
+            "ncclwatch_rank_progress_age_seconds", "since progress", ["rank", "host", "pid"], registry=registry
+        )
         gauge.labels("3", "vm", "1170").set(12.5)
         reply = serve(bundle_dir, registry=registry).get("/metrics")
         assert reply.status == 200 and reply.headers["Content-Type"].startswith("text/plain")
@@ -408,10 +474,19 @@ class TestMetricsAndHealth:
 
     def test_healthz_gives_health_as_json(self, serve, bundle_dir):
         health = Health(
-            observed_at=1.0, job="train", host="node1", ranks=(RankHealth(0, 4242, "node1", "S", 7, 0.5, 0.5),),
-            positions=(), stalled_for_s=0.5, stall_timeout_s=5.0, hang=False, verdict=None, culprits=(),
-            sources_down=("ras",), bundles_written=0,
-        )  # fmt: skip
+            observed_at=1.0,
+            job="train",
+            host="node1",
+            ranks=(RankHealth(0, 4242, "node1", "S", 7, 0.5, 0.5),),
+            positions=(),
+            stalled_for_s=0.5,
+            stall_timeout_s=5.0,
+            hang=False,
+            verdict=None,
+            culprits=(),
+            sources_down=("ras",),
+            bundles_written=0,
+        )
         reply = serve(bundle_dir, token=None, health=lambda: health).get("/healthz")
         body = reply.json()
         assert reply.status == 200 and body["status"] == "ok"
@@ -442,8 +517,12 @@ def serve_process(*args: str, env: dict[str, str] | None = None) -> tuple[subpro
     environ = {k: v for k, v in os.environ.items() if not k.startswith("NCCLWATCH_")} | (env or {})
     process = subprocess.Popen(
         [sys.executable, "-m", "ncclwatch", "serve", "--listen", "127.0.0.1:0", *args],
-        cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = process.stdout.readline()  # type: ignore[union-attr]
     if "http://" not in line:
         process.kill()
@@ -479,7 +558,10 @@ class TestServeCommand:
 
             async def go(address: str = address) -> int:
                 bearer = {"Authorization": f"Bearer {TOKEN}"}
-                async with aiohttp.ClientSession() as session, session.get(f"http://{address}/api/bundles", headers=bearer) as r:
+                async with (
+                    aiohttp.ClientSession() as session,
+                    session.get(f"http://{address}/api/bundles", headers=bearer) as r,
+                ):
                     return r.status
 
             try:
@@ -495,13 +577,36 @@ class TestServeCommand:
             sock.bind(("127.0.0.1", 0))
             sock.listen()
             port = sock.getsockname()[1]
-            done = subprocess.run([sys.executable, "-m", "ncclwatch", "serve", "--bundle-dir", str(bundle_dir), "--listen",
-                                   f"127.0.0.1:{port}"], check=False, cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "ncclwatch",
+                    "serve",
+                    "--bundle-dir",
+                    str(bundle_dir),
+                    "--listen",
+                    f"127.0.0.1:{port}",
+                ],
+                check=False,
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
         assert done.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in done.stderr
 
     def test_help_teaches_the_page_auth_and_curl(self):
         command = [sys.executable, "-m", "ncclwatch", "serve", "--help"]
         done = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0
-        for word in ("timeline", "NCCLWATCH_API_TOKEN", "--token-file", "?token=", "curl -H", "--metrics-token", "127.0.0.1:9464"):
+        for word in (
+            "timeline",
+            "NCCLWATCH_API_TOKEN",
+            "--token-file",
+            "?token=",
+            "curl -H",
+            "--metrics-token",
+            "127.0.0.1:9464",
+        ):
             assert word in done.stdout, word

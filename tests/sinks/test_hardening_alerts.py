@@ -21,11 +21,10 @@ import pytest
 from receiver import Receiver, Reply, alert, run
 from support import free_port
 
+from ncclwatch.launcher.run import Alerts
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.sinks.delivery import Dispatcher
 from ncclwatch.watchdog.sinks.webhooks import WebhookSink
-
-from ncclwatch.launcher.run import Alerts
 
 FAST = (0.01, 0.02, 0.05)
 KEY = "ncclwatch-hang-train-0123456789ab"
@@ -112,7 +111,9 @@ class TestWrapperAfterTheJob:
         assert "retrying for up to 30 s" in err and "alerts delivered" in err and "next run" not in err
 
     def test_after_the_bounded_retry_the_spool_is_left_for_the_agent(self, tmp_path: Path, capsys):
-        settings = Settings(bundle_dir=tmp_path, webhook_url=f"http://127.0.0.1:{free_port()}/hook", alert_drain_timeout=4)
+        settings = Settings(
+            bundle_dir=tmp_path, webhook_url=f"http://127.0.0.1:{free_port()}/hook", alert_drain_timeout=4
+        )
 
         async def go():
             async with Alerts(settings) as alerts:
@@ -136,8 +137,11 @@ class TestNodeAgent:
         env = {**os.environ, "NCCLWATCH_WEBHOOK_URL": hook, "NCCLWATCH_ALERT_RETRY_INTERVAL": "1"}
         agent = subprocess.Popen(
             [sys.executable, "-m", "ncclwatch", "serve", "--bundle-dir", str(tmp_path), "--listen", "127.0.0.1:0"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
         async def receive():
             await asyncio.sleep(2.5)  # down for a while: the agent's first tries fail

@@ -7,8 +7,8 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.hang.report import Report
+from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.sinks.alert import SUMMARY_MAX, Alert, dedup_key_for, resolve_for, trigger_from_report
 
 HANG = "2026-11-22T10:00:00.000+00:00"

@@ -15,7 +15,15 @@ from receiver import Receiver, Reply, Seen, alert, run
 from support import free_port
 
 from ncclwatch.watchdog.sinks.alert import Alert, resolve_for
-from ncclwatch.watchdog.sinks.webhooks import SlackSink, WebhookSink, outcome, post, retry_after_s, sign, verify_signature
+from ncclwatch.watchdog.sinks.webhooks import (
+    SlackSink,
+    WebhookSink,
+    outcome,
+    post,
+    retry_after_s,
+    sign,
+    verify_signature,
+)
 
 SECRET = "s3cret-hmac-key"
 

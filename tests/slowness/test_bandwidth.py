@@ -11,6 +11,8 @@ import pytest
 from conftest import DATA, NOW
 
 from ncclwatch.bus_bandwidth import algbw, bus_factor, busbw
+from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState
+from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
 from ncclwatch.watchdog.slowness.bandwidth import (
     comm_bandwidth,
     element_bytes,
@@ -21,15 +23,22 @@ from ncclwatch.watchdog.slowness.bandwidth import (
 )
 from ncclwatch.watchdog.slowness.findings import PerfKind, pages
 from ncclwatch.watchdog.slowness.links import slow_links
-from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState
-from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
 
 T0 = int(NOW * 1e9)
 MiB = 1 << 20
 
 
-def entry(seq: int, *, pg: str = "0", op: str = "AllReduce", numel: int = 64 * MiB, created_ms: float = 0.0,
-          duration_ms: float | None = None, state: OpState = OpState.completed, out_numel: int | None = None) -> FrEntry:  # fmt: skip
+def entry(
+    seq: int,
+    *,
+    pg: str = "0",
+    op: str = "AllReduce",
+    numel: int = 64 * MiB,
+    created_ms: float = 0.0,
+    duration_ms: float | None = None,
+    state: OpState = OpState.completed,
+    out_numel: int | None = None,
+) -> FrEntry:
     name = {"AllReduce": "nccl:all_reduce", "AllGather": "nccl:_allgather_base"}[op]
     return FrEntry(
         index=seq,
@@ -66,7 +75,16 @@ class TestBusBandwidth:
         assert busbw("AllReduce", 1 << 30, 8, 0.0) is None
 
     def test_element_sizes_from_torch_names_and_nccl_numbers(self):
-        assert [element_bytes(d) for d in ("Float", "float", "BFloat16", "Long", "Float8_e4m3fn", "7", "9", "4")] == [4, 4, 2, 8, 1, 4, 2, 8]
+        assert [element_bytes(d) for d in ("Float", "float", "BFloat16", "Long", "Float8_e4m3fn", "7", "9", "4")] == [
+            4,
+            4,
+            2,
+            8,
+            1,
+            4,
+            2,
+            8,
+        ]
         assert element_bytes("Quantum") is None and element_bytes(None) is None
 
     def test_all_gather_size_is_the_whole_output(self):
@@ -77,7 +95,11 @@ class TestBusBandwidth:
         raw = (DATA / "flight_recorder" / "torch2.11_nccl_1gpu_json_rank_0").read_bytes()
         (fr,) = parse_flight_recorder(raw, "torch2.11_nccl_1gpu_json_rank_0")
         first = fr.entries[0]
-        assert (first.op, fr_collective_bytes(first), first.duration_ms) == ("AllReduce", 32, pytest.approx(0.0176, abs=1e-4))
+        assert (first.op, fr_collective_bytes(first), first.duration_ms) == (
+            "AllReduce",
+            32,
+            pytest.approx(0.0176, abs=1e-4),
+        )
 
 
 class TestMatching:
@@ -104,11 +126,15 @@ class TestMatching:
         assert t.busbw is None and t.skew_s == pytest.approx(0.003)
 
 
-def history(pg: str, ranks: list[int], n: int, duration_ms: float, *, last_ms: float | None = None, slow: int = 3) -> list[FrDump]:
+def history(
+    pg: str, ranks: list[int], n: int, duration_ms: float, *, last_ms: float | None = None, slow: int = 3
+) -> list[FrDump]:
     """``n`` 256 MiB all-reduces on a group, each taking ``duration_ms`` (the last ``slow`` ones ``last_ms``)."""
     out = []
     for r in ranks:
-        entries = [entry(s, pg=pg, duration_ms=last_ms if (s > n - slow and last_ms) else duration_ms) for s in range(1, n + 1)]
+        entries = [
+            entry(s, pg=pg, duration_ms=last_ms if (s > n - slow and last_ms) else duration_ms) for s in range(1, n + 1)
+        ]
         out.append(dump(r, entries, {pg: ranks}))
     return out
 
@@ -119,7 +145,10 @@ class TestSlowCollective:
         (finding,) = slow_collectives(timings, hosts={0: "n0", 1: "n1"})
         assert finding.kind is PerfKind.slow_collective and finding.ranks == (0, 1) and finding.hosts == ("n0", "n1")
         assert finding.measured / finding.expected == pytest.approx(0.05)
-        assert "AllReduce #12 of process group 0 (256.0 MiB, 2 ranks) and the 2 before it ran at 6.71 GB/s" in finding.summary
+        assert (
+            "AllReduce #12 of process group 0 (256.0 MiB, 2 ranks) and the 2 before it ran at 6.71 GB/s"
+            in finding.summary
+        )
         assert "5% of their usual" in finding.summary
 
     def test_one_slow_collective_is_a_hiccup(self):
@@ -134,12 +163,16 @@ class TestSlowCollective:
         assert slow_collectives(match_collectives(history("0", [0, 1], 4, 2.0, last_ms=40.0))) == []
 
     def test_small_collectives_are_not_judged(self):
-        dumps = [dump(r, [entry(s, numel=64, duration_ms=40.0 if s == 10 else 2.0) for s in range(1, 11)]) for r in (0, 1)]
+        dumps = [
+            dump(r, [entry(s, numel=64, duration_ms=40.0 if s == 10 else 2.0) for s in range(1, 11)]) for r in (0, 1)
+        ]
         assert slow_collectives(match_collectives(dumps)) == []
 
     def test_a_running_collective_far_past_its_usual_time(self):
         dumps = history("0", [0, 1], 10, 2.0)
-        running = [dump(r, d.entries + [entry(11, created_ms=r * 1.0, state=OpState.started)]) for r, d in enumerate(dumps)]
+        running = [
+            dump(r, d.entries + [entry(11, created_ms=r * 1.0, state=OpState.started)]) for r, d in enumerate(dumps)
+        ]
         timings = match_collectives(running)
         started = timings[-1].started_ns
         assert slow_collectives(timings, now_ns=started + int(5e9)) == []  # under min_elapsed_s
@@ -184,7 +217,9 @@ class TestSlowLink:
         comms = comm_bandwidth(timings)
         assert comms[("dp0", "AllReduce")] == pytest.approx(10 * comms[("dp1", "AllReduce")])
         ranks = rank_bandwidth(timings)
-        assert ranks[0] == pytest.approx(comms[("dp0", "AllReduce")]) and ranks[5] == pytest.approx(comms[("dp1", "AllReduce")])
+        assert ranks[0] == pytest.approx(comms[("dp0", "AllReduce")]) and ranks[5] == pytest.approx(
+            comms[("dp1", "AllReduce")]
+        )
 
 
 def test_paging_settings_come_from_the_environment():

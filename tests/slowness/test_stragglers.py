@@ -17,11 +17,17 @@ import textwrap
 import pytest
 from conftest import NOW
 
-from ncclwatch.watchdog.slowness.bandwidth import match_collectives
-from ncclwatch.watchdog.slowness.findings import PerfKind
-from ncclwatch.watchdog.slowness.stragglers import arrival_round, collective_arrivals, collective_series, last_arrivals, stragglers
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, OpState
 from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
+from ncclwatch.watchdog.slowness.bandwidth import match_collectives
+from ncclwatch.watchdog.slowness.findings import PerfKind
+from ncclwatch.watchdog.slowness.stragglers import (
+    arrival_round,
+    collective_arrivals,
+    collective_series,
+    last_arrivals,
+    stragglers,
+)
 
 
 def rounds(n: int, late: dict[int, float], ranks: int = 4, period: float = 1.0) -> list[dict[int, float]]:
@@ -71,19 +77,36 @@ def step_dumps(steps: int, late_rank: int, late_s: float = 0.05) -> list[FrDump]
                 seq = 3 * step + i + 1
                 first = late_s if rank == late_rank else 0.0
                 at = step * 0.2 + (late_s + 0.001 * i if i else first)
-                entries.append(FrEntry(index=seq, pg_id="0", collective_seq_id=seq, profiling_name=op, op=op, is_p2p=False,
-                                       input_sizes=[[numel]], output_sizes=[[numel]], input_dtypes=["Float"],
-                                       output_dtypes=["Float"], state=OpState.scheduled,
-                                       time_created_ns=int((NOW + at) * 1e9) + rank * 1000))  # fmt: skip
-        dumps.append(FrDump(rank=rank, version="2.10", process_groups={}, entries=entries, cite=Citation(file=f"fr_{rank}")))
+                entries.append(
+                    FrEntry(
+                        index=seq,
+                        pg_id="0",
+                        collective_seq_id=seq,
+                        profiling_name=op,
+                        op=op,
+                        is_p2p=False,
+                        input_sizes=[[numel]],
+                        output_sizes=[[numel]],
+                        input_dtypes=["Float"],
+                        output_dtypes=["Float"],
+                        state=OpState.scheduled,
+                        time_created_ns=int((NOW + at) * 1e9) + rank * 1000,
+                    )
+                )
+        dumps.append(
+            FrDump(rank=rank, version="2.10", process_groups={}, entries=entries, cite=Citation(file=f"fr_{rank}"))
+        )
     return dumps
 
 
 class TestArrivalSeries:
     def test_each_recurring_collective_is_a_series_named_for_people(self):
         series = collective_series(match_collectives(step_dumps(12, late_rank=1)))
-        assert list(series) == ["AllReduce (4.0 MiB) of process group 0", "AllReduce (256 B) of process group 0",
-                                "Broadcast (16 B) of process group 0"]  # fmt: skip
+        assert list(series) == [
+            "AllReduce (4.0 MiB) of process group 0",
+            "AllReduce (256 B) of process group 0",
+            "Broadcast (16 B) of process group 0",
+        ]
         assert all(len(rounds) == 12 for rounds in series.values())
 
     def test_late_at_a_step_first_collective_only_is_a_straggler_there_not_over_all_collectives(self):
@@ -94,7 +117,10 @@ class TestArrivalSeries:
         (finding,) = stragglers(collective_arrivals(series[what], what=what))
         assert finding.ranks == (1,)
         assert "was last in 20 of the last 20 collectives at AllReduce (4.0 MiB) of process group 0" in finding.summary
-        assert [stragglers(collective_arrivals(ts, what=name)) for name, ts in series.items() if name != what] == [[], []]
+        assert [stragglers(collective_arrivals(ts, what=name)) for name, ts in series.items() if name != what] == [
+            [],
+            [],
+        ]
 
 
 JOB = textwrap.dedent(
@@ -133,8 +159,14 @@ def gloo_dumps(tmp_path_factory) -> list[FrDump]:
     port = _free_port()
     procs = []
     for rank in range(3):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "TORCH_FR_BUFFER_SIZE": "200"}  # fmt: skip
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "3",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCH_FR_BUFFER_SIZE": "200",
+        }
         procs.append(subprocess.Popen([sys.executable, "-c", JOB, str(out)], env=env, stderr=subprocess.PIPE))
     for proc in procs:
         _, err = proc.communicate(timeout=120)

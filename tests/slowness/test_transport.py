@@ -6,10 +6,10 @@ from dataclasses import replace
 
 from conftest import CAPTURES, DATA
 
-from ncclwatch.watchdog.slowness.links import hca_spec_entries, rank_links, transport_anomalies
-from ncclwatch.watchdog.slowness.findings import PerfKind
 from ncclwatch.watchdog.events import ProcKey
 from ncclwatch.watchdog.parsing.transport import TransportScanner, parse_transport
+from ncclwatch.watchdog.slowness.findings import PerfKind
+from ncclwatch.watchdog.slowness.links import hca_spec_entries, rank_links, transport_anomalies
 
 LOGS = DATA / "transport"
 
@@ -24,7 +24,13 @@ class TestParse:
         records = [r for f in files for r in parse_transport(f.read_bytes())]
         assert [(r.rank, r.nranks, r.nnodes, r.local_ranks) for r in records] == [(0, 2, 1, 2), (1, 2, 1, 2)]
         first = records[0]
-        assert (first.network, first.ib_absent, first.coll_channels, first.nvls_channels, first.p2p_channels) == ("Socket", True, 24, 0, 32)
+        assert (first.network, first.ib_absent, first.coll_channels, first.nvls_channels, first.p2p_channels) == (
+            "Socket",
+            True,
+            24,
+            0,
+            32,
+        )
         assert first.connections == {"P2P/CUMEM": 56} and first.socket_devices[0].name == "eth0"
         assert first.comm_ptr == "0x450e4fb0" and first.links() == ()
 
@@ -32,7 +38,10 @@ class TestParse:
         records = facts("healthy-ib.log")
         assert len(records) == 4
         r0 = records[0]
-        assert [(d.index, d.name, d.port, d.link_layer) for d in r0.ib_devices] == [(0, "mlx5_0", 1, "IB"), (1, "mlx5_1", 1, "IB")]
+        assert [(d.index, d.name, d.port, d.link_layer) for d in r0.ib_devices] == [
+            (0, "mlx5_0", 1, "IB"),
+            (1, "mlx5_1", 1, "IB"),
+        ]
         assert r0.connections == {"P2P/CUMEM": 16, "NET/IB": 32} and r0.gdr is True
         assert r0.links() == ("mlx5_0/1", "mlx5_1/1")
         assert rank_links(records) == {r: ("mlx5_0/1", "mlx5_1/1") for r in range(4)}
@@ -42,7 +51,10 @@ class TestParse:
         assert {r.network for r in node2} == {"Socket"} and node2[0].connections["NET/Socket"] == 32
         assert node2[0].socket_threads == (2, 8) and node2[0].links() == ("eth0",)
         shm = [r for r in facts("p2p-disabled-node2.log") if r.proc.host == "node2"][0]
-        assert shm.connections == {"SHM": 16, "NET/IB": 32} and shm.p2p_disabled == "NCCL_P2P_DISABLE set by environment to 1"
+        assert (
+            shm.connections == {"SHM": 16, "NET/IB": 32}
+            and shm.p2p_disabled == "NCCL_P2P_DISABLE set by environment to 1"
+        )
 
     def test_incremental_feed_across_line_breaks_matches_whole_file(self):
         data = (LOGS / "healthy-ib.log").read_bytes()
@@ -53,17 +65,28 @@ class TestParse:
         assert scanner.facts() == parse_transport(data)
 
     def test_other_formats_p2p_variants_and_proxy_ranks(self):
-        lines = "\n".join([
-            "h:1:1 [0] NCCL INFO comm 0xa rank 0 nRanks 4 nNodes 1 localRanks 4 localRank 0 MNNVL 0",
-            "h:1:1 [0] NCCL INFO 2 coll channels, 0 nvls channels, 2 p2p channels, 2 p2p channels per peer",  # 2.18
-            "h:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC/read",
-            "h:1:1 [0] NCCL INFO Channel 01/0 : 0[0] -> 2[2] via P2P/indirect/1[1]",
-            "h:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 3[3] via P2P/direct pointer",
-            "h:1:1 [0] NCCL INFO Channel 01/1 : 0[0] -> 5[5] [send] via NET/IB/3(1)/GDRDMA(PCI)/Shared",
-            "[2026-04-28 14:14:42] h:1:1 [0] NCCL INFO Channel 02 : 0[0] -> 1[1] via SHM/direct",
-        ]) + "\n"  # fmt: skip
+        lines = (
+            "\n".join(
+                [
+                    "h:1:1 [0] NCCL INFO comm 0xa rank 0 nRanks 4 nNodes 1 localRanks 4 localRank 0 MNNVL 0",
+                    "h:1:1 [0] NCCL INFO 2 coll channels, 0 nvls channels, 2 p2p channels, 2 p2p channels per peer",  # 2.18
+                    "h:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC/read",
+                    "h:1:1 [0] NCCL INFO Channel 01/0 : 0[0] -> 2[2] via P2P/indirect/1[1]",
+                    "h:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 3[3] via P2P/direct pointer",
+                    "h:1:1 [0] NCCL INFO Channel 01/1 : 0[0] -> 5[5] [send] via NET/IB/3(1)/GDRDMA(PCI)/Shared",
+                    "[2026-04-28 14:14:42] h:1:1 [0] NCCL INFO Channel 02 : 0[0] -> 1[1] via SHM/direct",
+                ]
+            )
+            + "\n"
+        )
         (r,) = parse_transport(lines)
-        assert r.coll_channels == 2 and r.connections == {"P2P/IPC": 1, "P2P/indirect": 1, "P2P/direct": 1, "NET/IB": 1, "SHM": 1}
+        assert r.coll_channels == 2 and r.connections == {
+            "P2P/IPC": 1,
+            "P2P/indirect": 1,
+            "P2P/direct": 1,
+            "NET/IB": 1,
+            "SHM": 1,
+        }
         assert r.net_devices_used == (3,) and r.gdr is True
 
 
@@ -91,8 +114,13 @@ class TestAnomalies:
         found = {f.key: f for f in transport_anomalies(facts("missing-hca-node2.log"), global_ranks=GLOBAL)}
         assert set(found) == {"transport-hcas-node2", "transport-channels-node2", "transport-ib_hca-node2"}
         assert found["transport-hcas-node2"].links == ("mlx5_1",)
-        assert "8 channels" in found["transport-channels-node2"].summary and "have 16" in found["transport-channels-node2"].summary
-        assert "did not find mlx5_1:1 named in NCCL_IB_HCA==mlx5_0:1,mlx5_1:1" in found["transport-ib_hca-node2"].summary
+        assert (
+            "8 channels" in found["transport-channels-node2"].summary
+            and "have 16" in found["transport-channels-node2"].summary
+        )
+        assert (
+            "did not find mlx5_1:1 named in NCCL_IB_HCA==mlx5_0:1,mlx5_1:1" in found["transport-ib_hca-node2"].summary
+        )
         assert found["transport-ib_hca-node2"].ranks == (2, 3)
 
     def test_each_process_is_held_to_its_own_ib_hca(self):

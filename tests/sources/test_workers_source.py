@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from ncclwatch.watchdog.sources.workers import WorkerSource
 from ncclwatch.watchdog.events import Event, ProcessState, WorkerGone, WorkerSeen
+from ncclwatch.watchdog.sources.workers import WorkerSource
 
 LAUNCHER = textwrap.dedent(
     """
@@ -39,7 +39,9 @@ LAUNCHER = textwrap.dedent(
 
 @pytest.fixture
 def launcher():
-    process = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     yield process
     import psutil
 

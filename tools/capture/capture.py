@@ -17,6 +17,7 @@ Output layout: see README.md beside this file. Only the standard library is
 needed here; pynvml (nvidia-ml-py) and py-spy are used when present and their
 absence is recorded, not fatal.
 """
+
 import argparse
 import concurrent.futures
 import glob
@@ -65,7 +66,7 @@ class Log:
 
 def read_text(path, default=None):
     try:
-        with open(path, "r", errors="replace") as f:
+        with open(path, errors="replace") as f:
             return f.read()
     except OSError:
         return default
@@ -96,7 +97,7 @@ def children_of(ppid):
         if not st:
             continue
         try:
-            fields = st[st.rindex(")") + 2:].split()
+            fields = st[st.rindex(")") + 2 :].split()
             if int(fields[1]) == ppid:
                 out.append(int(p))
         except (ValueError, IndexError):
@@ -125,9 +126,13 @@ def find_workers(torchrun_pid):
         env = proc_environ(pid)
         if "RANK" in env:
             r = int(env["RANK"])
-            workers[r] = {"rank": r, "local_rank": int(env.get("LOCAL_RANK", r)),
-                          "world_size": int(env.get("WORLD_SIZE", 0)), "pid": pid,
-                          "group_rank": int(env.get("GROUP_RANK", 0))}
+            workers[r] = {
+                "rank": r,
+                "local_rank": int(env.get("LOCAL_RANK", r)),
+                "world_size": int(env.get("WORLD_SIZE", 0)),
+                "pid": pid,
+                "group_rank": int(env.get("GROUP_RANK", 0)),
+            }
     return workers
 
 
@@ -151,8 +156,11 @@ def run_cmd(cmd, timeout=15):
     except FileNotFoundError as e:
         return 127, "", str(e)
     except subprocess.TimeoutExpired as e:
-        return 124, (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""), \
-            f"timeout after {timeout}s"
+        return (
+            124,
+            (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""),
+            f"timeout after {timeout}s",
+        )
 
 
 def write_json(path, obj):
@@ -210,8 +218,11 @@ def fr_trigger(d, workers, log, wait_s):
             break
         last_sizes = sizes
         time.sleep(0.25)
-    got = sorted(int(p.rsplit("_", 1)[1]) for p in glob.glob(os.path.join(fr_dir, "nccl_trace_rank_*"))
-                 if p.rsplit("_", 1)[1].isdigit())
+    got = sorted(
+        int(p.rsplit("_", 1)[1])
+        for p in glob.glob(os.path.join(fr_dir, "nccl_trace_rank_*"))
+        if p.rsplit("_", 1)[1].isdigit()
+    )
     log(f"fr: dumps present for ranks {got} after {time.time() - t0:.2f}s (expected {expected})")
     return got
 
@@ -385,8 +396,11 @@ def capture_ras(d, log):
     for name, js in (("ras.txt", False), ("ras.json", True)):
         if js and res.get("ras.txt", {}).get("no_answer"):
             # the server accepted but never answered the handshake: do not spend more timeouts on it
-            report, transcript, err = None, ["skipped: the text query got no handshake answer"], \
-                "skipped: the text query got no handshake answer"
+            report, transcript, err = (
+                None,
+                ["skipped: the text query got no handshake answer"],
+                "skipped: the text query got no handshake answer",
+            )
         else:
             report, transcript, err = ras_query(js, log)
             if err and not any(" < " in t for t in transcript) and "refused" not in err:
@@ -411,8 +425,12 @@ def capture_ras(d, log):
                 valid = True
             except ValueError:
                 valid = False
-        res[name] = {"bytes": len(report) if report is not None else None, "error": err, "json_valid": valid,
-                     "no_answer": bool(err) and not any(" < " in t for t in transcript)}
+        res[name] = {
+            "bytes": len(report) if report is not None else None,
+            "error": err,
+            "json_valid": valid,
+            "no_answer": bool(err) and not any(" < " in t for t in transcript),
+        }
         log(f"ras: {name}: {res[name]}")
     return res
 
@@ -502,9 +520,14 @@ def capture_proc(d, workers, log):
 
 
 def capture_smi(d, log):
-    rc, out, err = run_cmd(["nvidia-smi",
-                            "--query-gpu=index,utilization.gpu,utilization.memory,power.draw,clocks.sm,memory.used",
-                            "--format=csv,noheader"], timeout=20)
+    rc, out, err = run_cmd(
+        [
+            "nvidia-smi",
+            "--query-gpu=index,utilization.gpu,utilization.memory,power.draw,clocks.sm,memory.used",
+            "--format=csv,noheader",
+        ],
+        timeout=20,
+    )
     if rc == 0:
         with open(os.path.join(d, "smi.csv"), "w") as f:
             f.write(out)
@@ -678,32 +701,67 @@ def run_scenario(name, cfg, port, deadline, progress):
 
     env = dict(os.environ)
     env.update(SAFETY_ENV)
-    env.update({
-        "NCCL_DEBUG": "INFO",
-        "NCCL_DEBUG_SUBSYS": "INIT,COLL",
-        "NCCL_DEBUG_FILE": os.path.join(d, "nccl", "nccl.%h.%p.log"),
-        "TORCH_FR_BUFFER_SIZE": "2000",
-        "TORCH_FR_DUMP_TEMP_FILE": os.path.join(d, "fr", "nccl_trace_rank_"),
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": os.path.join(d, "fr", "pipe_"),
-        "TORCH_NCCL_ENABLE_TIMING": "1",
-        "PYTHONUNBUFFERED": "1",
-    })
-    set_env = {k: env[k] for k in sorted(set(SAFETY_ENV) | {
-        "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE", "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
-        "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_ENABLE_TIMING"})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={port}",
-           f"--log-dir={os.path.join(d, 'torchrun', 'logs')}", "--tee=3",
-           TRAIN, "--dir", d, "--steps", str(steps), "--fault", name, "--fault-rank", str(fault_rank),
-           "--fault-step", str(cfg.fault_step), "--backend", cfg.backend, "--pg-timeout", str(cfg.pg_timeout),
-           "--step-sleep", str(step_sleep)]
+    env.update(
+        {
+            "NCCL_DEBUG": "INFO",
+            "NCCL_DEBUG_SUBSYS": "INIT,COLL",
+            "NCCL_DEBUG_FILE": os.path.join(d, "nccl", "nccl.%h.%p.log"),
+            "TORCH_FR_BUFFER_SIZE": "2000",
+            "TORCH_FR_DUMP_TEMP_FILE": os.path.join(d, "fr", "nccl_trace_rank_"),
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": os.path.join(d, "fr", "pipe_"),
+            "TORCH_NCCL_ENABLE_TIMING": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    set_env = {
+        k: env[k]
+        for k in sorted(
+            set(SAFETY_ENV)
+            | {
+                "NCCL_DEBUG",
+                "NCCL_DEBUG_SUBSYS",
+                "NCCL_DEBUG_FILE",
+                "TORCH_FR_BUFFER_SIZE",
+                "TORCH_FR_DUMP_TEMP_FILE",
+                "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",
+                "TORCH_NCCL_ENABLE_TIMING",
+            }
+        )
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={cfg.nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        f"--log-dir={os.path.join(d, 'torchrun', 'logs')}",
+        "--tee=3",
+        TRAIN,
+        "--dir",
+        d,
+        "--steps",
+        str(steps),
+        "--fault",
+        name,
+        "--fault-rank",
+        str(fault_rank),
+        "--fault-step",
+        str(cfg.fault_step),
+        "--backend",
+        cfg.backend,
+        "--pg-timeout",
+        str(cfg.pg_timeout),
+        "--step-sleep",
+        str(step_sleep),
+    ]
     if cfg.ar_mib is not None:
         cmd += ["--ar-mib", str(cfg.ar_mib)]
     log(f"scenario {name}: {' '.join(cmd)}")
     console = open(os.path.join(d, "torchrun", "console.log"), "wb")
-    tr = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                          cwd=cfg.work)
+    tr = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=cfg.work)
     times["torchrun_pid"] = tr.pid
     workers = {}
     mode = None
@@ -722,9 +780,10 @@ def run_scenario(name, cfg, port, deadline, progress):
                     workers.setdefault(r, w)
                 if len(workers) == cfg.nproc and "workers_up_unix" not in times:
                     times["workers_up_unix"] = now
-                    write_json(os.path.join(d, "ranks.json"), {
-                        "torchrun_pid": tr.pid,
-                        "workers": [workers[r] for r in sorted(workers)]})
+                    write_json(
+                        os.path.join(d, "ranks.json"),
+                        {"torchrun_pid": tr.pid, "workers": [workers[r] for r in sorted(workers)]},
+                    )
                     rank_pids = {r: w["pid"] for r, w in sorted(workers.items())}
                     log(f"workers: rank -> pid {rank_pids}")
             hbs = read_heartbeats(os.path.join(d, "hb"))
@@ -738,8 +797,13 @@ def run_scenario(name, cfg, port, deadline, progress):
                 times["torchrun_exit_unix"] = now
                 log(f"torchrun exited rc={tr.returncode}; heartbeats {dict(hbs)}")
                 break
-            if healthy and not captured and hbs and len(hbs) == cfg.nproc \
-                    and min(s for s, _ in hbs.values()) >= cfg.healthy_capture_step:
+            if (
+                healthy
+                and not captured
+                and hbs
+                and len(hbs) == cfg.nproc
+                and min(s for s, _ in hbs.values()) >= cfg.healthy_capture_step
+            ):
                 mode = "live"
                 log("healthy: live capture while the job runs")
                 cap = capture_all(d, workers, cfg, log, times)
@@ -797,47 +861,84 @@ def run_scenario(name, cfg, port, deadline, progress):
             pass
     m0 = metas.get(0, {})
     scen = {
-        "scenario": name, "fault": name, "fault_rank": None if healthy else fault_rank,
-        "fault_step": None if healthy else cfg.fault_step, "nranks": cfg.nproc, "steps": steps,
-        "step_sleep_s": step_sleep, "torch": m0.get("torch"), "nccl": m0.get("nccl"), "cuda": m0.get("cuda"),
-        "device_name": m0.get("device_name"), "host": m0.get("host", socket.gethostname()),
-        "backend": cfg.backend, "pg_timeout_s": cfg.pg_timeout, "stall_wait_s": cfg.stall_wait,
-        "capture_mode": mode, "torchrun_rc": tr.returncode, "workers_left_alive": left,
+        "scenario": name,
+        "fault": name,
+        "fault_rank": None if healthy else fault_rank,
+        "fault_step": None if healthy else cfg.fault_step,
+        "nranks": cfg.nproc,
+        "steps": steps,
+        "step_sleep_s": step_sleep,
+        "torch": m0.get("torch"),
+        "nccl": m0.get("nccl"),
+        "cuda": m0.get("cuda"),
+        "device_name": m0.get("device_name"),
+        "host": m0.get("host", socket.gethostname()),
+        "backend": cfg.backend,
+        "pg_timeout_s": cfg.pg_timeout,
+        "stall_wait_s": cfg.stall_wait,
+        "capture_mode": mode,
+        "torchrun_rc": tr.returncode,
+        "workers_left_alive": left,
         "heartbeats": {str(r): {"step": s, "time": t} for r, (s, t) in sorted(hbs.items())},
-        "ras": cap.get("ras"), "pyspy": {str(k): v for k, v in (cap.get("pyspy") or {}).items()},
+        "ras": cap.get("ras"),
+        "pyspy": {str(k): v for k, v in (cap.get("pyspy") or {}).items()},
         "worker_states_at_capture": {str(k): v for k, v in (cap.get("worker_states_at_capture") or {}).items()},
-        "env": set_env, "command": cmd,
+        "env": set_env,
+        "command": cmd,
     }
     write_json(os.path.join(d, "scenario.json"), scen)
-    order = ("start_unix", "workers_up_unix", "first_hb_unix", "fault_unix", "last_progress_unix",
-             "stall_detected_unix", "capture_start_unix", "capture_fr_done_unix", "capture_nvml_done_unix",
-             "capture_ras_done_unix", "capture_pyspy_done_unix", "capture_end_unix", "torchrun_exit_unix",
-             "kill_unix", "end_unix")
+    order = (
+        "start_unix",
+        "workers_up_unix",
+        "first_hb_unix",
+        "fault_unix",
+        "last_progress_unix",
+        "stall_detected_unix",
+        "capture_start_unix",
+        "capture_fr_done_unix",
+        "capture_nvml_done_unix",
+        "capture_ras_done_unix",
+        "capture_pyspy_done_unix",
+        "capture_end_unix",
+        "torchrun_exit_unix",
+        "kill_unix",
+        "end_unix",
+    )
     with open(os.path.join(d, "times.txt"), "w") as f:
         for k in order:
             if k in times:
                 f.write(f"{k}={times[k]:.3f}\n")
     dur = times["end_unix"] - times["start_unix"]
-    progress(f"scenario {name}: mode={mode} rc={tr.returncode} hb={ {r: s for r, (s, _) in sorted(hbs.items())} } "
-             f"ras={ {k: (v['bytes'], v['json_valid']) for k, v in (cap.get('ras') or {}).items()} } "
-             f"pyspy={cap.get('pyspy')} left={left} took {dur:.1f}s")
+    progress(
+        f"scenario {name}: mode={mode} rc={tr.returncode} hb={ {r: s for r, (s, _) in sorted(hbs.items())} } "
+        f"ras={ {k: (v['bytes'], v['json_valid']) for k, v in (cap.get('ras') or {}).items()} } "
+        f"pyspy={cap.get('pyspy')} left={left} took {dur:.1f}s"
+    )
     log.close()
     return dur
 
 
 def machine_info(path, cfg):
     parts = []
-    rc, out, err = run_cmd([sys.executable, "-c",
-                            "import torch,sys;print('torch', torch.__version__, 'nccl', "
-                            "torch.cuda.nccl.version() if torch.cuda.is_available() else None, "
-                            "'ngpu', torch.cuda.device_count(), 'py', sys.version.split()[0])"], timeout=60)
+    rc, out, err = run_cmd(
+        [
+            sys.executable,
+            "-c",
+            "import torch,sys;print('torch', torch.__version__, 'nccl', "
+            "torch.cuda.nccl.version() if torch.cuda.is_available() else None, "
+            "'ngpu', torch.cuda.device_count(), 'py', sys.version.split()[0])",
+        ],
+        timeout=60,
+    )
     parts.append(out + err)
     for c in (["nvidia-smi"], ["nvidia-smi", "topo", "-m"], [cfg.pyspy or "py-spy", "--version"], ["uname", "-a"]):
         rc, out, err = run_cmd(c, timeout=20)
         parts.append(f"$ {' '.join(c)}  (rc={rc})\n{out}{err}")
     try:
-        import pynvml  # noqa: F401
         from importlib.metadata import version
+
+        import pynvml  # noqa: F401
+
         parts.append(f"nvidia-ml-py {version('nvidia-ml-py')}")
     except Exception as e:  # noqa: BLE001
         parts.append(f"pynvml: {e}")
@@ -855,14 +956,19 @@ def parse_args(argv=None):
     p.add_argument("--step-sleep", type=float, default=0.2)
     p.add_argument("--healthy-steps", type=int, default=40)
     p.add_argument("--healthy-step-sleep", type=float, default=0.5)
-    p.add_argument("--healthy-capture-step", type=int, default=5,
-                   help="the healthy run is captured live once every rank has passed this step")
+    p.add_argument(
+        "--healthy-capture-step",
+        type=int,
+        default=5,
+        help="the healthy run is captured live once every rank has passed this step",
+    )
     p.add_argument("--fault-step", type=int, default=15)
     p.add_argument("--fault-rank", type=int, default=-1, help="default: last rank")
     p.add_argument("--pg-timeout", type=float, default=300.0)
     p.add_argument("--ar-mib", type=float, default=None, help="override train.py's 64 MiB all_reduce")
-    p.add_argument("--stall-wait", type=float, default=15.0,
-                   help="capture this long after the heartbeats stopped advancing")
+    p.add_argument(
+        "--stall-wait", type=float, default=15.0, help="capture this long after the heartbeats stopped advancing"
+    )
     p.add_argument("--first-hb-timeout", type=float, default=120.0)
     p.add_argument("--scenario-timeout", type=float, default=150.0)
     p.add_argument("--fr-wait", type=float, default=3.0)
@@ -870,8 +976,12 @@ def parse_args(argv=None):
     p.add_argument("--pyspy", default=None, help="py-spy binary (default: PATH, then /tmp/site/bin/py-spy)")
     p.add_argument("--pyspy-timeout", type=float, default=10.0)
     p.add_argument("--budget", type=float, default=0, help="total seconds for all scenarios (0: no limit)")
-    p.add_argument("--min-left", type=float, default=55.0,
-                   help="do not start a scenario with less than this many seconds of budget left")
+    p.add_argument(
+        "--min-left",
+        type=float,
+        default=55.0,
+        help="do not start a scenario with less than this many seconds of budget left",
+    )
     p.add_argument("--port", type=int, default=29600)
     p.add_argument("--tar", default=None, help="pack the work directory into this .tar.gz at the end")
     p.add_argument("--tar-name", default="captures", help="top folder name inside the tarball")
@@ -917,6 +1027,7 @@ def main(argv=None):
                 run_scenario(s, cfg, cfg.port + i, deadline, progress)
             except Exception as e:  # noqa: BLE001
                 import traceback
+
                 progress(f"scenario {s}: driver error {type(e).__name__}: {e}\n{traceback.format_exc()}")
     finally:
         if cfg.progress and os.path.exists(cfg.progress):

@@ -9,6 +9,7 @@ differ, the Flight Recorder's last entries per rank, NVML signature per rank,
 RAS answers (and whether the json parses), py-spy main-thread stacks and
 /proc states. Standard library only (FR dumps are plain-type pickles).
 """
+
 import collections
 import glob
 import json
@@ -17,8 +18,10 @@ import pickle
 import re
 import sys
 
-OP_RE = re.compile(r"NCCL INFO (\w+): opCount (\S+) sendbuff (\S+) recvbuff (\S+) count (\d+) datatype (\d+) "
-                   r"op (\d+) root (-?\d+) comm (\S+)")
+OP_RE = re.compile(
+    r"NCCL INFO (\w+): opCount (\S+) sendbuff (\S+) recvbuff (\S+) count (\d+) datatype (\d+) "
+    r"op (\d+) root (-?\d+) comm (\S+)"
+)
 INIT_RE = re.compile(r"ncclCommInitRank\w* comm (\S+) rank (\d+) nranks (\d+) .*?commId (\S+) - Init COMPLETE")
 
 
@@ -73,9 +76,11 @@ def fr_summary(path, last=6):
     states = collections.Counter(e.get("state") for e in entries)
     lines.append(f"states {dict(states)}")
     for e in entries[-last:]:
-        lines.append(f"  #{e.get('record_id')} pg{e.get('pg_id')} coll_seq {e.get('collective_seq_id')} "
-                     f"p2p_seq {e.get('p2p_seq_id')} {e.get('profiling_name')} in={e.get('input_sizes')} "
-                     f"state={e.get('state')}")
+        lines.append(
+            f"  #{e.get('record_id')} pg{e.get('pg_id')} coll_seq {e.get('collective_seq_id')} "
+            f"p2p_seq {e.get('p2p_seq_id')} {e.get('profiling_name')} in={e.get('input_sizes')} "
+            f"state={e.get('state')}"
+        )
     return "\n".join(lines)
 
 
@@ -93,8 +98,10 @@ def pyspy_main(path):
 def summarize(d):
     print(f"## {os.path.basename(d.rstrip('/'))}")
     scen = load_json(os.path.join(d, "scenario.json"), {})
-    print(f"mode {scen.get('capture_mode')} torchrun_rc {scen.get('torchrun_rc')} fault_rank {scen.get('fault_rank')} "
-          f"fault_step {scen.get('fault_step')} nranks {scen.get('nranks')}")
+    print(
+        f"mode {scen.get('capture_mode')} torchrun_rc {scen.get('torchrun_rc')} fault_rank {scen.get('fault_rank')} "
+        f"fault_step {scen.get('fault_step')} nranks {scen.get('nranks')}"
+    )
     print("heartbeats:", {r: v["step"] for r, v in (scen.get("heartbeats") or {}).items()})
     ranks = load_json(os.path.join(d, "ranks.json"), {})
     pid2rank = {w["pid"]: w["rank"] for w in ranks.get("workers", [])}
@@ -116,8 +123,10 @@ def summarize(d):
         if div is None:
             print(f"comm {comm}: common prefix of {n} ops identical; lengths {[len(s) for s in seqs.values()]}")
         else:
-            print(f"comm {comm}: first divergence at position {div}: "
-                  + "; ".join(f"r{r}={s[div][0]}({s[div][1]})" for r, s in sorted(seqs.items(), key=str)))
+            print(
+                f"comm {comm}: first divergence at position {div}: "
+                + "; ".join(f"r{r}={s[div][0]}({s[div][1]})" for r, s in sorted(seqs.items(), key=str))
+            )
     for path in sorted(glob.glob(os.path.join(d, "fr", "nccl_trace_rank_*"))):
         print(f"FR {os.path.basename(path)}: {fr_summary(path)}")
     snaps = load_json(os.path.join(d, "nvml.json"))
@@ -125,8 +134,10 @@ def summarize(d):
         s = snaps[-1]
         for g in s["gpus"]:
             who = [pid2rank.get(p["pid"], p["pid"]) for p in g["processes"]]
-            print(f"nvml gpu {g['index']} ranks {who}: util {g['util_gpu_pct']}% power {g['power_w']}W "
-                  f"sm {g['sm_clock_mhz']}MHz gpm {g['gpm']}")
+            print(
+                f"nvml gpu {g['index']} ranks {who}: util {g['util_gpu_pct']}% power {g['power_w']}W "
+                f"sm {g['sm_clock_mhz']}MHz gpm {g['gpm']}"
+            )
     for name in ("ras.txt", "ras.json"):
         p = os.path.join(d, "ras", name)
         if os.path.exists(p):
@@ -144,8 +155,21 @@ def summarize(d):
     ras_txt = os.path.join(d, "ras", "ras.txt")
     if os.path.exists(ras_txt):
         for line in open(ras_txt, errors="replace"):
-            if any(k in line for k in ("MISMATCH", "operation", "Rank ", "launched", "Warnings", "Errors",
-                                       "DEAD", "NOT RESPONDING", "INCOMPLETE", "does not")):
+            if any(
+                k in line
+                for k in (
+                    "MISMATCH",
+                    "operation",
+                    "Rank ",
+                    "launched",
+                    "Warnings",
+                    "Errors",
+                    "DEAD",
+                    "NOT RESPONDING",
+                    "INCOMPLETE",
+                    "does not",
+                )
+            ):
                 print("  RAS| " + line.rstrip())
     for path in sorted(glob.glob(os.path.join(d, "pyspy", "pyspy.*.json"))):
         pid = int(path.split(".")[-2])

@@ -26,6 +26,7 @@ Just before injecting, the faulty rank writes <dir>/fault.<rank> with
 --backend gloo runs the same job on CPU (for dry runs of the capture driver
 on a machine without GPUs; spin_kernel then degrades to time.sleep).
 """
+
 import argparse
 import datetime
 import json
@@ -94,17 +95,29 @@ def main(argv=None):
         device = torch.device("cpu")
 
     meta = {
-        "rank": rank, "local_rank": local_rank, "world_size": world, "pid": os.getpid(),
-        "host": socket.gethostname(), "backend": args.backend,
-        "torch": torch.__version__, "nccl": nccl_version_str() if args.backend == "nccl" else None,
+        "rank": rank,
+        "local_rank": local_rank,
+        "world_size": world,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "backend": args.backend,
+        "torch": torch.__version__,
+        "nccl": nccl_version_str() if args.backend == "nccl" else None,
         "cuda": torch.version.cuda,
         "device_name": torch.cuda.get_device_name(local_rank) if args.backend == "nccl" else "cpu",
-        "fault": args.fault, "fault_rank": fault_rank, "fault_step": args.fault_step, "steps": args.steps,
+        "fault": args.fault,
+        "fault_rank": fault_rank,
+        "fault_step": args.fault_step,
+        "steps": args.steps,
         "start_unix": time.time(),
     }
     write_atomic(os.path.join(args.dir, f"meta.{rank}.json"), json.dumps(meta, indent=1))
-    print(f"[train] rank {rank}/{world} pid {os.getpid()} device {device} fault={args.fault} "
-          f"fault_rank={fault_rank} fault_step={args.fault_step}", file=sys.stderr, flush=True)
+    print(
+        f"[train] rank {rank}/{world} pid {os.getpid()} device {device} fault={args.fault} "
+        f"fault_rank={fault_rank} fault_step={args.fault_step}",
+        file=sys.stderr,
+        flush=True,
+    )
 
     dist.init_process_group(backend=args.backend, timeout=datetime.timedelta(seconds=args.pg_timeout))
 

@@ -52,9 +52,9 @@ from ncclwatch.watchdog.cluster.view import (
     may_lead,
     pager_order,
 )
+from ncclwatch.watchdog.events import Event
 from ncclwatch.watchdog.hang.classify import Decision
 from ncclwatch.watchdog.hang.state import JobState
-from ncclwatch.watchdog.events import Event
 
 log = logging.getLogger("ncclwatch")
 
@@ -71,7 +71,9 @@ PERF_WAIT_S = 3.0
 # answering member to show it has the verdict: on the H100 a member that had not read it yet judged alone once
 # the store was gone and wrote a conflicting bundle.
 HANDOFF_S = 5.0
-FOLLOWED_PHASES = frozenset({"paged", "ended"})  # a member's summary phase once it follows the verdict (or its job ended)
+FOLLOWED_PHASES = frozenset(
+    {"paged", "ended"}
+)  # a member's summary phase once it follows the verdict (or its job ended)
 VERDICT_ROWS = 64  # rank rows a shared verdict carries (culprits first); the leader's bundle has them all
 GATHER_POLL_S = 0.2
 
@@ -138,14 +140,23 @@ def trimmed(decision: Decision) -> Decision:
     culprits = set(finding.culprits)
     rows = sorted(finding.rows, key=lambda r: r.rank not in culprits)[:VERDICT_ROWS]
     note = f"{len(finding.rows) - VERDICT_ROWS} more rank rows in the leader's bundle"
-    return replace(decision, finding=replace(finding, rows=tuple(sorted(rows, key=lambda r: r.rank)), missing=finding.missing + (note,)))
+    return replace(
+        decision,
+        finding=replace(finding, rows=tuple(sorted(rows, key=lambda r: r.rank)), missing=finding.missing + (note,)),
+    )
 
 
 class Cluster:
     """This sidecar's side of the exchange; one store connection, requests serialised."""
 
-    def __init__(self, membership: Membership, host: str, clock: Callable[[], float] = time.time,
-                 client: StoreClient | None = None, serves_store: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        membership: Membership,
+        host: str,
+        clock: Callable[[], float] = time.time,
+        client: StoreClient | None = None,
+        serves_store: bool = False,
+    ) -> None:
         self.membership = membership
         self.host = host
         self.clock = clock
@@ -224,9 +235,13 @@ class Cluster:
         previous = self.view if self.view is not None and self.view.leader == self.me else None
         view = compose(previous, self.me, self.membership.nnodes, self.summaries, fresh, own, now - self._joined_at)
         if previous is None:  # taking over (or the first view): a new term
-            view = view.model_copy(update={"term": self.view.term + 1 if self.view else 0,
-                                           "seq": self.view.seq + 1 if self.view else 0,
-                                           "incident": self.view.incident if self.view else None})  # fmt: skip
+            view = view.model_copy(
+                update={
+                    "term": self.view.term + 1 if self.view else 0,
+                    "seq": self.view.seq + 1 if self.view else 0,
+                    "incident": self.view.incident if self.view else None,
+                }
+            )
         await self._publish(view)
 
     async def _publish(self, view: JobView) -> bool:
@@ -280,8 +295,9 @@ class Cluster:
     def answering(self) -> set[int]:
         """The other nodes whose sidecars publish and whose jobs run: their evidence is worth waiting for."""
         now = self.clock()
-        return {n for n, at in self._changed_at.items()
-                if now - at <= LOST_AFTER_S and self.summaries[n].phase != "ended"}  # fmt: skip
+        return {
+            n for n, at in self._changed_at.items() if now - at <= LOST_AFTER_S and self.summaries[n].phase != "ended"
+        }
 
     def job_started_at(self, own: float) -> float:
         """When the job's first sidecar started: the same on every node, so a page keyed on it deduplicates
@@ -309,8 +325,12 @@ class Cluster:
         return found
 
     async def open_incident(
-        self, opened_at: float, want: list[int] | None = None, judging: bool = True, since: dict[str, int] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        opened_at: float,
+        want: list[int] | None = None,
+        judging: bool = True,
+        since: dict[str, int] | None = None,
+    ) -> None:
         """The leader's incident, in the view: the others look now; ``want`` asks for full evidence, reaching back
         to ``since`` (``IncidentView.since``); not ``judging`` while the stall is held (a pause), so the members
         go back to their usual pace."""
@@ -338,8 +358,12 @@ class Cluster:
         assert self.view is not None and self.view.incident is not None
         incident = self.view.incident
         shared = SharedVerdict(
-            key=key, opened_at=incident.opened_at, decision=_DECISION.dump_json(trimmed(decision)), response=response, why=why
-        )  # fmt: skip
+            key=key,
+            opened_at=incident.opened_at,
+            decision=_DECISION.dump_json(trimmed(decision)),
+            response=response,
+            why=why,
+        )
         await self.client.set(self.key("verdict"), shared.model_dump_json().encode())
         self._verdicts_read.add(key)
         await self._delete(self._evidence_keys)  # judged: the members need the verdict only
@@ -444,13 +468,22 @@ class Cluster:
         found |= await self._gather("perf", others - set(found), look_at - 2 * interval, 0.0, parse)
         left_out = others - set(found)
         if newly := sorted(left_out - self._perf_left_out):
-            log.warning("performance look: node(s) %s published no record in two intervals: the job-wide view "
-                        "leaves their ranks out", ", ".join(map(str, newly)))  # fmt: skip
+            log.warning(
+                "performance look: node(s) %s published no record in two intervals: the job-wide view "
+                "leaves their ranks out",
+                ", ".join(map(str, newly)),
+            )
         self._perf_left_out = left_out
         return found
 
-    async def _gather(self, what: str, wanted: set[int], since: float, wait_s: float,
-                      parse: Callable[[int, bytes], tuple[float, T] | None]) -> dict[int, T]:  # fmt: skip
+    async def _gather(
+        self,
+        what: str,
+        wanted: set[int],
+        since: float,
+        wait_s: float,
+        parse: Callable[[int, bytes], tuple[float, T] | None],
+    ) -> dict[int, T]:
         """``what`` of each wanted node, versioned at or after ``since``: one MULTI_GET a poll, up to ``wait_s``."""
         deadline = self.clock() + wait_s
         found: dict[int, T] = {}

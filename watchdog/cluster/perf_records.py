@@ -31,8 +31,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from pydantic import BaseModel
 
-from ncclwatch.watchdog.slowness.bandwidth import RankEntry
 from ncclwatch.watchdog.events import OpState, ProcKey, RankTransport, group_label
+from ncclwatch.watchdog.slowness.bandwidth import RankEntry
 
 # Per group and rank.  The straggler detector reads the last 20 rounds of one recurring collective
 # (stragglers.last_arrivals' window) and a data-parallel step issues about three collectives per group
@@ -61,8 +61,17 @@ class PerfRecord(BaseModel):
 
     def rank_entries(self) -> list[RankEntry]:
         return [
-            RankEntry(rank=rank, pg=pg, seq=seq, op=op, created_ns=created, state=state, nbytes=nbytes,
-                      nranks=group.nranks, duration_ms=duration)  # fmt: skip
+            RankEntry(
+                rank=rank,
+                pg=pg,
+                seq=seq,
+                op=op,
+                created_ns=created,
+                state=state,
+                nbytes=nbytes,
+                nranks=group.nranks,
+                duration_ms=duration,
+            )
             for pg, group in self.groups.items()
             for rank, rows in group.ranks.items()
             for seq, created, duration, state, op, nbytes in rows
@@ -73,10 +82,18 @@ class PerfRecord(BaseModel):
 
 
 def perf_record(
-    node: int, host: str, at: float, entries: Iterable[RankEntry], *, descs: Mapping[str, str | None],
-    hosts: Mapping[int, str], links: Mapping[int, Sequence[str]], transport: Sequence[RankTransport] = (),
-    global_ranks: Mapping[ProcKey, int] = {}, ib_active: Sequence[str] = (),
-) -> PerfRecord:  # fmt: skip
+    node: int,
+    host: str,
+    at: float,
+    entries: Iterable[RankEntry],
+    *,
+    descs: Mapping[str, str | None],
+    hosts: Mapping[int, str],
+    links: Mapping[int, Sequence[str]],
+    transport: Sequence[RankTransport] = (),
+    global_ranks: Mapping[ProcKey, int] = {},
+    ib_active: Sequence[str] = (),
+) -> PerfRecord:
     """This node's look as it travels: the newest ``ENTRIES_SHARED`` entries per group and rank."""
     groups: dict[str, GroupRecord] = {}
     for e in sorted(entries, key=lambda e: e.seq):
@@ -85,6 +102,13 @@ def perf_record(
     for group in groups.values():
         group.ranks = {rank: rows[-ENTRIES_SHARED:] for rank, rows in group.ranks.items()}
     return PerfRecord(
-        node=node, host=host, at=at, hosts=dict(hosts), links={r: list(ls) for r, ls in links.items()}, groups=groups,
-        transport=list(transport), global_ranks=list(global_ranks.items()), ib_active=list(ib_active),
-    )  # fmt: skip
+        node=node,
+        host=host,
+        at=at,
+        hosts=dict(hosts),
+        links={r: list(ls) for r, ls in links.items()},
+        groups=groups,
+        transport=list(transport),
+        global_ranks=list(global_ranks.items()),
+        ib_active=list(ib_active),
+    )

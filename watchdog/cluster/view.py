@@ -113,9 +113,14 @@ def pager_order(view: JobView | None, me: int, lost: set[int]) -> list[Contact]:
 
 
 def compose(
-    previous: JobView | None, me: int, nnodes: int, summaries: dict[int, NodeSummary], fresh: set[int],
-    own: NodeSummary, since_start_s: float,
-) -> JobView:  # fmt: skip
+    previous: JobView | None,
+    me: int,
+    nnodes: int,
+    summaries: dict[int, NodeSummary],
+    fresh: set[int],
+    own: NodeSummary,
+    since_start_s: float,
+) -> JobView:
     """The leader's next view from the summaries it read (``fresh``: those that changed lately)."""
     everyone = {**summaries, me: own}
     alive = fresh | {me}
@@ -129,8 +134,18 @@ def compose(
     candidates = [everyone[n].contact() for n in sorted(alive - ended) if n in everyone][:CANDIDATES]
     starts = [s.started_at for s in everyone.values() if s.started_at is not None]
     return JobView(
-        leader=me, term=previous.term if previous else 0, seq=previous.seq + 1 if previous else 0, nnodes=nnodes,
-        joined=len(everyone), started_at=min(starts) if starts else None, lost=lost[:LISTED], lost_count=len(lost),
-        ended=len(ended), probing=probing[:LISTED], probing_count=len(probing), store=store, candidates=candidates,
+        leader=me,
+        term=previous.term if previous else 0,
+        seq=previous.seq + 1 if previous else 0,
+        nnodes=nnodes,
+        joined=len(everyone),
+        started_at=min(starts) if starts else None,
+        lost=lost[:LISTED],
+        lost_count=len(lost),
+        ended=len(ended),
+        probing=probing[:LISTED],
+        probing_count=len(probing),
+        store=store,
+        candidates=candidates,
         incident=previous.incident if previous else None,
-    )  # fmt: skip
+    )

@@ -15,16 +15,18 @@ import json
 import socket
 import time
 
-from ncclwatch.watchdog.slowness.engine import IbPorts, perf_health
+from ncclwatch.watchdog.evidence.base import EvidenceContext, EvidenceRecord, guard, record, write_file
 from ncclwatch.watchdog.probes.infiniband import hca_gpu_map, ib_delta, read_ib_counters
 from ncclwatch.watchdog.probes.nvml import sample_gpus_async
 from ncclwatch.watchdog.probes.ras import query_ras
-from ncclwatch.watchdog.evidence.base import EvidenceContext, EvidenceRecord, guard, record, write_file
+from ncclwatch.watchdog.slowness.engine import IbPorts, perf_health
 
 GPM_WINDOW_S = 1.0
 NVML_TIMEOUT_S = GPM_WINDOW_S + 4.0
 RAS_QUERY_S = 8.0
-RAS_SERVER_TIMEOUT_S = 3  # how long NCCL waits for unresponsive peers before it reports them (a stopped rank: all of it)
+RAS_SERVER_TIMEOUT_S = (
+    3  # how long NCCL waits for unresponsive peers before it reports them (a stopped rank: all of it)
+)
 RAS_TIMEOUT_S = 2 * RAS_QUERY_S + 1.0
 IB_INTERVAL_S = 1.0
 IB_TIMEOUT_S = IB_INTERVAL_S + 4.0

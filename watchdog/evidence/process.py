@@ -17,8 +17,17 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from ncclwatch.watchdog.evidence.base import (
+    EvidenceContext,
+    EvidenceRecord,
+    RankTarget,
+    guard,
+    placeholder,
+    rank_problem,
+    record,
+    write_file,
+)
 from ncclwatch.watchdog.probes.procfs import ProcInfo, ThreadInfo, read_environ, read_proc, read_threads
-from ncclwatch.watchdog.evidence.base import EvidenceContext, EvidenceRecord, RankTarget, guard, placeholder, rank_problem, record, write_file
 
 TIMEOUT_S = 5.0
 # Substrings of variable names whose values never enter a bundle (case-insensitive).

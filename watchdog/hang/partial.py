@@ -39,12 +39,19 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import replace
 
-from ncclwatch.watchdog.hang.types import Fact, Finding, RankStatus
-from ncclwatch.watchdog.hang.verdicts import PRIORITY, Verdict
-from ncclwatch.watchdog.hang.partial_rules import Facts, describe_network, judge_groups, judge_orphans, network_finding, reporter
+from ncclwatch.watchdog.events import CollectiveFingerprint, NetworkError
+from ncclwatch.watchdog.hang.partial_rules import (
+    Facts,
+    describe_network,
+    judge_groups,
+    judge_orphans,
+    network_finding,
+    reporter,
+)
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.hang.step_pattern import learn_steps
-from ncclwatch.watchdog.events import CollectiveFingerprint, NetworkError
+from ncclwatch.watchdog.hang.types import Fact, Finding, RankStatus
+from ncclwatch.watchdog.hang.verdicts import PRIORITY, Verdict
 
 TO_DECIDE = {
     "fr": "Flight Recorder dumps of every rank next time: TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE=/shared/fr/rank_",
@@ -58,7 +65,17 @@ def decide_partial(snapshot: Snapshot) -> Finding | None:
     facts = Facts.collect(snapshot)
     if facts.empty:
         return None
-    candidates = [f for f in (detail_mismatch(facts), dead_peer(facts), *judge_groups(facts), network_finding(facts), judge_orphans(facts)) if f]
+    candidates = [
+        f
+        for f in (
+            detail_mismatch(facts),
+            dead_peer(facts),
+            *judge_groups(facts),
+            network_finding(facts),
+            judge_orphans(facts),
+        )
+        if f
+    ]
     decided = [f for f in candidates if f.verdict != Verdict.inconclusive]
     if decided:
         best = max(decided, key=lambda f: PRIORITY[f.verdict])  # first of equals: the order above
@@ -103,7 +120,11 @@ def detail_mismatch(facts: Facts) -> Finding | None:
             operation=_fp_text(sample),
             position=sample.seq,
             source="pytorch",
-            evidence=tuple(Fact("pytorch", f"rank {fp.rank}: {_fp_text(fp)}", fp.cite) for _, fp in placed.values() if fp is not None)[:8],
+            evidence=tuple(
+                Fact("pytorch", f"rank {fp.rank}: {_fp_text(fp)}", fp.cite)
+                for _, fp in placed.values()
+                if fp is not None
+            )[:8],
             missing=("the logs of the other ranks, to tell which side departs",),
         )
     tie = rest[0][1] == n_common
@@ -114,7 +135,9 @@ def detail_mismatch(facts: Facts) -> Finding | None:
     decided_by = _pattern_decides(sides, placed, facts.history) if tie and len(sides) == 2 else None
     if decided_by is not None:
         culprits, pattern = decided_by
-    described = "; ".join(f"rank{'s' if len(m) > 1 else ''} {', '.join(map(str, m))}: {_side_text(placed, m)}" for m in sides.values())
+    described = "; ".join(
+        f"rank{'s' if len(m) > 1 else ''} {', '.join(map(str, m))}: {_side_text(placed, m)}" for m in sides.values()
+    )
     own = [fp for _, fp in placed.values() if fp is not None]
     seq = next((fp.seq for fp in own if fp.seq), None)
     if culprits and decided_by is not None:
@@ -123,7 +146,9 @@ def detail_mismatch(facts: Facts) -> Finding | None:
         how = f"ranks {list(culprits)} depart from the majority"
     else:
         how = "the ranks split evenly, so the fingerprints alone do not say which side is wrong"
-    suspects = "" if culprits else f" Suspects: {' or '.join(_ranks_text(m) for m in sides.values())} (one side departs)."
+    suspects = (
+        "" if culprits else f" Suspects: {' or '.join(_ranks_text(m) for m in sides.values())} (one side departs)."
+    )
     return Finding(
         verdict=Verdict.collective_mismatch,
         summary=f"Ranks issued different collectives at SeqNum {seq}: {described}.{suspects}",
@@ -133,11 +158,21 @@ def detail_mismatch(facts: Facts) -> Finding | None:
         operation=" vs ".join(_side_text(placed, m) for m in sides.values()),
         comm_label="the process group PyTorch checked (DETAIL reports name no group)",
         source="pytorch",
-        evidence=tuple(Fact("pytorch", f"rank {fp.rank} runs {_fp_text(fp)}", fp.cite) for fp in sorted(own, key=lambda f: f.rank))[:12],
-        missing=() if culprits else ("the DETAIL reports of the other ranks: each names the first rank that differs from it",),
+        evidence=tuple(
+            Fact("pytorch", f"rank {fp.rank} runs {_fp_text(fp)}", fp.cite) for fp in sorted(own, key=lambda f: f.rank)
+        )[:12],
+        missing=()
+        if culprits
+        else ("the DETAIL reports of the other ranks: each names the first rank that differs from it",),
         rows=tuple(
-            RankStatus(rank=r, host=None, pid=None, issued=seq, last_op=_side_text(placed, [r]),
-                       status="mismatch" if r in culprits else "suspect" if not culprits else "ok")  # fmt: skip
+            RankStatus(
+                rank=r,
+                host=None,
+                pid=None,
+                issued=seq,
+                last_op=_side_text(placed, [r]),
+                status="mismatch" if r in culprits else "suspect" if not culprits else "ok",
+            )
             for r in sorted(placed)
         ),
     )
@@ -179,14 +214,26 @@ def _ranks_text(ranks: list[int]) -> str:
 
 # PyTorch's OpType -> the NCCL operation its COLL line prints (a barrier is a one-element all-reduce).
 _NCCL_OP = {
-    "ALLREDUCE": "AllReduce", "ALLREDUCE_COALESCED": "AllReduce", "BARRIER": "AllReduce", "BROADCAST": "Broadcast",
-    "REDUCE": "Reduce", "ALLGATHER": "AllGather", "_ALLGATHER_BASE": "AllGather", "ALLGATHER_COALESCED": "AllGather",
-    "REDUCE_SCATTER": "ReduceScatter", "_REDUCE_SCATTER_BASE": "ReduceScatter", "ALLTOALL": "AlltoAll",
-    "ALLTOALL_BASE": "AlltoAll", "GATHER": "Gather", "SCATTER": "Scatter",
-}  # fmt: skip
+    "ALLREDUCE": "AllReduce",
+    "ALLREDUCE_COALESCED": "AllReduce",
+    "BARRIER": "AllReduce",
+    "BROADCAST": "Broadcast",
+    "REDUCE": "Reduce",
+    "ALLGATHER": "AllGather",
+    "_ALLGATHER_BASE": "AllGather",
+    "ALLGATHER_COALESCED": "AllGather",
+    "REDUCE_SCATTER": "ReduceScatter",
+    "_REDUCE_SCATTER_BASE": "ReduceScatter",
+    "ALLTOALL": "AlltoAll",
+    "ALLTOALL_BASE": "AlltoAll",
+    "GATHER": "Gather",
+    "SCATTER": "Scatter",
+}
 
 
-def _pattern_decides(sides: dict[tuple, list[int]], placed: Placed, history: tuple[str, ...]) -> tuple[tuple[int, ...], str] | None:
+def _pattern_decides(
+    sides: dict[tuple, list[int]], placed: Placed, history: tuple[str, ...]
+) -> tuple[tuple[int, ...], str] | None:
     """An even split of two operations where the step the job repeats (its NCCL lines) issues one and never the other:
     the side that issued the other departs.  The recorded history must reach the mismatch (at least SeqNum - 1
     operations), or it is not the history before it.  None when nothing decides (both or neither in the step)."""
@@ -231,8 +278,18 @@ def dead_peer(facts: Facts) -> Finding | None:
     culprits = set(dead)
     for host in peers:
         culprits |= {r for r, f in facts.failures_by_rank.items() if f.host == host and r in dead}
-    evidence = [Fact("torchrun", f"rank {r} exited with code {f.exitcode}{_signal_name(f.exitcode)} (pid {f.pid}, host {f.host})", f.cite) for r, f in sorted(dead.items())]
-    evidence += [Fact("network", f"{reporter(e)} lost its connection to peer {e.peer}", e.cite) for e in _first_per(closed, lambda e: (e.peer, e.rank))][:8]
+    evidence = [
+        Fact(
+            "torchrun",
+            f"rank {r} exited with code {f.exitcode}{_signal_name(f.exitcode)} (pid {f.pid}, host {f.host})",
+            f.cite,
+        )
+        for r, f in sorted(dead.items())
+    ]
+    evidence += [
+        Fact("network", f"{reporter(e)} lost its connection to peer {e.peer}", e.cite)
+        for e in _first_per(closed, lambda e: (e.peer, e.rank))
+    ][:8]
     if peers:
         names = ", ".join(f"{host} ({n} report{'s' if n > 1 else ''})" for host, n in peers.most_common())
         summary = f"Peer {names} closed its NCCL connections: its process most likely died (or its host dropped off the network)."
@@ -247,7 +304,9 @@ def dead_peer(facts: Facts) -> Finding | None:
         culprits=tuple(sorted(culprits)),
         source="network" if peers else "torchrun",
         evidence=tuple(evidence),
-        missing=() if culprits else ("which rank ran on the peer: the peer's own log, or torchrun's summary from its node",),
+        missing=()
+        if culprits
+        else ("which rank ran on the peer: the peer's own log, or torchrun's summary from its node",),
     )
 
 
@@ -272,7 +331,9 @@ def _first_per(items: Iterable[NetworkError], key) -> list[NetworkError]:  # typ
 def _with_context(finding: Finding, facts: Facts) -> Finding:
     """Network errors and timeouts not already cited, as supporting evidence."""
     cited = {(e.cite.file, e.cite.line) for e in finding.evidence if e.cite}
-    extra = [Fact("network", describe_network(e), e.cite) for e in facts.network if (e.cite.file, e.cite.line) not in cited][:6]
+    extra = [
+        Fact("network", describe_network(e), e.cite) for e in facts.network if (e.cite.file, e.cite.line) not in cited
+    ][:6]
     return replace(finding, evidence=finding.evidence + tuple(extra), rows=finding.rows or facts.rows())
 
 
@@ -282,7 +343,10 @@ def _inconclusive(facts: Facts, partial_views: list[Finding]) -> Finding:
     missing = list(dict.fromkeys(m for f in partial_views for m in f.missing))
     absent = facts.absent_ranks()
     if absent:
-        missing.insert(0, f"the logs of rank {', '.join(map(str, absent[:32]))}{' ...' if len(absent) > 32 else ''} (of {facts.world}): the rank the others wait for may be among them")
+        missing.insert(
+            0,
+            f"the logs of rank {', '.join(map(str, absent[:32]))}{' ...' if len(absent) > 32 else ''} (of {facts.world}): the rank the others wait for may be among them",
+        )
     elif facts.world is None:
         missing.insert(0, "the other ranks' logs (how many ranks the job had is not in the input)")
     if not facts.has_fr:

@@ -74,7 +74,11 @@ def build_groups(timeouts: list[WatchdogTimeout], statuses: list[PgStatus]) -> l
 
     def group(key: str | None, desc: str | None) -> Group:
         if key not in groups:
-            label = "lines without a process-group id" if key is None else f"process group {key}" + (f" ({desc})" if desc else "")
+            label = (
+                "lines without a process-group id"
+                if key is None
+                else f"process group {key}" + (f" ({desc})" if desc else "")
+            )
             groups[key] = Group(key, label)
         return groups[key]
 
@@ -89,7 +93,9 @@ def build_groups(timeouts: list[WatchdogTimeout], statuses: list[PgStatus]) -> l
         if status.last_enqueued is not None:
             info.enqueued = status.last_enqueued if info.enqueued is None else max(info.enqueued, status.last_enqueued)
         if status.last_completed is not None:
-            info.completed = status.last_completed if info.completed is None else min(info.completed, status.last_completed)
+            info.completed = (
+                status.last_completed if info.completed is None else min(info.completed, status.last_completed)
+            )
         info.cites.append(status.cite)
     named = {s.pg: s for s in named_failure.values()}
     for timeout in timeouts:

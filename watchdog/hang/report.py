@@ -8,11 +8,11 @@ import textwrap
 from pydantic import BaseModel, Field
 
 from ncclwatch.watchdog import __version__
-from ncclwatch.watchdog.hang.types import CulpritProcess, Finding
-from ncclwatch.watchdog.hang.verdicts import CATALOGUE, Verdict
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.hang.stacks import CALL_ARROW, call_line, main_thread, short_frame, split_frame, user_frame
+from ncclwatch.watchdog.hang.types import CulpritProcess, Finding
 from ncclwatch.watchdog.hang.verdict import gpu_signature
+from ncclwatch.watchdog.hang.verdicts import CATALOGUE, Verdict
 
 EXIT_NO_HANG = 0
 EXIT_HANG = 1
@@ -100,7 +100,8 @@ class Report(BaseModel):
     verdict: Verdict
     culprit_ranks: list[int]
     culprit_processes: list[CulpritProcess] = Field(
-        default_factory=list, description="culprits named by process (host:pid, GPU) where their rank is not in the input"
+        default_factory=list,
+        description="culprits named by process (host:pid, GPU) where their rank is not in the input",
     )
     communicator: str | None = None
     position: int | None = Field(None, description="1-based sequence number of the operation in its communicator")
@@ -123,11 +124,15 @@ class Report(BaseModel):
     stall_timeout_s: float | None = None
     evidence_files: list[EvidenceFile] = Field(default_factory=list)
     incident_key: str | None = Field(
-        None, description="the same on every node of a multi-node job for one hang (job round + stalled collective): the alert's dedup key"
+        None,
+        description="the same on every node of a multi-node job for one hang (job round + stalled collective): the alert's dedup key",
     )
-    headline: str | None = Field(None, description="one sentence: what happened, which rank, where in its code, what to do next")
+    headline: str | None = Field(
+        None, description="one sentence: what happened, which rank, where in its code, what to do next"
+    )
     response: str | None = Field(
-        None, description="what the live watchdog does about the hang and why: \"restarting (1 of 3)\", \"ending the job: ...\""
+        None,
+        description='what the live watchdog does about the hang and why: "restarting (1 of 3)", "ending the job: ..."',
     )
     actions: list[ActionRecord] = Field(
         default_factory=list,
@@ -213,7 +218,9 @@ def _timeline(finding: Finding, snapshot: Snapshot) -> list[TimelineRow]:
     return sorted(rows, key=lambda r: r.rank)
 
 
-def build_report(finding: Finding, snapshot: Snapshot, inputs: list[InputFile], cited: dict[int, tuple[str, str | None]]) -> Report:
+def build_report(
+    finding: Finding, snapshot: Snapshot, inputs: list[InputFile], cited: dict[int, tuple[str, str | None]]
+) -> Report:
     """``cited`` maps an evidence index to its resolved "file:line" and line text."""
     evidence = []
     for index, item in enumerate(finding.evidence):
@@ -241,7 +248,11 @@ def build_report(finding: Finding, snapshot: Snapshot, inputs: list[InputFile], 
 
 
 def iso(timestamp: float | None) -> str | None:
-    return dt.datetime.fromtimestamp(timestamp, dt.UTC).isoformat(timespec="milliseconds") if timestamp is not None else None
+    return (
+        dt.datetime.fromtimestamp(timestamp, dt.UTC).isoformat(timespec="milliseconds")
+        if timestamp is not None
+        else None
+    )
 
 
 TERMINAL_COLUMNS = 100
@@ -292,20 +303,40 @@ def render_text(report: Report, max_evidence: int = 12, columns: int = TERMINAL_
 def _wrap(text: str, columns: int, indent: str, then: str | None = None) -> list[str]:
     """Wrap at spaces only: a path or a frame longer than a line stays whole on its own line."""
     return textwrap.wrap(
-        text, columns, initial_indent=indent, subsequent_indent=then if then is not None else indent,
-        break_long_words=False, break_on_hyphens=False,
-    ) or [indent.rstrip()]  # fmt: skip
+        text,
+        columns,
+        initial_indent=indent,
+        subsequent_indent=then if then is not None else indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    ) or [indent.rstrip()]
 
 
 _HEADER = ("rank", "host", "pid", "state", "step", "issued", "status", "detail", "stack", "gpu")
 # When the table is too wide: shorten a column (to its next shorter form) or drop it, in this order,
 # until it fits.  "uniform" drops a column whose every row says the same (it tells ranks apart by nothing).
 _NARROWING = (
-    ("shorten", "host"), ("shorten", "gpu"), ("shorten", "detail"), ("shorten", "stack"),
-    ("uniform", "host"), ("uniform", "state"), ("uniform", "step"), ("uniform", "issued"),
-    ("drop", "issued"), ("shorten", "stack"), ("drop", "step"), ("drop", "state"), ("shorten", "gpu"), ("drop", "gpu"),
-    ("shorten", "stack"), ("drop", "host"), ("drop", "detail"), ("drop", "status"), ("drop", "pid"), ("drop", "stack"),
-)  # fmt: skip
+    ("shorten", "host"),
+    ("shorten", "gpu"),
+    ("shorten", "detail"),
+    ("shorten", "stack"),
+    ("uniform", "host"),
+    ("uniform", "state"),
+    ("uniform", "step"),
+    ("uniform", "issued"),
+    ("drop", "issued"),
+    ("shorten", "stack"),
+    ("drop", "step"),
+    ("drop", "state"),
+    ("shorten", "gpu"),
+    ("drop", "gpu"),
+    ("shorten", "stack"),
+    ("drop", "host"),
+    ("drop", "detail"),
+    ("drop", "status"),
+    ("drop", "pid"),
+    ("drop", "stack"),
+)
 
 
 def _table(rows: list[RankRow], columns: int = TERMINAL_COLUMNS) -> list[str]:
@@ -335,8 +366,11 @@ def _table(rows: list[RankRow], columns: int = TERMINAL_COLUMNS) -> list[str]:
     cell = lambda name, row: forms[name][row][min(level[name], len(forms[name][row]) - 1)]
     now_cell = lambda row: now[row][min(level["stack"], len(now[row]) - 1)] if now[row] else ""  # type: ignore[index]
     label = dict(zip(_HEADER, _HEADER)) | ({"stack": "call site"} if any(r.call_site for r in rows) else {})
-    width = lambda name: max(len(label[name]), *(len(cell(name, i)) for i in range(len(rows))),
-                             *(len(now_cell(i)) for i in range(len(rows)) if name == "stack"))  # fmt: skip
+    width = lambda name: max(
+        len(label[name]),
+        *(len(cell(name, i)) for i in range(len(rows))),
+        *(len(now_cell(i)) for i in range(len(rows)) if name == "stack"),
+    )
     fits = lambda: 2 + sum(width(n) for n in keep) + 2 * (len(keep) - 1) <= columns
     for action, name in _NARROWING:
         if fits():
@@ -370,8 +404,13 @@ def _stack_forms(stack: str) -> list[str]:
         if user_frame([inner]) is None:
             return [stack, short_frame(inner), short_frame(inner), name]
         return [stack, short_frame(inner), short_frame(inner), short_frame(inner), _at(inner)]
-    return [stack, f"{short_frame(inner)}{STACK_ARROW}{short_frame(mine)}", f"{name}{STACK_ARROW}{short_frame(mine)}",
-            f"{name}{STACK_ARROW}{_at(mine)}", _at(mine)]  # fmt: skip
+    return [
+        stack,
+        f"{short_frame(inner)}{STACK_ARROW}{short_frame(mine)}",
+        f"{name}{STACK_ARROW}{short_frame(mine)}",
+        f"{name}{STACK_ARROW}{_at(mine)}",
+        _at(mine),
+    ]
 
 
 def _at(frame: str) -> str:
@@ -427,7 +466,9 @@ def headline(report: Report) -> str:
         what = f"{who} {does.format(op=op)}" if does else f"{who}: {report.summary.rstrip('.')}"
         called = _user_site(first.call_site) if first else None
         mine = _user_site(first.stack) if first else None
-        peers = sorted({site for row in report.ranks if row.rank not in culprits and (site := _user_site(row.call_site))})
+        peers = sorted(
+            {site for row in report.ranks if row.rank not in culprits and (site := _user_site(row.call_site))}
+        )
         if called:
             what += f" — issued from {called}" + (f" (py-spy: now at {mine})" if mine and mine != called else "")
         elif mine:
@@ -447,7 +488,11 @@ def headline(report: Report) -> str:
 def _op_at(row: RankRow | None, position: int | None) -> str | None:
     """The operation a rank issued at ``position``, from its row's detail (``#67: AllGather count=64 Float``)."""
     prefix = f"#{position}: "
-    return row.detail[len(prefix) :] if row is not None and position is not None and row.detail.startswith(prefix) else None
+    return (
+        row.detail[len(prefix) :]
+        if row is not None and position is not None and row.detail.startswith(prefix)
+        else None
+    )
 
 
 def _mismatch_words(theirs: str | None, expected: str | None, position: int | None) -> str:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-from ncclwatch.watchdog.hang.state import Communicator, JobState, PeerLog, RankSeq, Source, Worker, fold
 from ncclwatch.watchdog.events import (
     Citation,
     Event,
@@ -29,6 +28,7 @@ from ncclwatch.watchdog.events import (
     WatchdogTimeout,
     WorkerFailure,
 )
+from ncclwatch.watchdog.hang.state import Communicator, JobState, PeerLog, RankSeq, Source, Worker, fold
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,9 @@ class Snapshot:
 
 
 def _peer(log: PeerLog) -> PeerView:
-    return PeerView(log.count, log.base, tuple(log.sigs), MappingProxyType(dict(log.states)), MappingProxyType(dict(log.alone)))
+    return PeerView(
+        log.count, log.base, tuple(log.sigs), MappingProxyType(dict(log.states)), MappingProxyType(dict(log.alone))
+    )
 
 
 def _rank(seq: RankSeq, global_rank: int | None) -> RankView:

@@ -26,32 +26,51 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ncclwatch.watchdog.evidence.citations import resolve_citations
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.hang.classify import Decision
-from ncclwatch.watchdog.hang.types import Finding
-from ncclwatch.watchdog.slowness.findings import PerfFinding
-from ncclwatch.watchdog.hang.report import (
-    TERMINAL_COLUMNS, EvidenceFile, PerfNote, RankRow, Report, build_report, gpu_of, headline, iso, main_frame, render_text,
-)  # fmt: skip
-from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.evidence import EvidenceContext, RankTarget, collect_all
+from ncclwatch.watchdog.evidence.citations import resolve_citations
+from ncclwatch.watchdog.hang.classify import Decision
+from ncclwatch.watchdog.hang.report import (
+    TERMINAL_COLUMNS,
+    EvidenceFile,
+    PerfNote,
+    RankRow,
+    Report,
+    build_report,
+    gpu_of,
+    headline,
+    iso,
+    main_frame,
+    render_text,
+)
+from ncclwatch.watchdog.hang.snapshot import Snapshot
+from ncclwatch.watchdog.hang.types import Finding
 from ncclwatch.watchdog.live.job import LiveView
 from ncclwatch.watchdog.live.runfolder import JOURNAL_NAME, PREFLIGHT_NAME
+from ncclwatch.watchdog.slowness.findings import PerfFinding
 
 log = logging.getLogger("ncclwatch")
 
 
 def live_report(
-    finding: Finding, snapshot: Snapshot, view: LiveView, *, job: str, host: str, started_at: float, held: str | None = None,
+    finding: Finding,
+    snapshot: Snapshot,
+    view: LiveView,
+    *,
+    job: str,
+    host: str,
+    started_at: float,
+    held: str | None = None,
     performance: Sequence[PerfFinding] = (),
-) -> Report:  # fmt: skip
+) -> Report:
     report = build_report(finding, snapshot, inputs=[], cited={})
     rows = {row.rank: row for row in report.ranks}
     for worker in snapshot.workers:  # every node's, when the verdict is job-wide
         row = rows.setdefault(worker.rank, RankRow(rank=worker.rank))
         row.pid, row.host = worker.pid, worker.host or row.host
-        row.state = worker.state + (" (exited)" if worker.gone else "") if worker.state else ("exited" if worker.gone else None)
+        row.state = (
+            worker.state + (" (exited)" if worker.gone else "") if worker.state else ("exited" if worker.gone else None)
+        )
         row.step = worker.step
         row.last_progress_at = iso(view.progress_at.get(worker.pid))
         row.stack = main_frame(snapshot, worker.pid)
@@ -82,7 +101,9 @@ def terminal_text(report: Report, bundle: Path | None = None) -> str:
     """The screen a live verdict prints: the headline first, then the verdict, at most 100 columns."""
     started = dt.datetime.fromisoformat(report.hang_started_at) if report.hang_started_at else None
     detected = dt.datetime.fromisoformat(report.detected_at) if report.detected_at else None
-    wrap = lambda text: textwrap.wrap(text, TERMINAL_COLUMNS, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+    wrap = lambda text: textwrap.wrap(
+        text, TERMINAL_COLUMNS, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
+    )
     lines = [*wrap(report.headline or headline(report)), "=" * 78, render_text(report, max_evidence=6), ""]
     if started and detected:
         lines += wrap(
@@ -109,7 +130,10 @@ def report_markdown(report: Report) -> str:
         ("job", report.job),
         ("host", report.host),
         ("culprit ranks", ", ".join(map(str, report.culprit_ranks)) or "none named"),
-        ("operation", f"{report.operation} (#{report.position} on {report.communicator})" if report.operation else None),
+        (
+            "operation",
+            f"{report.operation} (#{report.position} on {report.communicator})" if report.operation else None,
+        ),
         ("hang started", report.hang_started_at),
         ("detected", report.detected_at),
         ("stall timeout", f"{report.stall_timeout_s:g} s" if report.stall_timeout_s else None),
@@ -119,7 +143,12 @@ def report_markdown(report: Report) -> str:
         out += ["## What was done", ""] + ([f"{report.response}", ""] if report.response else [])
         out += [f"- {a.at} {a.kind}: {a.detail}" + ("" if a.ok else " (failed)") for a in report.actions] + [""]
     if report.ranks:
-        out += ["## Ranks", "", "| rank | host | pid | state | step | issued | status | stack | gpu |", "|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            "## Ranks",
+            "",
+            "| rank | host | pid | state | step | issued | status | stack | gpu |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in report.ranks:
             cells = (r.rank, r.host, r.pid, r.state, r.step, r.issued, r.status, r.stack, r.gpu)
             out.append("| " + " | ".join("" if c is None else str(c).replace("|", "\\|") for c in cells) + " |")
@@ -142,12 +171,16 @@ def report_markdown(report: Report) -> str:
             out += [f"## {title}", ""] + [f"- {i}" for i in items] + [""]
     if report.performance:
         out += ["## Performance (slow, not hung)", ""]
-        out += [f"- [{p.kind}] {p.summary}" + (f" (links: {', '.join(p.links)})" if p.links else "") + f" — {p.detail}"
-                for p in report.performance] + [""]  # fmt: skip
+        out += [
+            f"- [{p.kind}] {p.summary}" + (f" (links: {', '.join(p.links)})" if p.links else "") + f" — {p.detail}"
+            for p in report.performance
+        ] + [""]
     return "\n".join(out)
 
 
-async def write_bundle(report: Report, finding: Finding, staging: Path, bundle_dir: Path, collect) -> tuple[Path, Report]:  # type: ignore[no-untyped-def]
+async def write_bundle(
+    report: Report, finding: Finding, staging: Path, bundle_dir: Path, collect
+) -> tuple[Path, Report]:  # type: ignore[no-untyped-def]
     """Collect evidence into ``staging`` (``collect(staging)`` -> records), write the reports, pack, rename.
 
     Returns the bundle and the final report (citations resolved, evidence files listed).
@@ -159,7 +192,10 @@ async def write_bundle(report: Report, finding: Finding, staging: Path, bundle_d
         for i, item in enumerate(report.evidence)
     ]
     report = report.model_copy(
-        update={"evidence": evidence, "evidence_files": [EvidenceFile.model_validate(r, from_attributes=True) for r in records]}
+        update={
+            "evidence": evidence,
+            "evidence_files": [EvidenceFile.model_validate(r, from_attributes=True) for r in records],
+        }
     )
     for name, text in report_files(report).items():
         (staging / name).write_text(text)
@@ -220,25 +256,39 @@ class BundleWriter:
     host: str
     worker_log_dir: Path | None = None  # torchrun's --log-dir, when the user gave one
     dumpless: Callable[[], frozenset[int]] = frozenset  # pids whose Flight Recorder did not answer the probe
-    performance: Callable[[], Sequence[PerfFinding]] = tuple  # the latest performance look's findings (live/performance_look.py)
+    performance: Callable[[], Sequence[PerfFinding]] = (
+        tuple  # the latest performance look's findings (live/performance_look.py)
+    )
     ras_withheld: Callable[[], str | None] = lambda: None  # why RAS must not be asked (the prober's rule); None: ask
     notes: Sequence[str] = ()  # said in every report of this run (what the bus-bandwidth probe measures, and when)
 
     async def __call__(self, report: Report, decision: Decision, view: LiveView) -> tuple[Report, Path | None]:
-        report = report.model_copy(update={"notes": [*report.notes, *self.notes], "performance": perf_notes(self.performance())})
+        report = report.model_copy(
+            update={"notes": [*report.notes, *self.notes], "performance": perf_notes(self.performance())}
+        )
         print(terminal_text(report), file=sys.stderr, flush=True)
         settings = self.settings
-        staging = settings.bundle_dir / ("." + bundle_name(self.job_name, self.host, view.observed_at, report.verdict.value))
+        staging = settings.bundle_dir / (
+            "." + bundle_name(self.job_name, self.host, view.observed_at, report.verdict.value)
+        )
         staging.mkdir(parents=True, exist_ok=True)
         alive = view.alive
-        targets = tuple(RankTarget(rank=w.rank, pid=w.pid, local_rank=w.local_rank, host=w.host or self.host) for w in alive)
+        targets = tuple(
+            RankTarget(rank=w.rank, pid=w.pid, local_rank=w.local_rank, host=w.host or self.host) for w in alive
+        )
         worker_logs = find_worker_logs(self.worker_log_dir, {w.rank: w.local_rank for w in alive})
 
         async def collect(folder: Path) -> list:  # type: ignore[type-arg]
             context = EvidenceContext(
-                out_dir=folder, run_dir=self.run_dir, ranks=targets, pyspy=settings.pyspy,
-                ras_port=settings.ras_port, worker_logs=worker_logs, budget_s=settings.evidence_budget,
-                dumpless_pids=self.dumpless(), ras_withheld=self.ras_withheld(),
+                out_dir=folder,
+                run_dir=self.run_dir,
+                ranks=targets,
+                pyspy=settings.pyspy,
+                ras_port=settings.ras_port,
+                worker_logs=worker_logs,
+                budget_s=settings.evidence_budget,
+                dumpless_pids=self.dumpless(),
+                ras_withheld=self.ras_withheld(),
             )
             records = await collect_all(context)
             journal = self.run_dir / JOURNAL_NAME
@@ -255,7 +305,10 @@ class BundleWriter:
             bundle, report = await write_bundle(report, decision.finding, staging, settings.bundle_dir, collect)
         except Exception as exc:  # the page must go out even when the bundle cannot be written (disk full...)
             log.exception("bundle failed")
-            print(f"ncclwatch: could not write the bundle ({type(exc).__name__}: {exc}); paging without it", file=sys.stderr)
+            print(
+                f"ncclwatch: could not write the bundle ({type(exc).__name__}: {exc}); paging without it",
+                file=sys.stderr,
+            )
             return report, None
         print(f"ncclwatch: bundle written in {time.monotonic() - began:.1f} s: {bundle}", file=sys.stderr, flush=True)
         return report, bundle

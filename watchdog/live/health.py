@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ncclwatch.watchdog.slowness.findings import PerfFinding
-from ncclwatch.watchdog.slowness.engine import CommBandwidth, IbPortHealth, PerfHealth, RankPerf
 from ncclwatch.watchdog.live.job import LiveJob
+from ncclwatch.watchdog.slowness.engine import CommBandwidth, IbPortHealth, PerfHealth, RankPerf
+from ncclwatch.watchdog.slowness.findings import PerfFinding
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,19 @@ class Health:
     ib_ports: tuple[IbPortHealth, ...] = ()
 
 
-def health_of(live: LiveJob, now: float, *, job: str, host: str, verdict: str | None, culprits: tuple[int, ...], hang: bool,
-              bundles_written: int, restarts: int = 0, perf: PerfHealth = PerfHealth()) -> Health:  # fmt: skip
+def health_of(
+    live: LiveJob,
+    now: float,
+    *,
+    job: str,
+    host: str,
+    verdict: str | None,
+    culprits: tuple[int, ...],
+    hang: bool,
+    bundles_written: int,
+    restarts: int = 0,
+    perf: PerfHealth = PerfHealth(),
+) -> Health:
     view = live.view(now)
     ranks = tuple(
         RankHealth(

@@ -79,7 +79,9 @@ class Incident:
 WATCHING = Incident()
 
 
-def on_tick(incident: Incident, now: float, last_progress: float, stalled_for: float, stall_timeout: float) -> tuple[Incident, list[Action]]:
+def on_tick(
+    incident: Incident, now: float, last_progress: float, stalled_for: float, stall_timeout: float
+) -> tuple[Incident, list[Action]]:
     if incident.phase is not Phase.watching and incident.started_at is not None and last_progress > incident.started_at:
         return _progress(incident, stalled_for)
     if incident.phase is Phase.watching:
@@ -93,7 +95,9 @@ def on_tick(incident: Incident, now: float, last_progress: float, stalled_for: f
     return incident, []
 
 
-def on_probe(incident: Incident, now: float, decision: Decision, moved: bool, stalled_for: float) -> tuple[Incident, list[Action]]:
+def on_probe(
+    incident: Incident, now: float, decision: Decision, moved: bool, stalled_for: float
+) -> tuple[Incident, list[Action]]:
     if incident.phase not in (Phase.suspect, Phase.confirming):
         return incident, []
     if moved:
@@ -103,16 +107,26 @@ def on_probe(incident: Incident, now: float, decision: Decision, moved: bool, st
     if decision.page:
         return replace(incident, phase=Phase.paged, decision=decision), [Page(decision)]
     said = [] if decision.held == incident.held or decision.held is None else [Say(_held_line(decision, stalled_for))]
-    return replace(incident, phase=Phase.suspect, decision=decision, held=decision.held, next_probe=now + REPROBE_S), said
+    return replace(
+        incident, phase=Phase.suspect, decision=decision, held=decision.held, next_probe=now + REPROBE_S
+    ), said
 
 
-def on_verdict(incident: Incident, now: float, decision: Decision, last_progress: float) -> tuple[Incident, list[Action]]:
+def on_verdict(
+    incident: Incident, now: float, decision: Decision, last_progress: float
+) -> tuple[Incident, list[Action]]:
     """The leader's job-wide verdict: paged here too (this node's bundle, its part of the kill), once."""
     if incident.phase is Phase.paged:
         return incident, []
-    started = incident.started_at if incident.started_at is not None and incident.phase is not Phase.resolved else last_progress
+    started = (
+        incident.started_at
+        if incident.started_at is not None and incident.phase is not Phase.resolved
+        else last_progress
+    )
     opened = incident.opened_at if incident.phase in (Phase.suspect, Phase.confirming) else now
-    return Incident(Phase.paged, started_at=started, opened_at=opened, next_probe=now, decision=decision), [Page(decision)]
+    return Incident(Phase.paged, started_at=started, opened_at=opened, next_probe=now, decision=decision), [
+        Page(decision)
+    ]
 
 
 def _held_line(decision: Decision, stalled_for: float) -> str:

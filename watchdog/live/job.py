@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ncclwatch.watchdog.config import Settings
+from ncclwatch.watchdog.events import Event, Heartbeat, OpBatch, SourceDown, SourceUp
 from ncclwatch.watchdog.hang.snapshot import WorkerView, worker_view
 from ncclwatch.watchdog.hang.state import DEFAULT_WINDOW, JobState
-from ncclwatch.watchdog.events import Event, Heartbeat, OpBatch, SourceDown, SourceUp
 
 MIN_PROGRESS = 8  # steps (or NCCL operation batches) the job must show before its own timing is trusted
 # A worker's first steps are its slowest and do not recur (CUDA and cuBLAS set up, NCCL connecting on first use,
@@ -154,9 +154,11 @@ class LiveJob:
         current = [self.of(w.pid) for w in self.state.current_workers()]
         progress = list(self.progress.values()) if any(p.last_progress is not None for p in current) else current
         gaps = [
-            (g, warm) for p in progress for when, g, warm in p.gaps
+            (g, warm)
+            for p in progress
+            for when, g, warm in p.gaps
             if now - when <= GAP_MEMORY_S and not any(when - g < to and when > since for since, to in self.excused)
-        ]  # fmt: skip
+        ]
         steady = [g for g, warm in gaps if warm] or [g for g, _ in gaps]
         return (max(steady) if steady else None), sum(p.advances for p in progress)
 

@@ -16,8 +16,8 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.events import Event, GpuSnapshot, Stall, WorkerGone
+from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.parsing.journal import HEADER, journal_line
 
 log = logging.getLogger("ncclwatch")

@@ -187,8 +187,13 @@ class ClusterJudging:
 
     async def _join(self, membership: Membership) -> None:
         self.cluster = cluster = self.join(membership, self.watch.host)
-        log.info("node %d of %d; sidecars meet in the store at %s:%d", membership.node_rank, membership.nnodes,
-                 membership.store_host, membership.store_port)  # fmt: skip
+        log.info(
+            "node %d of %d; sidecars meet in the store at %s:%d",
+            membership.node_rank,
+            membership.nnodes,
+            membership.store_host,
+            membership.store_port,
+        )
         self._lifeline = Lifeline(membership.node_rank, self._lifeline_state)
         try:
             cluster.lifeline_port = await self._lifeline.start()
@@ -246,10 +251,15 @@ class ClusterJudging:
         assert self.cluster is not None
         phase = self.watch.incident.phase.value if view.alive or not view.workers else "ended"
         return NodeSummary(
-            node=self.cluster.me, host=self.watch.host, at=view.observed_at, ranks=[w.rank for w in view.workers],
-            last_progress=view.last_progress, phase=phase, world_size=self.live.state.world_size(),
+            node=self.cluster.me,
+            host=self.watch.host,
+            at=view.observed_at,
+            ranks=[w.rank for w in view.workers],
+            last_progress=view.last_progress,
+            phase=phase,
+            world_size=self.live.state.world_size(),
             started_at=self.live.started_at,
-        )  # fmt: skip
+        )
 
     # -- at a probe ---------------------------------------------------------
 
@@ -345,19 +355,25 @@ class ClusterJudging:
         if cluster is None:
             return None
         if following:
-            return lambda: (f"node {cluster.me}: this node's evidence is in its bundle; node {cluster.leader()} "
-                            "pages the job-wide verdict")  # fmt: skip
+            return lambda: (
+                f"node {cluster.me}: this node's evidence is in its bundle; node {cluster.leader()} "
+                "pages the job-wide verdict"
+            )
         if job_wide:
             return None
         if (announced := cluster.unread_verdict()) is not None:
-            return lambda: (f"node {cluster.me}: node {cluster.leader()} paged its job-wide verdict ({announced}), "
-                            "which this node could not read before the store went away; this node's own evidence "
-                            "is in its bundle")  # fmt: skip
+            return lambda: (
+                f"node {cluster.me}: node {cluster.leader()} paged its job-wide verdict ({announced}), "
+                "which this node could not read before the store went away; this node's own evidence "
+                "is in its bundle"
+            )
         lost = {self._store_node_lost.node} if self._store_node_lost is not None else set()
         if await cluster.pages_alone(lost):
             return None
-        return lambda: (f"node {cluster.me}: the store is gone; this node's evidence is in its bundle, "
-                        "and a lower node that answers pages")  # fmt: skip
+        return lambda: (
+            f"node {cluster.me}: the store is gone; this node's evidence is in its bundle, "
+            "and a lower node that answers pages"
+        )
 
     async def hand_off(self) -> None:
         """The leader's node serves the store: before its job ends, and the store with it, the members read the
@@ -371,8 +387,11 @@ class ClusterJudging:
             self.watch.emit(SourceDown(source=CLUSTER, reason=str(exc)))
             return
         if waiting:
-            log.warning("node(s) %s did not show the verdict within %.0f s; ending the job (and the store) anyway",
-                        ", ".join(map(str, waiting)), HANDOFF_S)  # fmt: skip
+            log.warning(
+                "node(s) %s did not show the verdict within %.0f s; ending the job (and the store) anyway",
+                ", ".join(map(str, waiting)),
+                HANDOFF_S,
+            )
 
     async def farewell(self, job_failed: bool, paged: Callable[[], bool]) -> tuple[Decision, str] | None:
         """The job ended here: say so to the other nodes.  If it failed and the store is gone too, the store's node

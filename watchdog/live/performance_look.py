@@ -52,15 +52,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ncclwatch.watchdog.cluster.perf_records import PerfRecord, perf_record
-from ncclwatch.watchdog.slowness.bandwidth import RankEntry, match_entries, rank_entries
-from ncclwatch.watchdog.slowness.links import rank_links
-from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind
-from ncclwatch.watchdog.slowness.engine import IbPorts, IbReading, PerfHealth, perf_health, port_health
-from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.events import STOPPED_STATES, FrDump, ProcKey, RankTransport, group_label
-from ncclwatch.watchdog.probes.infiniband import SYS_INFINIBAND, ib_delta, read_ib_counters
-from ncclwatch.watchdog.sources.files import TransportReader
+from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.probes.flight_recorder import read_dump, request_dumps
+from ncclwatch.watchdog.probes.infiniband import SYS_INFINIBAND, ib_delta, read_ib_counters
+from ncclwatch.watchdog.slowness.bandwidth import RankEntry, match_entries, rank_entries
+from ncclwatch.watchdog.slowness.engine import IbPorts, IbReading, PerfHealth, perf_health, port_health
+from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind
+from ncclwatch.watchdog.slowness.links import rank_links
+from ncclwatch.watchdog.sources.files import TransportReader
 
 log = logging.getLogger("ncclwatch")
 
@@ -120,9 +120,13 @@ class PerfWatch:
         return now >= self._next_look
 
     async def look(
-        self, workers: Sequence[WorkerView], global_ranks: Mapping[ProcKey, int], host: str, now: float,
+        self,
+        workers: Sequence[WorkerView],
+        global_ranks: Mapping[ProcKey, int],
+        host: str,
+        now: float,
         job: JobLook | None = None,
-    ) -> list[PerfFinding]:  # fmt: skip
+    ) -> list[PerfFinding]:
         """One look at this node's ranks (and, on the leader of several nodes, the job's); the findings whose
         key this run has not reported before."""
         # Several nodes look at the same wall-clock moments (multiples of the interval, at least half an interval
@@ -142,18 +146,38 @@ class PerfWatch:
         others: Mapping[int, PerfRecord] | None = {}
         if job is not None:
             mine = await asyncio.to_thread(
-                lambda: perf_record(job.node, host, now, entries, descs=descs, hosts=hosts, links=links, transport=facts,
-                                    global_ranks=global_ranks, ib_active=active)
-            )  # fmt: skip
+                lambda: perf_record(
+                    job.node,
+                    host,
+                    now,
+                    entries,
+                    descs=descs,
+                    hosts=hosts,
+                    links=links,
+                    transport=facts,
+                    global_ranks=global_ranks,
+                    ib_active=active,
+                )
+            )
             others = await job.exchange(mine)
         # A member of several nodes keeps its ranks' view for its metrics and tells its own ports; the collectives'
         # findings and the transports compared across nodes are the leader's.
         judges = others is not None
         remote, compared = (others or {}).values(), facts if judges else ()
         perf = await asyncio.to_thread(
-            lambda: job_health(entries, descs, hosts, links, remote, now=now, transport=compared,
-                               global_ranks=global_ranks, ib_active={host: active} if active else {}, ib=ib)
-        )  # fmt: skip
+            lambda: job_health(
+                entries,
+                descs,
+                hosts,
+                links,
+                remote,
+                now=now,
+                transport=compared,
+                global_ranks=global_ranks,
+                ib_active={host: active} if active else {},
+                ib=ib,
+            )
+        )
         found = list(perf.perf_findings) if judges else [f for f in perf.perf_findings if f.kind is PerfKind.ib_port]
         # A straggler is "consistently" last: two looks in a row, never one window of rounds (on the 2-core
         # CI machine one healthy run in three had a rank last in 13 of 20 rounds by chance and load).
@@ -177,11 +201,18 @@ class PerfWatch:
 
 
 def job_health(
-    entries: Sequence[RankEntry], descs: Mapping[str, str | None], hosts: Mapping[int, str],
-    links: Mapping[int, Sequence[str]], others: Iterable[PerfRecord], *, now: float,
-    transport: Sequence[RankTransport] = (), global_ranks: Mapping[ProcKey, int] = {},
-    ib_active: Mapping[str, Sequence[str]] = {}, ib: IbPorts | None = None,
-) -> PerfHealth:  # fmt: skip
+    entries: Sequence[RankEntry],
+    descs: Mapping[str, str | None],
+    hosts: Mapping[int, str],
+    links: Mapping[int, Sequence[str]],
+    others: Iterable[PerfRecord],
+    *,
+    now: float,
+    transport: Sequence[RankTransport] = (),
+    global_ranks: Mapping[ProcKey, int] = {},
+    ib_active: Mapping[str, Sequence[str]] = {},
+    ib: IbPorts | None = None,
+) -> PerfHealth:
     """``perf_health`` over this node's entries and NCCL's choices (``transport``, ``ib_active``: host -> its ports
     that are up) and the other nodes' records: each rank lives on one node, so the union is every rank's view of each
     collective and every process's transport (none: this node alone).  ``ib``: this node's ports."""
@@ -198,8 +229,15 @@ def job_health(
         if record.ib_active:
             up[record.host] = record.ib_active
     return perf_health(
-        match_entries(every_rank), labels, now=now, hosts=all_hosts, links=all_links, transport=every_transport,
-        global_ranks=all_ranks, active_ib_ports=up, ib=ib,
+        match_entries(every_rank),
+        labels,
+        now=now,
+        hosts=all_hosts,
+        links=all_links,
+        transport=every_transport,
+        global_ranks=all_ranks,
+        active_ib_ports=up,
+        ib=ib,
     )
 
 

@@ -64,12 +64,20 @@ RAS_FIRST = (2, 24, 0)  # NCCL starts a RAS thread from 2.24
 # [first affected, first fixed) -> what was seen.  From NVIDIA/nccl's issues; a range with no
 # fixed release ends at the next version, the only one reported, and is to be widened if seen again.
 RAS_CRASHES: tuple[tuple[tuple[int, int, int], tuple[int, int, int], str], ...] = (
-    ((2, 24, 0), (2, 27, 3), "a RAS report during communicator initialization crashes the process "
-     "(NVIDIA/nccl#1669, #1718; fixed in 2.27.3)"),
-    ((2, 27, 3), (2, 29, 2), "VERBOSE STATUS can corrupt memory and crash the job (NVIDIA/nccl#1762, fixed in 2.29.2; "
-     "2.27.7 also segfaults inside RAS, #1996)"),
+    (
+        (2, 24, 0),
+        (2, 27, 3),
+        "a RAS report during communicator initialization crashes the process "
+        "(NVIDIA/nccl#1669, #1718; fixed in 2.27.3)",
+    ),
+    (
+        (2, 27, 3),
+        (2, 29, 2),
+        "VERBOSE STATUS can corrupt memory and crash the job (NVIDIA/nccl#1762, fixed in 2.29.2; "
+        "2.27.7 also segfaults inside RAS, #1996)",
+    ),
     ((2, 29, 7), (2, 29, 8), "a RAS report while a communicator initializes can segfault (NVIDIA/nccl#2346, open)"),
-)  # fmt: skip
+)
 _VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)")  # "2.28.9+cuda13.0"
 
 
@@ -99,17 +107,23 @@ def comm_errored(warnings: Sequence[NcclWarning]) -> bool:
 
 
 class Prober(Protocol):
-    async def probe(self, workers: Sequence[WorkerView], with_gpus: bool, stalled_since: float | None = None) -> list[Event]: ...
+    async def probe(
+        self, workers: Sequence[WorkerView], with_gpus: bool, stalled_since: float | None = None
+    ) -> list[Event]: ...
 
     def prime(self, workers: Sequence[WorkerView]) -> int: ...
 
 
 class JobProber:
     def __init__(
-        self, fr_dir: Path, pyspy: str | None, ras_port: int | None = None,
-        nccl_versions: Callable[[], Collection[str]] = tuple, nccl_errored: Callable[[], bool] = bool,
+        self,
+        fr_dir: Path,
+        pyspy: str | None,
+        ras_port: int | None = None,
+        nccl_versions: Callable[[], Collection[str]] = tuple,
+        nccl_errored: Callable[[], bool] = bool,
         nccl_logged: Callable[[], bool] = lambda: True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``ras_port`` None: never ask RAS; ``nccl_versions``: the job's NCCL versions as its logs say them;
         ``nccl_errored``: whether those logs reported a communicator error (shortens the wait for dumps);
         ``nccl_logged``: whether NCCL wrote any debug file (no: a job without NCCL, no RAS to speak of)."""
@@ -138,7 +152,9 @@ class JobProber:
         log.info("primed Flight Recorder of %d rank(s)", asked)
         return asked
 
-    async def probe(self, workers: Sequence[WorkerView], with_gpus: bool, stalled_since: float | None = None) -> list[Event]:
+    async def probe(
+        self, workers: Sequence[WorkerView], with_gpus: bool, stalled_since: float | None = None
+    ) -> list[Event]:
         """``stalled_since``: when the job last moved; a rank whose dump does not come is read from a dump of it
         already on disk that was written after that (``written_since``), and the report says so."""
         alive = [w for w in workers if not w.gone]
@@ -184,9 +200,11 @@ class JobProber:
             if not dump:
                 continue
             when = time.strftime("%H:%M:%S", time.gmtime(mtime))
-            why = (f"no Flight Recorder dump came from rank {rank} at this probe; its dump already on disk, written at "
-                   f"{when} UTC, {mtime - stalled_since:.1f} s after the job last moved, was read instead (PyTorch "
-                   "writes one by itself when NCCL fails a communicator)")  # fmt: skip
+            why = (
+                f"no Flight Recorder dump came from rank {rank} at this probe; its dump already on disk, written at "
+                f"{when} UTC, {mtime - stalled_since:.1f} s after the job last moved, was read instead (PyTorch "
+                "writes one by itself when NCCL fails a communicator)"
+            )
             log.info("%s", why)
             events += [*dump, Unusable(reason=why, cite=Citation(file=str(path)))]
         return events
@@ -276,8 +294,13 @@ class Probing:
                 self.live.excuse(view.observed_at, PRIME_EXCUSE_S)
         if view.stalled_for >= self._quiet_said + QUIET_LOG_S:
             self._quiet_said = view.stalled_for
-            log.info("quiet for %.0f s; stall timeout %.1f s (learned gap %s, %d advances)", view.stalled_for,
-                     view.stall_timeout, view.learned_gap, view.advances)  # fmt: skip
+            log.info(
+                "quiet for %.0f s; stall timeout %.1f s (learned gap %s, %d advances)",
+                view.stalled_for,
+                view.stall_timeout,
+                view.learned_gap,
+                view.advances,
+            )
         elif view.stalled_for < QUIET_LOG_S:
             self._quiet_said = 0.0
 
@@ -292,9 +315,11 @@ class Probing:
         view = self.live.view(now)
         moved = self._moved()
         stall = Stall(
-            at=now, stalled_for_s=view.stalled_for, stall_timeout_s=view.stall_timeout,
+            at=now,
+            stalled_for_s=view.stalled_for,
+            stall_timeout_s=view.stall_timeout,
             progress_timeout_s=self.settings.progress_timeout,
-        )  # fmt: skip
+        )
         self.live.apply(stall, now)
         if self.journal is not None:
             self.journal.record(self.live.state, stall)

@@ -86,11 +86,22 @@ class Sidecar:
         self.probing = Probing(self.prober, self.live, self.settings, self.journal, self.clock)
         self.judging: Judging = NodeJudging(self.live) if join_cluster is None else ClusterJudging(self, join_cluster)
         self.responding = Responding(responder, self.live, self.clock, self._say, self.resolve)
-        self.performance = None if perf is None else PerformancePaging(
-            perf, self.settings, self.live, job_name=self.job_name, host=self.host, clock=self.clock,
-            dispatcher=self.dispatcher, emit=self.emit, watching=lambda: self.incident.phase is Phase.watching,
-            cluster=lambda: self.judging.cluster,
-        )  # fmt: skip
+        self.performance = (
+            None
+            if perf is None
+            else PerformancePaging(
+                perf,
+                self.settings,
+                self.live,
+                job_name=self.job_name,
+                host=self.host,
+                clock=self.clock,
+                dispatcher=self.dispatcher,
+                emit=self.emit,
+                watching=lambda: self.incident.phase is Phase.watching,
+                cluster=lambda: self.judging.cluster,
+            )
+        )
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -132,8 +143,9 @@ class Sidecar:
             return
         decision, why = lost
         view = self.live.view(self.clock())
-        self.incident = Incident(Phase.paged, started_at=view.last_progress, opened_at=view.observed_at,
-                                 decision=decision)  # fmt: skip
+        self.incident = Incident(
+            Phase.paged, started_at=view.last_progress, opened_at=view.observed_at, decision=decision
+        )
         self._say(why)
         await self._page(decision, view)
 
@@ -154,13 +166,18 @@ class Sidecar:
             # Another node is probing a stall and waits for this node's evidence: look now, not at our own timeout.
             timeout = min(timeout, self.settings.stall_timeout_floor)
         before = self.incident.phase
-        self.incident, actions = machine.on_tick(self.incident, view.observed_at, view.last_progress,
-                                                 view.stalled_for, timeout)  # fmt: skip
+        self.incident, actions = machine.on_tick(
+            self.incident, view.observed_at, view.last_progress, view.stalled_for, timeout
+        )
         if self.incident.phase is not before:
             self.judging.phase_changed()
         if self.incident.phase is Phase.suspect and actions:
-            log.info("stall: nothing moved for %.1f s (stall timeout %.1f s, learned gap %s)", view.stalled_for,
-                     view.stall_timeout, view.learned_gap)  # fmt: skip
+            log.info(
+                "stall: nothing moved for %.1f s (stall timeout %.1f s, learned gap %s)",
+                view.stalled_for,
+                view.stall_timeout,
+                view.learned_gap,
+            )
         await self.perform(actions, view)
 
     async def perform(self, actions: list[Action], view: LiveView) -> None:
@@ -184,10 +201,17 @@ class Sidecar:
         look = await self.probing.look(view, confirming, self.incident.opened_at)
         decision = await self.judging.judge(look.stall, look.events)
         f = decision.finding
-        log.info("probe: %s culprits %s page=%s held=%s moved=%s", f.verdict, f.culprits, decision.page,
-                 decision.held, look.moved)  # fmt: skip
-        self.incident, actions = machine.on_probe(self.incident, look.stall.at, decision, look.moved,
-                                                  look.view.stalled_for)  # fmt: skip
+        log.info(
+            "probe: %s culprits %s page=%s held=%s moved=%s",
+            f.verdict,
+            f.culprits,
+            decision.page,
+            decision.held,
+            look.moved,
+        )
+        self.incident, actions = machine.on_probe(
+            self.incident, look.stall.at, decision, look.moved, look.view.stalled_for
+        )
         await self.perform(actions, look.view)
 
     async def _page(self, decision: Decision, view: LiveView) -> None:
@@ -198,9 +222,14 @@ class Sidecar:
         job_wide, following = judging.job_wide(), judging.follows()
         snapshot = take_snapshot(judging.report_state(), observed_at=self.clock())
         report = live_report(
-            decision.finding, snapshot, view, job=self.job_name, host=self.host, started_at=started_at,
+            decision.finding,
+            snapshot,
+            view,
+            job=self.job_name,
+            host=self.host,
+            started_at=started_at,
             held=decision.held,
-        ).model_copy(update={"incident_key": judging.incident_key(decision)})  # fmt: skip
+        ).model_copy(update={"incident_key": judging.incident_key(decision)})
         plan = self.responding.plan(report, judging.followed if following else None)
         if job_wide:  # before the bundle: the members page (and restart or end their ranks) meanwhile
             await judging.publish_verdict(decision, plan)
@@ -233,14 +262,17 @@ class Sidecar:
         """Now, for metrics and the status API."""
         decision = self.incident.decision
         return health_of(
-            self.live, self.clock(), job=self.job_name, host=self.host,
+            self.live,
+            self.clock(),
+            job=self.job_name,
+            host=self.host,
             verdict=decision.finding.verdict.value if decision else None,
             culprits=decision.finding.culprits if decision else (),
             hang=self.incident.phase is Phase.paged,
             bundles_written=sum(1 for r in self.reported if r.bundle is not None),
             restarts=self.responding.restarts(),
             perf=self.performance.perf.health if self.performance is not None else PerfHealth(),
-        )  # fmt: skip
+        )
 
     def _say(self, text: str | None) -> None:
         if text and self.out is not None:

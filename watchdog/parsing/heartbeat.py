@@ -19,8 +19,12 @@ def parse_heartbeat(data: bytes) -> Heartbeat | None:
     try:
         doc = json.loads(data)
         return Heartbeat(
-            pid=doc["pid"], rank=doc["rank"], step=doc["step"], time=doc["time"],
-            restart=doc.get("restart") or 0, beats=doc.get("beats") or 0,
+            pid=doc["pid"],
+            rank=doc["rank"],
+            step=doc["step"],
+            time=doc["time"],
+            restart=doc.get("restart") or 0,
+            beats=doc.get("beats") or 0,
         )
     except (ValueError, KeyError, TypeError, ValidationError):
         return None

@@ -31,7 +31,8 @@ from ncclwatch.watchdog.events import (
 HEADER = b'{"ncclwatch_journal": 1}'
 # FrDump and SequenceTail travel between nodes' sidecars; on disk the dumps and NCCL logs are files of their own.
 JOURNALED: dict[str, type[Event]] = {
-    cls.__name__: cls for cls in (WorkerSeen, WorkerGone, ProcessState, StackDump, GpuSnapshot, Stall, FrDump, SequenceTail)
+    cls.__name__: cls
+    for cls in (WorkerSeen, WorkerGone, ProcessState, StackDump, GpuSnapshot, Stall, FrDump, SequenceTail)
 }
 
 
@@ -55,5 +56,9 @@ def parse_journal(data: bytes, name: str) -> list[Event]:
             doc = json.loads(line)
             events.append(JOURNALED[doc.pop("event")].model_validate(doc))
         except (ValueError, KeyError, TypeError, ValidationError) as exc:
-            events.append(Unusable(reason=f"journal line not understood ({type(exc).__name__})", cite=Citation(file=name, line=number)))
+            events.append(
+                Unusable(
+                    reason=f"journal line not understood ({type(exc).__name__})", cite=Citation(file=name, line=number)
+                )
+            )
     return events

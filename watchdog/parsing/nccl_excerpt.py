@@ -82,8 +82,14 @@ class OrphanScanner:
     def events(self) -> list[OrphanOps]:
         return [
             OrphanOps.model_construct(
-                proc=ProcKey(host, pid), comm_ptr=ptr, file=self.name, rank=slot.rank, nranks=slot.nranks,
-                cuda_dev=slot.cuda_dev, count=slot.count, last=list(slot.last),
+                proc=ProcKey(host, pid),
+                comm_ptr=ptr,
+                file=self.name,
+                rank=slot.rank,
+                nranks=slot.nranks,
+                cuda_dev=slot.cuda_dev,
+                count=slot.count,
+                last=list(slot.last),
             )
             for (host, pid, ptr), slot in self._slots.items()
         ]

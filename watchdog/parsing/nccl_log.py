@@ -179,7 +179,11 @@ class NcclLogParser:
             host, _, pid = proc.decode(errors="replace").rpartition(":")
             out.append(
                 OpBatch.model_construct(
-                    proc=ProcKey(host, int(pid)), comm_ptr=comm.decode(errors="replace"), file=self.name, sigs=coll, p2p=p2p
+                    proc=ProcKey(host, int(pid)),
+                    comm_ptr=comm.decode(errors="replace"),
+                    file=self.name,
+                    sigs=coll,
+                    p2p=p2p,
                 )
             )
 

@@ -59,7 +59,13 @@ _TORCH_MARKERS = (
 )
 MARKERS = _TORCH_MARKERS + net_errors.MARKERS
 # Sniffing: a file holding any of these is worth a PyTorch pass.
-SNIFF_MARKERS = (_TIMEOUT_MARK, b"ChildFailedError", b"Detected mismatch between collectives", b"PG status:", b"Last enqueued NCCL work")
+SNIFF_MARKERS = (
+    _TIMEOUT_MARK,
+    b"ChildFailedError",
+    b"Detected mismatch between collectives",
+    b"PG status:",
+    b"Last enqueued NCCL work",
+)
 
 _PG_PREFIX_RE = re.compile(
     r"\[PG (?:ID )?(?P<pgid>\d+)(?: PG GUID (?P<guid>[^\s(\]]+))?\s*(?:\((?P<desc>[^)]*)\))?\s*Rank (?P<rank>\d+)\]"
@@ -76,8 +82,12 @@ _OLD_TIMEOUT_RE = re.compile(r"Timeout at NCCL work: (?P<seq>\d+)")
 _ENQUEUED_RE = re.compile(r"last enqueued (?:NCCL )?work: (-?\d+)", re.IGNORECASE)
 _STARTED_RE = re.compile(r"last started (?:NCCL )?work: (-?\d+)", re.IGNORECASE)
 _COMPLETED_RE = re.compile(r"last completed (?:NCCL )?work: (-?\d+)", re.IGNORECASE)
-_SIGNAL_RE = re.compile(r"Received a (?:dump signal|global timeout)(?: due to a collective timeout)? from (?P<src>.+?) and ")
-_MISMATCH_RE = re.compile(r"Detected mismatch between collectives on ranks\. Rank (?P<rank>\d+) is running (?:inconsistent )?collective: ")
+_SIGNAL_RE = re.compile(
+    r"Received a (?:dump signal|global timeout)(?: due to a collective timeout)? from (?P<src>.+?) and "
+)
+_MISMATCH_RE = re.compile(
+    r"Detected mismatch between collectives on ranks\. Rank (?P<rank>\d+) is running (?:inconsistent )?collective: "
+)
 _OTHER_RE = re.compile(r", but Rank (?P<rank>\d+) is running (?:inconsistent )?collective: ")
 _FP_SEQ_RE = re.compile(r"SequenceNumber=(\d+)")
 _FP_OP_RE = re.compile(r"OpType=(\w+)")
@@ -144,13 +154,26 @@ class TorchLogParser:
             return self._once(
                 ("failure", rank, self._root_cause),
                 WorkerFailure(
-                    rank=rank, local_rank=local_rank, exitcode=int(m["code"]), pid=_opt_int(m["pid"]),
-                    host=host, root_cause=self._root_cause, cite=cite,
+                    rank=rank,
+                    local_rank=local_rank,
+                    exitcode=int(m["code"]),
+                    pid=_opt_int(m["pid"]),
+                    host=host,
+                    root_cause=self._root_cause,
+                    cite=cite,
                 ),
             )
         pg = _PG_PREFIX_RE.search(text)
         plain = _RANK_PREFIX_RE.search(text) if pg is None else None
-        rank = int(pg["rank"]) if pg else int(plain["rank"]) if plain else line_rank if line_rank is not None else self.file_rank
+        rank = (
+            int(pg["rank"])
+            if pg
+            else int(plain["rank"])
+            if plain
+            else line_rank
+            if line_rank is not None
+            else self.file_rank
+        )
         pg_key = (pg["guid"] or pg["pgid"]) if pg else None
         events = self._torch_line(text, rank, pg_key, pg["desc"] if pg else None, cite)
         if events is not None:
@@ -160,7 +183,9 @@ class TorchLogParser:
             return self._once(("net", error.kind, error.rank, error.peer, error.status, error.proc), error)
         return []
 
-    def _torch_line(self, text: str, rank: int | None, pg: str | None, desc: str | None, cite: Citation) -> list[Event] | None:
+    def _torch_line(
+        self, text: str, rank: int | None, pg: str | None, desc: str | None, cite: Citation
+    ) -> list[Event] | None:
         """PyTorch's own diagnostics; None when the line is none of them."""
         if (m := _MISMATCH_RE.search(text)) is not None:
             return self._fingerprints(text, m, cite)
@@ -170,8 +195,15 @@ class TorchLogParser:
             return self._once(
                 ("timeout", rank, pg, int(m["seq"]), m["op"]),
                 WatchdogTimeout(
-                    rank=rank, seq=int(m["seq"]), op=m["op"], numel_in=_opt_int(m["nin"]), numel_out=_opt_int(m["nout"]),
-                    timeout_ms=_opt_int(m["tmo"]), ran_ms=_opt_int(m["ran"]), pg=pg, cite=cite,
+                    rank=rank,
+                    seq=int(m["seq"]),
+                    op=m["op"],
+                    numel_in=_opt_int(m["nin"]),
+                    numel_out=_opt_int(m["nout"]),
+                    timeout_ms=_opt_int(m["tmo"]),
+                    ran_ms=_opt_int(m["ran"]),
+                    pg=pg,
+                    cite=cite,
                 ),
             )
         kind, seq, source = None, None, None
@@ -185,8 +217,16 @@ class TorchLogParser:
             return None
         enqueued, started, completed = (_search_int(r, text) for r in (_ENQUEUED_RE, _STARTED_RE, _COMPLETED_RE))
         status = PgStatus(
-            rank=rank, pg=pg, pg_desc=desc, kind=kind, seq=seq, last_enqueued=enqueued, last_started=started,
-            last_completed=completed, signal_from=source, cite=cite,
+            rank=rank,
+            pg=pg,
+            pg_desc=desc,
+            kind=kind,
+            seq=seq,
+            last_enqueued=enqueued,
+            last_started=started,
+            last_completed=completed,
+            signal_from=source,
+            cite=cite,
         )
         return self._once(("status", rank, pg, kind, seq, enqueued, completed), status)
 
@@ -204,10 +244,18 @@ class TorchLogParser:
                 continue
             seq, shape, dtype = _FP_SEQ_RE.search(part), _FP_SHAPE_RE.search(part), _FP_DTYPE_RE.search(part)
             fingerprint = CollectiveFingerprint(
-                rank=rank, reported_by=reporter, self_report=self_report, seq=int(seq[1]) if seq else None, op=op[1],
-                shapes=shape[1] if shape else None, dtypes=dtype[1].strip() if dtype else None, cite=cite,
+                rank=rank,
+                reported_by=reporter,
+                self_report=self_report,
+                seq=int(seq[1]) if seq else None,
+                op=op[1],
+                shapes=shape[1] if shape else None,
+                dtypes=dtype[1].strip() if dtype else None,
+                cite=cite,
             )
-            events += self._once(("fp", rank, reporter, fingerprint.seq, fingerprint.op, fingerprint.shapes), fingerprint)
+            events += self._once(
+                ("fp", rank, reporter, fingerprint.seq, fingerprint.op, fingerprint.shapes), fingerprint
+            )
         return events
 
     def _once(self, key: tuple, event: Event) -> list[Event]:

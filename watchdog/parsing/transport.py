@@ -41,12 +41,18 @@ from dataclasses import dataclass
 
 from ncclwatch.watchdog.events import NetDevice, ProcKey, RankTransport
 
-_MARKER_RE = re.compile(rb" via |NET/|coll channels|nNodes|Using network|P2P is disabled|set by environment|IB_HCA set| - Init START")
+_MARKER_RE = re.compile(
+    rb" via |NET/|coll channels|nNodes|Using network|P2P is disabled|set by environment|IB_HCA set| - Init START"
+)
 _LINE_RE = re.compile(r"(?:\[[^\]\n]*\]:? ?)*([^:\s\[\]]+):(\d+):\d+ \[(\d+)\] NCCL INFO (.*)")
 _TOPO_RE = re.compile(r"comm (\S+) rank (\d+) nRanks (\d+) nNodes (\d+) localRanks (\d+) localRank \d+")
-_INIT_RE = re.compile(r"comm (\S+) rank (\d+) nranks (\d+)(?: cudaDev (-?\d+))?(?: nvmlDev -?\d+)?(?: busId (\w+))?.*- Init START")
+_INIT_RE = re.compile(
+    r"comm (\S+) rank (\d+) nranks (\d+)(?: cudaDev (-?\d+))?(?: nvmlDev -?\d+)?(?: busId (\w+))?.*- Init START"
+)
 _COUNTS_RE = re.compile(r"(\d+) coll channels, (?:(\d+) collnet channels, )?(\d+) nvls channels, (\d+) p2p channels")
-_CHANNEL_RE = re.compile(r"Channel \d+(?:/\d+)? : (\d+)\[\d+\] -> (\d+)\[\d+\] (?:\[(send|receive)\] )?via (\S+(?: pointer)?)")
+_CHANNEL_RE = re.compile(
+    r"Channel \d+(?:/\d+)? : (\d+)\[\d+\] -> (\d+)\[\d+\] (?:\[(send|receive)\] )?via (\S+(?: pointer)?)"
+)
 _IB_DEV_RE = re.compile(r"\[(\d+)\]([^:\s\]]+):(\d+)(?::\d*)?(?::\d+)?/(\w+)")
 _SOCKET_DEV_RE = re.compile(r"\[(\d+)\]([^:\s\]]+):(\S+)")
 _THREADS_RE = re.compile(r"NET/Socket: Using (\d+) threads and (\d+) sockets per thread")
@@ -96,13 +102,21 @@ class TransportScanner:
         info = self._procs.setdefault(proc, _Process())
         if (init := _INIT_RE.search(message)) is not None:
             info.current = init[1]
-            self._comm(proc, init[1]).update(rank=int(init[2]), nranks=int(init[3]), bus_id=init[5],
-                                             cuda_dev=int(init[4]) if init[4] else int(head[3]))  # fmt: skip
+            self._comm(proc, init[1]).update(
+                rank=int(init[2]),
+                nranks=int(init[3]),
+                bus_id=init[5],
+                cuda_dev=int(init[4]) if init[4] else int(head[3]),
+            )
         elif (topo := _TOPO_RE.search(message)) is not None:
             info.current = topo[1]
-            self._comm(proc, topo[1]).update(rank=int(topo[2]), nranks=int(topo[3]), nnodes=int(topo[4]), local_ranks=int(topo[5]))
+            self._comm(proc, topo[1]).update(
+                rank=int(topo[2]), nranks=int(topo[3]), nnodes=int(topo[4]), local_ranks=int(topo[5])
+            )
         elif (counts := _COUNTS_RE.search(message)) is not None:
-            self._comm(proc, info.current).update(coll_channels=int(counts[1]), nvls_channels=int(counts[3]), p2p_channels=int(counts[4]))
+            self._comm(proc, info.current).update(
+                coll_channels=int(counts[1]), nvls_channels=int(counts[3]), p2p_channels=int(counts[4])
+            )
         elif (channel := _CHANNEL_RE.search(message)) is not None:
             self._connection(proc, info.current, channel[4])
         else:
@@ -112,13 +126,18 @@ class TransportScanner:
         if message.startswith("Using network "):
             info.network = message.removeprefix("Using network ").strip()
         elif message.startswith("NET/IB : Using"):
-            info.ib_devices = tuple(NetDevice(int(i), name, int(port), ll) for i, name, port, ll in _IB_DEV_RE.findall(message.partition(";")[0]))
+            info.ib_devices = tuple(
+                NetDevice(int(i), name, int(port), ll)
+                for i, name, port, ll in _IB_DEV_RE.findall(message.partition(";")[0])
+            )
         elif message.startswith("NCCL_IB_HCA set to "):
             info.ib_hca = message.removeprefix("NCCL_IB_HCA set to ").strip()
         elif message.startswith("NET/IB : No device found"):
             info.ib_absent = True
         elif message.startswith("NET/Socket : Using"):
-            info.socket_devices = tuple(NetDevice(int(i), name, address=addr) for i, name, addr in _SOCKET_DEV_RE.findall(message))
+            info.socket_devices = tuple(
+                NetDevice(int(i), name, address=addr) for i, name, addr in _SOCKET_DEV_RE.findall(message)
+            )
         elif (threads := _THREADS_RE.search(message)) is not None:
             info.socket_threads = (int(threads[1]), int(threads[2]))
         elif "P2P is disabled" in message or message.startswith(("NCCL_P2P_DISABLE set", "NCCL_P2P_LEVEL set")):
@@ -171,4 +190,3 @@ def parse_transport(data: bytes | str) -> list[RankTransport]:
     scanner = TransportScanner()
     scanner.feed(data.encode() if isinstance(data, str) else data, final=True)
     return scanner.facts()
-

@@ -179,9 +179,10 @@ def _gpus(sys_root: Path, bus_ids: Sequence[str] | None) -> dict[str, tuple[str,
         names = [normalize_bus_id(b) for b in bus_ids]
     elif pci.is_dir():
         names = [
-            d.name for d in sorted(pci.iterdir())
+            d.name
+            for d in sorted(pci.iterdir())
             if _read(d / "vendor") == NVIDIA_VENDOR and (_read(d / "class") or "").startswith(GPU_CLASSES)
-        ]  # fmt: skip
+        ]
     else:
         names = []
     paths = {name: _pci_path(pci / name) for name in names}

@@ -60,9 +60,16 @@ async def pyspy_dump(
     mode = "--native" if native else "--nonblocking"
     try:
         proc = await asyncio.create_subprocess_exec(
-            exe, "dump", "--pid", str(pid), "--json", mode,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+            exe,
+            "dump",
+            "--pid",
+            str(pid),
+            "--json",
+            mode,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
     except OSError as exc:
         return None, f"cannot run {exe}: {exc.strerror or exc}"
     out, error, killed = b"", None, False

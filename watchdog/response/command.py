@@ -29,13 +29,19 @@ class Outcome:
         return f"{name} exit {self.returncode}{said}"
 
 
-async def run_bounded(argv: Sequence[str], timeout_s: float, stdin: bytes = b"", env: Mapping[str, str] | None = None) -> Outcome:
+async def run_bounded(
+    argv: Sequence[str], timeout_s: float, stdin: bytes = b"", env: Mapping[str, str] | None = None
+) -> Outcome:
     """Run ``argv`` in a session of its own; at the deadline SIGKILL its whole process group."""
     try:
         proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            env=dict(env) if env is not None else None, start_new_session=True,
-        )  # fmt: skip
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=dict(env) if env is not None else None,
+            start_new_session=True,
+        )
     except OSError as exc:
         return Outcome(None, "", f"could not start ({exc.strerror or exc})")
     try:

@@ -27,7 +27,9 @@ from ncclwatch.watchdog.response.command import Outcome, run_bounded
 from ncclwatch.watchdog.response.policy import Plan, culprit_hosts
 
 
-def hook_environment(report: Report, plan: Plan, bundle: Path | None, base: Mapping[str, str] = os.environ) -> dict[str, str]:
+def hook_environment(
+    report: Report, plan: Plan, bundle: Path | None, base: Mapping[str, str] = os.environ
+) -> dict[str, str]:
     return {
         **base,
         "NCCLWATCH_VERDICT": report.verdict.value,
@@ -43,8 +45,12 @@ def hook_environment(report: Report, plan: Plan, bundle: Path | None, base: Mapp
 
 async def run_hook(command: str, report: Report, plan: Plan, bundle: Path | None, timeout_s: float) -> Outcome:
     verdict = {
-        "response": plan.response.value, "why": plan.why, "bundle": str(bundle) if bundle is not None else None,
+        "response": plan.response.value,
+        "why": plan.why,
+        "bundle": str(bundle) if bundle is not None else None,
         "report": report.model_dump(mode="json"),
-    }  # fmt: skip
+    }
     stdin = json.dumps(verdict).encode()
-    return await run_bounded(["/bin/sh", "-c", command], timeout_s, stdin=stdin, env=hook_environment(report, plan, bundle))
+    return await run_bounded(
+        ["/bin/sh", "-c", command], timeout_s, stdin=stdin, env=hook_environment(report, plan, bundle)
+    )

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from ncclwatch.watchdog.hang.verdicts import CATALOGUE, Verdict
 from ncclwatch.watchdog.hang.report import STACK_ARROW, Report
+from ncclwatch.watchdog.hang.verdicts import CATALOGUE, Verdict
 
 
 class Response(StrEnum):
@@ -50,12 +50,18 @@ class HangSignature:
         and steps one apart are the same step: with NCCL a call returns at enqueue, and whether the host ran on
         into the next optimizer step before it blocked varies (on the H100: step 37, then 36, for one mismatch)."""
         lines_agree = self.frame is None or other.frame is None or self.frame == other.frame
-        steps_agree = self.step == other.step or (self.step is not None and other.step is not None and abs(self.step - other.step) <= 1)
+        steps_agree = self.step == other.step or (
+            self.step is not None and other.step is not None and abs(self.step - other.step) <= 1
+        )
         return (self.verdict, self.operation) == (other.verdict, other.operation) and lines_agree and steps_agree
 
     def describe(self) -> str:
-        parts = [self.verdict, self.operation, f"at {self.frame}" if self.frame else None,
-                 f"step {self.step}" if self.step is not None else None]  # fmt: skip
+        parts = [
+            self.verdict,
+            self.operation,
+            f"at {self.frame}" if self.frame else None,
+            f"step {self.step}" if self.step is not None else None,
+        ]
         return ", ".join(p for p in parts if p)
 
 
@@ -141,8 +147,9 @@ def plan(report: Report, policy: Policy, restarts_done: int, restarted: Sequence
     if restarts_done >= policy.max_restarts:
         return Plan(Response.kill, f"restarts used up ({restarts_done} of {policy.max_restarts})", signature=signature)
     why = entry.restart_why if entry.restart else f"--restart-on includes {verdict.value}"
-    return Plan(Response.restart, why, restart_number=restarts_done + 1,
-                max_restarts=policy.max_restarts, signature=signature)  # fmt: skip
+    return Plan(
+        Response.restart, why, restart_number=restarts_done + 1, max_restarts=policy.max_restarts, signature=signature
+    )
 
 
 def culprit_hosts(report: Report) -> list[str]:

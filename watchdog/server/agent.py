@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ncclwatch serve", description=SERVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--bundle-dir", metavar="DIR", help=fields["bundle_dir"].description)
-    parser.add_argument("--listen", metavar="HOST:PORT", help=f"address to serve on (default {DEFAULT_LISTEN}; port 0 picks one)")
+    parser.add_argument(
+        "--listen", metavar="HOST:PORT", help=f"address to serve on (default {DEFAULT_LISTEN}; port 0 picks one)"
+    )
     parser.add_argument("--token-file", metavar="FILE", help=fields["token_file"].description)
     parser.add_argument("--metrics-token", action="store_true", help="/metrics requires the token too (default: open)")
     parser.add_argument("--config", metavar="FILE", help="TOML file with any of these settings")
@@ -119,7 +121,9 @@ def run_serve(argv: Sequence[str]) -> int:
     except ConfigError as exc:
         print(f"ncclwatch serve: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="ncclwatch %(asctime)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="ncclwatch %(asctime)s %(message)s"
+    )
     listen = settings.listen or DEFAULT_LISTEN
     return asyncio.run(serve(settings, listen, token, metrics_open=not args.metrics_token))
 
@@ -148,8 +152,8 @@ async def alert_courier(settings: Settings) -> AsyncIterator[Dispatcher | None]:
 async def serve(settings: Settings, listen: str, token: str | None, *, metrics_open: bool) -> int:
     from prometheus_client import CollectorRegistry
 
-    from ncclwatch.watchdog.server.sdnotify import systemd_lifecycle
     from ncclwatch.watchdog.server.app import BundleCollector, BundleIndex, make_app, start_server, stop_server
+    from ncclwatch.watchdog.server.sdnotify import systemd_lifecycle
 
     bundle_dir, public_url = settings.bundle_dir, settings.public_url
     stop = asyncio.Event()
@@ -176,8 +180,11 @@ async def serve(settings: Settings, listen: str, token: str | None, *, metrics_o
         )
     async with alert_courier(settings) as courier:
         if courier is not None:
-            print(f"ncclwatch serve: delivering spooled alerts from {spool_dir_for(settings)} "
-                  f"(every {settings.alert_retry_interval:g} s)", flush=True)  # fmt: skip
+            print(
+                f"ncclwatch serve: delivering spooled alerts from {spool_dir_for(settings)} "
+                f"(every {settings.alert_retry_interval:g} s)",
+                flush=True,
+            )
         # Type=notify: READY=1 once bound, watchdog pings while serving, STOPPING=1 on the way out.
         await systemd_lifecycle(stop, status_text=f"serving http://{bound}/")
     print("ncclwatch serve: stopping", file=sys.stderr, flush=True)

@@ -173,10 +173,17 @@ class BundleIndex:
             return cached[1]
         named = NAME_RE.fullmatch(bundle_id)
         row: dict[str, Any] = {
-            "id": bundle_id, "job": named["job"] if named else None, "verdict": None, "culprit_ranks": [],
-            "created": iso(st.st_mtime), "size": st.st_size, "summary": None, "host": None, "detected_at": None,
+            "id": bundle_id,
+            "job": named["job"] if named else None,
+            "verdict": None,
+            "culprit_ranks": [],
+            "created": iso(st.st_mtime),
+            "size": st.st_size,
+            "summary": None,
+            "host": None,
+            "detected_at": None,
             "error": None,
-        }  # fmt: skip
+        }
         path = self.path_of(bundle_id)
         try:
             report, _ = read_bundle(path) if path is not None else ({}, [])
@@ -185,10 +192,13 @@ class BundleIndex:
         else:
             report = report_view(report)
             row.update(
-                job=report["job"] or row["job"], verdict=report["verdict"], summary=report["summary"],
-                culprit_ranks=report["culprit_ranks"], host=report["host"],
+                job=report["job"] or row["job"],
+                verdict=report["verdict"],
+                summary=report["summary"],
+                culprit_ranks=report["culprit_ranks"],
+                host=report["host"],
                 detected_at=report["detected_at"] or report["analyzed_at"],
-            )  # fmt: skip
+            )
         with self._lock:
             self._summaries[bundle_id] = (key, row)
         return row
@@ -221,7 +231,10 @@ class BundleCollector:
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily("ncclwatch_bundles", "root-cause bundles in the bundle folder", labels=["verdict"])
-        counts = Counter((m["verdict"] if (m := NAME_RE.fullmatch(bundle_id)) else "unknown") for bundle_id, _ in self.index.entries())
+        counts = Counter(
+            (m["verdict"] if (m := NAME_RE.fullmatch(bundle_id)) else "unknown")
+            for bundle_id, _ in self.index.entries()
+        )
         for verdict, count in sorted(counts.items()):
             family.add_metric([verdict], count)
         yield family
@@ -376,7 +389,10 @@ async def _report_page(request: web.Request, bundle_id: str) -> web.Response:
     index = request.app[BUNDLES]
     path = index.path_of(bundle_id)
     if path is None:
-        return html_response(page_html("ncclwatch: 404", f"<h1>404: no bundle {esc(bundle_id)}</h1><p><a href='/'>all bundles</a></p>"), 404)
+        return html_response(
+            page_html("ncclwatch: 404", f"<h1>404: no bundle {esc(bundle_id)}</h1><p><a href='/'>all bundles</a></p>"),
+            404,
+        )
     try:
         report, files = await asyncio.to_thread(index.detail, path)
     except (BundleError, OSError) as exc:
@@ -398,8 +414,15 @@ class AccessLogger(AbstractAccessLogger):
     """Method, path, status, size, time.  Never the query string: the page's first visit carries ?token=."""
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
-        self.logger.info("%s %s %s %s %s %.3fs", request.remote, request.method, request.path, response.status,
-                         response.body_length, time)  # fmt: skip
+        self.logger.info(
+            "%s %s %s %s %s %.3fs",
+            request.remote,
+            request.method,
+            request.path,
+            response.status,
+            response.body_length,
+            time,
+        )
 
 
 def split_listen(listen: str) -> tuple[str, int]:
@@ -418,8 +441,14 @@ async def start_server(
     install_log_redaction()
     # keepalive_timeout also runs from the connection's start (aiohttp >= 3.10): a client that opens a
     # connection and never finishes a request is closed then, not kept for aiohttp's default hour.
-    runner = web.AppRunner(app, access_log_class=AccessLogger, access_log=logging.getLogger("ncclwatch.access"),
-                           shutdown_timeout=3.0, handle_signals=False, keepalive_timeout=idle_timeout_s)  # fmt: skip
+    runner = web.AppRunner(
+        app,
+        access_log_class=AccessLogger,
+        access_log=logging.getLogger("ncclwatch.access"),
+        shutdown_timeout=3.0,
+        handle_signals=False,
+        keepalive_timeout=idle_timeout_s,
+    )
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

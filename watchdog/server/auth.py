@@ -102,12 +102,21 @@ async def require_token(request: web.Request, handler: Callable[..., Any]) -> we
             return refuse(request, "wrong token", form=True)
         # Trade the token in the address (history, logs) for a cookie, and show the address without it.
         response = web.Response(status=303, headers={"Location": local_target(request)})
-        response.set_cookie(COOKIE, auth.cookie(), max_age=COOKIE_MAX_AGE_S, httponly=True, samesite="Strict", path="/",
-                            secure=request.secure)  # fmt: skip
+        response.set_cookie(
+            COOKIE,
+            auth.cookie(),
+            max_age=COOKIE_MAX_AGE_S,
+            httponly=True,
+            samesite="Strict",
+            path="/",
+            secure=request.secure,
+        )
         return response
     if auth.admits(request):
         return await handler(request)
-    return refuse(request, "a token is required" if "Authorization" not in request.headers else "wrong token", form=True)
+    return refuse(
+        request, "a token is required" if "Authorization" not in request.headers else "wrong token", form=True
+    )
 
 
 def refuse(request: web.Request, message: str, *, form: bool) -> web.Response:

@@ -54,8 +54,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ncclwatch.watchdog.slowness.findings import PerfKind
 from ncclwatch.watchdog.live.health import Health
+from ncclwatch.watchdog.slowness.findings import PerfKind
 
 log = logging.getLogger("ncclwatch")
 
@@ -233,7 +233,12 @@ _HELP: dict[str, str] = {
 def _perf_series(out: _Families, health: Health) -> None:
     """Bandwidth, arrival, straggler, finding and InfiniBand series; unknown values are absent, not zero."""
     for comm in health.comm_bandwidth:
-        out.add("ncclwatch_comm_bus_bandwidth_bytes_per_second", comm.busbw_bytes_per_s, communicator=comm.communicator, op=comm.op)
+        out.add(
+            "ncclwatch_comm_bus_bandwidth_bytes_per_second",
+            comm.busbw_bytes_per_s,
+            communicator=comm.communicator,
+            op=comm.op,
+        )
     for perf in health.rank_perf:
         rank = str(perf.rank)
         for name, value in (
@@ -250,8 +255,14 @@ def _perf_series(out: _Families, health: Health) -> None:
     for kind in PerfKind:
         out.add("ncclwatch_perf_findings", kinds.get(kind.value, 0), kind=kind.value)
     for f in health.perf_findings:
-        out.add("ncclwatch_perf_finding_info", 1, kind=f.kind.value, key=f.key,
-                ranks=",".join(map(str, f.ranks)), links=",".join(f.links))  # fmt: skip
+        out.add(
+            "ncclwatch_perf_finding_info",
+            1,
+            kind=f.kind.value,
+            key=f.key,
+            ranks=",".join(map(str, f.ranks)),
+            links=",".join(f.links),
+        )
     for port in health.ib_ports:
         out.add("ncclwatch_ib_port_active", 1 if port.active else 0, port=port.port)
         out.add("ncclwatch_ib_port_errors", port.errors, port=port.port)

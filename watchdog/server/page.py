@@ -28,7 +28,9 @@ def _asset(name: str) -> str:
 
 
 def page_html(title: str, body: str, where: str = "") -> str:
-    return string.Template(_asset("page.html")).substitute(title=esc(title), style=_asset("style.css"), where=esc(where), body=body)
+    return string.Template(_asset("page.html")).substitute(
+        title=esc(title), style=_asset("style.css"), where=esc(where), body=body
+    )
 
 
 def size_text(size: int) -> str:
@@ -47,9 +49,12 @@ def badge(verdict: object) -> str:
 def listing_body(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "<h1>No bundles yet</h1><p class='muted'>A bundle appears here when the watchdog catches a hang.</p>"
-    out = [f"<h1>Bundles <span class='muted'>({len(rows)})</span></h1>", "<table class='bundles'><thead><tr>",
-           "<th>created (UTC)</th><th>job</th><th>verdict</th><th>culprit</th><th>summary</th><th>size</th><th></th>",
-           "</tr></thead><tbody>"]  # fmt: skip
+    out = [
+        f"<h1>Bundles <span class='muted'>({len(rows)})</span></h1>",
+        "<table class='bundles'><thead><tr>",
+        "<th>created (UTC)</th><th>job</th><th>verdict</th><th>culprit</th><th>summary</th><th>size</th><th></th>",
+        "</tr></thead><tbody>",
+    ]
     for row in rows:
         bundle_id = esc(row["id"])
         culprits = ", ".join(map(str, row.get("culprit_ranks") or [])) or "-"
@@ -103,16 +108,31 @@ def _facts(report: dict[str, Any]) -> str:
         operation = f"{operation} (collective #{report['position']} on {report.get('communicator')})"
     stall = report.get("stall_timeout_s")
     facts = [
-        ("job", report.get("job")), ("host", report.get("host")), ("operation", operation),
-        ("hang started", report.get("hang_started_at")), ("detected", report.get("detected_at") or report.get("analyzed_at")),
+        ("job", report.get("job")),
+        ("host", report.get("host")),
+        ("operation", operation),
+        ("hang started", report.get("hang_started_at")),
+        ("detected", report.get("detected_at") or report.get("analyzed_at")),
         ("stall timeout", f"{stall:g} s" if isinstance(stall, (int, float)) else None),
         ("NCCL", ", ".join(map(str, report.get("nccl_versions") or [])) or None),
         ("ncclwatch", report.get("version")),
-    ]  # fmt: skip
+    ]
     return "<dl class='facts'>" + "".join(f"<dt>{k}</dt><dd>{esc(v)}</dd>" for k, v in facts if v) + "</dl>"
 
 
-RANK_COLUMNS = ("rank", "host", "pid", "state", "step", "issued", "status", "detail", "stack", "gpu", "last_progress_at")
+RANK_COLUMNS = (
+    "rank",
+    "host",
+    "pid",
+    "state",
+    "step",
+    "issued",
+    "status",
+    "detail",
+    "stack",
+    "gpu",
+    "last_progress_at",
+)
 
 
 def _ranks_table(rows: list[dict[str, Any]], culprits: set[int]) -> str:
@@ -120,10 +140,18 @@ def _ranks_table(rows: list[dict[str, Any]], culprits: set[int]) -> str:
     if not rows:
         return "<p class='muted'>No per-rank rows in this report.</p>"
     columns = [c for c in RANK_COLUMNS if c in ("rank", "status") or any(r.get(c) not in (None, "") for r in rows)]
-    out = ["<table class='ranks'><thead><tr>", *(f"<th>{esc(c.replace('_', ' '))}</th>" for c in columns), "</tr></thead><tbody>"]
+    out = [
+        "<table class='ranks'><thead><tr>",
+        *(f"<th>{esc(c.replace('_', ' '))}</th>" for c in columns),
+        "</tr></thead><tbody>",
+    ]
     for row in rows:
         culprit = row.get("rank") in culprits
-        attrs = f" class='culprit' data-culprit='true' data-rank='{esc(row.get('rank'))}'" if culprit else f" data-rank='{esc(row.get('rank'))}'"
+        attrs = (
+            f" class='culprit' data-culprit='true' data-rank='{esc(row.get('rank'))}'"
+            if culprit
+            else f" data-rank='{esc(row.get('rank'))}'"
+        )
         cells = [esc(row.get(c)) + (" (culprit)" if c == "rank" and culprit else "") for c in columns]
         out.append(f"<tr{attrs}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return "\n".join(out + ["</tbody></table>"])
@@ -138,7 +166,9 @@ def _evidence(items: list[dict[str, Any]]) -> str:
             continue
         cite = f"<br><code>{esc(item['cite'])}</code>" if item.get("cite") else ""
         text = f"<pre>{esc(str(item['text'])[:600])}</pre>" if item.get("text") else ""
-        out.append(f"<li><span class='source'>{esc(item.get('source'))}</span> {esc(item.get('fact'))}{cite}{text}</li>")
+        out.append(
+            f"<li><span class='source'>{esc(item.get('source'))}</span> {esc(item.get('fact'))}{cite}{text}</li>"
+        )
     return "\n".join(out + ["</ul>"])
 
 
@@ -149,11 +179,17 @@ def _evidence_files(records: list[dict[str, Any]]) -> str:
     for rec in records:
         if not isinstance(rec, dict):
             continue
-        result = f"<span class='error'>{esc(rec['error'])}</span>" if rec.get("error") else esc(", ".join(rec.get("paths") or []) or "-")
+        result = (
+            f"<span class='error'>{esc(rec['error'])}</span>"
+            if rec.get("error")
+            else esc(", ".join(rec.get("paths") or []) or "-")
+        )
         note = f" <span class='muted'>({esc(rec['note'])})</span>" if rec.get("note") else ""
         duration = rec.get("duration_s")
         seconds = f"{duration:.2f}" if isinstance(duration, (int, float)) else ""
-        out.append(f"<tr><td>{esc(rec.get('name'))}</td><td>{esc(rec.get('rank'))}</td><td>{result}{note}</td><td>{seconds}</td></tr>")
+        out.append(
+            f"<tr><td>{esc(rec.get('name'))}</td><td>{esc(rec.get('rank'))}</td><td>{result}{note}</td><td>{seconds}</td></tr>"
+        )
     return "\n".join(out + ["</tbody></table>"])
 
 
@@ -171,7 +207,11 @@ def _cells(report: dict[str, Any]) -> dict[int, dict[int, tuple[str, str | None]
     """rank -> position -> (operation, Flight Recorder state)."""
     cells: dict[int, dict[int, tuple[str, str | None]]] = {}
     for row in report.get("timeline") or []:
-        if not isinstance(row, dict) or not isinstance(row.get("rank"), int) or not isinstance(row.get("first_position"), int):
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get("rank"), int)
+            or not isinstance(row.get("first_position"), int)
+        ):
             continue
         states = list(row.get("states") or [])
         ops = [str(op) for op in row.get("ops") or []]
@@ -201,7 +241,9 @@ def timeline_svg(report: dict[str, Any]) -> str:
     everything = sorted({p for row in cells.values() for p in row})
     focus = report.get("position") if isinstance(report.get("position"), int) else None
     if focus is None:
-        focus = next((p for p in everything if any(p in row and row[p][0] != expected[p] for row in cells.values())), None)
+        focus = next(
+            (p for p in everything if any(p in row and row[p][0] != expected[p] for row in cells.values())), None
+        )
     end = max(everything) if focus is None else min(max(everything), focus + 2)
     positions = list(range(max(min(everything), end - MAX_COLUMNS + 1), end + 1))
     ranks = sorted(cells)
@@ -226,12 +268,18 @@ def timeline_svg(report: dict[str, Any]) -> str:
             out.append(f'<rect x="0" y="{y}" width="5" height="{ROW_H}" fill="#c62828"/>')
     if focus in x_of:
         x = x_of[focus]
-        out.append(f'<rect class="focus" x="{x}" y="18" width="{COL_W}" height="{height - 18}" fill="#fff4c2" fill-opacity="0.75"/>')
+        out.append(
+            f'<rect class="focus" x="{x}" y="18" width="{COL_W}" height="{height - 18}" fill="#fff4c2" fill-opacity="0.75"/>'
+        )
         label = "diverges here" if diverged else "pending here"
-        out.append(f'<text x="{x + COL_W / 2}" y="13" text-anchor="middle" font-size="12" font-weight="700" fill="#8a5a00">{label}</text>')
+        out.append(
+            f'<text x="{x + COL_W / 2}" y="13" text-anchor="middle" font-size="12" font-weight="700" fill="#8a5a00">{label}</text>'
+        )
     for p, x in x_of.items():
         weight, color = ("700", "#8a5a00") if p == focus else ("400", "#5b6573")
-        out.append(f'<text x="{x + COL_W / 2}" y="{TOP - 10}" text-anchor="middle" font-size="13" font-weight="{weight}" fill="{color}">#{p}</text>')
+        out.append(
+            f'<text x="{x + COL_W / 2}" y="{TOP - 10}" text-anchor="middle" font-size="13" font-weight="{weight}" fill="{color}">#{p}</text>'
+        )
     for i, rank in enumerate(ranks):
         out.append(_rank_row(rank, i, cells[rank], positions, x_of, expected, rank in culprits, last[rank]))
     out.append("</svg>")
@@ -245,29 +293,46 @@ def timeline_svg(report: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def _rank_row(rank: int, i: int, row: dict[int, tuple[str, str | None]], positions: list[int], x_of: dict[int, int],
-              expected: dict[int, str], culprit: bool, last: int) -> str:  # fmt: skip
+def _rank_row(
+    rank: int,
+    i: int,
+    row: dict[int, tuple[str, str | None]],
+    positions: list[int],
+    x_of: dict[int, int],
+    expected: dict[int, str],
+    culprit: bool,
+    last: int,
+) -> str:
     y = TOP + ROW_H * i
     mid = y + ROW_H / 2
     label_color, weight = ("#c62828", "700") if culprit else ("#1d2430", "600")
     marks = ' class="rank culprit" data-culprit="true"' if culprit else ' class="rank"'
     out = [f'<g{marks} data-rank="{rank}">']
-    out.append(f'<text x="14" y="{mid - (3 if culprit else -5)}" font-size="14" font-weight="{weight}" fill="{label_color}">rank {rank}</text>')
+    out.append(
+        f'<text x="14" y="{mid - (3 if culprit else -5)}" font-size="14" font-weight="{weight}" fill="{label_color}">rank {rank}</text>'
+    )
     if culprit:
         out.append(f'<text x="14" y="{mid + 14}" font-size="11.5" font-weight="700" fill="#c62828">CULPRIT</text>')
     for position in positions:
         x, top = x_of[position] + (COL_W - BOX_W) / 2, y + (ROW_H - BOX_H) / 2
         if position not in row:
             if position > last:  # the others issued it; this rank has not
-                out.append(f'<g class="op absent"><title>#{position}: not issued by rank {rank}</title>'
-                           f'<rect x="{x}" y="{top}" width="{BOX_W}" height="{BOX_H}" rx="5" fill="none" stroke="#8a94a1" '
-                           f'stroke-dasharray="5 4"/><text x="{x + BOX_W / 2}" y="{top + BOX_H / 2 + 4}" text-anchor="middle" font-size="12" '
-                           f'font-style="italic" fill="#6b7480">not issued</text></g>')  # fmt: skip
+                out.append(
+                    f'<g class="op absent"><title>#{position}: not issued by rank {rank}</title>'
+                    f'<rect x="{x}" y="{top}" width="{BOX_W}" height="{BOX_H}" rx="5" fill="none" stroke="#8a94a1" '
+                    f'stroke-dasharray="5 4"/><text x="{x + BOX_W / 2}" y="{top + BOX_H / 2 + 4}" text-anchor="middle" font-size="12" '
+                    f'font-style="italic" fill="#6b7480">not issued</text></g>'
+                )
             continue
         op, state = row[position]
         differs = op != expected.get(position)
-        fill, stroke, stroke_w = ("#fbd5d5", "#c62828", 2.5) if differs else ("#ffffff", "#b26a00", 2) if state in PENDING else (
-            ("#e4edf8", "#8fb0d6", 1) if state == "completed" else ("#eef0f2", "#a9b1bb", 1))  # fmt: skip
+        fill, stroke, stroke_w = (
+            ("#fbd5d5", "#c62828", 2.5)
+            if differs
+            else ("#ffffff", "#b26a00", 2)
+            if state in PENDING
+            else (("#e4edf8", "#8fb0d6", 1) if state == "completed" else ("#eef0f2", "#a9b1bb", 1))
+        )
         name, _, rest = op.partition(" ")
         first, _, more = rest.partition(" ")
         css = "op" + (" differs" if differs else "") + (" pending" if state in PENDING else "")

@@ -47,7 +47,10 @@ def report_view(raw: dict[str, Any]) -> dict[str, Any]:
             continue
         result = view.model_dump(mode="json")
         if dropped:
-            result["notes"] = [*result["notes"], f"not shown, malformed in report.json: {', '.join(list(dict.fromkeys(dropped))[:20])}"]
+            result["notes"] = [
+                *result["notes"],
+                f"not shown, malformed in report.json: {', '.join(list(dict.fromkeys(dropped))[:20])}",
+            ]
         return result
     return ReportView(notes=["report.json could not be read as a report"]).model_dump(mode="json")
 

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, field_validator
 
 if TYPE_CHECKING:  # the report pulls in the whole engine; an alert needs only its fields
-    from ncclwatch.watchdog.slowness.findings import PerfFinding
     from ncclwatch.watchdog.hang.report import Report
+    from ncclwatch.watchdog.slowness.findings import PerfFinding
 
 SUMMARY_MAX = 1024  # PagerDuty's limit on payload.summary
 JOB_IN_KEY_MAX = 64  # keeps the key under PagerDuty's 255 characters with room to spare
@@ -117,7 +117,8 @@ def trigger_from_report(
         operation=report.operation,
         position=report.position,
         # What is done about it comes before the summary, which may be cut to fit.
-        summary=f"{_headline(verdict, report.culprit_ranks, job, host)}" + (f" ({report.response})" if report.response else "")
+        summary=f"{_headline(verdict, report.culprit_ranks, job, host)}"
+        + (f" ({report.response})" if report.response else "")
         + f": {report.summary}",
         reason=report.reason,
         bundle_id=bundle_id,
@@ -136,7 +137,9 @@ def perf_dedup_key(job: str, finding_key: str, run_started_at: float, slurm_job_
     week's run of the same job from being folded into this one (the spool
     remembers keys it sent), and the digest tells apart keys that slug alike.
     """
-    digest = hashlib.sha256(f"{job}\0{slurm_job_id or ''}\0{run_started_at:.3f}\0{finding_key}".encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{job}\0{slurm_job_id or ''}\0{run_started_at:.3f}\0{finding_key}".encode()).hexdigest()[
+        :12
+    ]
     slurm = f"-slurm{_slug(slurm_job_id)}" if slurm_job_id else ""
     return f"ncclwatch-perf-{_slug(job)[:JOB_IN_KEY_MAX]}{slurm}-{_slug(finding_key)[:JOB_IN_KEY_MAX]}-{digest}"
 

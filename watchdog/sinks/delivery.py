@@ -42,11 +42,11 @@ sent again (PagerDuty folds it by ``dedup_key``).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import itertools
 import json
 import logging
-import fcntl
 import os
 import re
 import time
@@ -151,7 +151,9 @@ class Dispatcher:
         if not self._tasks:
             self._tasks = [asyncio.create_task(self._worker(n), name=f"ncclwatch-sink-{n}") for n in self._sinks]
             if self._rescan_s is not None:
-                self._tasks.append(asyncio.create_task(self._rescan_forever(self._rescan_s), name="ncclwatch-spool-rescan"))
+                self._tasks.append(
+                    asyncio.create_task(self._rescan_forever(self._rescan_s), name="ncclwatch-spool-rescan")
+                )
         left = self.pending()
         if left:
             log.info("delivering %d alert(s) left in %s", left, self._spool)

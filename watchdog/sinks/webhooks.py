@@ -118,7 +118,10 @@ def slack_message(alert: Alert) -> dict[str, Any]:
     blocks: list[dict[str, Any]] = [
         {
             "type": "header",
-            "text": {"type": "plain_text", "text": f"{alert.problem.capitalize()}: {alert.verdict or 'unknown'} in {alert.job}"[:150]},
+            "text": {
+                "type": "plain_text",
+                "text": f"{alert.problem.capitalize()}: {alert.verdict or 'unknown'} in {alert.job}"[:150],
+            },
         },
         {"type": "section", "text": {"type": "mrkdwn", "text": _mrkdwn(alert.summary)[:3000]}},
         {

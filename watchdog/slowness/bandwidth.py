@@ -46,10 +46,24 @@ from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind, gbps, wh
 # Element sizes: PyTorch's ScalarType names as Flight Recorder writes them (c10::toString,
 # older dumps lower case) and NCCL's ncclDataType_t numbers as its COLL lines print them.
 _TORCH_DTYPE_BYTES = {
-    "bool": 1, "byte": 1, "char": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
-    "float8_e5m2fnuz": 1, "short": 2, "half": 2, "bfloat16": 2, "int": 4, "float": 4, "long": 8,
-    "double": 8, "complexhalf": 4, "complexfloat": 8, "complexdouble": 16,
-}  # fmt: skip
+    "bool": 1,
+    "byte": 1,
+    "char": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "short": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "int": 4,
+    "float": 4,
+    "long": 8,
+    "double": 8,
+    "complexhalf": 4,
+    "complexfloat": 8,
+    "complexdouble": 16,
+}
 _NCCL_DTYPE_BYTES = {"0": 1, "1": 1, "2": 4, "3": 4, "4": 8, "5": 8, "6": 2, "7": 4, "8": 8, "9": 2, "10": 1, "11": 1}
 
 MIN_BYTES = 1 << 20  # below this a collective is latency-bound: its bandwidth says nothing about links
@@ -174,11 +188,18 @@ def rank_entries(dumps: Iterable[FrDump]) -> list[RankEntry]:
             nranks = len(group.ranks) if group is not None and group.ranks else None
             out.append(
                 RankEntry(
-                    rank=dump.rank, pg=e.pg_id, seq=e.collective_seq_id, op=e.op, created_ns=e.time_created_ns,
-                    state=e.state, nbytes=fr_collective_bytes(e), nranks=nranks, duration_ms=e.duration_ms,
+                    rank=dump.rank,
+                    pg=e.pg_id,
+                    seq=e.collective_seq_id,
+                    op=e.op,
+                    created_ns=e.time_created_ns,
+                    state=e.state,
+                    nbytes=fr_collective_bytes(e),
+                    nranks=nranks,
+                    duration_ms=e.duration_ms,
                     completed_ns=e.time_completed_ns,
                 )
-            )  # fmt: skip
+            )
     return out
 
 
@@ -281,7 +302,9 @@ def judged_on_bandwidth(timings: Iterable[CollectiveTiming], min_bytes: int) -> 
     return [t for t in timings if t.busbw is not None and t.nbytes is not None and t.nbytes >= min_bytes]
 
 
-def comm_bandwidth(timings: Sequence[CollectiveTiming], *, window: int = 50, min_bytes: int = MIN_BYTES) -> dict[tuple[str, str], float]:
+def comm_bandwidth(
+    timings: Sequence[CollectiveTiming], *, window: int = 50, min_bytes: int = MIN_BYTES
+) -> dict[tuple[str, str], float]:
     """Median busbw of each (group, op) over its last ``window`` completed collectives of at least ``min_bytes``."""
     series: dict[tuple[str, str], list[float]] = defaultdict(list)
     for t in judged_on_bandwidth(timings, min_bytes):
@@ -289,7 +312,9 @@ def comm_bandwidth(timings: Sequence[CollectiveTiming], *, window: int = 50, min
     return {key: statistics.median(values[-window:]) for key, values in series.items()}
 
 
-def rank_bandwidth(timings: Sequence[CollectiveTiming], *, window: int = 50, min_bytes: int = MIN_BYTES) -> dict[int, float]:
+def rank_bandwidth(
+    timings: Sequence[CollectiveTiming], *, window: int = 50, min_bytes: int = MIN_BYTES
+) -> dict[int, float]:
     """Each rank's busbw: the median over the collectives it took part in (a collective moves at its slowest link,
     so a rank's own kernel time says how long it waited, not how fast its link is)."""
     series: dict[int, list[float]] = defaultdict(list)
@@ -338,7 +363,7 @@ def slow_collectives(
     for t in judged_on_bandwidth(timings, min_bytes):
         groups[(t.pg, t.op, size_bucket(t.nbytes))].append(t)  # type: ignore[arg-type]
     findings: list[PerfFinding] = []
-    for (pg, op, _), series in groups.items():
+    for series in groups.values():
         history, latest = series[:-recent][-50:], series[-recent:]
         if len(history) < min_history or len(latest) < recent:
             continue
@@ -347,13 +372,17 @@ def slow_collectives(
         slowest = statistics.quantiles(speeds, n=10, method="inclusive")[0]  # type: ignore[arg-type]
         now = statistics.median(t.busbw for t in latest)  # type: ignore[misc]
         if now < ratio * slowest:
-            findings.append(_slow_finding(latest[-1], now, usual, hosts, links, running_s=None, over=recent, slowest=slowest))
+            findings.append(
+                _slow_finding(latest[-1], now, usual, hosts, links, running_s=None, over=recent, slowest=slowest)
+            )
     if now_ns is not None:
         findings += _slow_running(timings, groups, now_ns, hosts, links, ratio, min_history, min_bytes, min_elapsed_s)
     return findings
 
 
-def _slow_running(timings, groups, now_ns, hosts, links, ratio, min_history, min_bytes, min_elapsed_s) -> list[PerfFinding]:  # type: ignore[no-untyped-def]
+def _slow_running(
+    timings, groups, now_ns, hosts, links, ratio, min_history, min_bytes, min_elapsed_s
+) -> list[PerfFinding]:  # type: ignore[no-untyped-def]
     findings = []
     for t in timings:
         if t.completed or t.started_ns is None or t.nbytes is None or t.nbytes < min_bytes:
@@ -372,15 +401,23 @@ def _slow_running(timings, groups, now_ns, hosts, links, ratio, min_history, min
 
 
 def _slow_finding(
-    t: CollectiveTiming, measured: float, usual: float, hosts: Mapping[int, str], links: Mapping[int, Sequence[str]],
-    running_s: float | None, over: int = 1, slowest: float | None = None,
-) -> PerfFinding:  # fmt: skip
+    t: CollectiveTiming,
+    measured: float,
+    usual: float,
+    hosts: Mapping[int, str],
+    links: Mapping[int, Sequence[str]],
+    running_s: float | None,
+    over: int = 1,
+    slowest: float | None = None,
+) -> PerfFinding:
     ranks = tuple(sorted(t.arrivals))
     host_names, link_names = where(ranks, hosts, links)
     what = f"{t.op} #{t.seq} of process group {t.pg} ({size_text(t.nbytes)}, {t.nranks} ranks)"
     if running_s is None:
-        summary = (f"{what} and the {over - 1} before it ran at {gbps(measured)} bus bandwidth (median), "
-                   f"{measured / usual:.0%} of their usual {gbps(usual)} (their slowest tenth: {gbps(slowest)})")  # fmt: skip
+        summary = (
+            f"{what} and the {over - 1} before it ran at {gbps(measured)} bus bandwidth (median), "
+            f"{measured / usual:.0%} of their usual {gbps(usual)} (their slowest tenth: {gbps(slowest)})"
+        )
     else:
         summary = (
             f"{what} has run for {running_s:.0f} s since the last rank arrived (at most {gbps(measured)}, "

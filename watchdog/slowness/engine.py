@@ -14,10 +14,22 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ncclwatch.watchdog.events import ProcKey, RankTransport, group_label, rate_bytes_per_s, state_name
-from ncclwatch.watchdog.slowness.bandwidth import CollectiveTiming, comm_bandwidth, rank_bandwidth, size_bucket, slow_collectives
+from ncclwatch.watchdog.slowness.bandwidth import (
+    CollectiveTiming,
+    comm_bandwidth,
+    rank_bandwidth,
+    size_bucket,
+    slow_collectives,
+)
 from ncclwatch.watchdog.slowness.findings import PerfFinding, PerfKind
 from ncclwatch.watchdog.slowness.links import ib_port_findings, slow_links, transport_anomalies
-from ncclwatch.watchdog.slowness.stragglers import MIN_ROUNDS, LastArrivals, collective_arrivals, collective_series, stragglers
+from ncclwatch.watchdog.slowness.stragglers import (
+    MIN_ROUNDS,
+    LastArrivals,
+    collective_arrivals,
+    collective_series,
+    stragglers,
+)
 
 
 @dataclass(frozen=True)
@@ -70,11 +82,17 @@ class IbPorts:
 
 
 def perf_health(
-    timings: Sequence[CollectiveTiming] = (), labels: Mapping[str, str] = {}, *, now: float,
-    hosts: Mapping[int, str] = {}, links: Mapping[int, Sequence[str]] = {}, transport: Sequence[RankTransport] = (),
-    global_ranks: Mapping[ProcKey, int] = {}, active_ib_ports: Mapping[str, Sequence[str]] = {},
+    timings: Sequence[CollectiveTiming] = (),
+    labels: Mapping[str, str] = {},
+    *,
+    now: float,
+    hosts: Mapping[int, str] = {},
+    links: Mapping[int, Sequence[str]] = {},
+    transport: Sequence[RankTransport] = (),
+    global_ranks: Mapping[ProcKey, int] = {},
+    active_ib_ports: Mapping[str, Sequence[str]] = {},
     ib: IbPorts | None = None,
-) -> PerfHealth:  # fmt: skip
+) -> PerfHealth:
     """The slowness engine, whole: ``collective_health`` over the matched collectives, ``transport_anomalies`` over
     NCCL's transport choices (``global_ranks``: NCCL's process -> global rank; ``active_ib_ports``: host -> its ports
     that are up) and, where ``ib`` is given, that node's ports' state and ``ib_port_findings``, a port's ranks being
@@ -116,9 +134,13 @@ def port_health(reading: IbReading, delta: Mapping | None) -> list[IbPortHealth]
 
 
 def collective_health(
-    timings: Sequence[CollectiveTiming], labels: Mapping[str, str], *, now: float, hosts: Mapping[int, str],
+    timings: Sequence[CollectiveTiming],
+    labels: Mapping[str, str],
+    *,
+    now: float,
+    hosts: Mapping[int, str],
     links: Mapping[int, Sequence[str]],
-) -> PerfHealth:  # fmt: skip
+) -> PerfHealth:
     """Bandwidth per communicator and rank, arrival skew, stragglers, slow collectives and links; pure.
 
     Only collectives every rank of the group was seen arriving at are used.  A group with ranks on
@@ -153,21 +175,32 @@ def collective_health(
     slow, late = fold_symptoms(_slowness(whole, now, hosts, links), late, whole, now=now, hosts=hosts, links=links)
     bandwidth = comm_bandwidth(whole)
     return PerfHealth(
-        comm_bandwidth=tuple(CommBandwidth(labels.get(pg, group_label(pg, None)), op, bw) for (pg, op), bw in bandwidth.items()),
+        comm_bandwidth=tuple(
+            CommBandwidth(labels.get(pg, group_label(pg, None)), op, bw) for (pg, op), bw in bandwidth.items()
+        ),
         rank_perf=tuple(rank_perf),
         arrival_skew_s=latest.skew_s if latest is not None else None,
         perf_findings=tuple(slow + list(late.values())),
     )
 
 
-def _slowness(timings: Sequence[CollectiveTiming], now: float, hosts: Mapping[int, str], links: Mapping[int, Sequence[str]]) -> list[PerfFinding]:
-    return slow_collectives(timings, now_ns=int(now * 1e9), hosts=hosts, links=links) + slow_links(timings, hosts=hosts, links=links)
+def _slowness(
+    timings: Sequence[CollectiveTiming], now: float, hosts: Mapping[int, str], links: Mapping[int, Sequence[str]]
+) -> list[PerfFinding]:
+    return slow_collectives(timings, now_ns=int(now * 1e9), hosts=hosts, links=links) + slow_links(
+        timings, hosts=hosts, links=links
+    )
 
 
 def fold_symptoms(
-    slow: Sequence[PerfFinding], late: Mapping[str, PerfFinding], timings: Sequence[CollectiveTiming], *, now: float,
-    hosts: Mapping[int, str], links: Mapping[int, Sequence[str]],
-) -> tuple[list[PerfFinding], dict[str, PerfFinding]]:  # fmt: skip
+    slow: Sequence[PerfFinding],
+    late: Mapping[str, PerfFinding],
+    timings: Sequence[CollectiveTiming],
+    *,
+    now: float,
+    hosts: Mapping[int, str],
+    links: Mapping[int, Sequence[str]],
+) -> tuple[list[PerfFinding], dict[str, PerfFinding]]:
     """Slow collectives and links that a straggler explains, folded into the straggler's finding.
 
     While a rank lags, its group's collectives can take longer (4 ranks on 2 x H200: the straggler's group

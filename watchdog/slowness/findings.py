@@ -67,7 +67,9 @@ def pages(finding: PerfFinding, settings: PageSettings) -> bool:
     return bool(getattr(settings, _PAGE_SETTING[finding.kind]))
 
 
-def where(ranks: Sequence[int], hosts: Mapping[int, str], links: Mapping[int, Sequence[str]]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def where(
+    ranks: Sequence[int], hosts: Mapping[int, str], links: Mapping[int, Sequence[str]]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(hosts, links) of these ranks, each sorted and without repeats; unknown ones are left out."""
     host_set = {hosts[r] for r in ranks if r in hosts}
     link_set = {link for r in ranks for link in links.get(r, ())}

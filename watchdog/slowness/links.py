@@ -56,15 +56,25 @@ def slow_links(
         per[(t.op, size_bucket(t.nbytes))][t.pg].append(t)  # type: ignore[arg-type]
     findings = []
     for (op, _), by_pg in per.items():
-        medians = {pg: statistics.median(x.busbw for x in ts[-50:]) for pg, ts in by_pg.items() if len(ts) >= min_samples}
+        medians = {
+            pg: statistics.median(x.busbw for x in ts[-50:]) for pg, ts in by_pg.items() if len(ts) >= min_samples
+        }
         if len(medians) < 2:
             continue
-        slow = {pg for pg, m in medians.items() if m < ratio * statistics.median(v for p, v in medians.items() if p != pg)}
+        slow = {
+            pg for pg, m in medians.items() if m < ratio * statistics.median(v for p, v in medians.items() if p != pg)
+        }
         if not slow:
             continue
         members = {pg: set().union(*(t.arrivals for t in by_pg[pg])) for pg in medians}
-        suspects = set.intersection(*(members[pg] for pg in slow)) - set().union(*(members[pg] for pg in medians if pg not in slow))
-        findings.append(_link_finding(op, sorted(suspects or set().union(*(members[pg] for pg in slow))), slow, medians, hosts, links))
+        suspects = set.intersection(*(members[pg] for pg in slow)) - set().union(
+            *(members[pg] for pg in medians if pg not in slow)
+        )
+        findings.append(
+            _link_finding(
+                op, sorted(suspects or set().union(*(members[pg] for pg in slow))), slow, medians, hosts, links
+            )
+        )
     return findings
 
 
@@ -130,7 +140,9 @@ def _by_host(procs: Iterable[ProcKey], rank_of: RankOf) -> dict[str, list[int]]:
     return {host: sorted(ranks) for host, ranks in out.items()}
 
 
-def _finding(rule: str, host: str, ranks: Sequence[int], summary: str, detail: str, links: Sequence[str] = ()) -> PerfFinding:
+def _finding(
+    rule: str, host: str, ranks: Sequence[int], summary: str, detail: str, links: Sequence[str] = ()
+) -> PerfFinding:
     return PerfFinding(
         kind=PerfKind.transport_anomaly,
         key=f"transport-{rule}-{host}",
@@ -156,7 +168,9 @@ def _reference(values: Mapping[ProcKey, object], best: Callable[[Iterable], obje
     return top if n > m else None
 
 
-def _outlier_hosts(values: Mapping[ProcKey, object], rank_of: RankOf, best: Callable[[Iterable], object] | None = None) -> tuple[object, dict[str, list[int]]] | None:
+def _outlier_hosts(
+    values: Mapping[ProcKey, object], rank_of: RankOf, best: Callable[[Iterable], object] | None = None
+) -> tuple[object, dict[str, list[int]]] | None:
     usual = _reference(values, best)
     if usual is None:
         return None
@@ -171,10 +185,15 @@ def _network_outliers(procs: Mapping[ProcKey, RankTransport], rank_of: RankOf) -
         return []
     usual, hosts = found
     return [
-        _finding("network", host, ranks, f"NCCL on {ranks_text(ranks, {r: host for r in ranks})} uses network "
-                 f"{procs[next(p for p in networks if p.host == host)].network} while the other nodes use {usual}",
-                 "a node that fell back to another network runs every collective crossing it at that network's speed: "
-                 "check its HCAs (ibstat, the report's InfiniBand section), drivers and NCCL_IB_HCA/NCCL_NET")  # fmt: skip
+        _finding(
+            "network",
+            host,
+            ranks,
+            f"NCCL on {ranks_text(ranks, {r: host for r in ranks})} uses network "
+            f"{procs[next(p for p in networks if p.host == host)].network} while the other nodes use {usual}",
+            "a node that fell back to another network runs every collective crossing it at that network's speed: "
+            "check its HCAs (ibstat, the report's InfiniBand section), drivers and NCCL_IB_HCA/NCCL_NET",
+        )
         for host, ranks in hosts.items()
     ]
 
@@ -191,11 +210,16 @@ def _fewer_hcas(procs: Mapping[ProcKey, RankTransport], rank_of: RankOf) -> list
         names = next(n for p, n in listed.items() if p.host == host)
         missing = sorted(union - names)
         findings.append(
-            _finding("hcas", host, ranks, f"NCCL on {ranks_text(ranks, {r: host for r in ranks})} found {len(names)} "
-                     f"InfiniBand devices where the other ranks found {most}"
-                     + (f" (missing: {', '.join(missing)})" if missing else ""),
-                     "a missing HCA means fewer rails: check the device's port state and driver on that node",
-                     missing)  # fmt: skip
+            _finding(
+                "hcas",
+                host,
+                ranks,
+                f"NCCL on {ranks_text(ranks, {r: host for r in ranks})} found {len(names)} "
+                f"InfiniBand devices where the other ranks found {most}"
+                + (f" (missing: {', '.join(missing)})" if missing else ""),
+                "a missing HCA means fewer rails: check the device's port state and driver on that node",
+                missing,
+            )
         )
     return findings
 
@@ -215,10 +239,17 @@ def _p2p_outliers(facts: Sequence[RankTransport], rank_of: RankOf) -> list[PerfF
     for host, ranks in found[1].items():
         kinds = sorted({k for f in facts if f.proc.host == host for k in f.connections if not k.startswith("P2P/")})
         reason = next((procs[p].p2p_disabled for p in procs if p.host == host and procs[p].p2p_disabled), None)
-        out.append(_finding("p2p", host, ranks, f"GPUs on {host} talk through {', '.join(kinds) or 'no P2P'} "
-                            f"instead of P2P (NVLink/PCIe) like the other nodes" + (f": {reason}" if reason else ""),
-                            "check NCCL_P2P_DISABLE/NCCL_P2P_LEVEL in that node's environment, ACS and the IOMMU, "
-                            "and nvidia-smi topo -m"))  # fmt: skip
+        out.append(
+            _finding(
+                "p2p",
+                host,
+                ranks,
+                f"GPUs on {host} talk through {', '.join(kinds) or 'no P2P'} "
+                f"instead of P2P (NVLink/PCIe) like the other nodes" + (f": {reason}" if reason else ""),
+                "check NCCL_P2P_DISABLE/NCCL_P2P_LEVEL in that node's environment, ACS and the IOMMU, "
+                "and nvidia-smi topo -m",
+            )
+        )
     return out
 
 
@@ -227,7 +258,9 @@ def _fewer_channels(facts: Sequence[RankTransport], rank_of: RankOf) -> list[Per
     shapes: dict[tuple, dict[ProcKey, int]] = defaultdict(dict)
     for f in facts:
         if f.coll_channels is not None and f.nranks is not None:
-            shapes[(f.nranks, f.nnodes, f.local_ranks)][f.proc] = min(f.coll_channels, shapes[(f.nranks, f.nnodes, f.local_ranks)].get(f.proc, 1 << 30))
+            shapes[(f.nranks, f.nnodes, f.local_ranks)][f.proc] = min(
+                f.coll_channels, shapes[(f.nranks, f.nnodes, f.local_ranks)].get(f.proc, 1 << 30)
+            )
     out = []
     for values in shapes.values():
         found = _outlier_hosts(values, rank_of, best=max)
@@ -236,15 +269,26 @@ def _fewer_channels(facts: Sequence[RankTransport], rank_of: RankOf) -> list[Per
         usual, hosts = found
         for host, ranks in hosts.items():
             fewer = min(v for p, v in values.items() if p.host == host)
-            out.append(_finding("channels", host, ranks, f"NCCL built {fewer} channels for {ranks_text(ranks, {})} "
-                                f"where communicators of the same shape have {usual}",
-                                "fewer channels mean fewer NICs or NVLinks in use: compare that node's HCAs, "
-                                "NVLink state (nvidia-smi nvlink -s) and NCCL_MIN/MAX_NCHANNELS"))  # fmt: skip
+            out.append(
+                _finding(
+                    "channels",
+                    host,
+                    ranks,
+                    f"NCCL built {fewer} channels for {ranks_text(ranks, {})} "
+                    f"where communicators of the same shape have {usual}",
+                    "fewer channels mean fewer NICs or NVLinks in use: compare that node's HCAs, "
+                    "NVLink state (nvidia-smi nvlink -s) and NCCL_MIN/MAX_NCHANNELS",
+                )
+            )
     return out
 
 
 def _fewer_socket_threads(procs: Mapping[ProcKey, RankTransport], rank_of: RankOf) -> list[PerfFinding]:
-    sockets = {p: f.socket_threads[0] * f.socket_threads[1] for p, f in procs.items() if f.socket_threads and f.network == "Socket"}
+    sockets = {
+        p: f.socket_threads[0] * f.socket_threads[1]
+        for p, f in procs.items()
+        if f.socket_threads and f.network == "Socket"
+    }
     found = _outlier_hosts(sockets, rank_of, best=max)
     if found is None:
         return []
@@ -253,9 +297,16 @@ def _fewer_socket_threads(procs: Mapping[ProcKey, RankTransport], rank_of: RankO
     for host, ranks in hosts.items():
         fewer = min(v for p, v in sockets.items() if p.host == host)
         # Ranks, not only the host: ranks of one host can differ (each reads its own environment).
-        out.append(_finding("sockets", host, ranks, f"NCCL on {ranks_text(ranks, {r: host for r in ranks})} opens {fewer} "
-                            f"socket{'' if fewer == 1 else 's'} per connection where the other ranks open {usual}",
-                            "check NCCL_SOCKET_NTHREADS and NCCL_NSOCKS_PERTHREAD in those ranks' environment"))  # fmt: skip
+        out.append(
+            _finding(
+                "sockets",
+                host,
+                ranks,
+                f"NCCL on {ranks_text(ranks, {r: host for r in ranks})} opens {fewer} "
+                f"socket{'' if fewer == 1 else 's'} per connection where the other ranks open {usual}",
+                "check NCCL_SOCKET_NTHREADS and NCCL_NSOCKS_PERTHREAD in those ranks' environment",
+            )
+        )
     return out
 
 
@@ -285,25 +336,41 @@ def _missing_hcas(procs: Mapping[ProcKey, RankTransport], rank_of: RankOf) -> li
         missing = [
             f"{name}" + (f":{port}" if port is not None else "")
             for name, port in entries
-            if not any((d.name == name if exact else d.name.startswith(name)) and port in (None, d.port) for d in f.ib_devices)
+            if not any(
+                (d.name == name if exact else d.name.startswith(name)) and port in (None, d.port) for d in f.ib_devices
+            )
         ]
         if missing:
             missing_by_proc[p] = tuple(missing)
     out = []
     for host, ranks in _by_host(missing_by_proc, rank_of).items():
         first = next(p for p in missing_by_proc if p.host == host)
-        out.append(_finding("ib_hca", host, ranks, f"NCCL on {host} did not find {', '.join(missing_by_proc[first])} "
-                            f"named in NCCL_IB_HCA={procs[first].ib_hca}",
-                            "check that HCA's port state, link and driver on that node (ibstat)"))  # fmt: skip
+        out.append(
+            _finding(
+                "ib_hca",
+                host,
+                ranks,
+                f"NCCL on {host} did not find {', '.join(missing_by_proc[first])} "
+                f"named in NCCL_IB_HCA={procs[first].ib_hca}",
+                "check that HCA's port state, link and driver on that node (ibstat)",
+            )
+        )
     return out
 
 
-def _sockets_despite_ib(procs: Mapping[ProcKey, RankTransport], rank_of: RankOf, active: Mapping[str, Sequence[str]]) -> list[PerfFinding]:
+def _sockets_despite_ib(
+    procs: Mapping[ProcKey, RankTransport], rank_of: RankOf, active: Mapping[str, Sequence[str]]
+) -> list[PerfFinding]:
     odd = [p for p, f in procs.items() if f.network == "Socket" and active.get(p.host)]
     return [
-        _finding("socket_with_ib", host, ranks, f"NCCL on {host} uses sockets although InfiniBand ports "
-                 f"{', '.join(active[host])} are active", "check NCCL_IB_DISABLE, NCCL_NET and the IB verbs "
-                 "libraries (libibverbs) in the job's environment", active[host])  # fmt: skip
+        _finding(
+            "socket_with_ib",
+            host,
+            ranks,
+            f"NCCL on {host} uses sockets although InfiniBand ports {', '.join(active[host])} are active",
+            "check NCCL_IB_DISABLE, NCCL_NET and the IB verbs libraries (libibverbs) in the job's environment",
+            active[host],
+        )
         for host, ranks in _by_host(odd, rank_of).items()
     ]
 
@@ -340,22 +407,56 @@ def ib_port_findings(
     for label, info in ports.items():
         ranks = tuple(port_ranks.get(label, ()))
         if label not in active and label in used:
-            out.append(_port(host, label, "down", ranks, f"port {label} on {host} is {info.get('state')} "
-                             f"({info.get('phys_state')}) but NCCL uses it", None, None))  # fmt: skip
+            out.append(
+                _port(
+                    host,
+                    label,
+                    "down",
+                    ranks,
+                    f"port {label} on {host} is {info.get('state')} ({info.get('phys_state')}) but NCCL uses it",
+                    None,
+                    None,
+                )
+            )
         rate, best = rate_bytes_per_s(info.get("rate")), fastest.get(info.get("link_layer"))
         if label in active and rate is not None and best is not None and rate < best:
-            out.append(_port(host, label, "rate", ranks, f"port {label} on {host} runs at {info.get('rate')}, "
-                             f"its siblings at {best * 8 / 1e9:g} Gb/sec", rate, best))  # fmt: skip
+            out.append(
+                _port(
+                    host,
+                    label,
+                    "rate",
+                    ranks,
+                    f"port {label} on {host} runs at {info.get('rate')}, its siblings at {best * 8 / 1e9:g} Gb/sec",
+                    rate,
+                    best,
+                )
+            )
     for label, entry in (delta or {}).get("ports", {}).items():
         if entry.get("errors"):
             moved = ", ".join(f"{name} +{n}" for name, n in entry["errors"].items())
-            out.append(_port(host, label, "errors", tuple(port_ranks.get(label, ())),
-                             f"error counters of port {label} on {host} rose in {delta['seconds']:g} s: {moved}",
-                             float(sum(entry["errors"].values())), 0.0))  # fmt: skip
+            out.append(
+                _port(
+                    host,
+                    label,
+                    "errors",
+                    tuple(port_ranks.get(label, ())),
+                    f"error counters of port {label} on {host} rose in {delta['seconds']:g} s: {moved}",
+                    float(sum(entry["errors"].values())),
+                    0.0,
+                )
+            )
     return out
 
 
-def _port(host: str, label: str, rule: str, ranks: tuple[int, ...], summary: str, measured: float | None, expected: float | None) -> PerfFinding:
+def _port(
+    host: str,
+    label: str,
+    rule: str,
+    ranks: tuple[int, ...],
+    summary: str,
+    measured: float | None,
+    expected: float | None,
+) -> PerfFinding:
     if ranks:
         summary += f"; nearest ranks: {', '.join(map(str, ranks))}"
     return PerfFinding(

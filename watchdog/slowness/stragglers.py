@@ -57,7 +57,9 @@ class LastArrivals:
     margin_s: float
     last_counts: Mapping[int, int]
     mean_lead_s: Mapping[int, float]  # over the rounds the rank was last by the margin
-    what: str | None = None  # the collective the rounds are instances of, when one ("AllReduce (1.0 MiB) of process group 0")
+    what: str | None = (
+        None  # the collective the rounds are instances of, when one ("AllReduce (1.0 MiB) of process group 0")
+    )
     on_gpu: bool = False  # arrivals are when each GPU reached the collective (kernel times), not enqueues
 
     def share(self, rank: int) -> float:
@@ -99,9 +101,14 @@ def collective_arrivals(instances: Sequence[CollectiveTiming], *, what: str) -> 
 
 
 def last_arrivals(
-    rounds: Sequence[Round], *, window: int = 20, margin_s: float = 0.01, rel_margin: float = 0.1,
-    what: str | None = None, on_gpu: bool = False,
-) -> LastArrivals:  # fmt: skip
+    rounds: Sequence[Round],
+    *,
+    window: int = 20,
+    margin_s: float = 0.01,
+    rel_margin: float = 0.1,
+    what: str | None = None,
+    on_gpu: bool = False,
+) -> LastArrivals:
     """Who was last, by more than the margin, in each of the last ``window`` rounds.
 
     The margin is the larger of ``margin_s`` and ``rel_margin`` x the median
@@ -160,7 +167,11 @@ def stragglers(
                 + (f" at {stats.what}" if stats.what else "")
                 + f", on average {lead * 1e3:.0f} ms "
                 f"after the next rank (margin {stats.margin_s * 1e3:.0f} ms)"
-                + ("; its GPU reached them last, the others' kernels waiting for it" if stats.on_gpu else ", by enqueue time"),
+                + (
+                    "; its GPU reached them last, the others' kernels waiting for it"
+                    if stats.on_gpu
+                    else ", by enqueue time"
+                ),
                 detail="the others wait for it every step: look at that rank's data loading, CPU and GPU clocks "
                 "and throttling (NVML), and its stacks between collectives",
                 ranks=(rank,),

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from ncclwatch.watchdog.events import Citation, RankTransport, Unusable
 from ncclwatch.watchdog.parsing.heartbeat import parse_heartbeat
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
-from ncclwatch.watchdog.events import RankTransport
 from ncclwatch.watchdog.parsing.transport import TransportScanner
-from ncclwatch.watchdog.events import Citation, Unusable
 from ncclwatch.watchdog.sources import DownOnce, Emit, PollingSource
 
 READ_LIMIT = 8 << 20  # bytes per file per poll: a burst is caught up over several polls
@@ -105,7 +104,12 @@ class NcclFileSource(PollingSource):
         self._down(emit, None)
         for path, log, data, restarted in changed:
             if restarted:
-                emit(Unusable(reason="file was truncated or re-created; reading it again from the start", cite=Citation(file=path)))
+                emit(
+                    Unusable(
+                        reason="file was truncated or re-created; reading it again from the start",
+                        cite=Citation(file=path),
+                    )
+                )
             for event in log.parser.feed(data):
                 emit(event)
             if log.parser.garbled > log.garbled_seen:

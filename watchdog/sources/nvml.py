@@ -25,7 +25,11 @@ class NvmlSource:
         while True:
             snapshot = await gpu_snapshot()
             if snapshot is None:
-                emit(SourceDown(source=self.name, reason="NVML not available (no NVIDIA driver or GPU): no GPU signatures"))
+                emit(
+                    SourceDown(
+                        source=self.name, reason="NVML not available (no NVIDIA driver or GPU): no GPU signatures"
+                    )
+                )
                 return
             emit(snapshot)
             await asyncio.sleep(NVML_EVERY_S)

@@ -59,7 +59,9 @@ class WorkerSource(PollingSource):
 
     name = "workers"
 
-    def __init__(self, torchrun_pid: int, interval: float = 0.25, sample_every: float = 0.5, host: str | None = None) -> None:
+    def __init__(
+        self, torchrun_pid: int, interval: float = 0.25, sample_every: float = 0.5, host: str | None = None
+    ) -> None:
         self.torchrun_pid = torchrun_pid
         self.interval = interval
         self.sample_every = sample_every
