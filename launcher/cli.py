@@ -103,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_WINDOW,
         metavar="N",
-        help=f"operations kept per rank and communicator; older ones are folded into a digest (default {DEFAULT_WINDOW})",
+        help=(
+            f"operations kept per rank and communicator; older ones are folded into a digest (default {DEFAULT_WINDOW})"
+        ),
     )
     return parser
 

@@ -52,7 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--crash-attempts",
         type=int,
         default=0,
-        help="the faulty rank first crashes (exit 3 at step 3) in this many attempts, so torchrun --max-restarts restarts the job",
+        help=(
+            "the faulty rank first crashes (exit 3 at step 3) in this many attempts, "
+            "so torchrun --max-restarts restarts the job"
+        ),
     )
     parser.add_argument("--mark-dir", default=os.environ.get("NCCLWATCH_RUN_DIR", "."), help="where fault.<rank> goes")
     return parser.parse_args(argv)

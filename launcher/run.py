@@ -261,7 +261,8 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     for reported in sidecar.reported:
         culprits = ", ".join(map(str, reported.report.culprit_ranks)) or "-"
         print(
-            f"ncclwatch: {reported.report.verdict.value} (culprit rank {culprits}); bundle: {reported.bundle or 'not written'}",
+            f"ncclwatch: {reported.report.verdict.value} (culprit rank {culprits}); "
+            f"bundle: {reported.bundle or 'not written'}",
             file=sys.stderr,
         )
     # The bundle holds what a hang needs; the run folder stays only when asked for (or given).

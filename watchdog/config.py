@@ -85,7 +85,8 @@ class Settings(BaseSettings):
     )
     keep_run_dir: bool = Field(
         False,
-        description="keep the run folder after the job (default: removed, after a hang too: the bundle holds its evidence)",
+        description="keep the run folder after the job "
+        "(default: removed, after a hang too: the bundle holds its evidence)",
     )
     poll_interval: float = Field(0.25, gt=0, le=10, description="seconds between reads of logs, heartbeats and /proc")
     evidence_budget: float = Field(30.0, gt=0, description="seconds all evidence collection may take")
@@ -100,7 +101,8 @@ class Settings(BaseSettings):
     # Operations: server, alerts, metrics.
     listen: str | None = Field(
         None,
-        description="HOST:PORT for the bundle API, page and /metrics (serve: default 127.0.0.1:9464; a job: off unless set)",
+        description="HOST:PORT for the bundle API, page and /metrics "
+        "(serve: default 127.0.0.1:9464; a job: off unless set)",
     )
     api_token: SecretStr | None = Field(None, description="bearer token the API and page require (or --token-file)")
     token_file: Path | None = Field(None, description="file holding the bearer token (first line)")

@@ -241,7 +241,8 @@ class TextIngest:
             parts[0] += f" ({', '.join(detail)})"
         if total > used:
             parts.append(
-                f"the other {total - used:,} are neither NCCL debug lines nor PyTorch/NCCL diagnostics (training output, tracebacks)"
+                f"the other {total - used:,} are neither NCCL debug lines nor PyTorch/NCCL diagnostics "
+                "(training output, tracebacks)"
             )
         if self.nccl.garbled:
             parts.append(f"{self.nccl.garbled} garbled operation line(s) skipped (interleaved or cut writes)")
@@ -302,7 +303,10 @@ def rescan_orphans(state: JobState, inputs: list[InputFile], stdin_spool: dict[s
         entry = notes.get(file)
         if entry is not None and events:
             count = sum(e.count for e in events)
-            extra = f"{count:,} operations on {len(events)} communicator(s) without their Init line: no rank or communicator id, aligned by opCount only"
+            extra = (
+                f"{count:,} operations on {len(events)} communicator(s) without their Init line: "
+                "no rank or communicator id, aligned by opCount only"
+            )
             entry.note = f"{entry.note}; {extra}" if entry.note else extra
 
 

@@ -1,4 +1,6 @@
-"""``ncclwatch preflight``: the node's bus bandwidth, measured, against what its links should give; kept as the baseline.
+"""``ncclwatch preflight``: the node's bus bandwidth, measured, against what its links should give.
+
+The measurement is kept as the baseline.
 
 The sweep runs in child processes (``launcher/preflight_job.py``, one per
 rank, torch imported there only), all in one new process group, under a
@@ -276,7 +278,8 @@ def compare_to_baseline(doc: dict, baseline: dict, *, ratio: float = SLOW_RATIO)
         then = before.get((row["op"], row["bytes"]))
         if then and row.get("busbw") is not None and row["busbw"] < ratio * then:
             out.append(
-                f"{row['op']} {row['bytes']} B: {gbps(row['busbw'])}, {row['busbw'] / then:.0%} of the baseline's {gbps(then)}"
+                f"{row['op']} {row['bytes']} B: {gbps(row['busbw'])}, "
+                f"{row['busbw'] / then:.0%} of the baseline's {gbps(then)}"
             )
     return out
 
@@ -288,7 +291,8 @@ def slow_pairs(doc: dict, *, ratio: float = 0.5) -> list[str]:
         return []  # with two pairs there is no telling which one is odd
     median = statistics.median(p["busbw"] for p in pairs)
     return [
-        f"ranks {p['pair'][0]}-{p['pair'][1]}: {gbps(p['busbw'])}, {p['busbw'] / median:.0%} of the median pair ({gbps(median)})"
+        f"ranks {p['pair'][0]}-{p['pair'][1]}: {gbps(p['busbw'])}, "
+        f"{p['busbw'] / median:.0%} of the median pair ({gbps(median)})"
         for p in pairs
         if p["busbw"] < ratio * median
     ]
@@ -302,14 +306,17 @@ def parse_size(text: str) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    """``ncclwatch preflight``: 0 all well, 1 slower than the baseline or a slow pair, 2 the probe failed."""
+    """``ncclwatch preflight``, returning its exit status.
+
+    0 all well, 1 slower than the baseline or a slow pair, 2 the probe failed.
+    """
     import argparse
 
     parser = argparse.ArgumentParser(
         prog="ncclwatch preflight",
-        description="Measure the node's bus bandwidth (all_reduce and all_gather sweeps, nccl-tests' busbw) against what "
-        "its NVLinks and InfiniBand ports should give, and keep it as the baseline. Runs in its own processes under a "
-        "hard time limit. On CPU use --backend gloo.",
+        description="Measure the node's bus bandwidth (all_reduce and all_gather sweeps, nccl-tests' busbw) "
+        "against what its NVLinks and InfiniBand ports should give, and keep it as the baseline. "
+        "Runs in its own processes under a hard time limit. On CPU use --backend gloo.",
     )
     parser.add_argument(
         "--nproc", type=int, default=None, help="ranks on this node (default: the GPUs NVML sees, else 2)"

@@ -53,7 +53,8 @@ def test_ncclwatch_and_pypi_watchdog_share_a_venv(env: Path, tmp_path: Path, edi
     both = run(
         env,
         "-c",
-        "import watchdog.observers, ncclwatch.watchdog.analyze as c; print(watchdog.observers.__file__); print(c.__file__)",
+        "import watchdog.observers, ncclwatch.watchdog.analyze as c; "
+        "print(watchdog.observers.__file__); print(c.__file__)",
         cwd=neutral,
     )
     assert both.returncode == 0, both.stderr

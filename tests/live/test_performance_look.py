@@ -429,8 +429,8 @@ class TestBandwidthTransportsAndPorts:
         )
         said = [r.getMessage() for r in caplog.records]
         assert (
-            "performance: transport_anomaly: NCCL on ranks 2, 3 (node2) uses network Socket while the other nodes use IB"
-            in said
+            "performance: transport_anomaly: NCCL on ranks 2, 3 (node2) uses network Socket "
+            "while the other nodes use IB" in said
         )
         assert rig.alerts.submitted == []  # page_on_transport is off
 

@@ -111,7 +111,10 @@ class TestProbe:
 
 @pytest.mark.parametrize("nccl_logged, noted", [(False, False), (True, True)])
 def test_a_job_without_nccl_gets_no_ras_note(tmp_path: Path, nccl_logged: bool, noted: bool) -> None:
-    """A gloo job (no NCCL debug file) says nothing of RAS; an NCCL job whose version is unknown says why it was not asked."""
+    """A gloo job (no NCCL debug file) says nothing of RAS.
+
+    An NCCL job whose version is unknown says why it was not asked.
+    """
     server = RasServer(TEXT)
 
     async def go() -> list:  # type: ignore[type-arg]

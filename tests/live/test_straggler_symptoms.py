@@ -98,7 +98,10 @@ def health(dumps: list[FrDump]):  # type: ignore[no-untyped-def]
 
 class TestLinkTime:
     def test_the_early_ranks_wait_is_not_the_link_time_when_the_last_rank_has_no_duration_yet(self) -> None:
-        """The issue's case: rank 2 is 0.4 s late and its newest entries are not retired; its peers' kernels ran 0.4 s."""
+        """The issue's case: rank 2 is 0.4 s late and its newest entries are not retired.
+
+        Its peers' kernels ran 0.4 s.
+        """
         timings = match_collectives(job(late_rank=2, unretired=3))
         newest = [t for t in timings if t.op == "AllReduce" and t.nbytes == 32 * MiB][-1]
         assert newest.last_rank == 2 and newest.lead_s == pytest.approx(0.4, abs=1e-3)

@@ -137,7 +137,10 @@ def test_healthy_ports_raise_nothing(tmp_path):
 
 
 def pci_tree(sys: Path) -> None:
-    """Two root ports, each with a PCIe switch holding one HCA and one GPU (a DGX-like pairing), links as sysfs has them."""
+    """Two root ports, each with a PCIe switch holding one HCA and one GPU (a DGX-like pairing).
+
+    Links as sysfs has them.
+    """
     devices = sys / "devices" / "pci0000:00"
     layout = {
         "mlx5_0": "0000:00:01.0/0000:10:00.0/0000:11:00.0/0000:12:00.0",

@@ -69,7 +69,8 @@ class TestParse:
             "\n".join(
                 [
                     "h:1:1 [0] NCCL INFO comm 0xa rank 0 nRanks 4 nNodes 1 localRanks 4 localRank 0 MNNVL 0",
-                    "h:1:1 [0] NCCL INFO 2 coll channels, 0 nvls channels, 2 p2p channels, 2 p2p channels per peer",  # 2.18
+                    # 2.18
+                    "h:1:1 [0] NCCL INFO 2 coll channels, 0 nvls channels, 2 p2p channels, 2 p2p channels per peer",
                     "h:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC/read",
                     "h:1:1 [0] NCCL INFO Channel 01/0 : 0[0] -> 2[2] via P2P/indirect/1[1]",
                     "h:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 3[3] via P2P/direct pointer",

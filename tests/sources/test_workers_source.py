@@ -30,7 +30,9 @@ LAUNCHER = textwrap.dedent(
     for line in sys.stdin:
         restart, world = line.split()
         for rank in range(int(world)):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, TORCHELASTIC_RESTART_COUNT=restart)
+            env = dict(
+                os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, TORCHELASTIC_RESTART_COUNT=restart
+            )
             children.append(subprocess.Popen([sys.executable, "-c", WORKER, str(rank)], env=env))
         print("started", flush=True)
     """

@@ -54,9 +54,12 @@ from ncclwatch.watchdog.hang.types import Fact, Finding, RankStatus
 from ncclwatch.watchdog.hang.verdicts import PRIORITY, Verdict
 
 TO_DECIDE = {
-    "fr": "Flight Recorder dumps of every rank next time: TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE=/shared/fr/rank_",
-    "nccl": "NCCL debug files of every rank next time: NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL NCCL_DEBUG_FILE=/shared/nccl/%h.%p",
-    "detail": "TORCH_DISTRIBUTED_DEBUG=DETAIL to have PyTorch compare every collective across ranks (slower; for a reproduction)",
+    "fr": "Flight Recorder dumps of every rank next time: "
+    "TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE=/shared/fr/rank_",
+    "nccl": "NCCL debug files of every rank next time: "
+    "NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL NCCL_DEBUG_FILE=/shared/nccl/%h.%p",
+    "detail": "TORCH_DISTRIBUTED_DEBUG=DETAIL to have PyTorch compare every collective across ranks "
+    "(slower; for a reproduction)",
 }
 
 
@@ -113,9 +116,11 @@ def detail_mismatch(facts: Facts) -> Finding | None:
         sample = next(fp for _, fp in placed.values() if fp is not None)
         return Finding(
             verdict=Verdict.collective_mismatch,
-            summary=f"PyTorch (TORCH_DISTRIBUTED_DEBUG=DETAIL) detected mismatched collectives; ranks {ranks} report {_fp_text(sample)}; "
+            summary="PyTorch (TORCH_DISTRIBUTED_DEBUG=DETAIL) detected mismatched collectives; "
+            f"ranks {ranks} report {_fp_text(sample)}; "
             "the other side's report is not in the input.",
-            reason="PyTorch checks every collective's fingerprint across ranks before running it and found a difference.",
+            reason="PyTorch checks every collective's fingerprint across ranks before running it "
+            "and found a difference.",
             culprits=(),
             operation=_fp_text(sample),
             position=sample.seq,
@@ -141,7 +146,10 @@ def detail_mismatch(facts: Facts) -> Finding | None:
     own = [fp for _, fp in placed.values() if fp is not None]
     seq = next((fp.seq for fp in own if fp.seq), None)
     if culprits and decided_by is not None:
-        how = f"the ranks split evenly; the job's repeating step ({pattern}) never issues what rank {', '.join(map(str, culprits))} issued"
+        how = (
+            f"the ranks split evenly; the job's repeating step ({pattern}) "
+            f"never issues what rank {', '.join(map(str, culprits))} issued"
+        )
     elif culprits:
         how = f"ranks {list(culprits)} depart from the majority"
     else:
@@ -292,15 +300,22 @@ def dead_peer(facts: Facts) -> Finding | None:
     ][:8]
     if peers:
         names = ", ".join(f"{host} ({n} report{'s' if n > 1 else ''})" for host, n in peers.most_common())
-        summary = f"Peer {names} closed its NCCL connections: its process most likely died (or its host dropped off the network)."
+        summary = (
+            f"Peer {names} closed its NCCL connections: "
+            "its process most likely died (or its host dropped off the network)."
+        )
         if culprits:
             summary = f"Rank {', '.join(map(str, sorted(culprits)))} died. " + summary
     else:
-        summary = f"Rank {', '.join(map(str, sorted(culprits)))} exited on its own while its peers waited; torchrun tore the job down."
+        summary = (
+            f"Rank {', '.join(map(str, sorted(culprits)))} exited on its own while its peers waited; "
+            "torchrun tore the job down."
+        )
     return Finding(
         verdict=Verdict.process_dead,
         summary=summary,
-        reason="A dead peer is the cause; the ranks that reported the closed connection or timed out were waiting for it.",
+        reason="A dead peer is the cause; "
+        "the ranks that reported the closed connection or timed out were waiting for it.",
         culprits=tuple(sorted(culprits)),
         source="network" if peers else "torchrun",
         evidence=tuple(evidence),
@@ -345,7 +360,8 @@ def _inconclusive(facts: Facts, partial_views: list[Finding]) -> Finding:
     if absent:
         missing.insert(
             0,
-            f"the logs of rank {', '.join(map(str, absent[:32]))}{' ...' if len(absent) > 32 else ''} (of {facts.world}): the rank the others wait for may be among them",
+            f"the logs of rank {', '.join(map(str, absent[:32]))}{' ...' if len(absent) > 32 else ''} "
+            f"(of {facts.world}): the rank the others wait for may be among them",
         )
     elif facts.world is None:
         missing.insert(0, "the other ranks' logs (how many ranks the job had is not in the input)")

@@ -65,7 +65,10 @@ class EvidenceFile(BaseModel):
 
 
 class PerfNote(BaseModel):
-    """A performance finding (``slowness/findings.py``): the live watchdog's latest look, or analyze's from the dumps and the NCCL logs' transports; not the verdict."""
+    """A performance finding (``slowness/findings.py``), not the verdict.
+
+    It is the live watchdog's latest look, or analyze's from the dumps and the NCCL logs' transports.
+    """
 
     kind: str  # slow_collective, slow_link, straggler, transport_anomaly, ib_port
     key: str
@@ -125,7 +128,8 @@ class Report(BaseModel):
     evidence_files: list[EvidenceFile] = Field(default_factory=list)
     incident_key: str | None = Field(
         None,
-        description="the same on every node of a multi-node job for one hang (job round + stalled collective): the alert's dedup key",
+        description="the same on every node of a multi-node job for one hang (job round + stalled collective): "
+        "the alert's dedup key",
     )
     headline: str | None = Field(
         None, description="one sentence: what happened, which rank, where in its code, what to do next"
@@ -140,8 +144,9 @@ class Report(BaseModel):
     )
     performance: list[PerfNote] = Field(
         default_factory=list,
-        description="slow collectives and links, stragglers, transport and InfiniBand port findings of the live watchdog's "
-        "latest look before the hang, or that ncclwatch analyze finds in the Flight Recorder dumps it was given; "
+        description="slow collectives and links, stragglers, transport and InfiniBand port findings of the live "
+        "watchdog's latest look before the hang, or that ncclwatch analyze finds in the Flight Recorder dumps it was "
+        "given; "
         "not the verdict",
     )
 

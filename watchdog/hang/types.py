@@ -44,7 +44,8 @@ class RankStatus:
     last_op: str | None
     status: str
     detail: str = ""
-    # The operation at the finding's position as Flight Recorder recorded its stack: "all_reduce (...) <- main (train.py:71)"
+    # The operation at the finding's position as Flight Recorder recorded its stack:
+    # "all_reduce (...) <- main (train.py:71)"
     call_site: str | None = None
 
 

@@ -107,7 +107,8 @@ def terminal_text(report: Report, bundle: Path | None = None) -> str:
     lines = [*wrap(report.headline or headline(report)), "=" * 78, render_text(report, max_evidence=6), ""]
     if started and detected:
         lines += wrap(
-            f"  nothing moved since {started:%H:%M:%S} UTC; detected {(detected - started).total_seconds():.1f} s later "
+            f"  nothing moved since {started:%H:%M:%S} UTC; "
+            f"detected {(detected - started).total_seconds():.1f} s later "
             f"(stall timeout {report.stall_timeout_s:g} s)"
         )
     lines.append(f"  bundle: {bundle}" if bundle else "  collecting evidence for the bundle ...")

@@ -97,7 +97,10 @@ class LiveJob:
         self.excused: list[tuple[float, float]] = []  # (from, to): the watchdog's own doing slowed the job
 
     def excuse(self, at: float, seconds: float) -> None:
-        """Gaps overlapping [at, at + seconds] were caused by the watchdog (a first Flight Recorder dump): not learned."""
+        """Gaps overlapping [at, at + seconds] were caused by the watchdog (a first Flight Recorder dump).
+
+        They are not learned.
+        """
         self.excused.append((at, at + seconds))
 
     def of(self, pid: int) -> Progress:

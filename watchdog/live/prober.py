@@ -85,8 +85,8 @@ def ras_skip_reason(versions: Collection[str]) -> str | None:
     """Why RAS must not be asked for this job's NCCL versions; None when it is safe to ask."""
     if not versions:
         return (
-            "not queried: no NCCL version in the job's NCCL logs (a gloo job, or none written yet), and RAS queries crash "
-            "several NCCL versions"
+            "not queried: no NCCL version in the job's NCCL logs (a gloo job, or none written yet), "
+            "and RAS queries crash several NCCL versions"
         )
     for text in sorted(versions):
         match = _VERSION.match(text)

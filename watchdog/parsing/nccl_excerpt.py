@@ -24,7 +24,8 @@ from ncclwatch.watchdog.parsing.rank_prefix import rank_of_line
 KEEP = 64
 
 _LINE_RE = re.compile(
-    rb"(?m)^(?P<pre>(?:\[[^\]\n]*\]:? ?|\d+: )*)(?P<host>[^:\s\[\]]+):(?P<pid>\d+):\d+ \[(?P<dev>\d+)\] NCCL INFO (?P<op>\w+): "
+    rb"(?m)^(?P<pre>(?:\[[^\]\n]*\]:? ?|\d+: )*)(?P<host>[^:\s\[\]]+):(?P<pid>\d+):\d+ \[(?P<dev>\d+)\] "
+    rb"NCCL INFO (?P<op>\w+): "
     rb"opCount (?P<oc>[0-9a-fA-F]+) sendbuff \S+ recvbuff \S+ count (?P<count>\d+) datatype (?P<dt>\d+) "
     rb"op (?P<redop>\d+) root (?P<root>-?\d+) comm (?P<comm>\S+)(?: \[nranks=(?P<nranks>\d+)\])?"
 )

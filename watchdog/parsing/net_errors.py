@@ -60,7 +60,8 @@ IBV_WC_STATUS = {
 }
 
 _IB_RE = re.compile(
-    r"Got completion from peer (?P<peer>\S+?) with (?:error (?P<err>\d+)|status=(?:(?P<name>[A-Z_]+)\((?P<code>\d+)\)|(?P<num>\d+)))"
+    r"Got completion from peer (?P<peer>\S+?) with "
+    r"(?:error (?P<err>\d+)|status=(?:(?P<name>[A-Z_]+)\((?P<code>\d+)\)|(?P<num>\d+)))"
     r"(?:.*? hca (?P<hca>\S+))?"
 )
 _CLOSED_RE = re.compile(r"Connection closed by remote peer (?P<peer>\S+)")

@@ -12,7 +12,8 @@ Formats, from NCCL's source (2.18-2.29; file:format at v2.28.9)::
                     NET/IB : No device found.
     net_socket.cc   NET/Socket : Using [0]eth0:192.0.2.2<0> [1]eth1:...
                     NET/Socket: Using %d threads and %d sockets per thread
-    p2p.cc          Channel %02d/%01d : %d[%d] -> %d[%d] via P2P/CUMEM|P2P/IPC|P2P/direct pointer|P2P/indirect/%d[%d] [/read] [/CE]
+    p2p.cc          Channel %02d/%01d : %d[%d] -> %d[%d] via <p2p> [/read] [/CE]
+                    (<p2p>: P2P/CUMEM|P2P/IPC|P2P/direct pointer|P2P/indirect/%d[%d])
     shm.cc          Channel %02d : %d[%d] -> %d[%d] via SHM/direct/direct   (later: via SHM/direct)
     net.cc          Channel %02d/%d : %d[%d] -> %d[%d] [send]|[receive] via NET/%s/%d[(%d)][/GDRDMA[(PCI)]][/Shared]
     paths.cc        NCCL_P2P_DISABLE set by environment to 1 / NCCL_P2P_LEVEL set by environment to LOC

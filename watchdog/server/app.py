@@ -204,7 +204,10 @@ class BundleIndex:
         return row
 
     def detail(self, path: Path) -> tuple[dict[str, Any], list[tuple[str, int]]]:
-        """Report (as ``report_view`` makes it) and member list for the page; the last few are kept. Raises BundleError."""
+        """Report (as ``report_view`` makes it) and member list for the page.
+
+        The last few are kept. Raises BundleError.
+        """
         st = path.stat()
         key = (path.name, st.st_mtime_ns, st.st_size)
         with self._lock:
@@ -396,14 +399,20 @@ async def _report_page(request: web.Request, bundle_id: str) -> web.Response:
     try:
         report, files = await asyncio.to_thread(index.detail, path)
     except (BundleError, OSError) as exc:
-        body = f"<h1>{esc(bundle_id)}</h1><p class='error'>{esc(exc)}</p><p><a href='/api/bundles/{esc(bundle_id)}'>download it</a></p>"
+        body = (
+            f"<h1>{esc(bundle_id)}</h1><p class='error'>{esc(exc)}</p>"
+            f"<p><a href='/api/bundles/{esc(bundle_id)}'>download it</a></p>"
+        )
         return html_response(page_html("ncclwatch: unreadable bundle", body), 422)
     title = f"ncclwatch: {report.get('verdict')} {bundle_id}"
     try:
         body = report_body(bundle_id, report, files)
     except Exception:  # a page bug must not hide the bundle: say so, keep the download
         log.exception("page for %s could not be rendered", bundle_id)
-        body = f"<h1>{esc(bundle_id)}</h1><p class='error'>this report could not be rendered</p><p><a href='/api/bundles/{esc(bundle_id)}'>download it</a></p>"
+        body = (
+            f"<h1>{esc(bundle_id)}</h1><p class='error'>this report could not be rendered</p>"
+            f"<p><a href='/api/bundles/{esc(bundle_id)}'>download it</a></p>"
+        )
     return html_response(page_html(title, body, where=str(index.folder)))
 
 

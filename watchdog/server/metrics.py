@@ -197,34 +197,41 @@ _FAMILIES: dict[str, str] = {
 _HELP: dict[str, str] = {
     "ncclwatch_rank_last_op_position": "Operations the rank has issued on the communicator so far "
     "(the last one's 1-based sequence number); ranks that stop agreeing point at the culprit.",
-    "ncclwatch_heartbeat_age_seconds": "Seconds since the rank's latest heartbeat step (optimizer step or ncclwatch.beat).",
-    "ncclwatch_progress_age_seconds": "Seconds since the rank last made any progress (a heartbeat step or an NCCL operation).",
+    "ncclwatch_heartbeat_age_seconds": "Seconds since the rank's latest heartbeat step "
+    "(optimizer step or ncclwatch.beat).",
+    "ncclwatch_progress_age_seconds": "Seconds since the rank last made any progress "
+    "(a heartbeat step or an NCCL operation).",
     "ncclwatch_rank_step": "The rank's latest heartbeat step.",
     "ncclwatch_rank_process_stopped": "1 while the rank's process is stopped (/proc state T: SIGSTOP, a debugger).",
     "ncclwatch_hang": "1 while a hang was reported and nothing has moved since.",
     "ncclwatch_stalled_seconds": "Seconds since anything moved on any rank of this node.",
-    "ncclwatch_stall_timeout_seconds": "Seconds of no progress after which a stall is probed (learned from the job, or set).",
+    "ncclwatch_stall_timeout_seconds": "Seconds of no progress after which a stall is probed "
+    "(learned from the job, or set).",
     "ncclwatch_verdict_info": "1 while an incident is open, labelled with its verdict and culprit ranks.",
     "ncclwatch_bundles_written": "Root-cause bundles this watchdog has written.",
-    "ncclwatch_restarts": "Restarts of the job's workers this watchdog asked torchrun for after a hang (--on-hang restart).",
+    "ncclwatch_restarts": "Restarts of the job's workers this watchdog asked torchrun for after a hang "
+    "(--on-hang restart).",
     "ncclwatch_source_up": "0 while the source cannot read (NVML missing, RAS unreachable, ...), else 1.",
-    "ncclwatch_comm_bus_bandwidth_bytes_per_second": "Median bus bandwidth (nccl-tests' busbw) of the communicator's recent "
-    "collectives of at least 1 MiB, per operation.",
+    "ncclwatch_comm_bus_bandwidth_bytes_per_second": "Median bus bandwidth (nccl-tests' busbw) "
+    "of the communicator's recent collectives of at least 1 MiB, per operation.",
     "ncclwatch_rank_bus_bandwidth_bytes_per_second": "Median bus bandwidth of the collectives the rank took part in.",
-    "ncclwatch_rank_last_arrival_ratio": "Share of the recent instances of a recurring collective in which the rank was last by "
-    "the margin, at the collective where it is so most often.",
-    "ncclwatch_rank_arrival_lead_seconds": "How far behind the next rank the rank arrived, on average, when it was last by the "
-    "margin (at that same collective).",
+    "ncclwatch_rank_last_arrival_ratio": "Share of the recent instances of a recurring collective "
+    "in which the rank was last by the margin, at the collective where it is so most often.",
+    "ncclwatch_rank_arrival_lead_seconds": "How far behind the next rank the rank arrived, on average, "
+    "when it was last by the margin (at that same collective).",
     "ncclwatch_rank_straggler": "1 while the rank is reported as a straggler (last by a margin in most recent rounds).",
     "ncclwatch_arrival_skew_seconds": "Last minus first arrival at the latest collective every rank entered.",
-    "ncclwatch_perf_findings": "Open findings of each kind: slow_collective, slow_link, straggler, transport_anomaly, ib_port.",
+    "ncclwatch_perf_findings": "Open findings of each kind: "
+    "slow_collective, slow_link, straggler, transport_anomaly, ib_port.",
     "ncclwatch_perf_finding_info": "1 per open finding, labelled with its kind, key, ranks and links.",
     "ncclwatch_ib_port_active": "1 while the InfiniBand port's state is ACTIVE.",
     "ncclwatch_ib_port_rate_bytes_per_second": "The port's link rate (sysfs rate), in bytes per second.",
-    "ncclwatch_ib_port_transmit_bytes_per_second": "Bytes the port sent per second over the last window (port_xmit_data x 4).",
-    "ncclwatch_ib_port_receive_bytes_per_second": "Bytes the port received per second over the last window (port_rcv_data x 4).",
-    "ncclwatch_ib_port_errors": "Rise of the port's error counters (symbol, link downed, receive errors, discards, retries, "
-    "timeouts) over the last window.",
+    "ncclwatch_ib_port_transmit_bytes_per_second": "Bytes the port sent per second over the last window "
+    "(port_xmit_data x 4).",
+    "ncclwatch_ib_port_receive_bytes_per_second": "Bytes the port received per second over the last window "
+    "(port_rcv_data x 4).",
+    "ncclwatch_ib_port_errors": "Rise of the port's error counters "
+    "(symbol, link downed, receive errors, discards, retries, timeouts) over the last window.",
     "ncclwatch_up": "1 when the collector could read the watchdog's state at this scrape, 0 when it failed.",
     "ncclwatch_collector_errors": "Scrapes at which reading the watchdog's state failed.",
 }

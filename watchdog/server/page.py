@@ -64,7 +64,8 @@ def listing_body(rows: list[dict[str, Any]]) -> str:
             f"<tr class='{'broken' if row.get('error') else ''}'><td class='nowrap mono'>{esc(created)}</td>"
             f"<td class='nowrap'><a href='/bundles/{bundle_id}'>{esc(row.get('job') or row['id'])}</a></td>"
             f"<td class='nowrap'>{badge(row.get('verdict'))}</td><td>{esc(culprits)}</td><td>{summary}</td>"
-            f"<td class='nowrap'>{size_text(row.get('size') or 0)}</td><td><a href='/api/bundles/{bundle_id}'>download</a></td></tr>"
+            f"<td class='nowrap'>{size_text(row.get('size') or 0)}</td>"
+            f"<td><a href='/api/bundles/{bundle_id}'>download</a></td></tr>"
         )
     return "\n".join(out + ["</tbody></table>"])
 
@@ -231,10 +232,16 @@ def _expected(cells: dict[int, dict[int, tuple[str, str | None]]], culprits: set
 
 
 def timeline_svg(report: dict[str, Any]) -> str:
-    """Each rank's last operations as boxes on one position axis; the culprit's row and the verdict's position marked."""
+    """Each rank's last operations as boxes on one position axis.
+
+    The culprit's row and the verdict's position are marked.
+    """
     cells = _cells(report)
     if not cells:
-        return "<p class='muted'>No timeline in this report (it comes from an older ncclwatch, or no communicator was named).</p>"
+        return (
+            "<p class='muted'>No timeline in this report "
+            "(it comes from an older ncclwatch, or no communicator was named).</p>"
+        )
     culprits = {r for r in report.get("culprit_ranks") or [] if isinstance(r, int)}
     expected = _expected(cells, culprits)
     last = {rank: max(row) for rank, row in cells.items()}
@@ -269,24 +276,29 @@ def timeline_svg(report: dict[str, Any]) -> str:
     if focus in x_of:
         x = x_of[focus]
         out.append(
-            f'<rect class="focus" x="{x}" y="18" width="{COL_W}" height="{height - 18}" fill="#fff4c2" fill-opacity="0.75"/>'
+            f'<rect class="focus" x="{x}" y="18" width="{COL_W}" height="{height - 18}" '
+            'fill="#fff4c2" fill-opacity="0.75"/>'
         )
         label = "diverges here" if diverged else "pending here"
         out.append(
-            f'<text x="{x + COL_W / 2}" y="13" text-anchor="middle" font-size="12" font-weight="700" fill="#8a5a00">{label}</text>'
+            f'<text x="{x + COL_W / 2}" y="13" text-anchor="middle" font-size="12" font-weight="700" '
+            f'fill="#8a5a00">{label}</text>'
         )
     for p, x in x_of.items():
         weight, color = ("700", "#8a5a00") if p == focus else ("400", "#5b6573")
         out.append(
-            f'<text x="{x + COL_W / 2}" y="{TOP - 10}" text-anchor="middle" font-size="13" font-weight="{weight}" fill="{color}">#{p}</text>'
+            f'<text x="{x + COL_W / 2}" y="{TOP - 10}" text-anchor="middle" font-size="13" '
+            f'font-weight="{weight}" fill="{color}">#{p}</text>'
         )
     for i, rank in enumerate(ranks):
         out.append(_rank_row(rank, i, cells[rank], positions, x_of, expected, rank in culprits, last[rank]))
     out.append("</svg>")
     out.append(
-        "<div class='legend'><span class='done'>completed</span><span class='pending'>pending (scheduled/started)</span>"
+        "<div class='legend'><span class='done'>completed</span>"
+        "<span class='pending'>pending (scheduled/started)</span>"
         "<span class='differs'>differs from its peers</span><span class='absent'>not issued</span>"
-        "<span class='unknown'>state not known</span><span class='focus'>the verdict's position</span><span class='culprit'>culprit rank</span></div>"
+        "<span class='unknown'>state not known</span><span class='focus'>the verdict's position</span>"
+        "<span class='culprit'>culprit rank</span></div>"
         "<p class='muted'>Operations are aligned by their sequence number on the communicator (the n-th collective of "
         "every rank is compared; NCCL's opCount is not used). Hover a box for its full signature.</p></div>"
     )
@@ -309,7 +321,8 @@ def _rank_row(
     marks = ' class="rank culprit" data-culprit="true"' if culprit else ' class="rank"'
     out = [f'<g{marks} data-rank="{rank}">']
     out.append(
-        f'<text x="14" y="{mid - (3 if culprit else -5)}" font-size="14" font-weight="{weight}" fill="{label_color}">rank {rank}</text>'
+        f'<text x="14" y="{mid - (3 if culprit else -5)}" font-size="14" font-weight="{weight}" '
+        f'fill="{label_color}">rank {rank}</text>'
     )
     if culprit:
         out.append(f'<text x="14" y="{mid + 14}" font-size="11.5" font-weight="700" fill="#c62828">CULPRIT</text>')
@@ -320,7 +333,8 @@ def _rank_row(
                 out.append(
                     f'<g class="op absent"><title>#{position}: not issued by rank {rank}</title>'
                     f'<rect x="{x}" y="{top}" width="{BOX_W}" height="{BOX_H}" rx="5" fill="none" stroke="#8a94a1" '
-                    f'stroke-dasharray="5 4"/><text x="{x + BOX_W / 2}" y="{top + BOX_H / 2 + 4}" text-anchor="middle" font-size="12" '
+                    f'stroke-dasharray="5 4"/><text x="{x + BOX_W / 2}" y="{top + BOX_H / 2 + 4}" '
+                    'text-anchor="middle" font-size="12" '
                     f'font-style="italic" fill="#6b7480">not issued</text></g>'
                 )
             continue
@@ -338,7 +352,8 @@ def _rank_row(
         css = "op" + (" differs" if differs else "") + (" pending" if state in PENDING else "")
         out.append(
             f'<g class="{css}"><title>#{position}: {esc(op)}{f" ({esc(state)})" if state else ""}</title>'
-            f'<rect x="{x}" y="{top}" width="{BOX_W}" height="{BOX_H}" rx="5" fill="{fill}" stroke="{stroke}" stroke-width="{stroke_w}"/>'
+            f'<rect x="{x}" y="{top}" width="{BOX_W}" height="{BOX_H}" rx="5" fill="{fill}" stroke="{stroke}" '
+            f'stroke-width="{stroke_w}"/>'
             + _fitted(name, x + 8, top + 17, 13, f'font-weight="700" fill="{"#8e1b1b" if differs else "#1d2430"}"')
             + _fitted(first, x + 8, top + 32, 11, 'fill="#4a5361"')
             + _fitted(more, x + 8, top + 46, 11, 'fill="#4a5361"')

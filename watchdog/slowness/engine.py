@@ -228,7 +228,10 @@ def fold_symptoms(
             kept.append(finding)
             continue
         host = folded[key]
-        symptom = f"its lateness also slowed its group ({finding.kind.value}: {finding.summary}), no more than its own delay: not a slow link"
+        symptom = (
+            f"its lateness also slowed its group ({finding.kind.value}: {finding.summary}), "
+            "no more than its own delay: not a slow link"
+        )
         folded[key] = replace(host, detail=f"{host.detail}; {symptom}")
     return kept, folded
 

@@ -254,7 +254,10 @@ def _p2p_outliers(facts: Sequence[RankTransport], rank_of: RankOf) -> list[PerfF
 
 
 def _fewer_channels(facts: Sequence[RankTransport], rank_of: RankOf) -> list[PerfFinding]:
-    """Communicators of one shape (ranks, nodes, local ranks) where some have fewer channels than the most common count."""
+    """Communicators of one shape where some have fewer channels than the most common count.
+
+    A shape is (ranks, nodes, local ranks).
+    """
     shapes: dict[tuple, dict[ProcKey, int]] = defaultdict(dict)
     for f in facts:
         if f.coll_channels is not None and f.nranks is not None:
