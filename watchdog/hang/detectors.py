@@ -3,7 +3,9 @@
 Per communicator, in this order (the first that fires wins):
 
 1. ``collectives``: align every rank's collectives by position.  At the first
-   position where ranks issued different operations -> ``collective_mismatch``;
+   position where ranks issued different operations -> ``collective_mismatch``
+   (not where they issued one collective, recorded with other sizes, that
+   Flight Recorder says every one completed, when they agree again after it);
    otherwise, if some ranks issued fewer -> ``rank_behind``.
 2. ``point_to_point``: a send r->p must meet the matching recv on p from r;
    counts and sizes are compared pairwise, never position by position.
@@ -113,17 +115,45 @@ def _first_divergence(ranks: list[RankView]) -> tuple[int, dict[OpSig | None, li
         for r in ranks:
             by_digest.setdefault(digests[r.comm_rank], []).append(r)
         return start, {r.at(start): members for members in by_digest.values() for r in members[:1]}
+    apart: int | None = None  # the first of a run of completed differences, until the ranks agree again
     for position in range(start, max(r.total for r in ranks)):
         present = [(r, r.at(position)) for r in ranks if r.total > position]
         if len(present) < 2:
-            return None
+            break
         first = present[0][1]
-        if any(sig != first for _, sig in present[1:]):
-            groups: dict[OpSig | None, list[RankView]] = {}
-            for r, sig in present:
-                groups.setdefault(sig, []).append(r)
-            return position, groups
-    return None
+        if all(sig == first for _, sig in present[1:]):
+            apart = None  # in step again, unshifted: each completed difference before was one call recorded apart
+        elif not _one_call_completed(present, position):
+            return _split_at(ranks, position if apart is None else apart)
+        elif apart is None:
+            apart = position
+    return None if apart is None else _split_at(ranks, apart)
+
+
+def _one_call_completed(present: list[tuple[RankView, OpSig | None]], position: int) -> bool:
+    """Every rank issued the same collective at ``position`` and Flight Recorder says each completed it.
+
+    The sizes or dtypes it recorded differ, and that may be by design: torch 2.13 gloo, a tensor-parallel set-up's
+    scatter, 262144 input elements on the root and none on the other rank (``state._fr_sig`` compares the side every
+    rank records alike where that side is known). The ranks met there, so it is no divergence where they agree again
+    after it (past a run of such positions: one set-up scatters three weights), and the stall is in what is still
+    pending. Where no agreement follows, the first of them stays the divergence: NCCL checks nothing and completes
+    what it is given (the 2-GPU capture
+    ``mismatch_fr``: all_reduce #82 of 16777216 elements on rank 0 and 4195328 on rank 1, both ``completed``, then
+    all_gather against all_reduce, pending). A different collective is another call, completed or not. NCCL's logs
+    record no completion, so there every difference counts; gloo leaves its entries ``scheduled`` and its group's
+    ``last_completed_collective`` completes them (``state._collectives_completed``).
+    """
+    one_call = len({sig.op if sig else None for _, sig in present}) == 1
+    return one_call and all(rank.state_at(position) is OpState.completed for rank, _ in present)
+
+
+def _split_at(ranks: list[RankView], position: int) -> tuple[int, dict[OpSig | None, list[RankView]]]:
+    groups: dict[OpSig | None, list[RankView]] = {}
+    for r in ranks:
+        if r.total > position:
+            groups.setdefault(r.at(position), []).append(r)
+    return position, groups
 
 
 def _mismatch(

@@ -549,14 +549,32 @@ def _peer_logs(tails: dict[int, PeerTail]) -> dict[int, PeerLog]:
     return {peer: PeerLog(count=t.count, base=t.count - len(t.sigs), sigs=list(t.sigs)) for peer, t in tails.items()}
 
 
+# The side of an operation that every rank records alike, the one its signature compares (PyTorch's analyzer,
+# flight_recorder/components/types.py ``Op.match``, skips the same sides). A scatter's root records every rank's
+# chunk as its input and the others nothing (torch 2.13 gloo, a tensor-parallel set-up: input_sizes [[2, 512, 256]]
+# on the root, [] on the other rank, the same [[512, 256]] output on both), so its output, one rank's chunk, is
+# compared; a gather's root records the gathered output and the others none, so its input is. The analyzer compares
+# a broadcast's output dtypes only: its output, the root's tensor as every rank receives it, is compared.
+_OUTPUT_SIDE = frozenset({"Scatter", "Broadcast"})
+# all_to_all_single's splits may be uneven, so each rank sends and receives its own total (torch 2.13 gloo, input
+# splits [1, 3] and [2, 2]: outputs of 3 and 5 elements) and Flight Recorder records no splits: no size compares.
+_SIZED_PER_RANK = frozenset({"AlltoAll"})
+
+
 def _fr_sig(entry: FrEntry) -> OpSig:
-    numel = 0
-    for shape in entry.input_sizes:
-        n = 1
-        for dim in shape:
-            n *= dim
-        numel += n
-    dtype = entry.input_dtypes[0] if entry.input_dtypes else None
+    if entry.op in _OUTPUT_SIDE:
+        sizes, dtypes = entry.output_sizes, entry.output_dtypes
+    else:
+        sizes, dtypes = entry.input_sizes, entry.input_dtypes
+    numel = None
+    if entry.op not in _SIZED_PER_RANK:
+        numel = 0
+        for shape in sizes:
+            n = 1
+            for dim in shape:
+                n *= dim
+            numel += n
+    dtype = dtypes[0] if dtypes else None
     return OpSig(entry.op, numel, dtype, None, entry.peer if entry.is_p2p else None)
 
 

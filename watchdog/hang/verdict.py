@@ -37,7 +37,15 @@ def decide(snapshot: Snapshot) -> Finding:
     # A mismatch that names its culprit wins over one that cannot (one source's history may decide an even split
     # that the other's does not: Flight Recorder tells two all_reduces of one size apart by their lines).
     decided = lambda f: f.verdict == Verdict.collective_mismatch and bool(f.culprits)
-    findings.sort(key=lambda f: (PRIORITY[f.verdict], decided(f), f.source == "nccl_log", bool(f.culprits)), reverse=True)
+    # A rank behind on one communicator that waits in a collective of another is held there, not the cause: FSDP2 +
+    # TP on 2 x 2 gloo ranks, rank 3 asleep, rank 1 waits in its dp group's all_gather for rank 3 and so is "behind"
+    # in its tp group, where rank 0 waits for it. Only what is pending decides: the rank waiting in nothing is named.
+    pending = _pending_collectives(snapshot)
+    waits_elsewhere = lambda f: any(pending.get(r, set()) - {f.comm_key} for r in f.culprits)
+    idle = lambda f: f.verdict == Verdict.rank_behind and not waits_elsewhere(f)
+    findings.sort(
+        key=lambda f: (PRIORITY[f.verdict], decided(f), idle(f), f.source == "nccl_log", bool(f.culprits)), reverse=True
+    )
     if (counted := missing_send_behind_cycle(findings)) is not None:  # outranks the cycle it explains
         findings.remove(counted)
         findings.insert(0, counted)
@@ -55,6 +63,16 @@ def decide(snapshot: Snapshot) -> Finding:
     if best.verdict == Verdict.stuck_in_collective and not best.culprits:
         best = lead_from_signatures(snapshot, best)
     return _with_job_evidence(snapshot, best)
+
+
+def _pending_collectives(snapshot: Snapshot) -> dict[int, set[str | None]]:
+    """Rank -> the communicators where Flight Recorder shows it issued a collective that has not completed."""
+    pending: dict[int, set[str | None]] = {}
+    for comm in snapshot.comms:
+        for rank in comm.ranks:
+            if rank.completed is not None and rank.completed < rank.total:
+                pending.setdefault(rank.rank, set()).add(comm.key)
+    return pending
 
 
 def _missing_ranks(snapshot: Snapshot) -> tuple[str, ...]:
