@@ -90,9 +90,9 @@ class OpSig(NamedTuple):
     per-rank element count NCCL prints; for Flight Recorder, the numel of the
     side every rank records alike (``hang/state.py``'s ``_fr_sig``: the
     inputs, the outputs of Scatter and Broadcast, whose root alone records an
-    input, and no count for AlltoAll, whose splits may be uneven); ``dtype`` and ``redop`` are NCCL's enum numbers as text, or the
-    PyTorch dtype name.  ``root`` is the root for rooted collectives and the
-    peer for Send/Recv.  ``None`` means "this source does not say".
+    input, and no count for AlltoAll, whose splits may be uneven); ``dtype``
+    and ``redop`` are NCCL's enum numbers as text, or the PyTorch dtype name.
+    ``root`` is the root for rooted collectives and the peer for Send/Recv.  ``None`` means "this source does not say".
     """
 
     op: str
