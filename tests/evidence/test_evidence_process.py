@@ -7,7 +7,7 @@ import asyncio
 from support import context, sleepers
 
 from ncclwatch.watchdog.evidence import RankTarget, collect_env, collect_proc
-from ncclwatch.watchdog.evidence.process import redact_env
+from ncclwatch.watchdog.evidence.redact import marker, redact_env
 
 SECRETS = {
     "HF_TOKEN": "hf_abc",
@@ -23,7 +23,7 @@ PLAIN = {"NCCL_DEBUG": "INFO", "RANK": "3", "MASTER_ADDR": "10.0.0.1"}
 
 def test_redaction_is_by_name_and_case_insensitive():
     redacted = redact_env({**SECRETS, **PLAIN})
-    assert {k: redacted[k] for k in SECRETS} == dict.fromkeys(SECRETS, "REDACTED")
+    assert {k: redacted[k] for k in SECRETS} == dict.fromkeys(SECRETS, marker("secret variable"))
     assert {k: redacted[k] for k in PLAIN} == PLAIN
 
 
@@ -33,7 +33,7 @@ def test_env_file_of_a_real_process(tmp_path):
         (rec,) = asyncio.run(collect_env(ctx))
     assert (rec.name, rec.rank, rec.error, rec.paths) == ("env", 0, None, ["env/rank0.txt"])
     text = (ctx.out_dir / "env/rank0.txt").read_text()
-    assert "NCCL_DEBUG=INFO\n" in text and "RANK=3\n" in text and "HF_TOKEN=REDACTED\n" in text
+    assert "NCCL_DEBUG=INFO\n" in text and "RANK=3\n" in text and "HF_TOKEN=<redacted: secret variable>\n" in text
     assert not any(value in text for value in SECRETS.values())
 
 

@@ -9,10 +9,10 @@ Bundle layout (paths relative to ``ctx.out_dir``)::
     ras/ras.txt, ras/ras.json         raw NCCL RAS reports (the JSON may be malformed)
     stacks/rank<r>.json               py-spy --nonblocking
     stacks/rank<r>.native.json        py-spy --native
-    proc/rank<r>.txt                  state, wchan, /proc status/stat/io/cmdline, thread states
-    env/rank<r>.txt                   environment, secrets redacted
-    nccl/<name>                       tails of the NCCL debug files
-    logs/rank<r>/<name>               tails of torchrun's worker logs
+    proc/rank<r>.txt                  state, wchan, /proc status/stat/io/cmdline, thread states (cmdline redacted)
+    env/rank<r>.txt                   every variable's name; values of the allowlisted ones, redacted by value
+    nccl/<name>                       tails of the NCCL debug files, redacted by value
+    logs/rank<r>/<name>               tails of torchrun's worker logs, redacted by value
     ib/counters.json                  InfiniBand counters, two reads and their deltas
     <any of the per-rank paths>.missing   why that file is not there
 
@@ -20,7 +20,9 @@ Collectors, each usable alone: ``collect_flight_recorder``, ``collect_nvml``,
 ``collect_ras``, ``collect_stacks`` (= ``collect_python_stacks`` then
 ``collect_native_stacks``), ``collect_proc``, ``collect_env``,
 ``collect_nccl_logs``, ``collect_worker_logs``, ``collect_infiniband``;
-``collect_all`` runs them in order within ``ctx.budget_s``.  Beside them,
+``collect_all`` runs them in order within ``ctx.budget_s``.  What may hold a
+credential (environment, command lines, log tails, cited lines) passes
+through ``redact`` (allowlist, by name, by value).  Beside them,
 ``citations.resolve_citations`` turns a verdict's cited operations into
 ``file:line`` (the bundle's report and ``ncclwatch analyze``'s).
 """

@@ -5,6 +5,9 @@ each cited NCCL log is read again, only as far as its last cited operation:
 ``ncclwatch analyze`` does it for the files it was given, the live bundle
 for the files its sidecar tailed.
 
+The line's text is redacted by value (``redact.redact_text``), as the log
+tails in the bundle are.
+
 Failure modes: a file that cannot be read any more leaves its citations
 unresolved (the report shows them as the engine made them); nothing here
 raises.
@@ -15,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ncclwatch.watchdog.events import P2P_OPS, OpSig, ProcKey
+from ncclwatch.watchdog.evidence.redact import redact_text
 from ncclwatch.watchdog.hang.types import Finding, OpRef
 from ncclwatch.watchdog.parsing.nccl_log import iter_op_lines
 
@@ -39,7 +43,7 @@ def resolve_citations(finding: Finding) -> dict[int, tuple[str, str | None]]:
             counters[key] = ordinal + 1
             index = targets.pop((*key, ordinal), None)
             if index is not None:
-                resolved[index] = (f"{file}:{line}", text)
+                resolved[index] = (f"{file}:{line}", redact_text(text) if text else text)
                 if not targets:
                     break
     return resolved

@@ -3,7 +3,9 @@
 Only the last ``ctx.tail_bytes`` of each file, cut at a line start: the end
 of a log is where the hang is, and a bundle must stay small however long the
 job ran.  The files keep growing while they are read; a tail is bounded by
-its offset at the time of the read.
+its offset at the time of the read.  A log may echo a command line, a URL or
+an environment, so each tail is copied through ``redact.redact_bytes``
+(credentials found by value; bytes that are not UTF-8 are kept as they were).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from pathlib import Path
 
 from ncclwatch.watchdog.evidence.base import EvidenceContext, EvidenceRecord, guard, record, write_file
+from ncclwatch.watchdog.evidence.redact import redact_bytes
 
 TIMEOUT_S = 10.0
 
@@ -44,7 +47,7 @@ def _copy_tails(ctx: EvidenceContext, files: list[Path], folder: str) -> tuple[l
             errors.append(f"{path}: {exc.strerror}")
             continue
         cut += size > len(data)
-        paths.append(write_file(ctx, f"{folder}/{name}", data))
+        paths.append(write_file(ctx, f"{folder}/{name}", redact_bytes(data)))
     return paths, errors, cut
 
 

@@ -5,9 +5,11 @@
 cheap and goes stale fast (a native py-spy dump ptrace-stops threads), so
 ``collect_all`` takes it first.
 
-``env`` is the rank's environment as its process sees it (NCCL_*, TORCH_*,
-torchrun's RANK/LOCAL_RANK/...), with the values of anything that looks like
-a secret replaced by ``REDACTED``: bundles travel to people and tickets.
+``env`` is the rank's environment as its process sees it, every name listed
+and only the values diagnosis needs kept (NCCL_*, TORCH_*, CUDA_*, torchrun's
+RANK/LOCAL_RANK/..., the scheduler's ids: ``redact.redact_env``): bundles
+travel to people, tickets and servers.  The command line in ``proc`` goes
+through ``redact.redact_argv`` and the whole file through ``redact_text``.
 """
 
 from __future__ import annotations
@@ -27,17 +29,10 @@ from ncclwatch.watchdog.evidence.base import (
     record,
     write_file,
 )
+from ncclwatch.watchdog.evidence.redact import redact_argv, redact_env, redact_text
 from ncclwatch.watchdog.probes.procfs import ProcInfo, ThreadInfo, read_environ, read_proc, read_threads
 
 TIMEOUT_S = 5.0
-# Substrings of variable names whose values never enter a bundle (case-insensitive).
-# PASSWD beside the usual words: it does not contain PASSWORD.
-SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
-REDACTED = "REDACTED"
-
-
-def redact_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: REDACTED if any(m in k.upper() for m in SECRET_MARKERS) else v for k, v in env.items()}
 
 
 def format_proc(target: RankTarget, info: ProcInfo, raw: dict[str, str], threads: list[ThreadInfo]) -> str:
@@ -70,8 +65,11 @@ def _read_raw(proc_root: Path, pid: int) -> dict[str, str]:
         except OSError as exc:
             raw[name] = f"unreadable: {exc.strerror}"
             continue
-        # cmdline separates arguments with NUL
-        raw[name] = data.replace(b"\0", b" ").decode(errors="replace")
+        if name == "cmdline":  # arguments end with NUL; shown separated by spaces, secret flags' values redacted
+            args = data.removesuffix(b"\0").decode(errors="replace").split("\0") if data else []
+            raw[name] = " ".join(redact_argv(args))
+        else:
+            raw[name] = data.decode(errors="replace")
     return raw
 
 
@@ -84,7 +82,7 @@ def _proc_one(ctx: EvidenceContext, target: RankTarget) -> EvidenceRecord:
         problem = problem or f"process {target.pid} vanished while being read"
         return record("proc", started, [placeholder(ctx, rel, problem)], problem, target.rank)
     threads = read_threads(target.pid, ctx.proc_root)
-    text = format_proc(target, info, _read_raw(ctx.proc_root, target.pid), threads)
+    text = redact_text(format_proc(target, info, _read_raw(ctx.proc_root, target.pid), threads))
     return record("proc", started, [write_file(ctx, rel, text)], rank=target.rank, note=f"state {info.state}")
 
 
