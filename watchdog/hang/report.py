@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import datetime as dt
 import textwrap
+from collections.abc import Sequence
 
 from pydantic import BaseModel, Field
 
 from ncclwatch.watchdog import __version__
+from ncclwatch.watchdog.hang.mesh import Mesh, coords_label, derive_mesh
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.hang.stacks import CALL_ARROW, call_line, main_thread, short_frame, split_frame, user_frame
 from ncclwatch.watchdog.hang.types import CulpritProcess, Finding
@@ -44,6 +46,16 @@ class RankRow(BaseModel):
     state: str | None = None  # /proc state letter (live only)
     step: int | None = None  # last step the heartbeat reported (live only)
     last_progress_at: str | None = None  # live only
+    # Where the rank sits in the job's DeviceMesh ({"dp": 1, "tp": 1}, ``Report.mesh_dims`` order), from Flight
+    # Recorder's mesh groups (hang/mesh.py); only the dimensions it could be placed in; None without a mesh.
+    mesh: dict[str, int] | None = None
+
+
+class MeshGroup(BaseModel):
+    """The verdict's communicator as a group of the job's ``DeviceMesh``."""
+
+    dim: str  # "tp" for a group described mesh_tp
+    ranks: list[int]  # its members (global ranks), as far as the dumps show them
 
 
 class TimelineRow(BaseModel):
@@ -149,6 +161,15 @@ class Report(BaseModel):
         "given; "
         "not the verdict",
     )
+    mesh_dims: list[str] = Field(
+        default_factory=list,
+        description="the dimensions of the job's DeviceMesh that its process groups show (Flight Recorder's "
+        "mesh_<dim> groups), outermost first where the groups' strides tell the order, else by name; each rank "
+        "row's mesh holds its coordinates; empty without a mesh",
+    )
+    mesh_group: MeshGroup | None = Field(
+        None, description="the verdict's communicator where it is a mesh group: its dimension and members"
+    )
 
     @property
     def exit_code(self) -> int:
@@ -187,18 +208,35 @@ def gpu_of(snapshot: Snapshot, pid: int | None) -> str | None:
     return None
 
 
-def _rows(finding: Finding, snapshot: Snapshot) -> list[RankRow]:
+def _rows(finding: Finding, snapshot: Snapshot, mesh: Mesh) -> list[RankRow]:
     rows = {r.rank: RankRow(**r.__dict__) for r in finding.rows}
     for proc, rank in snapshot.global_ranks.items():
         rows.setdefault(rank, RankRow(rank=rank, host=proc.host, pid=proc.pid))
     workers = {w.rank: w for w in snapshot.workers}  # Flight Recorder's rows know no process: the journal's workers do
+    for rank in workers.keys() & mesh.coords.keys():  # the live report's row of each worker then has its coordinates
+        rows.setdefault(rank, RankRow(rank=rank))
     for row in rows.values():
         worker = workers.get(row.rank)
         pid = row.pid if row.pid is not None else snapshot.pid_of(row.rank) or (worker.pid if worker else None)
         row.pid, row.host = pid, row.host or (worker.host if worker else None)
         row.stack = main_frame(snapshot, pid)
         row.gpu = gpu_of(snapshot, pid)
+        row.mesh = mesh.of(row.rank)
     return [rows[k] for k in sorted(rows)]
+
+
+def _mesh_group(finding: Finding, snapshot: Snapshot, mesh: Mesh) -> MeshGroup | None:
+    """The verdict's communicator as a mesh group: a Flight Recorder group by its name, an NCCL communicator by
+    its members (the one mesh group holding exactly its ranks)."""
+    comm = next((c for c in snapshot.comms if c.key == finding.comm_key), None)
+    if comm is None or not mesh:
+        return None
+    ranks = {r.global_rank for r in comm.ranks if r.global_rank is not None} | set(comm.members)
+    pg = comm.key.removeprefix("fr:") if comm.source == "flight_recorder" else None  # JobState keys it fr:<name>
+    if pg is not None and (dim := mesh.dim_of(pg)) is not None:
+        return MeshGroup(dim=dim, ranks=sorted(ranks | set(mesh.groups[pg][1])))
+    found = mesh.dim_of_members(ranks) if pg is None and ranks else None
+    return MeshGroup(dim=found[0], ranks=list(found[1])) if found else None
 
 
 TIMELINE_OPS = 8
@@ -231,6 +269,7 @@ def build_report(
     for index, item in enumerate(finding.evidence):
         cite, text = cited.get(index, (str(item.cite) if item.cite else None, item.cite.text if item.cite else None))
         evidence.append(EvidenceItem(source=item.source, fact=item.fact, cite=cite, text=text))
+    mesh = derive_mesh(snapshot.mesh_groups)
     report = Report(
         verdict=finding.verdict,
         culprit_ranks=list(finding.culprits),
@@ -240,7 +279,7 @@ def build_report(
         operation=finding.operation,
         summary=finding.summary,
         reason=finding.reason,
-        ranks=_rows(finding, snapshot),
+        ranks=_rows(finding, snapshot, mesh),
         timeline=_timeline(finding, snapshot),
         evidence=evidence,
         missing=list(finding.missing),
@@ -248,6 +287,8 @@ def build_report(
         inputs=inputs,
         nccl_versions=sorted(set(snapshot.nccl_versions.values())),
         analyzed_at=dt.datetime.fromtimestamp(snapshot.observed_at, dt.UTC).isoformat(timespec="seconds"),
+        mesh_dims=list(mesh.dims),
+        mesh_group=_mesh_group(finding, snapshot, mesh),
     )
     return report.model_copy(update={"headline": headline(report)})
 
@@ -270,7 +311,7 @@ def render_text(report: Report, max_evidence: int = 12, columns: int = TERMINAL_
     """
     title = report.verdict.value.replace("_", " ").upper()
     if report.culprit_ranks:
-        title += f" — culprit rank {', '.join(map(str, report.culprit_ranks))}"
+        title += f" — culprit rank {', '.join(_ranks_placed(report, report.culprit_ranks))}"
     elif report.culprit_processes:
         title += f" — culprit process {', '.join(map(str, report.culprit_processes))}"
     lines = [f"ncclwatch: {title}", *_wrap(report.summary, columns, "  ")]
@@ -282,7 +323,7 @@ def render_text(report: Report, max_evidence: int = 12, columns: int = TERMINAL_
         lines += _wrap(f"operation: {report.operation}" + (f" ({', '.join(where)})" if where else ""), columns, "  ")
     if report.ranks:
         lines.append("")
-        lines.extend(_table(report.ranks, columns))
+        lines.extend(_table(report.ranks, columns, report.mesh_dims))
     if report.evidence:
         lines.append("")
         lines.append("evidence:")
@@ -305,6 +346,35 @@ def render_text(report: Report, max_evidence: int = 12, columns: int = TERMINAL_
     return "\n".join(lines)
 
 
+def mesh_place(report: Report, rank: int) -> str | None:
+    """``dp 1, tp 1``: where ``rank`` sits in the job's mesh, as its row says; None without one."""
+    row = next((r for r in report.ranks if r.rank == rank), None)
+    return coords_label(report.mesh_dims, row.mesh) if row is not None else None
+
+
+def _ranks_placed(report: Report, ranks: list[int]) -> list[str]:
+    """``["3 (dp 1, tp 1)"]``: each rank with its mesh coordinates where it has them."""
+    return [f"{rank} ({place})" if (place := mesh_place(report, rank)) else str(rank) for rank in ranks]
+
+
+def _peers(report: Report) -> str | None:
+    """``its tp group's peers (rank 2)``: where the verdict's communicator is a mesh group, its other members."""
+    group = report.mesh_group
+    if group is None:
+        return None
+    peers = [r for r in group.ranks if r not in report.culprit_ranks]
+    if not peers:
+        named = ""
+    elif len(peers) <= _PEERS_NAMED:
+        named = f" ({'rank' if len(peers) == 1 else 'ranks'} {', '.join(map(str, peers))})"
+    else:
+        named = f" ({len(peers)} ranks)"
+    return f"its {group.dim} group's peers{named}"
+
+
+_PEERS_NAMED = 4  # more peers than this are counted, not named
+
+
 def _wrap(text: str, columns: int, indent: str, then: str | None = None) -> list[str]:
     """Wrap at spaces only: a path or a frame longer than a line stays whole on its own line."""
     return textwrap.wrap(
@@ -318,6 +388,7 @@ def _wrap(text: str, columns: int, indent: str, then: str | None = None) -> list
 
 
 _HEADER = ("rank", "host", "pid", "state", "step", "issued", "status", "detail", "stack", "gpu")
+_MESH = "mesh"  # in _NARROWING: each mesh dimension's column, which follows "rank" (keyed "mesh:<dim>")
 # When the table is too wide: shorten a column (to its next shorter form) or drop it, in this order,
 # until it fits.  "uniform" drops a column whose every row says the same (it tells ranks apart by nothing).
 _NARROWING = (
@@ -329,6 +400,7 @@ _NARROWING = (
     ("uniform", "state"),
     ("uniform", "step"),
     ("uniform", "issued"),
+    ("uniform", _MESH),
     ("drop", "issued"),
     ("shorten", "stack"),
     ("drop", "step"),
@@ -339,20 +411,23 @@ _NARROWING = (
     ("drop", "host"),
     ("drop", "detail"),
     ("drop", "status"),
+    ("drop", _MESH),
     ("drop", "pid"),
     ("drop", "stack"),
 )
 
 
-def _table(rows: list[RankRow], columns: int = TERMINAL_COLUMNS) -> list[str]:
-    """The per-rank table, at most ``columns`` wide.
+def _table(rows: list[RankRow], columns: int = TERMINAL_COLUMNS, dims: Sequence[str] = ()) -> list[str]:
+    """The per-rank table, at most ``columns`` wide; a column per mesh dimension in ``dims`` after the rank.
 
     Too wide, it shortens cells at name boundaries (a frame becomes ``func (file.py:123)``, then
     ``func <- file.py:123``; a GPU signature loses its figures) and then drops the least telling
     columns: a cell is never cut in the middle of a name.
     """
     dash = lambda value: "-" if value is None or value == "" else str(value)
-    forms: dict[str, list[list[str]]] = {name: [] for name in _HEADER}  # column -> per row, longest form first
+    mesh_columns = [f"{_MESH}:{dim}" for dim in dims]
+    header = (_HEADER[0], *mesh_columns, *_HEADER[1:])
+    forms: dict[str, list[list[str]]] = {name: [] for name in header}  # column -> per row, longest form first
     # The stack column shows where each rank issued the verdict's operation (Flight Recorder) when known, and
     # py-spy's current position on a second line only where it is elsewhere.
     now: list[list[str] | None] = []
@@ -363,21 +438,27 @@ def _table(rows: list[RankRow], columns: int = TERMINAL_COLUMNS) -> list[str]:
             text = dash(value)
             shorter = {"host": _host_forms, "stack": _stack_forms, "detail": _detail_forms, "gpu": _gpu_forms}.get(name)
             forms[name].append(shorter(text) if shorter and text != "-" else [text])
+        for dim, name in zip(dims, mesh_columns, strict=True):
+            forms[name].append([dash((r.mesh or {}).get(dim))])
         # compared by function names and the user's line: torch's own line differs between the two records
         elsewhere = r.call_site and r.stack and _stack_forms(r.stack)[2] != _stack_forms(r.call_site)[2]
         now.append([_NOW + form for form in _stack_forms(r.stack)] if elsewhere else None)  # type: ignore[arg-type]
-    keep = [n for i, n in enumerate(_HEADER) if i < 3 or any(f[0] != "-" for f in forms[n])]
-    level = dict.fromkeys(_HEADER, 0) | {"stack": 1}  # frames always with their file's basename only
+    keep = [n for n in header if n in _HEADER[:3] or any(f[0] != "-" for f in forms[n])]
+    level = dict.fromkeys(header, 0) | {"stack": 1}  # frames always with their file's basename only
     cell = lambda name, row: forms[name][row][min(level[name], len(forms[name][row]) - 1)]
     now_cell = lambda row: now[row][min(level["stack"], len(now[row]) - 1)] if now[row] else ""  # type: ignore[index]
-    label = dict(zip(_HEADER, _HEADER)) | ({"stack": "call site"} if any(r.call_site for r in rows) else {})
+    label = dict(zip(_HEADER, _HEADER)) | dict(zip(mesh_columns, dims, strict=True))
+    label |= {"stack": "call site"} if any(r.call_site for r in rows) else {}
     width = lambda name: max(
         len(label[name]),
         *(len(cell(name, i)) for i in range(len(rows))),
         *(len(now_cell(i)) for i in range(len(rows)) if name == "stack"),
     )
     fits = lambda: 2 + sum(width(n) for n in keep) + 2 * (len(keep) - 1) <= columns
-    for action, name in _NARROWING:
+    narrowing = [
+        (action, column) for action, name in _NARROWING for column in (mesh_columns if name == _MESH else [name])
+    ]
+    for action, name in narrowing:
         if fits():
             break
         if name not in keep:
@@ -453,6 +534,9 @@ def headline(report: Report) -> str:
 
     Where Flight Recorder recorded the line that issued the operation (``call_site``), that line, and
     py-spy's only when the rank is now elsewhere: with NCCL a collective returns at enqueue.
+
+    Where the job has a ``DeviceMesh``, the culprit by its place in it and the verdict's group by its dimension:
+    ``rank 3 (dp 1, tp 1) never entered AllGather #13; its dp group's peers (rank 1) wait in it``.
     """
     title = report.verdict.value.replace("_", " ").upper()
     rows = {row.rank: row for row in report.ranks}
@@ -462,12 +546,15 @@ def headline(report: Report) -> str:
     if culprits:
         first = rows.get(culprits[0])
         place = ", ".join(x for x in (first.host, f"pid {first.pid}" if first.pid else None) if x) if first else ""
+        place = "; ".join(x for x in (mesh_place(report, culprits[0]), place) if x)  # "dp 1, tp 1; node1, pid 42"
         who = f"rank {culprits[0]}" + (f" ({place})" if place and len(culprits) == 1 else "")
         if len(culprits) > 1:
-            who = f"ranks {', '.join(map(str, culprits))}"
+            who = f"ranks {', '.join(_ranks_placed(report, culprits))}"
         does = CATALOGUE[report.verdict].culprit_does
         if report.verdict == Verdict.collective_mismatch:
             does = _mismatch_words(_op_at(first, report.position), report.operation, report.position)
+        if (peers := _peers(report)) is not None:
+            does = does.replace("its peers", peers, 1)
         what = f"{who} {does.format(op=op)}" if does else f"{who}: {report.summary.rstrip('.')}"
         called = _user_site(first.call_site) if first else None
         mine = _user_site(first.stack) if first else None

@@ -28,6 +28,7 @@ from ncclwatch.watchdog.events import (
     WatchdogTimeout,
     WorkerFailure,
 )
+from ncclwatch.watchdog.hang.mesh import GroupView, mesh_groups_of_dumps
 from ncclwatch.watchdog.hang.state import Communicator, JobState, PeerLog, RankSeq, Source, Worker, fold
 
 
@@ -135,6 +136,8 @@ class Snapshot:
     workers: tuple[WorkerView, ...] = ()  # empty offline unless a journal was read
     stall: Stall | None = None  # the live clock at the probe; None offline without a journal
     partial: tuple[Event, ...] = ()  # PgStatus, CollectiveFingerprint, NetworkError, RankLog, OrphanOps
+    # the process groups a DeviceMesh made (name, dimension, members), from the Flight Recorder dumps: hang/mesh.py
+    mesh_groups: tuple[GroupView, ...] = ()
 
     def rank_of_pid(self) -> dict[int, int]:
         """Global rank of every process known: NCCL's Init lines, then the workers' environment."""
@@ -229,4 +232,5 @@ def take_snapshot(state: JobState, observed_at: float) -> Snapshot:
         workers=tuple(worker_view(w) for w in state.current_workers()),
         stall=state.stall,
         partial=tuple(state.partial),
+        mesh_groups=mesh_groups_of_dumps(state.fr_dumps.values()),
     )

@@ -74,8 +74,11 @@ def report_body(bundle_id: str, report: dict[str, Any], files: list[tuple[str, i
     culprits = [r for r in report.get("culprit_ranks") or [] if isinstance(r, int)]
     quoted = esc(bundle_id)
     head = badge(report.get("verdict"))
+    dims = [d for d in report.get("mesh_dims") or [] if isinstance(d, str)]
+    places = {r.get("rank"): _mesh_place(dims, r.get("mesh")) for r in report.get("ranks") or [] if isinstance(r, dict)}
     if culprits:
-        head += f" <span class='culprit-tag'>culprit rank {esc(', '.join(map(str, culprits)))}</span>"
+        named = ", ".join(f"{r} ({places[r]})" if places.get(r) else str(r) for r in culprits)  # "3 (dp 1, tp 1)"
+        head += f" <span class='culprit-tag'>culprit rank {esc(named)}</span>"
     out = [
         f"<p><a href='/'>&larr; all bundles</a></p><h1>{head}</h1>",
         f"<p class='summary'>{esc(report.get('summary'))}</p>",
@@ -88,7 +91,7 @@ def report_body(bundle_id: str, report: dict[str, Any], files: list[tuple[str, i
         "<h2>Timeline</h2>",
         timeline_svg(report),
         "<h2>Ranks</h2>",
-        _ranks_table(report.get("ranks") or [], set(culprits)),
+        _ranks_table(report.get("ranks") or [], set(culprits), dims),
         "<h2>Evidence</h2>",
         _evidence(report.get("evidence") or []),
         "<div class='cols'><div><h2>Evidence collected</h2>",
@@ -123,6 +126,7 @@ def _facts(report: dict[str, Any]) -> str:
 
 RANK_COLUMNS = (
     "rank",
+    "mesh",
     "host",
     "pid",
     "state",
@@ -136,10 +140,18 @@ RANK_COLUMNS = (
 )
 
 
-def _ranks_table(rows: list[dict[str, Any]], culprits: set[int]) -> str:
+def _mesh_place(dims: list[str], mesh: Any) -> str | None:
+    """``dp 1, tp 1``: a row's place in the job's DeviceMesh (``RankRow.mesh``), in ``mesh_dims`` order."""
+    if not isinstance(mesh, dict) or not mesh:
+        return None
+    return ", ".join(f"{dim} {mesh.get(dim, '?')}" for dim in dims or list(mesh))
+
+
+def _ranks_table(rows: list[dict[str, Any]], culprits: set[int], dims: list[str] | None = None) -> str:
     rows = [r for r in rows if isinstance(r, dict)]
     if not rows:
         return "<p class='muted'>No per-rank rows in this report.</p>"
+    rows = [{**r, "mesh": _mesh_place(dims or [], r.get("mesh"))} for r in rows]  # after the rank: "dp 1, tp 1"
     columns = [c for c in RANK_COLUMNS if c in ("rank", "status") or any(r.get(c) not in (None, "") for r in rows)]
     out = [
         "<table class='ranks'><thead><tr>",
