@@ -41,6 +41,8 @@ def paragraph(text: str, indent: str = "") -> str:
     )
 
 
+EXIT_UNREADABLE = 4  # analyze: no input could be read or used, so no report (above the verdicts' 0, 1, 2)
+
 # analyze's help lists every verdict it can give; the wrapper's, every hang it pages; each names the other's own.
 ANALYZE_VERDICTS = [entry for entry in CATALOGUE.values() if entry.offline]
 PAGED_LIVE = [entry for entry in CATALOGUE.values() if entry.live and entry.hang]
@@ -52,9 +54,10 @@ Say which rank a hung job is waiting on, and why, from the files it left:
 NCCL debug files (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL,
 NCCL_DEBUG_FILE=dir/%h.%p), PyTorch Flight Recorder dumps (pickle or JSON),
 NCCL RAS reports (text or JSON), worker and torchrun logs, py-spy JSON
-dumps and ncclwatch NVML snapshots.  File types are recognised by content;
-give files or folders (searched recursively) in any mix, "-" for standard
-input (a pasted excerpt), gzip/bzip2/xz files as they are.
+dumps, ncclwatch NVML snapshots and bundles (.tar.gz).  File types are
+recognised by content; give files or folders (searched recursively, the
+bundles in them unpacked) in any mix, "-" for standard input (a pasted
+excerpt), gzip/bzip2/xz files as they are.
 
 What a job leaves is enough: each rank's stderr or one combined file
 (torchrun --tee "[defaultN]:", PyTorch "[rankN]:", srun --label "N: "),
@@ -71,7 +74,13 @@ verdicts:
 exit status:
   {EXIT_NO_HANG}  no hang
   {EXIT_HANG}  a hang verdict (culprit in the report)
-  {EXIT_INCONCLUSIVE}  inconclusive, or no usable input
+  {EXIT_INCONCLUSIVE}  inconclusive (the report says what would decide it)
+  {EXIT_UNREADABLE}  no report: no input could be read (missing, a bundle cut short), or
+     none holds anything analyze reads (empty, binary or other files).
+     One line on stderr says so.
+  An input that cannot be read beside readable ones is said on stderr and
+  in the inputs list; the others are judged and the status is the verdict's,
+  also when the output's reader stops early (| head).
 
 examples:
   ncclwatch analyze ./nccl-logs/
@@ -81,18 +90,9 @@ examples:
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ncclwatch",
-        description="Hang watchdog for distributed PyTorch training on NVIDIA GPUs.",
-    )
-    parser.add_argument("--version", action="version", version=f"ncclwatch {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    analyze = commands.add_parser(
-        "analyze",
-        help="give the verdict on a hung job from its files",
-        description=ANALYZE_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def analyze_parser() -> argparse.ArgumentParser:
+    analyze = argparse.ArgumentParser(
+        prog="ncclwatch analyze", description=ANALYZE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     analyze.add_argument(
         "paths", nargs="+", metavar="PATH", help='files or folders (recursive); "-" reads standard input'
@@ -107,23 +107,84 @@ def build_parser() -> argparse.ArgumentParser:
             f"operations kept per rank and communicator; older ones are folded into a digest (default {DEFAULT_WINDOW})"
         ),
     )
-    return parser
+    return analyze
 
 
-def run_analyze(args: argparse.Namespace) -> int:
+UNREADABLE_SAID = 10  # inputs that could not be read, each a line on stderr; past this, a count
+ANALYZE_READS = (
+    "analyze reads NCCL debug logs, Flight Recorder dumps, NCCL RAS reports, worker or torchrun logs, py-spy dumps "
+    "and ncclwatch bundles (ncclwatch analyze --help)"
+)
+
+
+def run_analyze(argv: list[str]) -> int:
     from ncclwatch.watchdog.analyze import analyze_paths
     from ncclwatch.watchdog.hang.report import render_text
+    from ncclwatch.watchdog.inputs import NO_SUCH_FILE, cannot_read
 
+    args = analyze_parser().parse_args(argv)
     if args.window < 16:
         print("ncclwatch analyze: --window must be at least 16", file=sys.stderr)
         return EXIT_INCONCLUSIVE
     report = analyze_paths(args.paths, window=args.window)
+    unreadable = [item for item in report.inputs if cannot_read(item)]
+    for item in unreadable[:UNREADABLE_SAID]:
+        said = f"no such file: {item.path}" if item.note == NO_SUCH_FILE else f"{item.path}: {item.note}"
+        print(f"ncclwatch analyze: {said}", file=sys.stderr)
+    if len(unreadable) > UNREADABLE_SAID:
+        print(f"ncclwatch analyze: {len(unreadable) - UNREADABLE_SAID} more could not be read", file=sys.stderr)
+    if not any(item.kinds for item in report.inputs):
+        if len(unreadable) < len(report.inputs) or not report.inputs:
+            print(f"ncclwatch analyze: {nothing_to_judge(report.inputs, args.paths)}", file=sys.stderr)
+        return EXIT_UNREADABLE
     if args.json:
-        print(report.model_dump_json(indent=2))
+        print_out(report.model_dump_json(indent=2))
     else:
-        print(render_text(report))
-        print(render_inputs(report.inputs))
+        print_out(render_text(report) + "\n" + render_inputs(report.inputs))
     return report.exit_code
+
+
+def nothing_to_judge(inputs: list, paths: Sequence[str]) -> str:  # list[InputFile], none used
+    """One line: what was read (or that nothing was there) and what analyze needs."""
+    from collections import Counter
+
+    if not inputs:
+        return f"nothing to judge: no files in {', '.join(paths)}; {ANALYZE_READS}"
+    from ncclwatch.watchdog.inputs import cannot_read
+
+    read = [item for item in inputs if not cannot_read(item)]
+    why = Counter(_unused(item.note or "") for item in read).most_common()
+    files = f"{len(read)} file{'s' if len(read) != 1 else ''}"
+    return (
+        f"nothing to judge: {files} read, none usable ({', '.join(f'{n} {what}' for what, n in why)}); {ANALYZE_READS}"
+    )
+
+
+def _unused(note: str) -> str:
+    """Why an input read was of no use, in a word or three (its note says it in full)."""
+    if note.startswith("empty file"):
+        return "empty"
+    if note.startswith("skipped: ncclwatch's own"):
+        return "ncclwatch's own output"
+    if "not opened" in note:
+        return "not a regular file"
+    return note.split(";")[0]
+
+
+def print_out(text: str) -> None:
+    """``text`` on stdout; a reader that stops early (``| head``) ends the output quietly.
+
+    The conventional way: on EPIPE stop writing and point stdout at /dev/null, so that the interpreter's last
+    flush does not fail again.  The caller exits with the verdict's status, not 141 (128 + SIGPIPE): the verdict
+    was complete before the first byte was written, and a script that reads only the head still gets it.
+    """
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def render_inputs(inputs: list, shown: int = 40) -> str:  # list[InputFile]
@@ -148,6 +209,19 @@ AFTER_THE_PAGE = paragraph(
     "--on-hang-exec CMD runs your command with the verdict."
 )
 
+SUBCOMMANDS = ("analyze", "demo", "serve", "preflight")
+USAGE = """\
+ncclwatch [OPTIONS] torchrun [TORCHRUN ARGS...]
+       ncclwatch [OPTIONS] python -m torch.distributed.run [ARGS...]
+       ncclwatch {demo,analyze,serve,preflight} ..."""
+COMMANDS = """\
+commands:
+  [OPTIONS] torchrun ...   the job, run as torchrun runs it, with the watchdog
+  demo [--fault FAULT]     a CPU job that hangs on purpose
+  analyze PATH...          the verdict from files a job left
+  serve [--bundle-dir DIR] the bundles' page, API and /metrics
+  preflight                the node's bus bandwidth, kept as a baseline"""
+
 WRAP_HELP = f"""\
 Run a torchrun job exactly as torchrun would (same output, exit code and
 signals) with a watchdog beside it.  When a collective stops making progress
@@ -157,12 +231,7 @@ every rank, Flight Recorder dumps, NCCL log tails, /proc, NVML, RAS,
 InfiniBand counters) to --bundle-dir.  No change to the training code: the
 heartbeat comes from torch's optimizer step hook (or call ncclwatch.beat(step)).
 
-usage:
-  ncclwatch [OPTIONS] torchrun [TORCHRUN ARGS...]
-  ncclwatch [OPTIONS] python -m torch.distributed.run [ARGS...]
-  ncclwatch demo [--fault FAULT] [OPTIONS]     a CPU job that hangs on purpose
-  ncclwatch analyze PATH...                    the verdict from files a job left
-  ncclwatch serve [--bundle-dir DIR]           the bundles' page, API and /metrics
+{COMMANDS}
 
 verdicts (live):
 {verdict_lines(PAGED_LIVE)}
@@ -193,7 +262,7 @@ exit status: torchrun's own; {EXIT_KILLED_ON_HANG} when ncclwatch ended the job 
 or restart when a restart cannot help); {EXIT_DRAINED} when it drained the culprit's node (--drain).
 """
 
-SUBCOMMANDS = ("analyze", "demo", "serve", "preflight")
+MORE_HELP = "ncclwatch --help for everything; ncclwatch COMMAND --help for one command"
 DEMO_FAULTS = ("skip", "extra", "python_stuck", "sigstop", "exit", "pause", "uneven", "none")  # no GPU needed
 
 
@@ -262,14 +331,15 @@ def run_wrapped(argv: list[str]) -> int:
     from ncclwatch.watchdog.config import ConfigError
 
     parser = argparse.ArgumentParser(
-        prog="ncclwatch", description=WRAP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="ncclwatch", usage=USAGE, description=WRAP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"ncclwatch {__version__}")
     add_watch_options(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="torchrun and its arguments")
     args = parser.parse_args(argv)
     if not args.command:
-        parser.print_help()
+        parser.print_usage(sys.stderr)
+        print(f"\n{COMMANDS}\n\n{MORE_HELP}", file=sys.stderr)
         return 2
     from ncclwatch.launcher.command import is_torchrun, job_name_of
 
@@ -284,15 +354,44 @@ def run_wrapped(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"ncclwatch: {exc}", file=sys.stderr)
         return 2
+    from ncclwatch.launcher.process import launch_problem
     from ncclwatch.launcher.run import run_job
 
+    problem = launch_problem(args.command)
+    if problem is not None:  # nothing started
+        status, why = problem
+        print(f"ncclwatch: {why}", file=sys.stderr)
+        return status
     _logging(args.verbose)
-    return run_job(list(args.command), settings, args.job_name or job_name_of(args.command))
+    script = missing_script(args.command)
+    status = run_job(list(args.command), settings, args.job_name or job_name_of(args.command))
+    if status != 0 and script is not None:  # after torchrun's own traceback
+        print(f"ncclwatch: training script not found: {script} (in {os.getcwd()})", file=sys.stderr)
+    return status
 
 
-def run_demo(argv: list[str]) -> int:
+NOT_A_PATH = ("-m", "--module", "--no-python", "--no_python")  # torchrun options after which the script is no path
+
+
+def missing_script(command: Sequence[str]) -> str | None:
+    """The training script, when torchrun is given one by path (``train.py``) and it does not exist.
+
+    The script is torchrun's first argument ending in ``.py`` that is no option; with ``-m``/``--module`` or
+    ``--no-python`` before it, it is a module or a program, not checked.
+    """
+    args = list(command[1:])
+    if not command[0].rsplit("/", 1)[-1].startswith("torchrun") and "-m" in args:  # python -m torch.distributed.run
+        args = args[args.index("-m") + 2 :]
+    for arg in args:
+        if arg in NOT_A_PATH:
+            return None
+        if arg.endswith(".py") and not arg.startswith("-"):
+            return None if os.path.exists(arg) else arg
+    return None
+
+
+def demo_parser() -> argparse.ArgumentParser:
     from ncclwatch.launcher.demo_job import FAULTS
-    from ncclwatch.watchdog.config import ConfigError
 
     faults = "\n".join(f"  {name:<13} {FAULTS[name]}" for name in DEMO_FAULTS)
     parser = argparse.ArgumentParser(
@@ -311,20 +410,20 @@ def run_demo(argv: list[str]) -> int:
     )
     parser.add_argument("--nproc", type=int, default=3, help="ranks (default: 3)")
     parser.add_argument("--steps", type=int, default=40, help="steps of a job that does not hang (default: 40)")
+    parser.add_argument(
+        "--pause-s", type=float, default=20.0, metavar="SECONDS", help="length of the 'pause' fault (default: 20)"
+    )
     add_watch_options(parser)
-    args = parser.parse_args(argv)
-    args.on_hang = args.on_hang or os.environ.get("NCCLWATCH_ON_HANG") or "kill"
-    try:
-        settings = _settings(args)
-    except ConfigError as exc:
-        print(f"ncclwatch: {exc}", file=sys.stderr)
-        return 2
+    return parser
+
+
+def demo_command(args: argparse.Namespace) -> list[str]:
+    """The torchrun command of the demo job."""
     from pathlib import Path
 
     from ncclwatch.launcher import demo_job
-    from ncclwatch.launcher.run import run_job
 
-    command = [
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -334,7 +433,23 @@ def run_demo(argv: list[str]) -> int:
         str(Path(demo_job.__file__)),
         f"--fault={args.fault}",
         f"--steps={args.steps}",
+        f"--pause-s={args.pause_s:g}",
     ]
+
+
+def run_demo(argv: list[str]) -> int:
+    from ncclwatch.watchdog.config import ConfigError
+
+    args = demo_parser().parse_args(argv)
+    args.on_hang = args.on_hang or os.environ.get("NCCLWATCH_ON_HANG") or "kill"
+    try:
+        settings = _settings(args)
+    except ConfigError as exc:
+        print(f"ncclwatch: {exc}", file=sys.stderr)
+        return 2
+    from ncclwatch.launcher.run import run_job
+
+    command = demo_command(args)
     print(f"ncclwatch demo: {' '.join(command)}", file=sys.stderr, flush=True)
     _logging(args.verbose)
     return run_job(command, settings, args.job_name or f"demo-{args.fault}")
@@ -352,8 +467,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ncclwatch.watchdog.server.agent import run_serve
 
         return run_serve(args_list[1:])
-    if not args_list or args_list[0] not in SUBCOMMANDS:
-        return run_wrapped(args_list)
-    parser = build_parser()
-    args = parser.parse_args(args_list)
-    return run_analyze(args)
+    if args_list and args_list[0] == "analyze":
+        return run_analyze(args_list[1:])
+    return run_wrapped(args_list)

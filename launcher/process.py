@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -63,6 +64,30 @@ def become_subreaper() -> bool:
         return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+EXIT_NOT_FOUND = 127  # as a shell: the command was not found
+EXIT_NOT_EXECUTABLE = 126  # as a shell: found, but it cannot be run
+
+
+def launch_problem(argv: Sequence[str], path: str | None = None) -> tuple[int, str] | None:
+    """Why ``argv[0]`` cannot be started, with the status a shell would give; None when it can.
+
+    Checked before anything starts, so that a torchrun missing from ``PATH`` (the environment that has torch
+    not activated) is one line, not a traceback from ``Popen``.  ``path``: the ``PATH`` searched (default ours).
+    """
+    program = argv[0]
+    if "/" not in program:
+        if shutil.which(program, path=path) is None:
+            return EXIT_NOT_FOUND, (
+                f"{program} not found on PATH (activate the environment that has torch, or give its full path)"
+            )
+        return None
+    if not os.path.exists(program):
+        return EXIT_NOT_FOUND, f"{program} not found"
+    if os.path.isdir(program) or not os.access(program, os.X_OK):
+        return EXIT_NOT_EXECUTABLE, f"{program} cannot be run (not an executable file)"
+    return None
 
 
 def exit_status(returncode: int) -> int:

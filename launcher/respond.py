@@ -6,7 +6,8 @@ agents start the whole group again through the rendezvous; kill and drain
 end this node's torchrun.  Only the node that pages drains the culprit's node
 and runs the user's hook, once per hang, after the page.
 
-Each step is an ``ActionRecord`` for report.json, and a line on the terminal.
+Each step is an ``ActionRecord`` for report.json, and a line on the terminal,
+except ending the job: the page's own line says that (``ending the job: ...``).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ class JobResponder:
         elif chosen.ends_job and self.job.returncode is None:
             self.job.terminate(grace_s=KILL_GRACE_S)
             self.ended = chosen
-            actions.append(self._record("kill", True, f"ended the job: {chosen.why}"))
+            # Recorded, not said: the page's line ("ending the job: ...", ``Responding.respond``) said it.
+            actions.append(self._record("kill", True, f"ended the job: {chosen.why}", say=False))
         if pages and chosen.response is Response.drain and self.settings.drain == "slurm":
             # The incident: its key on several nodes, else the bundle that holds it (its name has host and time).
             incident = report.incident_key or (
@@ -109,7 +111,8 @@ class JobResponder:
             actions.append(self._record("hook", outcome.ok, outcome.describe("--on-hang-exec")))
         return actions
 
-    def _record(self, kind: str, ok: bool, detail: str) -> ActionRecord:
-        print(f"ncclwatch: {kind}: {detail}" + ("" if ok else " (failed)"), file=self.out, flush=True)
+    def _record(self, kind: str, ok: bool, detail: str, say: bool = True) -> ActionRecord:
+        if say:
+            print(f"ncclwatch: {kind}: {detail}" + ("" if ok else " (failed)"), file=self.out, flush=True)
         at = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
         return ActionRecord(kind=kind, at=at, ok=ok, detail=detail)

@@ -12,8 +12,13 @@ extra steps offline: resolving cited operations to ``file:line``, which the
 state does not keep (``evidence.citations``), and reading NCCL's transport
 choices from the logs again (``nccl_transports``).
 
-Failure modes: unreadable paths, unknown files and broken dumps become lines
-in the report's ``inputs`` and ``notes``; nothing here raises on bad input.
+Bundles (``*.tar.gz``), named or found in a folder, are unpacked and read as
+the folders they hold (``bundles_in``).
+
+Failure modes: unreadable paths, bundles cut short, unknown files and broken
+dumps become lines in the report's ``inputs`` and ``notes``; nothing here
+raises on bad input.  The command line says the inputs that could not be read
+on stderr, and gives no report when nothing could be used (``launcher/cli.py``).
 """
 
 from __future__ import annotations
@@ -21,10 +26,10 @@ from __future__ import annotations
 import lzma
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from ncclwatch.watchdog.bundles_in import expand_bundles
+from ncclwatch.watchdog.bundles_in import is_bundle, unpack_bundle
 from ncclwatch.watchdog.events import FrDump, ProcKey, RankTransport
 from ncclwatch.watchdog.evidence.citations import resolve_citations
 from ncclwatch.watchdog.hang.classify import judge
@@ -42,10 +47,8 @@ def analyze_paths(paths: Iterable[str], window: int = DEFAULT_WINDOW, now: float
     inputs = []
     stdin_spool: dict[str, str] = {}  # "-" is spooled once so that it can be rescanned
     with tempfile.TemporaryDirectory(prefix="ncclwatch-analyze-") as unpacked:
-        paths, bundle_notes = expand_bundles(paths, Path(unpacked))
-        inputs += [InputFile(path=tarball, kinds=[], note=note) for tarball, note in bundle_notes]
         try:
-            for name, problem in iter_files(paths):
+            for name, problem in files_and_bundles(paths, Path(unpacked)):
                 inputs.append(
                     InputFile(path=name, kinds=[], note=problem) if problem else ingest_file(state, name, stdin_spool)
                 )
@@ -59,6 +62,26 @@ def analyze_paths(paths: Iterable[str], window: int = DEFAULT_WINDOW, now: float
         report = build_report(finding, snapshot, inputs, resolve_citations(finding))
         performance = performance_notes(state.fr_dumps.values(), transport, state.global_ranks())
         return report.model_copy(update={"performance": performance})
+
+
+def files_and_bundles(paths: Iterable[str], into: Path) -> Iterator[tuple[str, str | None]]:
+    """``inputs.iter_files``, with every bundle among them, named or found in a folder, replaced by its files.
+
+    A bundle's notes (members refused, the bundle cut short) come as (bundle, note).  A bundle inside a bundle
+    is not unpacked: ours never hold one.
+    """
+    count = 0
+    for name, problem in iter_files(paths):
+        if problem is not None or not is_bundle(name) or Path(name).is_relative_to(into):
+            yield name, problem
+            continue
+        count += 1
+        unpacked = unpack_bundle(name, into / f"{count}-{Path(name).name.removesuffix('.tar.gz').removesuffix('.tgz')}")
+        yield from ((name, note) for note in unpacked.notes)
+        if unpacked.folder is not None:
+            yield from iter_files([str(unpacked.folder)])
+        elif unpacked.plain:
+            yield name, None
 
 
 def nccl_transports(inputs: Iterable[InputFile], stdin_spool: dict[str, str]) -> list[RankTransport]:

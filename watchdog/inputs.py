@@ -17,7 +17,10 @@ Failure modes, by design:
 - ncclwatch's own output in a bundle (``report.json``, ``report.md``,
   ``evidence.json``) is skipped by its content, and said: the report quotes
   the NCCL lines it cites, which read again counted as operations of the job.
-- Nothing here raises on bad input.
+- Nothing here raises on bad input.  An input that could not be read at all
+  (missing, permission denied, a broken compressed stream, a bundle cut short)
+  has a note that starts with one of ``UNREADABLE`` (``cannot_read``): the
+  command line says those on stderr.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ _SPECIAL = (
     (stat.S_ISCHR, "a character device: not opened"),
     (stat.S_ISBLK, "a block device: not opened"),
 )
+NO_SUCH_FILE = "no such file or directory"
+UNREADABLE = (NO_SUCH_FILE, "permission denied", "cannot ")  # how every note of an input not read at all starts
 _MAGIC = ((b"\x1f\x8b", "gzip", gzip.open), (b"BZh", "bzip2", bz2.open), (b"\xfd7zXZ\x00", "xz", lzma.open))
 _REPORT_SKIPPED = "skipped: ncclwatch's own report, not evidence (analyze judges again from the evidence files)"
 # What ncclwatch writes, by its first bytes: report.md's title, the Report's first key (report.json and
@@ -106,7 +111,7 @@ def _special(mode: int) -> str | None:
 
 def _os_problem(exc: OSError) -> str:
     if isinstance(exc, FileNotFoundError):
-        return "no such file or directory"
+        return NO_SUCH_FILE
     if isinstance(exc, PermissionError):
         return "permission denied"
     return f"cannot read: {exc.strerror or exc}"
@@ -164,6 +169,11 @@ def ingest_file(state: JobState, name: str, stdin_spool: dict[str, str] | None =
             else f"cannot decompress: {exc}"
         )
         return InputFile(path=name, kinds=[], note=problem)
+
+
+def cannot_read(item: InputFile) -> bool:
+    """Whether ``item`` could not be read, wholly or in part (as opposed to read and found of no use)."""
+    return not item.kinds and (item.note or "").startswith(UNREADABLE)
 
 
 def _compressed(compression: str | None) -> str | None:

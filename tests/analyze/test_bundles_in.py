@@ -6,7 +6,7 @@ import io
 import tarfile
 from pathlib import Path
 
-from ncclwatch.watchdog.bundles_in import expand_bundles
+from ncclwatch.watchdog.bundles_in import unpack_bundle
 
 
 def tarball(path: Path, members: dict[str, bytes], links: dict[str, str] | None = None) -> Path:
@@ -25,27 +25,34 @@ def tarball(path: Path, members: dict[str, bytes], links: dict[str, str] | None 
 
 def test_a_bundle_is_read_as_the_folder_it_holds(tmp_path: Path) -> None:
     bundle = tarball(tmp_path / "job-node1-x.tar.gz", {"job-node1-x/journal.jsonl": b'{"ncclwatch_journal": 1}\n'})
-    paths, notes = expand_bundles([str(bundle), "plain.log"], tmp_path / "out")
-    assert notes == [] and paths[1] == "plain.log"
-    assert (Path(paths[0]) / "job-node1-x" / "journal.jsonl").is_file()
+    unpacked = unpack_bundle(str(bundle), tmp_path / "out")
+    assert unpacked.notes == [] and unpacked.folder == tmp_path / "out"
+    assert (tmp_path / "out" / "job-node1-x" / "journal.jsonl").is_file()
 
 
 def test_escaping_members_are_refused_and_a_broken_tarball_is_said(tmp_path: Path) -> None:
     bundle = tarball(tmp_path / "evil.tar.gz", {"../outside.txt": b"x", "ok/inside.txt": b"y"})
     (tmp_path / "broken.tgz").write_bytes(b"not gzip")
-    paths, notes = expand_bundles([str(bundle), str(tmp_path / "broken.tgz")], tmp_path / "out")
-    assert not (tmp_path / "outside.txt").exists() and (Path(paths[0]) / "ok" / "inside.txt").is_file()
-    assert [path for path, _ in notes] == [str(bundle), str(tmp_path / "broken.tgz")]
-    assert "refused" in notes[0][1] and notes[1][1].startswith("not unpacked") and paths[1] == str(tmp_path / "broken.tgz")
+    evil, broken = (
+        unpack_bundle(str(bundle), tmp_path / "out"),
+        unpack_bundle(str(tmp_path / "broken.tgz"), tmp_path / "b"),
+    )
+    assert not (tmp_path / "outside.txt").exists() and (tmp_path / "out" / "ok" / "inside.txt").is_file()
+    assert len(evil.notes) == 1 and "refused" in evil.notes[0]
+    assert (broken.folder, broken.plain, len(broken.notes)) == (None, True, 1) and broken.notes[0].startswith(
+        "not unpacked"
+    )
 
 
 def test_absolute_names_and_links_are_refused(tmp_path: Path) -> None:
     outside = tmp_path / "victim.txt"
-    bundle = tarball(tmp_path / "evil.tar.gz", {str(outside): b"x", "ok/inside.txt": b"y"}, links={"ok/link": "/etc/passwd"})
-    paths, notes = expand_bundles([str(bundle)], tmp_path / "out")
-    assert not outside.exists() and not (Path(paths[0]) / "ok" / "link").exists()
-    assert (Path(paths[0]) / "ok" / "inside.txt").read_bytes() == b"y"
-    assert [note for _, note in notes] == [
+    bundle = tarball(
+        tmp_path / "evil.tar.gz", {str(outside): b"x", "ok/inside.txt": b"y"}, links={"ok/link": "/etc/passwd"}
+    )
+    unpacked = unpack_bundle(str(bundle), tmp_path / "out")
+    assert not outside.exists() and not (tmp_path / "out" / "ok" / "link").exists()
+    assert (tmp_path / "out" / "ok" / "inside.txt").read_bytes() == b"y"
+    assert unpacked.notes == [
         f"member {str(outside)!r} refused (outside the folder it is unpacked into)",
         "member 'ok/link' refused (not a regular file or folder)",
     ]

@@ -77,18 +77,20 @@ class TestOutput:
 
 
 class TestBadInput:
-    def test_missing_path_is_inconclusive_with_a_message(self, tmp_path):
-        report, proc = analyze_json(tmp_path / "nope")
-        assert proc.returncode == 2
-        assert report["verdict"] == "inconclusive"
-        assert report["inputs"][0]["note"] == "no such file or directory"
+    def test_missing_path_is_one_line_and_exit_4(self, tmp_path):
+        proc = run("analyze", "--json", str(tmp_path / "nope"))
+        assert (proc.returncode, proc.stdout) == (4, "")
+        assert proc.stderr == f"ncclwatch analyze: no such file: {tmp_path / 'nope'}\n"
 
     def test_empty_file_and_binary_garbage(self, write, tmp_path):
+        from ncclwatch.watchdog.analyze import analyze_paths
+
         write("empty.log", b"")
         write("garbage.bin", bytes(range(256)) * 64)
-        report, proc = analyze_json(tmp_path)
-        assert proc.returncode == 2
-        notes = {i["path"].rsplit("/", 1)[1]: i["note"] for i in report["inputs"]}
+        proc = run("analyze", "--json", str(tmp_path))
+        assert (proc.returncode, proc.stdout) == (4, "")
+        assert "2 files read, none usable (1 empty, 1 not a recognised format)" in proc.stderr
+        notes = {i.path.rsplit("/", 1)[1]: i.note for i in analyze_paths([str(tmp_path)]).inputs}
         assert notes == {"empty.log": "empty file", "garbage.bin": "not a recognised format; ignored"}
 
     def test_truncated_last_line_still_gives_the_verdict(self, write, tmp_path):
@@ -129,6 +131,6 @@ class TestBadInput:
 
     def test_a_directory_with_only_unrelated_files(self, write, tmp_path):
         write("notes.txt", "hello\n")
-        report, proc = analyze_json(tmp_path)
-        assert proc.returncode == 2
-        assert report["missing"]
+        proc = run("analyze", "--json", str(tmp_path))
+        assert (proc.returncode, proc.stdout) == (4, "")
+        assert "nothing to judge: 1 file read, none usable (1 not a recognised format)" in proc.stderr

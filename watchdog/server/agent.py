@@ -13,8 +13,12 @@ retrying no slower than that.  It shares the spool with running jobs through
 file locks (``sinks.delivery``), so an alert goes out once.  A page must not
 wait for the next job on the node.
 
-Exit status: 0 after SIGTERM/SIGINT; 2 for a bad setting or an address that
-cannot be listened on.
+A --bundle-dir that does not exist is created (the agent may start before the
+first bundle), and said; one that is not a folder, or cannot be created, is an
+error.
+
+Exit status: 0 after SIGTERM/SIGINT; 2 for a bad setting, a bundle folder that
+cannot be served or an address that cannot be listened on.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import logging
 import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -86,7 +91,10 @@ NCCLWATCH_WEBHOOK_URL set (as for the jobs), serve delivers the alerts the
 node's jobs left undelivered in <bundle-dir>/.spool (NCCLWATCH_SPOOL_DIR),
 looking every NCCLWATCH_ALERT_RETRY_INTERVAL seconds (default 10).
 
-exit status: 0 after SIGTERM or Ctrl-C; 2 for a bad setting or an address in use.
+A missing --bundle-dir is created (the agent may start before any bundle).
+
+exit status: 0 after SIGTERM or Ctrl-C; 2 for a bad setting, a --bundle-dir that
+is not a folder or cannot be created, or an address in use.
 (default address: {DEFAULT_LISTEN})
 """
 
@@ -124,8 +132,35 @@ def run_serve(argv: Sequence[str]) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="ncclwatch %(asctime)s %(message)s"
     )
+    problem = bundle_dir_problem(settings.bundle_dir)
+    if problem is not None:
+        print(f"ncclwatch serve: {problem}", file=sys.stderr)
+        return 2
     listen = settings.listen or DEFAULT_LISTEN
     return asyncio.run(serve(settings, listen, token, metrics_open=not args.metrics_token))
+
+
+def bundle_dir_problem(bundle_dir: Path) -> str | None:
+    """Why the bundle folder cannot be served; a missing one is created, and said.
+
+    The agent may start before any job has written a bundle (or its folder) on the node: it serves the
+    empty folder and the jobs fill it.  What is not a folder, or a folder that cannot be made, is an error.
+    """
+    if bundle_dir.is_dir():
+        return None
+    if bundle_dir.exists():
+        return f"--bundle-dir {bundle_dir} is not a folder"
+    try:
+        bundle_dir.mkdir(parents=True)
+    except OSError as exc:
+        return f"cannot create the bundle folder {bundle_dir}: {exc.strerror or exc}"
+    print(
+        f"ncclwatch serve: created the bundle folder {bundle_dir} (it did not exist); "
+        "jobs that run as other users need it writable to them (docs/operations.md)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return None
 
 
 @contextlib.asynccontextmanager
