@@ -12,7 +12,14 @@ from typing import Any
 from pydantic_core import PydanticUndefined
 
 from ncclwatch.watchdog import __version__
-from ncclwatch.watchdog.hang.report import EXIT_DRAINED, EXIT_HANG, EXIT_INCONCLUSIVE, EXIT_KILLED_ON_HANG, EXIT_NO_HANG
+from ncclwatch.watchdog.hang.report import (
+    EXIT_DRAINED,
+    EXIT_HANG,
+    EXIT_INCONCLUSIVE,
+    EXIT_KILLED_ON_HANG,
+    EXIT_NO_HANG,
+    EXIT_UNREADABLE,
+)
 from ncclwatch.watchdog.hang.state import DEFAULT_WINDOW
 from ncclwatch.watchdog.hang.verdicts import CATALOGUE, DRAIN_ON_DEFAULT, RESTART_ON_DEFAULT, Verdict, VerdictEntry
 
@@ -40,8 +47,6 @@ def paragraph(text: str, indent: str = "") -> str:
         break_long_words=False,
     )
 
-
-EXIT_UNREADABLE = 4  # analyze: no input could be read or used, so no report (above the verdicts' 0, 1, 2)
 
 # analyze's help lists every verdict it can give; the wrapper's, every hang it pages; each names the other's own.
 ANALYZE_VERDICTS = [entry for entry in CATALOGUE.values() if entry.offline]

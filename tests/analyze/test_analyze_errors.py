@@ -20,8 +20,8 @@ from pathlib import Path
 from conftest import shared
 from nccl_lines import init, op, steps
 
-from ncclwatch.launcher.cli import EXIT_UNREADABLE
 from ncclwatch.watchdog.analyze import analyze_paths
+from ncclwatch.watchdog.hang.report import EXIT_UNREADABLE
 
 BUNDLE = shared("bundles", "nccl-2.28.9-h100x1", "fsdp2_skip_rank1_late-vm-20261124T215626Z-collective_mismatch.tar.gz")
 NEEDS = "ncclwatch analyze --help"

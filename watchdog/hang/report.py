@@ -20,6 +20,7 @@ EXIT_NO_HANG = 0
 EXIT_HANG = 1
 EXIT_INCONCLUSIVE = 2
 EXIT_KILLED_ON_HANG = 3  # the live wrapper ended the job after a hang (--on-hang kill)
+EXIT_UNREADABLE = 4  # analyze: no input could be read or used, so no report
 EXIT_DRAINED = 75  # it drained the culprit's node and ended the job (--drain): EX_TEMPFAIL, requeue elsewhere
 
 

@@ -190,7 +190,7 @@ _ENTRIES = (
         priority=1,
         hang=False,
         meaning="not enough evidence (the report says what is missing)",
-        detail='`missing` ("could not see") says what would decide it. Also: no usable input.',
+        detail='`missing` ("could not see") says what would decide it; also recognised input that holds no operations.',
         next_step="add what the report lists under 'could not see' and analyze again",
     ),
 )
