@@ -12,7 +12,13 @@ inputs exist:
 - a lead rank whose GPU runs a non-NCCL kernel while its peers spin in NCCL
   is ``gpu_compute_hang``;
 - when sequences agree and no source says who is late, the rank whose stack
-  is outside the collective its peers sit in is the lead;
+  is outside the collective its peers sit in is the lead; a rank in its own
+  code while its peers wait in point-to-point ops is behind (it never posted
+  its side);
+- ranks that each block in ``recv`` (or ``send``) while every other rank
+  waits in a collective for one of them: one rank that went on is the peer
+  that never posted its side, several make the waiting ranks a
+  ``p2p_deadlock``;
 - with the stall's clock (live, or a journal): when no rank is inside a
   collective, the job is paused (checkpoint, evaluation), not hung:
   ``progress_stalled`` only past the progress timeout; when the probe could
@@ -30,17 +36,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from ncclwatch.watchdog.hang.detectors import P2P_DEADLOCK_FIX
-from ncclwatch.watchdog.hang.types import Fact, Finding
+from ncclwatch.watchdog.hang.types import Fact, Finding, RankStatus
 from ncclwatch.watchdog.hang.verdicts import HANG_VERDICTS, Verdict
 from ncclwatch.watchdog.hang.snapshot import Snapshot, WorkerView
-from ncclwatch.watchdog.hang.stacks import Whereabouts, short_frame, split_frame, whereabouts
+from ncclwatch.watchdog.hang.stacks import IN_COMMUNICATION, Whereabouts, short_frame, whereabouts
 from ncclwatch.watchdog.hang.verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
 from ncclwatch.watchdog.events import STOPPED_STATES, OpState, Stall
 
 BUSY_CPU_SHARE = 0.2  # of one core, over the last few seconds
 BUSY_IO_BYTES_PER_S = 64 << 10  # a log line now and then is not a checkpoint
 IDLE_SIGNATURES = ("idle", "unknown")
-WAITING_KINDS = ("collective", "gpu_wait")  # a rank spinning here burns CPU, but it waits: not a checkpoint
+WAITING_KINDS = (*IN_COMMUNICATION, "gpu_wait")  # a rank spinning here burns CPU, but it waits: not a checkpoint
 
 
 @dataclass(frozen=True)
@@ -60,11 +66,17 @@ def judge(snapshot: Snapshot) -> Decision:
         return Decision(_with_where(special, where), page=True)
     stall = snapshot.stall
     if stall is not None and finding.verdict in (Verdict.no_hang, Verdict.inconclusive):
-        # A rank is inside a collective when its stack says so or its GPU spins in NCCL.
-        in_collective = sorted(r for r, w in where.items() if w.kind == "collective" or signatures.get(r) == NCCL_SPIN)
-        if not in_collective:
+        # A rank is inside communication when its stack says so or its GPU spins in NCCL.
+        communicating = sorted(
+            r for r, w in where.items() if w.kind in IN_COMMUNICATION or signatures.get(r) == NCCL_SPIN
+        )
+        if not communicating:
             return _pause(finding, stall, where)
-        finding = _p2p_deadlock_from_stacks(finding, where, snapshot) or _stuck_from_stacks(finding, in_collective)
+        finding = (
+            _p2p_deadlock_from_stacks(finding, where, snapshot)
+            or _behind_peers_in_p2p(finding, where, snapshot)
+            or _stuck_from_stacks(finding, communicating)
+        )
     if finding.verdict == Verdict.stuck_in_collective:
         if not finding.culprits:  # decide() names a lead from signatures only when the sequences said "stuck"
             finding = lead_from_signatures(snapshot, finding)
@@ -73,7 +85,7 @@ def judge(snapshot: Snapshot) -> Decision:
             or _never_started_on_gpu(snapshot, finding)
             or _lead_from_stacks(finding, where)
         )
-    finding = _p2p_wait_from_stacks(finding, where) or finding
+    finding = _p2p_wait_from_stacks(finding, where, snapshot) or finding
     finding = _with_where(finding, where)
     busy = _busy(finding.culprits, snapshot, where) if finding.verdict == Verdict.rank_behind else []
     if stall is not None and busy and stall.stalled_for_s < stall.progress_timeout_s:
@@ -168,48 +180,157 @@ def _p2p_deadlock_from_stacks(finding: Finding, where: Mapping[int, Whereabouts]
     """Every live rank blocked in the same side of a point-to-point call (all ``recv``, or all ``send``): nobody
     can post the side they wait for.  The sequences could not say it (gloo's Flight Recorder records no
     send/recv; NCCL's logs name the peers, and decide() judges those), so the stacks do."""
-    alive = {w.rank for w in snapshot.workers if not w.gone}
-    inside = {r: w for r, w in sorted(where.items()) if r in alive and w.kind == "collective" and w.frame}
-    sides = {split_frame(w.frame)[0] for w in inside.values()}  # type: ignore[arg-type]
-    if len(alive) < 2 or len(inside) != len(alive) or len(sides) != 1 or not sides <= _BLOCKING_P2P:
+    alive = _alive(snapshot)
+    waiting = _waiting_on_one_side(where, alive)
+    if len(alive) < 2 or waiting is None or set(waiting[1]) != alive:
         return None
-    (side,) = sides
-    callers = sorted({short_frame(w.user_frame) for w in inside.values() if w.user_frame})
+    side, ranks = waiting
+    return _deadlocked(finding, snapshot, where, ranks, side, f"Each rank posted {side} first: {P2P_DEADLOCK_FIX}.")
+
+
+def _deadlocked(
+    finding: Finding, snapshot: Snapshot, where: Mapping[int, Whereabouts], ranks: list[int], side: str, reason: str
+) -> Finding:
+    callers = sorted({short_frame(where[r].user_frame) for r in ranks if where[r].user_frame})  # type: ignore[arg-type]
     called = f", called from {'; '.join(callers)}" if callers else ""
     return replace(
         finding,
         verdict=Verdict.p2p_deadlock,
-        culprits=tuple(inside),
-        summary=f"Point-to-point deadlock: rank {', '.join(map(str, inside))} all wait in {side}{called}, so none "
+        culprits=tuple(ranks),
+        rows=_with_rows(finding, snapshot, {r: ("culprit", f"in {side}") for r in ranks}),
+        summary=f"Point-to-point deadlock: rank {', '.join(map(str, ranks))} all wait in {side}{called}, so none "
         f"reaches the {_OTHER_SIDE[side]} its peer waits for.",
-        reason=f"Each rank posted {side} first: {P2P_DEADLOCK_FIX}.",
-        evidence=finding.evidence + tuple(Fact("py-spy", f"rank {r}: {side} at {w.frame}") for r, w in inside.items()),
+        reason=reason,
+        evidence=finding.evidence + tuple(Fact("py-spy", f"rank {r}: {side} at {where[r].frame}") for r in ranks),
         missing=finding.missing + ("which peer each rank waits for: Flight Recorder with NCCL, or NCCL's debug lines",),
     )
 
 
-_BLOCKING_P2P = frozenset({"send", "recv"})  # torch.distributed's blocking calls; their i* forms return at once
 _OTHER_SIDE = {"send": "recv", "recv": "send"}
 
 
-def _p2p_wait_from_stacks(finding: Finding, where: Mapping[int, Whereabouts]) -> Finding | None:
-    """Ranks "behind" in collectives that block in ``recv`` (or ``send``) are not late: they wait for a peer that
-    went on to the next collective without posting its side (a pipeline stage that never sent its gradient back
-    was paged as the stage waiting for it).  gloo's Flight Recorder records no send/recv and a stack names no
-    peer, so the culprit is named only when one rank is ahead; NCCL's logs name the peer (``detectors``)."""
+def _alive(snapshot: Snapshot) -> set[int]:
+    return {w.rank for w in snapshot.workers if not w.gone}
+
+
+def _with_rows(finding: Finding, snapshot: Snapshot, status: Mapping[int, tuple[str, str]]) -> tuple[RankStatus, ...]:
+    """The finding's rows with these ranks' (status, detail); a rank its communicator does not hold gets a row of
+    its own: the leader's rows travel with its verdict, so every node's bundle then shows each rank the verdict is
+    about (a data-parallel group's rows held ranks 2 and 3 only, one deadlocked rank of the pair missing)."""
+    workers = {w.rank: w for w in snapshot.workers}
+    rows = {row.rank: row for row in finding.rows}
+    for rank, (state, detail) in status.items():
+        worker = workers.get(rank)
+        rows[rank] = replace(rows[rank], status=state, detail=detail) if rank in rows else RankStatus(
+            rank=rank, host=worker.host if worker else None, pid=worker.pid if worker else None, issued=None,
+            last_op=None, status=state, detail=detail,
+        )  # fmt: skip
+    return tuple(rows[r] for r in sorted(rows))
+
+
+def _waiting_on_one_side(where: Mapping[int, Whereabouts], ranks: set[int]) -> tuple[str, list[int]] | None:
+    """(side, ranks) when every one of ``ranks`` whose stack names a point-to-point side names the same one."""
+    waiting = {r: w.side for r, w in where.items() if r in ranks and w.kind == "p2p" and w.side}
+    sides = set(waiting.values())
+    return (sides.pop(), sorted(waiting)) if len(sides) == 1 else None
+
+
+def _behind_peers_in_p2p(finding: Finding, where: Mapping[int, Whereabouts], snapshot: Snapshot) -> Finding | None:
+    """Ranks wait in point-to-point ops (a pipeline schedule's batched wait, a ``recv``) while others are in their
+    own code: those never posted the side their peers wait for.  gloo's Flight Recorder records no send/recv and a
+    stack names no peer, so the ranks outside any communication are named (torch 2.13, Schedule1F1B: stage 0 in
+    ``_wait_batch_p2p`` while stage 1 slept in the user's code read as a pause, paged after 30 minutes)."""
+    waiting = [r for r, w in sorted(where.items()) if w.kind == "p2p"]
+    behind = [r for r, w in sorted(where.items()) if w.kind == "python"]
+    if not waiting or not behind:
+        return None
+    waiters, culprits = ", ".join(map(str, waiting)), ", ".join(map(str, behind))
+    frames = "; ".join(f"rank {r}: {where[r].frame}" for r in behind[:4])
+    return replace(
+        finding,
+        verdict=Verdict.rank_behind,
+        culprits=tuple(behind),
+        operation="send/recv",
+        rows=_with_rows(
+            finding,
+            snapshot,
+            {**{r: ("waiting", f"in {short_frame(where[r].frame)}") for r in waiting if where[r].frame},
+             **{r: ("culprit", "in its own code") for r in behind}},
+        ),  # fmt: skip
+        summary=f"Rank {culprits} is in its own code ({frames}) while rank {waiters} waits in point-to-point "
+        f"operations ({_wait_frames(where, waiting)}): it never posted the send or recv they wait for.",
+        reason="Point-to-point operations are matched pairwise and nothing has moved: a rank that stays outside any "
+        f"communication while its peers wait is behind. This backend records no peer of a send or recv, so rank "
+        f"{culprits} (outside any communication) is named. Engine: {finding.summary}",
+        evidence=finding.evidence + tuple(Fact("py-spy", f"rank {r}: p2p at {where[r].frame}") for r in waiting),
+        missing=finding.missing + ("which peer each rank waits for: Flight Recorder with NCCL, or NCCL's debug lines",),
+    )
+
+
+def _wait_frames(where: Mapping[int, Whereabouts], ranks: list[int]) -> str:
+    return "; ".join(sorted({short_frame(where[r].frame) for r in ranks if where[r].frame}))  # type: ignore[arg-type]
+
+
+def _p2p_wait_from_stacks(finding: Finding, where: Mapping[int, Whereabouts], snapshot: Snapshot) -> Finding | None:
+    """Ranks "behind" in collectives that block in ``recv`` (or ``send``) are not late: they wait for a peer.
+
+    Who can that peer be?  Not a rank waiting in a collective for one of them, unless it went on without
+    posting its side (a pipeline stage that never sent its gradient back was paged as the stage waiting for
+    it).  So, over the whole job (a communicator's rows show only its members): with exactly one rank
+    outside the waiting ones, all blocked in collectives, that rank is the peer that never posted its side;
+    with two or more ranks waiting on one side and more than one rank ahead, one missing send explains no
+    wait: the waiting ranks wait for each other, a ``p2p_deadlock`` (2 x 2 gloo ranks, pipeline x data
+    parallel on two nodes: ranks 1 and 2 both in ``recv`` first, their data-parallel peers 0 and 3 in the
+    all-reduce, were paged ``rank_behind [1, 2]`` with the all-reduce over every rank, ``rank_behind [3]``,
+    the only rank ahead in its group, with the all-reduce over each stage's).  gloo's Flight Recorder records
+    no send/recv and a stack names no peer; NCCL's logs name the peer (``detectors``)."""
     if finding.verdict != Verdict.rank_behind or not finding.culprits:
         return None
-    frames = [where[r].frame if r in where and where[r].kind == "collective" else None for r in finding.culprits]
-    sides = {split_frame(f)[0] if f else None for f in frames}
-    ahead = [row.rank for row in finding.rows if row.rank not in finding.culprits and row.status == "waiting"]
-    if len(sides) != 1 or not sides <= _BLOCKING_P2P or len(ahead) != 1:
+    alive = _alive(snapshot)
+    waiting = _waiting_on_one_side(where, alive)
+    if waiting is None or not set(finding.culprits) <= set(waiting[1]):
         return None
-    (side,), (culprit,) = sides, ahead
-    waiters = ", ".join(map(str, finding.culprits))
-    callers = sorted({short_frame(where[r].user_frame) for r in finding.culprits if where[r].user_frame})  # type: ignore[arg-type]
+    side, waiters = waiting
+    others = sorted(alive - set(waiters))
+    in_collective = {r for r in others if where.get(r) and where[r].kind == "collective"}
+    in_collective |= {row.rank for row in finding.rows if row.rank in others and row.status == "waiting"}
+    if set(others) != in_collective:
+        return None  # a rank outside any wait may yet post the side they wait for
+    if len(others) == 1:
+        return _missing_side(finding, where, waiters, others[0], side)
+    if len(waiters) < 2:
+        return None
+    names = ", ".join(map(str, waiters))
+    went_on = f" in {finding.operation} (collective #{finding.position})" if finding.operation else ""
+    ahead = (
+        f" Rank {', '.join(map(str, others))} wait{went_on} for them: blaming those would take each of them having "
+        f"skipped a {_OTHER_SIDE[side]}, while rank {names} posting {side} first to each other explains every wait."
+        if others else ""
+    )  # fmt: skip
+    # The collective the others wait in is not where the deadlock is: the report names the waiting side.
+    shown = {row.rank for row in finding.rows}
+    rows = _with_rows(finding, snapshot, {r: ("waiting", f"in {short_frame(where[r].frame)}")
+                                          for r in others if r not in shown and where[r].frame})  # fmt: skip
+    return _deadlocked(
+        replace(finding, comm_key=None, comm_label=None, position=None, operation=side, rows=rows),
+        snapshot,
+        where,
+        waiters,
+        side,
+        f"Each of rank {names} posted {side} first: {P2P_DEADLOCK_FIX}.{ahead} This backend records no peer of a "
+        f"send or recv, so which peer each waits for is not known. Engine: {finding.summary}",
+    )
+
+
+def _missing_side(
+    finding: Finding, where: Mapping[int, Whereabouts], waiting: list[int], culprit: int, side: str
+) -> Finding:
+    """The one rank that went on to a collective without posting the side ``waiting`` wait for."""
+    waiters = ", ".join(map(str, waiting))
+    callers = sorted({short_frame(where[r].user_frame) for r in waiting if where[r].user_frame})  # type: ignore[arg-type]
     called = f" (called from {'; '.join(callers)})" if callers else ""
     went_on = f"{finding.operation} (collective #{finding.position})" if finding.operation else "its next collective"
-    rows = tuple(replace(row, status="waiting", detail=f"in {side}") if row.rank in finding.culprits
+    rows = tuple(replace(row, status="waiting", detail=f"in {side}") if row.rank in waiting
                  else replace(row, status="culprit", detail=f"in {went_on}") if row.rank == culprit else row
                  for row in finding.rows)  # fmt: skip
     return replace(
@@ -218,8 +339,9 @@ def _p2p_wait_from_stacks(finding: Finding, where: Mapping[int, Whereabouts]) ->
         summary=f"Rank {culprit} never posted the {_OTHER_SIDE[side]} that rank {waiters} waits for in {side}{called}: "
         f"it went on to {went_on}, which rank {waiters} cannot reach.",
         reason="Point-to-point operations are matched pairwise; the rank that has not posted its side is at fault. "
-        f"The only rank ahead of rank {waiters} is named: this backend records no peer of a send or recv. Engine: {finding.summary}",
-        evidence=finding.evidence + tuple(Fact("py-spy", f"rank {r}: {side} at {where[r].frame}") for r in finding.culprits),
+        f"The only rank ahead of rank {waiters} is named: this backend records no peer of a send or recv. "
+        f"Engine: {finding.summary}",
+        evidence=finding.evidence + tuple(Fact("py-spy", f"rank {r}: {side} at {where[r].frame}") for r in waiting),
         rows=rows,
         missing=finding.missing + ("which peer each rank waits for: Flight Recorder with NCCL, or NCCL's debug lines",),
     )

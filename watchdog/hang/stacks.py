@@ -1,23 +1,45 @@
-"""Where a rank's Python is, from a py-spy dump: inside a collective or not.
+"""Where a rank's Python is, from a py-spy dump: inside communication (a collective, a send or recv) or not.
 
-py-spy shows Python frames only; a collective entered from Python shows as a
-frame of ``torch/distributed/distributed_c10d.py`` (``all_reduce``,
-``barrier``...).  ``torch.cuda.synchronize`` is a wait on the GPU: a
-collective only if Flight Recorder says one is pending (a long eval kernel
-is not a hang), so it is its own kind.  DDP's
-gradient all-reduces run inside autograd, so a rank stuck in one shows
-``backward``: reported as such, and counted as "in a collective" only with
-Flight Recorder's word for it.
+py-spy (as the sidecar runs it, without ``--native``) shows Python frames
+only, so a wait is recognised by the innermost torch frame that issued it.
+Seen on torch 2.13 gloo with py-spy 0.4.3 (``tests/fixtures/stacks``, made by
+``tests/data/jobs/capture_stacks.py``):
+
+- ``torch/distributed/distributed_c10d.py``: ``all_reduce``, ``barrier``...
+  (a collective), ``send``/``recv`` and their ``*_object_list`` forms (a
+  point-to-point op on a known side), ``isend``/``irecv``/``batch_isend_irecv``;
+- ``torch/distributed/pipelining/schedules.py``: ``_wait_batch_p2p``, where
+  every schedule waits for its batched sends and recvs (Schedule1F1B's stage
+  0 waiting for stage 1 sits there); the side is not in the frame.  The
+  only other wait there (read in the source) is ``_assert_unsharded``, an
+  FSDP stage's unshard (an all-gather);
+- ``torch/distributed/_functional_collectives.py``: ``wait_tensor``, where a
+  functional collective's result is first used, and where DTensor's
+  ``redistribute`` waits (``_redistribute.py`` -> ``AsyncCollectiveTensor.wait``);
+- with ``--native`` (a dump given to ``analyze``): c10d's ``Work::wait``
+  frames, ``SendWork``/``RecvWork`` saying the side.
+
+Not recognisable from Python frames: ``work.wait()`` on an ``isend``/``irecv``
+in the user's code (the innermost frame is the user's own line, as when it
+sleeps), and a compiled graph's collective (inductor's generated ``call`` or
+aot_eager's FX ``forward`` calls ``torch._ops``' dispatcher, which names no
+op); their native frames are the ``Work::wait`` above.
+
+``torch.cuda.synchronize`` is a wait on the GPU: a collective only if
+Flight Recorder says one is pending (a long eval kernel is not a hang), so
+it is its own kind.  DDP's gradient all-reduces run inside autograd, so a
+rank stuck in one shows ``backward``: reported as such, and counted as "in
+a collective" only with Flight Recorder's word for it.
 
 Next to that frame each rank gets its ``user_frame``: the innermost frame of
 the user's own code (not torch, not an installed package, not the standard
-library, not ncclwatch), i.e. the line of the training script that led into
-the collective.  Frames come in two spellings: py-spy's short file names,
-relative to the process's ``sys.path`` (``torch/distributed/...``,
-``threading.py``, ``train.py``: the ``site-packages/`` prefix is already
-gone), and Flight Recorder's absolute paths.  Both are handled; a package
-installed outside ``site-packages`` and not listed in ``LIBRARY_ROOTS``
-reads as user code.  Pure functions.
+library, not ncclwatch, not code torch generated), i.e. the line of the
+training script that led into the collective.  Frames come in two
+spellings: py-spy's short file names, relative to the process's
+``sys.path`` (``torch/distributed/...``, ``threading.py``, ``train.py``: the
+``site-packages/`` prefix is already gone), and Flight Recorder's absolute
+paths.  Both are handled; a package installed outside ``site-packages`` and
+not listed in ``LIBRARY_ROOTS`` reads as user code.  Pure functions.
 """
 
 from __future__ import annotations
@@ -31,6 +53,21 @@ from pathlib import PurePosixPath
 from ncclwatch.watchdog.events import StackDump, ThreadStack
 
 _C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")
+# distributed_c10d's point-to-point calls: the blocking ones name their side, the others return a Work at once
+_P2P_SIDES = {"send": "send", "send_object_list": "send", "recv": "recv", "recv_object_list": "recv"}
+_P2P_ISSUES = frozenset({"isend", "irecv", "batch_isend_irecv"})
+# Waits issued by torch's own layers, (file, function) as py-spy names them (the function's last qualified part):
+# the pipelining schedules' batched sends and recvs; functional collectives (DTensor's redistribute among them)
+# and a pipelined FSDP stage's unshard.
+_TORCH_P2P_WAITS = {("torch/distributed/pipelining/schedules.py", "_wait_batch_p2p")}
+_TORCH_COLLECTIVE_WAITS = {
+    ("torch/distributed/_functional_collectives.py", "wait_tensor"),
+    ("torch/distributed/pipelining/schedules.py", "_assert_unsharded"),
+}
+# --native frames in libtorch: "c10d::ProcessGroupGloo::RecvWork::wait", "c10d::Work::wait", "c10d::wait_tensor"
+_NATIVE_WAIT = re.compile(r"^c10d::(?:\w+::)*(?:\w*Work::wait|wait_tensor)$")
+_NATIVE_SIDES = {"SendWork": "send", "RecvWork": "recv"}
+IN_COMMUNICATION = frozenset({"collective", "p2p"})
 _GPU_WAITS = {"synchronize", "wait_stream", "wait_event"}
 _BACKWARD = ("_engine_run_backward", "backward")
 _INSTALLED = frozenset({"site-packages", "dist-packages"})
@@ -43,6 +80,10 @@ LIBRARY_ROOTS = frozenset(
     {"torch", "torchvision", "torchaudio", "transformers", "accelerate", "deepspeed", "lightning",
      "pytorch_lightning", "apex", "triton", "numpy", "ncclwatch"}
 )  # fmt: skip
+# Python that torch generated, as py-spy 0.4 names its file (short names): inductor's output code
+# ("c7h466...gj.py", kept under /tmp/torchinductor_<user>/) and an FX graph module's forward
+# ("proxy_tensor.py:1738 in wrapped", short for "<eval_with_key>.1 from .../proxy_tensor.py:1738 in wrapped").
+_GENERATED = re.compile(r"(^|/)torchinductor_|(^|/)c[a-z0-9]{51}\.py$|^<eval_with_key>|\.py:\d+ in \w+$")
 # ncclwatch's own code in a worker: the injected sitecustomize and the heartbeat hook
 # (an editable install keeps them under the repository's launcher/ folder; the
 # demo's job, launcher/demo_job.py, is the demo user's code and stays in).
@@ -52,9 +93,10 @@ CALL_ARROW = " <- "  # innermost frame <- the user's frame that led there
 
 @dataclass(frozen=True)
 class Whereabouts:
-    kind: str  # "collective", "gpu_wait", "backward", "python", "unknown"
+    kind: str  # "collective", "p2p" (both IN_COMMUNICATION), "gpu_wait", "backward", "python", "unknown"
     frame: str | None  # the frame that says so, innermost relevant first
     user_frame: str | None = None  # the innermost frame of the user's own code (the line that led there)
+    side: str | None = None  # "send" or "recv": the side of a point-to-point wait, where a frame says it
 
 
 def split_frame(frame: str) -> tuple[str, str, str]:
@@ -73,9 +115,10 @@ def short_frame(frame: str) -> str:
 
 
 def is_user_frame(frame: str) -> bool:
-    """Not torch, an installed package, the standard library, ncclwatch, a frozen/exec'd module or native code."""
+    """Not torch, an installed package, the standard library, ncclwatch, a frozen/exec'd module, code torch
+    generated, or native code."""
     path = split_frame(frame)[1]
-    if not path or path.startswith("<") or _SHARED_OBJECT.search(path):
+    if not path or path.startswith("<") or _SHARED_OBJECT.search(path) or _GENERATED.search(path):
         return False
     parts = PurePosixPath(path).parts
     if _INSTALLED & set(parts) or path.endswith(_OWN_SUFFIXES) or path == "sitecustomize.py":
@@ -111,13 +154,34 @@ def whereabouts(dump: StackDump | None) -> Whereabouts:
     if thread is None or not thread.frames:
         return Whereabouts("unknown", None)
     mine = user_frame(thread.frames)
+    native_kind, native_side, native_frame = _native_wait(thread.frames)
     for frame in thread.frames:  # innermost first
-        name, _, location = frame.partition(" (")
-        if any(f in location for f in _C10D_FILES) and not name.startswith("_") and name != "wrapper":
+        name, path, _ = split_frame(frame)
+        function = name.rpartition(".")[2]  # py-spy 0.4 on Python 3.11 qualifies methods: "Schedule1F1B.step"
+        if any(f in path for f in _C10D_FILES) and not name.startswith("_") and name != "wrapper":
+            if name in _P2P_SIDES or name in _P2P_ISSUES:
+                return Whereabouts("p2p", frame, mine, _P2P_SIDES.get(name) or native_side)
             return Whereabouts("collective", frame, mine)
-        if name in _GPU_WAITS and "torch" in location:
+        if any(path.endswith(f) and function == w for f, w in _TORCH_P2P_WAITS):
+            return Whereabouts("p2p", frame, mine, native_side)
+        if any(path.endswith(f) and function == w for f, w in _TORCH_COLLECTIVE_WAITS):
+            return Whereabouts("collective", frame, mine)
+        if name in _GPU_WAITS and "torch" in path:
             return Whereabouts("gpu_wait", frame, mine)
+    if native_kind is not None:
+        return Whereabouts(native_kind, native_frame, mine, native_side)
     for frame in thread.frames:
         if frame.partition(" (")[0] in _BACKWARD and "torch" in frame:
             return Whereabouts("backward", frame, mine)
     return Whereabouts("python", thread.frames[0], mine)
+
+
+def _native_wait(frames: Sequence[str]) -> tuple[str | None, str | None, str | None]:
+    """(kind, side, frame) of the innermost c10d wait among ``--native`` frames; Nones without one."""
+    for frame in frames:
+        name = split_frame(frame)[0]
+        if _NATIVE_WAIT.match(name):
+            work = name.split("::")[-2]
+            side = _NATIVE_SIDES.get(work)
+            return ("p2p" if side else "collective"), side, frame
+    return None, None, None

@@ -1,0 +1,114 @@
+"""Communication is recognised whoever issues it: real py-spy dumps of a waiting rank, and the engine's verdict.
+
+``tests/fixtures/stacks/<wait>.json`` is ``py-spy dump --json --nonblocking``
+(what the live sidecar takes) of rank 0 of a 2-rank gloo job waiting in
+``<wait>`` while rank 1 sleeps in its own code; ``<wait>.native.json`` is
+``--native``.  Made by ``tests/data/jobs/capture_stacks.py`` (torch 2.13.0+cpu,
+Python 3.11, py-spy 0.4.3); the job is ``tests/data/jobs/comm_waits_job.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import FIXTURES, NOW
+
+from ncclwatch.watchdog.events import Citation, Event, ProcessState, StackDump, Stall, ThreadStack, WorkerSeen
+from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.stacks import IN_COMMUNICATION, whereabouts
+from ncclwatch.watchdog.hang.state import JobState
+from ncclwatch.watchdog.hang.verdicts import Verdict
+from ncclwatch.watchdog.parsing.pyspy import parse_pyspy
+
+STACKS = FIXTURES / "stacks"
+STALL = Stall(at=NOW, stalled_for_s=12.0, stall_timeout_s=5.0, progress_timeout_s=1800.0)
+SCHEDULE_WAIT = "_wait_batch_p2p (torch/distributed/pipelining/schedules.py:683)"
+WAIT_TENSOR = "wait_tensor (torch/distributed/_functional_collectives.py:142)"
+COMPILED_CALLER = "compiled.<locals>.summed (comm_waits_job.py:121)"
+
+
+def captured(name: str, pid: int | None = None) -> StackDump:
+    (dump,) = [e for e in parse_pyspy((STACKS / name).read_bytes(), name) if isinstance(e, StackDump)]
+    return dump if pid is None else dump.model_copy(update={"pid": pid})
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "frame", "side", "mine"),
+    [
+        # Schedule1F1B's stage 0 waiting for stage 1 (the issue's case 1): the schedule's batched wait
+        ("schedule_1f1b.json", "p2p", SCHEDULE_WAIT, None, "schedule_1f1b (comm_waits_job.py:67)"),
+        ("schedule_1f1b.native.json", "p2p", SCHEDULE_WAIT, "send", "schedule_1f1b (comm_waits_job.py:67)"),
+        # a functional collective's first use, and DTensor's redistribute (Shard(0) -> Replicate(): an all_gather)
+        ("functional.json", "collective", WAIT_TENSOR, None, "functional (comm_waits_job.py:101)"),
+        ("dtensor.json", "collective", WAIT_TENSOR, None, "dtensor (comm_waits_job.py:114)"),
+        # work.wait() in the user's code, and a compiled graph's collective: only --native frames say so
+        ("irecv_wait.native.json", "p2p", "c10d::ProcessGroupGloo::RecvWork::wait (libtorch_cpu.so:0)", "recv",
+         "irecv_wait (comm_waits_job.py:78)"),
+        ("batch_p2p_wait.native.json", "p2p", "c10d::ProcessGroupGloo::SendWork::wait (libtorch_cpu.so:0)", "send",
+         "batch_p2p_wait (comm_waits_job.py:90)"),
+        ("compiled_aot_eager.native.json", "collective", "c10d::Work::wait (libtorch_cpu.so:0)", None, COMPILED_CALLER),
+        ("compiled_inductor.native.json", "collective", "c10d::Work::wait (libtorch_cpu.so:0)", None, COMPILED_CALLER),
+    ],
+)  # fmt: skip
+def test_a_rank_waiting_in_communication_is_inside_it(
+    name: str, kind: str, frame: str, side: str | None, mine: str
+) -> None:
+    where = whereabouts(captured(name))
+    assert where.kind in IN_COMMUNICATION
+    assert (where.kind, where.frame, where.side, where.user_frame) == (kind, frame, side, mine)
+
+
+@pytest.mark.parametrize(
+    ("name", "innermost", "mine"),
+    [
+        # The wait is a C call below the user's own line: nothing tells it from the user's code sleeping there.
+        ("irecv_wait.json", "irecv_wait (comm_waits_job.py:78)", "irecv_wait (comm_waits_job.py:78)"),
+        ("batch_p2p_wait.json", "batch_p2p_wait (comm_waits_job.py:90)", "batch_p2p_wait (comm_waits_job.py:90)"),
+        # The generated graph calls the dispatcher, which names no op; the user's line is not the generated code's.
+        ("compiled_aot_eager.json", "OpOverload.redispatch (torch/_ops.py:882)", COMPILED_CALLER),
+        ("compiled_inductor.json", "OpOverload.redispatch (torch/_ops.py:882)", COMPILED_CALLER),
+    ],
+)  # fmt: skip
+def test_without_native_frames_some_waits_cannot_be_told_from_the_users_code(
+    name: str, innermost: str, mine: str
+) -> None:
+    where = whereabouts(captured(name))
+    assert (where.kind, where.frame, where.user_frame) == ("python", innermost, mine)
+
+
+def sleeping(pid: int) -> StackDump:
+    """A rank asleep in its own code (py-spy's spelling, as rank 1 of the same job showed it)."""
+    frames = ["hold (comm_waits_job.py:52)", "schedule_1f1b (comm_waits_job.py:64)", "main (comm_waits_job.py:148)"]
+    return StackDump(pid=pid, threads=[ThreadStack(name="MainThread", frames=frames)], cite=Citation(file="py-spy"))
+
+
+def judged(*events: Event):  # type: ignore[no-untyped-def]
+    state = JobState()
+    for event in events:
+        state.apply(event)
+    return judge(take_snapshot(state, observed_at=NOW))
+
+
+class TestPipelineScheduleStalled:
+    """gloo, 2 stages, no collective in the job: only the stacks say where the ranks are."""
+
+    workers = [WorkerSeen(pid=1000 + r, rank=r, world_size=2, host="node1", at=NOW - 60) for r in (0, 1)]
+
+    def test_a_stage_in_its_own_code_while_its_peer_waits_in_the_schedule_is_behind_and_paged(self) -> None:
+        decision = judged(*self.workers, captured("schedule_1f1b.json", pid=1000), sleeping(1001), STALL)
+        assert (decision.finding.verdict, decision.finding.culprits) == (Verdict.rank_behind, (1,))
+        assert decision.page, decision.held  # before: "no rank is inside a collective (a pause)", held for 1800 s
+        assert "_wait_batch_p2p (schedules.py:683)" in decision.finding.summary
+        assert "hold (comm_waits_job.py:52)" in decision.finding.summary
+
+    def test_the_busy_stage_is_held_to_the_progress_timeout(self) -> None:
+        """A stage computing (an evaluation on one stage) keeps its peer waiting but is not hung yet."""
+        computing = [ProcessState(pid=1001, rank=1, state="R", cpu_seconds=10 + 0.9 * t, at=NOW - 4 + t)
+                     for t in (0, 4)]  # fmt: skip
+        decision = judged(*self.workers, *computing, captured("schedule_1f1b.json", pid=1000), sleeping(1001), STALL)
+        assert decision.finding.verdict == Verdict.rank_behind and not decision.page
+        assert "busy" in (decision.held or "")
+
+    def test_both_stages_in_their_own_code_is_still_a_pause(self) -> None:
+        decision = judged(*self.workers, sleeping(1000), sleeping(1001), STALL)
+        assert (decision.finding.verdict, decision.page) == (Verdict.progress_stalled, False)
