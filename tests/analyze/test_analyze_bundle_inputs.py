@@ -23,7 +23,9 @@ from ncclwatch.watchdog.parsing.journal import HEADER, journal_line
 BUNDLES = (
     shared("bundles", "nccl-2.28.9-h100x1", "fsdp2_skip_rank1_late-vm-20261124T215626Z-collective_mismatch.tar.gz"),
     shared(
-        "bundles", "nccl-2.28.9-h100-pipeline-missing-send", "pipeline_missing_send-vm-20261124T221715Z-node_lost.tar.gz"
+        "bundles",
+        "nccl-2.28.9-h100-pipeline-missing-send",
+        "pipeline_missing_send-vm-20261124T221715Z-node_lost.tar.gz",
     ),
 )
 OWN_OUTPUT = ("report.json", "report.md", "evidence.json")

@@ -35,18 +35,35 @@ def dump(rank: int, *, late_rank: int | None, steps: int = 30) -> bytes:
         late = 60_000_000 if rank == late_rank else 0
         waits = 60.0 if late_rank is not None and rank != late_rank else 0.0  # ms its gradient all_reduce kernel waited
         for offset, (name, numel, at) in enumerate(
-            (("nccl:all_reduce", 64 * MIB_FLOATS, start + late), ("nccl:all_reduce", 256, start + 65_000_000),
-             ("nccl:broadcast", 4, start + 66_000_000))  # fmt: skip
+            (
+                ("nccl:all_reduce", 64 * MIB_FLOATS, start + late),
+                ("nccl:all_reduce", 256, start + 65_000_000),
+                ("nccl:broadcast", 4, start + 66_000_000),
+            )
         ):
             seq = 3 * step + offset + 1
-            entries.append({
-                "frames": [{"name": "train_step", "filename": "/work/train.py", "line": 88}],
-                "record_id": seq - 1, "pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": seq,
-                "p2p_seq_id": 0, "op_id": seq, "profiling_name": name, "time_created_ns": at,
-                "input_sizes": [[numel]], "input_dtypes": ["Float"], "output_sizes": [[numel]], "output_dtypes": ["Float"],
-                "state": "completed", "duration_ms": 40.0 + waits if offset == 0 else 0.05, "retired": True, "timeout_ms": 600_000,
-                "is_p2p": False,
-            })  # fmt: skip
+            entries.append(
+                {
+                    "frames": [{"name": "train_step", "filename": "/work/train.py", "line": 88}],
+                    "record_id": seq - 1,
+                    "pg_id": 0,
+                    "process_group": ("0", "default_pg"),
+                    "collective_seq_id": seq,
+                    "p2p_seq_id": 0,
+                    "op_id": seq,
+                    "profiling_name": name,
+                    "time_created_ns": at,
+                    "input_sizes": [[numel]],
+                    "input_dtypes": ["Float"],
+                    "output_sizes": [[numel]],
+                    "output_dtypes": ["Float"],
+                    "state": "completed",
+                    "duration_ms": 40.0 + waits if offset == 0 else 0.05,
+                    "retired": True,
+                    "timeout_ms": 600_000,
+                    "is_p2p": False,
+                }
+            )
     pg_config = {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}}
     return pickle.dumps({"version": "2.10", "pg_config": pg_config, "entries": entries})
 
@@ -72,9 +89,13 @@ def test_even_ranks_have_no_performance_notes(tmp_path: Path) -> None:
 
 def test_the_command_prints_the_section_and_its_json(tmp_path: Path) -> None:
     paths = write_dumps(tmp_path / "fr", late_rank=1)
-    text = subprocess.run([sys.executable, "-m", "ncclwatch", "analyze", *paths], capture_output=True, text=True, timeout=60)
+    text = subprocess.run(
+        [sys.executable, "-m", "ncclwatch", "analyze", *paths], capture_output=True, text=True, timeout=60
+    )
     assert "performance (slow, not hung):\n  - [straggler] rank 1 was last" in text.stdout, text.stdout[-2000:]
-    done = subprocess.run([sys.executable, "-m", "ncclwatch", "analyze", "--json", *paths], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "ncclwatch", "analyze", "--json", *paths], capture_output=True, text=True, timeout=60
+    )
     assert [n["kind"] for n in json.loads(done.stdout)["performance"]] == ["straggler"]
 
 

@@ -11,7 +11,9 @@ from conftest import shared
 from ncclwatch.watchdog.analyze import analyze_paths
 from ncclwatch.watchdog.hang.verdicts import Verdict
 
-FSDP2_SKIP = shared("bundles", "nccl-2.28.9-h100x1", "fsdp2_skip_rank1_late-vm-20261124T215626Z-collective_mismatch.tar.gz")
+FSDP2_SKIP = shared(
+    "bundles", "nccl-2.28.9-h100x1", "fsdp2_skip_rank1_late-vm-20261124T215626Z-collective_mismatch.tar.gz"
+)
 
 
 def _dumped_call(bundle: Path, rank: int, seq_id: int) -> tuple[str, str, int]:

@@ -86,7 +86,11 @@ def test_own_capture(capture: Path, view: str):
     if view not in expected or not (view == "whole" or (capture / view).exists()):
         pytest.skip(f"{capture.name}: no expectation for {view} alone")
     # after_kill/ holds what the ranks wrote while tools/capture killed the job.
-    paths = [p for p in capture.iterdir() if p.name not in ("after_kill", "expected.json")] if view == "whole" else [capture / view]
+    paths = (
+        [p for p in capture.iterdir() if p.name not in ("after_kill", "expected.json")]
+        if view == "whole"
+        else [capture / view]
+    )
     report = analyze_paths([str(p) for p in paths])
     want = expected[view]
     assert report.verdict == want["verdict"], report.summary

@@ -20,4 +20,6 @@ def test_the_leader_names_the_rank_behind_every_member_follows_and_the_keys_go(m
     assert "timed_out_in" not in hang
     assert hang["verdict"] == "rank_behind" and hang["culprits"] == [31]  # the job's last rank, one collective behind
     assert hang["full_asked"] == [3] and hang["followed"] == 3 and hang["culprits_followed"] == [[31]]
-    assert hang["keys"] == {"watching": 5, "shared": 8, "followed": 6, "closed": 5, "restarted": 5} and hang["keys_flat"]
+    assert (
+        hang["keys"] == {"watching": 5, "shared": 8, "followed": 6, "closed": 5, "restarted": 5} and hang["keys_flat"]
+    )

@@ -23,10 +23,6 @@ from ncclwatch.watchdog.cluster.payload import (
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership
 from ncclwatch.watchdog.cluster.store import StoreClient, StoreError
 from ncclwatch.watchdog.cluster.view import LOST_AFTER_S, Contact, JobView, NodeSummary, compose, may_lead, pager_order
-from ncclwatch.watchdog.hang.classify import Decision
-from ncclwatch.watchdog.hang.types import Finding, RankStatus
-from ncclwatch.watchdog.hang.verdicts import Verdict
-from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.events import (
     Citation,
     FrDump,
@@ -39,6 +35,10 @@ from ncclwatch.watchdog.events import (
     Unusable,
     WorkerSeen,
 )
+from ncclwatch.watchdog.hang.classify import Decision
+from ncclwatch.watchdog.hang.state import JobState
+from ncclwatch.watchdog.hang.types import Finding, RankStatus
+from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.parsing.journal import parse_journal
 
 dist = pytest.importorskip("torch.distributed")
@@ -47,7 +47,9 @@ dist = pytest.importorskip("torch.distributed")
 @pytest.fixture(params=[True, False], ids=["libuv", "classic"])
 def torch_store(request):  # type: ignore[no-untyped-def]
     """A real torch TCPStore server, both of its backends."""
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=request.param, timeout=timedelta(seconds=5))
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=request.param, timeout=timedelta(seconds=5)
+    )
 
 
 class TestStoreClient:
@@ -130,14 +132,26 @@ class TestLeadership:
 
 def entry(index: int, seq: int) -> FrEntry:
     return FrEntry(
-        index=index, pg_id="0", collective_seq_id=seq, profiling_name="nccl:all_reduce", op="AllReduce", is_p2p=False,
-        state=OpState.completed, frames=[FrFrame(name="step", filename="train.py", line=seq)],
-    )  # fmt: skip
+        index=index,
+        pg_id="0",
+        collective_seq_id=seq,
+        profiling_name="nccl:all_reduce",
+        op="AllReduce",
+        is_p2p=False,
+        state=OpState.completed,
+        frames=[FrFrame(name="step", filename="train.py", line=seq)],
+    )
 
 
 class TestPayload:
     def test_dumps_travel_trimmed_to_their_newest_entries_and_stacks(self) -> None:
-        dump = FrDump(rank=3, version="2.10", process_groups={}, entries=[entry(i, i + 1) for i in range(500)], cite=Citation(file="d"))
+        dump = FrDump(
+            rank=3,
+            version="2.10",
+            process_groups={},
+            entries=[entry(i, i + 1) for i in range(500)],
+            cite=Citation(file="d"),
+        )
         noise = Unusable(reason="py-spy denied", cite=Citation(file="p"))
         [shared] = shareable([dump, noise])
         assert [e.collective_seq_id for e in shared.entries] == list(range(501 - FR_ENTRIES_SHARED, 501))
@@ -147,15 +161,27 @@ class TestPayload:
         assert back == shared
 
     def test_compact_evidence_keeps_where_each_rank_is_and_the_latest_samples(self) -> None:
-        dump = FrDump(rank=3, version="2.10", process_groups={}, entries=[entry(i, i + 1) for i in range(500)], cite=Citation(file="d"))
+        dump = FrDump(
+            rank=3,
+            version="2.10",
+            process_groups={},
+            entries=[entry(i, i + 1) for i in range(500)],
+            cite=Citation(file="d"),
+        )
         samples = [ProcessState(pid=9, rank=3, state="S", cpu_seconds=float(i), at=NOW + i) for i in range(10)]
         shared = shareable([dump, *samples], "compact")
         assert [e.collective_seq_id for e in shared[0].entries] == list(range(501 - FR_ENTRIES_COMPACT, 501))
         assert [s.cpu_seconds for s in shared[1:]] == [7.0, 8.0, 9.0]  # the newest, in order
 
     def test_a_payload_round_trips_compressed_with_its_probe_time(self) -> None:
-        groups = {"0": FrProcessGroup(pg_id="0", ranks=list(range(8192))), "5": FrProcessGroup(pg_id="5", ranks=list(range(3, 8192, 8)))}
-        dumps = [FrDump(rank=r, version="2.10", process_groups=groups, entries=[entry(0, 1)], cite=Citation(file=f"d{r}")) for r in range(8)]
+        groups = {
+            "0": FrProcessGroup(pg_id="0", ranks=list(range(8192))),
+            "5": FrProcessGroup(pg_id="5", ranks=list(range(3, 8192, 8))),
+        }
+        dumps = [
+            FrDump(rank=r, version="2.10", process_groups=groups, entries=[entry(0, 1)], cite=Citation(file=f"d{r}"))
+            for r in range(8)
+        ]
         full = unpack(pack(5, "full", NOW, dumps), "node 5")
         assert full is not None and (full.node, full.kind, full.stall_at) == (5, "full", NOW) and full.events == dumps
         raw = pack(5, "compact", NOW, dumps)
@@ -248,15 +274,21 @@ class TestExchange:
             await leader.open_incident(clock.now)
             for c in nodes[1:]:
                 await c.exchange(summary(c.me, clock.now, [c.me], phase="suspect"))
-                await c.share("compact", [WorkerSeen(pid=10 + c.me, rank=c.me, host=c.host, at=NOW)], stall_at=clock.now)
+                await c.share(
+                    "compact", [WorkerSeen(pid=10 + c.me, rank=c.me, host=c.host, at=NOW)], stall_at=clock.now
+                )
             compact = await leader.gather("compact", {1, 2}, since=clock.now - 1, wait_s=1.0)
             await leader.open_incident(clock.now, want=[2])
             await nodes[2].exchange(summary(2, clock.now, [2], phase="suspect"))
             await nodes[1].exchange(summary(1, clock.now, [1], phase="suspect"))
             asked = (nodes[1].full_wanted(), nodes[2].full_wanted())
-            await nodes[2].share("full", [Stall(at=clock.now, stalled_for_s=9, stall_timeout_s=5, progress_timeout_s=600)], clock.now)
+            await nodes[2].share(
+                "full", [Stall(at=clock.now, stalled_for_s=9, stall_timeout_s=5, progress_timeout_s=600)], clock.now
+            )
             full = await leader.gather("full", {2}, since=clock.now - 1, wait_s=1.0)
-            found = decision(Verdict.rank_behind, (2,), rows=tuple(RankStatus(r, "h", r, 5, "x", "ok") for r in range(100)))
+            found = decision(
+                Verdict.rank_behind, (2,), rows=tuple(RankStatus(r, "h", r, 5, "x", "ok") for r in range(100))
+            )
             await leader.publish_verdict("job/0|pg#5", found)
             for c in nodes[1:]:
                 await c.exchange(summary(c.me, clock.now, [c.me], phase="suspect"))
@@ -272,7 +304,11 @@ class TestExchange:
         assert sorted(compact) == [1, 2] and [type(e).__name__ for e in full[2]] == ["Stall"]
         assert asked[0] is None and asked[1] == NOW + 5.0  # only node 2 was asked for its full evidence
         for shared in verdicts:
-            assert shared.key == "job/0|pg#5" and shared.decision.finding.culprits == (2,) and len(shared.decision.finding.rows) == 64
+            assert (
+                shared.key == "job/0|pg#5"
+                and shared.decision.finding.culprits == (2,)
+                and len(shared.decision.finding.rows) == 64
+            )
         assert again is None  # each verdict is followed once
         assert paged == watching + 1 and closed == watching  # evidence goes with the verdict, the verdict at the end
 
@@ -317,7 +353,9 @@ class TestLifelines:
         async def talk():  # type: ignore[no-untyped-def]
             lines = [Lifeline(n, lambda: "ended") for n in range(4)]
             ports = [await line.start("127.0.0.1") for line in lines]
-            contacts = [Contact(node=n, host=f"h{n}", ranks=[n], lifeline=f"127.0.0.1:{p}") for n, p in enumerate(ports)]
+            contacts = [
+                Contact(node=n, host=f"h{n}", ranks=[n], lifeline=f"127.0.0.1:{p}") for n, p in enumerate(ports)
+            ]
             await lines[0].close()  # the store's node is gone
             await lines[1].close()  # and so is the lowest candidate
             nodes = [cluster(1, n, nnodes=4) for n in range(4)]
@@ -365,20 +403,32 @@ class TestJobWideVerdict:
     def test_every_node_derives_the_same_key_for_the_same_stall(self) -> None:
         membership = Membership("10.0.0.1", 29500, "job7", 0, 0, 2)
         d = decision(Verdict.collective_mismatch, (3,), comm_label="process group 0", position=57)
-        assert incident_key(membership, d) == incident_key(Membership("10.0.0.1", 29500, "job7", 0, 1, 2), d) == "job7/0|process group 0#57"
+        assert (
+            incident_key(membership, d)
+            == incident_key(Membership("10.0.0.1", 29500, "job7", 0, 1, 2), d)
+            == "job7/0|process group 0#57"
+        )
 
     def test_a_lost_node_is_one_key_whoever_sees_it(self) -> None:
         membership = Membership("10.0.0.1", 29500, "job7", 0, 0, 4)
         seen_by_leader = decision(Verdict.node_lost, (2, 3))
         seen_across_a_partition = decision(Verdict.node_lost, (0, 1))
-        assert incident_key(membership, seen_by_leader) == incident_key(membership, seen_across_a_partition) == "job7/0|node_lost"
+        assert (
+            incident_key(membership, seen_by_leader)
+            == incident_key(membership, seen_across_a_partition)
+            == "job7/0|node_lost"
+        )
 
     def test_full_evidence_is_asked_of_the_culprits_and_odd_ranks_nodes_only(self) -> None:
-        rows = tuple(RankStatus(r, "h", r, 10 if r != 5 else 9, "x", "waiting" if r != 5 else "behind") for r in range(8))
+        rows = tuple(
+            RankStatus(r, "h", r, 10 if r != 5 else 9, "x", "waiting" if r != 5 else "behind") for r in range(8)
+        )
         d = decision(Verdict.rank_behind, (5,), rows=rows)
         nodes_of = {r: r // 2 for r in range(8)}
         assert focus(d, nodes_of, lost=set(), limit=8) == [2]
-        assert focus(decision(Verdict.inconclusive, rows=rows[:4]), nodes_of, lost=set(), limit=8) == []  # a tie names no one
+        assert (
+            focus(decision(Verdict.inconclusive, rows=rows[:4]), nodes_of, lost=set(), limit=8) == []
+        )  # a tie names no one
         assert focus(d, nodes_of, lost={2}, limit=8) == []
 
     def test_a_rank_behind_an_unseen_operation_asks_the_nodes_ahead(self) -> None:
@@ -416,10 +466,21 @@ class TestSequenceTails:
 
         from ncclwatch.watchdog.hang.classify import judge
         from ncclwatch.watchdog.hang.snapshot import take_snapshot
+
         comm = "0x5583d3a1f0e0"
 
-        zero = node(0, L.init(0, 2, comm, host="node0") + L.steps(0, comm, 40, host="node0") + L.op(0, "AllReduce", 4096, comm, host="node0"))
-        one = node(1, L.init(1, 2, comm, host="node1") + L.steps(1, comm, 40, host="node1") + L.op(1, "Broadcast", 16, comm, host="node1"))
+        zero = node(
+            0,
+            L.init(0, 2, comm, host="node0")
+            + L.steps(0, comm, 40, host="node0")
+            + L.op(0, "AllReduce", 4096, comm, host="node0"),
+        )
+        one = node(
+            1,
+            L.init(1, 2, comm, host="node1")
+            + L.steps(1, comm, 40, host="node1")
+            + L.op(1, "Broadcast", 16, comm, host="node1"),
+        )
         tails = one.sequence_tails(8)
         assert [t.base for t in tails] == [tails[0].base] and tails[0].base > 0 and len(tails[0].sigs) == 8
         shared = parse_journal(encode(tails), "node 1")  # through the wire format
@@ -436,10 +497,19 @@ class TestSequenceTails:
 
         from ncclwatch.watchdog.hang.classify import judge
         from ncclwatch.watchdog.hang.snapshot import take_snapshot
+
         comm = "0x5583d3a1f0e0"
 
-        zero = node(0, L.init(0, 2, comm, host="node0") + L.steps(0, comm, 40, host="node0") + L.op(0, "AllReduce", 4096, comm, host="node0"))
-        one = node(1, L.init(1, 2, comm, host="node1") + L.steps(1, comm, 40, host="node1") + L.steps(1, comm, 60, host="node1"))
+        zero = node(
+            0,
+            L.init(0, 2, comm, host="node0")
+            + L.steps(0, comm, 40, host="node0")
+            + L.op(0, "AllReduce", 4096, comm, host="node0"),
+        )
+        one = node(
+            1,
+            L.init(1, 2, comm, host="node1") + L.steps(1, comm, 40, host="node1") + L.steps(1, comm, 60, host="node1"),
+        )
         ahead = one.sequence_tails(TAIL_SHARED_MAX)
         stall = Stall(at=NOW, stalled_for_s=6, stall_timeout_s=5, progress_timeout_s=600)
 
@@ -456,4 +526,6 @@ class TestSequenceTails:
         assert since == zero.fewest_issued()  # rank 0's count: it is the slowest
         finding = leader_sees(ahead)
         assert finding.verdict == Verdict.collective_mismatch
-        assert finding.position == next(iter(since.values())) and finding.culprits == (0,)  # its AllReduce is in no step
+        assert finding.position == next(iter(since.values())) and finding.culprits == (
+            0,
+        )  # its AllReduce is in no step

@@ -16,15 +16,24 @@ from nccl_lines import init, op
 
 from ncclwatch.watchdog.cluster.judge import job_state
 from ncclwatch.watchdog.cluster.payload import FR_ENTRIES_COMPACT, pack, shareable, unpack
+from ncclwatch.watchdog.events import (
+    Citation,
+    FrDump,
+    FrEntry,
+    FrFrame,
+    FrProcessGroup,
+    OpState,
+    StackDump,
+    Stall,
+    ThreadStack,
+    WorkerSeen,
+)
 from ncclwatch.watchdog.hang.classify import judge
-from ncclwatch.watchdog.hang.types import Finding
-from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
+from ncclwatch.watchdog.hang.types import Finding
 from ncclwatch.watchdog.hang.verdict import decide
-from ncclwatch.watchdog.events import (
-    Citation, FrDump, FrEntry, FrFrame, FrProcessGroup, OpState, StackDump, Stall, ThreadStack, WorkerSeen,
-)  # fmt: skip
+from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live.journal import live_inputs
 
 STALL = Stall(at=NOW, stalled_for_s=30.0, stall_timeout_s=10.0, progress_timeout_s=600.0)
@@ -67,7 +76,10 @@ class TestPointToPointSequences:
         states = {0: node_log(0, stage0(20, [("Recv", 1)])), 1: node_log(1, stage1(20, [("Recv", 0)]))}
         # What each leader judged when tails carried collectives only: the other side looked as if it never sent.
         blind = {leader: judged_by(leader, states, without_p2p=True) for leader in (0, 1)}
-        assert [(blind[n].verdict, blind[n].culprits) for n in (0, 1)] == [(Verdict.rank_behind, (1,)), (Verdict.rank_behind, (0,))]
+        assert [(blind[n].verdict, blind[n].culprits) for n in (0, 1)] == [
+            (Verdict.rank_behind, (1,)),
+            (Verdict.rank_behind, (0,)),
+        ]
         for leader in (0, 1):
             finding = judged_by(leader, states)
             assert (finding.verdict, finding.culprits) == (Verdict.p2p_deadlock, (0, 1)), (leader, finding.summary)
@@ -86,7 +98,9 @@ class TestPointToPointSequences:
         states = {0: node_log(0, stage0(30, [])), 1: node_log(1, stage1(30, []))}
         for leader in (0, 1):
             finding = judged_by(leader, states)
-            assert finding.verdict not in (Verdict.rank_behind, Verdict.p2p_deadlock, Verdict.collective_mismatch), finding.summary
+            assert finding.verdict not in (Verdict.rank_behind, Verdict.p2p_deadlock, Verdict.collective_mismatch), (
+                finding.summary
+            )
             assert finding.culprits == ()
 
     def test_compact_evidence_keeps_whole_counts_and_the_newest_ops_per_peer(self) -> None:
@@ -96,19 +110,42 @@ class TestPointToPointSequences:
         assert len(tail.received[0].sigs) == len(tail.sent[0].sigs) == 8  # type: ignore[attr-defined]
 
 
-def entry(index: int, op: str, state: OpState, peer: int | None = None, seq: int | None = None, p2p: int | None = None,
-          line: int = 0) -> FrEntry:  # fmt: skip
+def entry(
+    index: int,
+    op: str,
+    state: OpState,
+    peer: int | None = None,
+    seq: int | None = None,
+    p2p: int | None = None,
+    line: int = 0,
+) -> FrEntry:
     return FrEntry(
-        index=index, pg_id="0", collective_seq_id=seq, p2p_seq_id=p2p, profiling_name=f"nccl:{op.lower()}", op=op,
-        is_p2p=peer is not None or op == "Coalesced", peer=peer, input_sizes=[[ACT]], input_dtypes=["Float"], state=state,
+        index=index,
+        pg_id="0",
+        collective_seq_id=seq,
+        p2p_seq_id=p2p,
+        profiling_name=f"nccl:{op.lower()}",
+        op=op,
+        is_p2p=peer is not None or op == "Coalesced",
+        peer=peer,
+        input_sizes=[[ACT]],
+        input_dtypes=["Float"],
+        state=state,
         frames=[FrFrame(name="pipeline_step", filename="pipeline_job.py", line=line)] if line else [],
-    )  # fmt: skip
+    )
 
 
 def dump(rank: int, entries: list[FrEntry]) -> JobState:
     state = JobState()
-    state.apply(FrDump(rank=rank, version="2.10", process_groups={"0": FrProcessGroup(pg_id="0", ranks=[0, 1])}, entries=entries,
-                       cite=Citation(file=f"node{rank}/fr/ncclwatch_trace_{rank}")))  # fmt: skip
+    state.apply(
+        FrDump(
+            rank=rank,
+            version="2.10",
+            process_groups={"0": FrProcessGroup(pg_id="0", ranks=[0, 1])},
+            entries=entries,
+            cite=Citation(file=f"node{rank}/fr/ncclwatch_trace_{rank}"),
+        )
+    )
     return state
 
 
@@ -117,10 +154,12 @@ def pipeline_entries(peer: int, first_pending: list[tuple[str, OpState, int]], c
     alone, then ``collectives_after`` all_reduces the host enqueued behind them (NCCL returns at once)."""
     entries: list[FrEntry] = []
     for step in range(10):
-        entries += [entry(len(entries), "Send", OpState.scheduled, peer, p2p=step + 1),
-                    entry(len(entries) + 1, "Recv", OpState.scheduled, peer, p2p=step + 1),
-                    entry(len(entries) + 2, "Coalesced", OpState.completed, p2p=step + 1),
-                    entry(len(entries) + 3, "AllReduce", OpState.completed, seq=step + 1)]  # fmt: skip
+        entries += [
+            entry(len(entries), "Send", OpState.scheduled, peer, p2p=step + 1),
+            entry(len(entries) + 1, "Recv", OpState.scheduled, peer, p2p=step + 1),
+            entry(len(entries) + 2, "Coalesced", OpState.completed, p2p=step + 1),
+            entry(len(entries) + 3, "AllReduce", OpState.completed, seq=step + 1),
+        ]
     for n, (kind, state, line) in enumerate(first_pending):
         entries.append(entry(len(entries), kind, state, peer, p2p=11 + n, line=line))
     for n in range(collectives_after):
@@ -130,8 +169,12 @@ def pipeline_entries(peer: int, first_pending: list[tuple[str, OpState, int]], c
 
 class TestPendingPointToPoint:
     def test_a_pending_recv_older_than_the_newest_entries_still_travels_with_its_call_site(self) -> None:
-        states = {r: dump(r, pipeline_entries(1 - r, [("Recv", OpState.started, 40 + r), ("Send", OpState.scheduled, 41 + r)], 12))
-                  for r in (0, 1)}  # fmt: skip
+        states = {
+            r: dump(
+                r, pipeline_entries(1 - r, [("Recv", OpState.started, 40 + r), ("Send", OpState.scheduled, 41 + r)], 12)
+            )
+            for r in (0, 1)
+        }
         [shared] = shareable(states[1].fr_dumps.values(), "compact")
         assert len(shared.entries) > FR_ENTRIES_COMPACT and shared.entries[0].op == "Recv"  # type: ignore[attr-defined]
         for leader in (0, 1):
@@ -150,7 +193,10 @@ class TestPendingPointToPoint:
 
     def test_one_side_waiting_in_a_recv_is_no_deadlock(self) -> None:
         """Rank 0 waits for a gradient; rank 1 has nothing pending with it: not a cycle of recvs."""
-        states = {0: dump(0, pipeline_entries(1, [("Recv", OpState.started, 40)], 12)), 1: dump(1, pipeline_entries(0, [], 12))}
+        states = {
+            0: dump(0, pipeline_entries(1, [("Recv", OpState.started, 40)], 12)),
+            1: dump(1, pipeline_entries(0, [], 12)),
+        }
         for leader in (0, 1):
             assert judged_by(leader, states).verdict is not Verdict.p2p_deadlock
 
@@ -158,10 +204,22 @@ class TestPendingPointToPoint:
 def gloo_node(rank: int, collectives: int, call: str, world: int = 2) -> JobState:
     """A node of a gloo job: one rank, its dump (collectives only: gloo records no send/recv), its worker and
     where py-spy found it (``call`` in torch.distributed, from the pipeline's own code)."""
-    state = dump(rank, [entry(i, "AllReduce", OpState.completed if i < 30 else OpState.started, seq=i + 1) for i in range(collectives)])
+    state = dump(
+        rank,
+        [
+            entry(i, "AllReduce", OpState.completed if i < 30 else OpState.started, seq=i + 1)
+            for i in range(collectives)
+        ],
+    )
     frames = [f"{call} (torch/distributed/distributed_c10d.py:2799)", f"exchange (pipeline_job.py:{80 + rank})"]
-    state.apply(WorkerSeen(pid=1000 + rank, rank=rank, world_size=world, host=f"node{rank}", at=NOW - 60, node_rank=rank))
-    state.apply(StackDump(pid=1000 + rank, threads=[ThreadStack(name="MainThread", frames=frames)], cite=Citation(file="py-spy")))
+    state.apply(
+        WorkerSeen(pid=1000 + rank, rank=rank, world_size=world, host=f"node{rank}", at=NOW - 60, node_rank=rank)
+    )
+    state.apply(
+        StackDump(
+            pid=1000 + rank, threads=[ThreadStack(name="MainThread", frames=frames)], cite=Citation(file="py-spy")
+        )
+    )
     state.apply(STALL)
     return state
 
@@ -177,8 +235,10 @@ class TestWaitsSeenInStacks:
         for leader in (0, 1):
             finding = decided_by(leader, states)
             assert (finding.verdict, finding.culprits) == (Verdict.rank_behind, (1,)), (leader, finding.summary)
-            assert finding.summary.startswith("Rank 1 never posted the send that rank 0 waits for in recv (called from "
-                                              "exchange (pipeline_job.py:80)): it went on to AllReduce")  # fmt: skip
+            assert finding.summary.startswith(
+                "Rank 1 never posted the send that rank 0 waits for in recv (called from "
+                "exchange (pipeline_job.py:80)): it went on to AllReduce"
+            )
             assert {(r.rank, r.status) for r in finding.rows} == {(0, "waiting"), (1, "culprit")}
 
     def test_a_rank_behind_outside_any_send_or_recv_stays_the_culprit(self) -> None:
@@ -188,8 +248,11 @@ class TestWaitsSeenInStacks:
             assert (finding.verdict, finding.culprits) == (Verdict.rank_behind, (0,)), finding.summary
 
     def test_with_two_ranks_ahead_no_peer_is_guessed(self) -> None:
-        states = {0: gloo_node(0, 30, "recv", world=3), 1: gloo_node(1, 31, "all_reduce", world=3),
-                  2: gloo_node(2, 31, "all_reduce", world=3)}  # fmt: skip
+        states = {
+            0: gloo_node(0, 30, "recv", world=3),
+            1: gloo_node(1, 31, "all_reduce", world=3),
+            2: gloo_node(2, 31, "all_reduce", world=3),
+        }
         finding = decided_by(0, states)
         assert (finding.verdict, finding.culprits) == (Verdict.rank_behind, (0,)), finding.summary
 
@@ -207,16 +270,20 @@ class TestCountsAndPendingOpsTogether:
     cycle = staticmethod(lambda rank: pipeline_entries(1 - rank, [("Recv", OpState.started, 40 + rank)], 12))
 
     def test_one_direction_short_of_a_send_names_the_stage_that_never_sent(self) -> None:
-        states = {0: with_dump(node_log(0, stage0(20, [("Send", 1), ("Recv", 1), ("Send", 1)])), 0, self.cycle(0)),
-                  1: with_dump(node_log(1, stage1(20, [("Recv", 0), ("Recv", 0)])), 1, self.cycle(1))}  # fmt: skip
+        states = {
+            0: with_dump(node_log(0, stage0(20, [("Send", 1), ("Recv", 1), ("Send", 1)])), 0, self.cycle(0)),
+            1: with_dump(node_log(1, stage1(20, [("Recv", 0), ("Recv", 0)])), 1, self.cycle(1)),
+        }
         for leader in (0, 1):
             finding = judged_by(leader, states)
             assert (finding.verdict, finding.culprits) == (Verdict.rank_behind, (1,)), (leader, finding.summary)
             assert "rank 1 never posted Send #21 to rank 0" in finding.summary
 
     def test_even_counts_leave_the_cycle_a_deadlock_naming_both(self) -> None:
-        states = {0: with_dump(node_log(0, stage0(20, [("Recv", 1), ("Send", 1)])), 0, self.cycle(0)),
-                  1: with_dump(node_log(1, stage1(20, [("Recv", 0), ("Send", 0)])), 1, self.cycle(1))}  # fmt: skip
+        states = {
+            0: with_dump(node_log(0, stage0(20, [("Recv", 1), ("Send", 1)])), 0, self.cycle(0)),
+            1: with_dump(node_log(1, stage1(20, [("Recv", 0), ("Send", 0)])), 1, self.cycle(1)),
+        }
         for leader in (0, 1):
             finding = judged_by(leader, states)
             assert (finding.verdict, finding.culprits) == (Verdict.p2p_deadlock, (0, 1)), (leader, finding.summary)

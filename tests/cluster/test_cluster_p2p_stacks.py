@@ -45,11 +45,16 @@ def rank_events(rank: int, node: int, world: int, dp: int, grad_group: str, wait
     entries = [e.model_copy(update={"pg_id": pg}) for e in entries]
     main_thread = ThreadStack(name="MainThread", frames=IN_RECV if waiting else IN_ALL_REDUCE)
     return [
-        FrDump(rank=rank, version="2.10", process_groups={pg: FrProcessGroup(pg_id=pg, ranks=members)}, entries=entries,
-               cite=Citation(file=f"node{node}/fr/ncclwatch_trace_{rank}")),
+        FrDump(
+            rank=rank,
+            version="2.10",
+            process_groups={pg: FrProcessGroup(pg_id=pg, ranks=members)},
+            entries=entries,
+            cite=Citation(file=f"node{node}/fr/ncclwatch_trace_{rank}"),
+        ),
         WorkerSeen(pid=1000 + rank, rank=rank, world_size=world, host=f"node{node}", at=NOW - 60, node_rank=node),
         StackDump(pid=1000 + rank, threads=[main_thread], cite=Citation(file="py-spy")),
-    ]  # fmt: skip
+    ]
 
 
 def nodes_of_job(nodes: int, dp: int, grad_group: str) -> dict[int, JobState]:

@@ -17,14 +17,13 @@ from conftest import NOW
 
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership, NodeSummary
 from ncclwatch.watchdog.cluster.perf_records import ENTRIES_SHARED, PerfRecord, perf_record
-from ncclwatch.watchdog.slowness.bandwidth import RankEntry, rank_entries
-from ncclwatch.watchdog.slowness.links import transport_anomalies
-from ncclwatch.watchdog.slowness.findings import PerfKind
+from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState, ProcKey, RankTransport
 from ncclwatch.watchdog.hang.snapshot import WorkerView
-from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState, ProcKey
 from ncclwatch.watchdog.live.performance_look import JobLook, PerfWatch, job_health
-from ncclwatch.watchdog.events import RankTransport
 from ncclwatch.watchdog.parsing.transport import parse_transport
+from ncclwatch.watchdog.slowness.bandwidth import RankEntry, rank_entries
+from ncclwatch.watchdog.slowness.findings import PerfKind
+from ncclwatch.watchdog.slowness.links import transport_anomalies
 
 MiB = 1 << 20
 INTERVAL = 60.0
@@ -45,15 +44,30 @@ def dumps(node: int, steps: int, *, late_rank: int | None = None) -> list[FrDump
         for step in range(steps):
             start = int(NOW * 1e9) + step * STEP_NS + rank * 100_000
             late = 60_000_000 if rank == late_rank else 0
-            waits = 60.0 if late_rank is not None and rank != late_rank else 0.0  # ms its gradient all-reduce kernel waited
+            waits = (
+                60.0 if late_rank is not None and rank != late_rank else 0.0
+            )  # ms its gradient all-reduce kernel waited
             for offset, (numel, at) in enumerate(((16 * MiB, start + late), (256, start + 65_000_000))):
-                entries.append(FrEntry(
-                    index=len(entries), pg_id="0", collective_seq_id=2 * step + offset + 1, profiling_name="nccl:all_reduce",
-                    op="AllReduce", is_p2p=False, input_sizes=[[numel]], output_sizes=[[numel]], input_dtypes=["Float"],
-                    output_dtypes=["Float"], state=OpState.completed, time_created_ns=at,
-                    duration_ms=2.0 + (waits if offset == 0 else 0.0),
-                ))  # fmt: skip
-        out.append(FrDump(rank=rank, version="2.10", process_groups=groups, entries=entries, cite=Citation(file=f"fr_{rank}")))
+                entries.append(
+                    FrEntry(
+                        index=len(entries),
+                        pg_id="0",
+                        collective_seq_id=2 * step + offset + 1,
+                        profiling_name="nccl:all_reduce",
+                        op="AllReduce",
+                        is_p2p=False,
+                        input_sizes=[[numel]],
+                        output_sizes=[[numel]],
+                        input_dtypes=["Float"],
+                        output_dtypes=["Float"],
+                        state=OpState.completed,
+                        time_created_ns=at,
+                        duration_ms=2.0 + (waits if offset == 0 else 0.0),
+                    )
+                )
+        out.append(
+            FrDump(rank=rank, version="2.10", process_groups=groups, entries=entries, cite=Citation(file=f"fr_{rank}"))
+        )
     return out
 
 
@@ -89,8 +103,17 @@ class TestMerge:
         """Replicas 0-2, 1-3 and 0-3: the two through rank 3's NIC run at a tenth of the speed."""
         groups = {"A": (0, 2), "B": (1, 3), "C": (0, 3)}
         entries = [
-            RankEntry(rank=rank, pg=pg, seq=seq, op="AllReduce", created_ns=int(NOW * 1e9) + seq * STEP_NS,
-                      state=OpState.completed, nbytes=64 * MiB, nranks=2, duration_ms=20.0 if 3 in ranks else 2.0)  # fmt: skip
+            RankEntry(
+                rank=rank,
+                pg=pg,
+                seq=seq,
+                op="AllReduce",
+                created_ns=int(NOW * 1e9) + seq * STEP_NS,
+                state=OpState.completed,
+                nbytes=64 * MiB,
+                nranks=2,
+                duration_ms=20.0 if 3 in ranks else 2.0,
+            )
             for pg, ranks in groups.items()
             for rank in ranks
             for seq in range(1, 9)
@@ -103,7 +126,9 @@ class TestMerge:
 
     def test_eight_ranks_share_their_newest_entries_in_a_small_record(self) -> None:
         groups = {"0": FrProcessGroup(pg_id="0", desc="default_pg", ranks=list(range(8)))}
-        eight = [d.model_copy(update={"rank": r, "process_groups": groups}) for r in range(8) for d in dumps(0, 100)[:1]]
+        eight = [
+            d.model_copy(update={"rank": r, "process_groups": groups}) for r in range(8) for d in dumps(0, 100)[:1]
+        ]
         shared = record(0, rank_entries(eight))
         rows = shared.groups["0"].ranks
         assert sorted(rows) == list(range(8)) and {len(r) for r in rows.values()} == {ENTRIES_SHARED}
@@ -130,8 +155,10 @@ def nccl_choices(node: int, network: str) -> list[RankTransport]:
     lines = []
     for rank in NODES[node]:
         prefix = f"node{node}:{100 + rank}:{100 + rank} [0] NCCL INFO "
-        lines += [prefix + f"Using network {network}", prefix + f"comm 0x{rank}a rank {rank} nRanks 4 nNodes 2 localRanks 2 "
-                  f"localRank {rank % 2} MNNVL 0"]  # fmt: skip
+        lines += [
+            prefix + f"Using network {network}",
+            prefix + f"comm 0x{rank}a rank {rank} nRanks 4 nNodes 2 localRanks 2 localRank {rank % 2} MNNVL 0",
+        ]
     return parse_transport("\n".join(lines) + "\n")
 
 
@@ -139,15 +166,43 @@ def two_node_looks(torch_store, networks: dict[int, str]) -> tuple[dict[int, lis
     """Two looks in a row on both nodes, sharing through the real store; what each node told, and its watch."""
 
     def workers(node: int) -> list[WorkerView]:
-        return [WorkerView(rank=r, pid=100 + r, local_rank=None, world_size=4, host=f"node{node}", state="S", cpu_share=None,
-                           io_rate=None, step=None, gone=False) for r in NODES[node]]  # fmt: skip
+        return [
+            WorkerView(
+                rank=r,
+                pid=100 + r,
+                local_rank=None,
+                world_size=4,
+                host=f"node{node}",
+                state="S",
+                cpu_share=None,
+                io_rate=None,
+                step=None,
+                gone=False,
+            )
+            for r in NODES[node]
+        ]
 
     async def run() -> tuple:  # type: ignore[type-arg]
-        clusters = {n: Cluster(Membership("127.0.0.1", torch_store.port, "job", 0, n, 2), f"node{n}", clock=lambda: NOW + 200) for n in NODES}
-        watches = {n: PerfWatch(interval=INTERVAL, dumps=ScriptedDumps(n), transport=partial(nccl_choices, n, networks[n]))
-                   for n in NODES}  # fmt: skip
-        summaries = {n: NodeSummary(node=n, host=f"node{n}", at=NOW + 200, ranks=list(NODES[n]), last_progress=NOW,
-                                    phase="watching", started_at=NOW + n * 1.3) for n in NODES}  # fmt: skip
+        clusters = {
+            n: Cluster(Membership("127.0.0.1", torch_store.port, "job", 0, n, 2), f"node{n}", clock=lambda: NOW + 200)
+            for n in NODES
+        }
+        watches = {
+            n: PerfWatch(interval=INTERVAL, dumps=ScriptedDumps(n), transport=partial(nccl_choices, n, networks[n]))
+            for n in NODES
+        }
+        summaries = {
+            n: NodeSummary(
+                node=n,
+                host=f"node{n}",
+                at=NOW + 200,
+                ranks=list(NODES[n]),
+                last_progress=NOW,
+                phase="watching",
+                started_at=NOW + n * 1.3,
+            )
+            for n in NODES
+        }
         for n in (0, 1, 0):
             await clusters[n].exchange(summaries[n])
         # Whichever node pages a finding keys it on the job's start, the same on both.

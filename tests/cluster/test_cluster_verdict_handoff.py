@@ -28,11 +28,17 @@ KEY = "job/0|p2p_deadlock:0,1"
 
 @pytest.fixture
 def store():  # type: ignore[no-untyped-def]
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True, timeout=timedelta(seconds=5))
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True, timeout=timedelta(seconds=5)
+    )
 
 
 def node(port: int, me: int) -> Cluster:
-    return Cluster(Membership("127.0.0.1", port, "job", 0, me, 2), f"node{me}", client=StoreClient("127.0.0.1", port, timeout_s=15.0))
+    return Cluster(
+        Membership("127.0.0.1", port, "job", 0, me, 2),
+        f"node{me}",
+        client=StoreClient("127.0.0.1", port, timeout_s=15.0),
+    )
 
 
 def summary(me: int, phase: str) -> NodeSummary:
@@ -48,7 +54,9 @@ async def judged(leader: Cluster, member: Cluster) -> None:
     assert leader.leads()
     await leader.open_incident(time.time())
     await member.exchange(summary(1, "suspect"))
-    await leader.publish_verdict(KEY, Decision(Finding(Verdict.p2p_deadlock, "both recv first", culprits=(0, 1)), page=True))
+    await leader.publish_verdict(
+        KEY, Decision(Finding(Verdict.p2p_deadlock, "both recv first", culprits=(0, 1)), page=True)
+    )
     await member.exchange(summary(1, "suspect"))
 
 
@@ -98,7 +106,10 @@ def test_the_leaders_wait_is_bounded_and_names_who_did_not_follow(store) -> None
 
 
 def test_a_member_that_lost_the_store_before_reading_says_the_leader_paged() -> None:
-    alone = degraded(Decision(Finding(Verdict.stuck_in_collective, "Collective #1501 never completed.", culprits=(0,)), page=True), "store gone")
+    alone = degraded(
+        Decision(Finding(Verdict.stuck_in_collective, "Collective #1501 never completed.", culprits=(0,)), page=True),
+        "store gone",
+    )
     said = unread_verdict(alone, 0, KEY).finding
     assert said.summary.startswith(f"Node 0 judged the whole job and paged it ({KEY}); its store went away")
     assert said.summary.endswith("This node's ranks alone: Collective #1501 never completed.")

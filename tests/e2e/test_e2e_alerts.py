@@ -24,12 +24,31 @@ pytest.importorskip("torch")
 async def run_job(tmp_path: Path, receiver: Receiver) -> tuple[int, str]:
     env = dict(os.environ, NCCLWATCH_PAGERDUTY_ROUTING_KEY="test-routing-key", NCCLWATCH_PAGERDUTY_URL=receiver.url)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"), "--stall-timeout", "4",
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "--monitor-interval=0.2",
-        demo_job.__file__, "--fault=straggle", "--fault-step=10", "--pause-s=14", "--step-time=0.05", "--steps=20",
-        "--mark-dir", str(tmp_path),
-        env=env, cwd=tmp_path, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "ncclwatch",
+        "--bundle-dir",
+        str(tmp_path / "bundles"),
+        "--stall-timeout",
+        "4",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=3",
+        "--monitor-interval=0.2",
+        demo_job.__file__,
+        "--fault=straggle",
+        "--fault-step=10",
+        "--pause-s=14",
+        "--step-time=0.05",
+        "--steps=20",
+        "--mark-dir",
+        str(tmp_path),
+        env=env,
+        cwd=tmp_path,
+        stderr=asyncio.subprocess.PIPE,
+    )
     _, stderr = await asyncio.wait_for(process.communicate(), 150)
     return process.returncode, stderr.decode(errors="replace")
 

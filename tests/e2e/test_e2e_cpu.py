@@ -31,13 +31,31 @@ NPROC = 3
 TIMEOUT_S = 150
 
 
-def wrapper_command(tmp_path: Path, fault: str, *options: str, job_args: tuple[str, ...] = (), nproc: int = NPROC) -> list[str]:
+def wrapper_command(
+    tmp_path: Path, fault: str, *options: str, job_args: tuple[str, ...] = (), nproc: int = NPROC
+) -> list[str]:
     return [
-        sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"), "--run-dir", str(tmp_path / "run"),
+        sys.executable,
+        "-m",
+        "ncclwatch",
+        "--bundle-dir",
+        str(tmp_path / "bundles"),
+        "--run-dir",
+        str(tmp_path / "run"),
         *options,
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--monitor-interval=0.2",
-        demo_job.__file__, f"--fault={fault}", "--fault-step=10", "--step-time=0.05", "--steps=30", *job_args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "--monitor-interval=0.2",
+        demo_job.__file__,
+        f"--fault={fault}",
+        "--fault-step=10",
+        "--step-time=0.05",
+        "--steps=30",
+        *job_args,
+    ]
 
 
 def job_processes(run_dir: Path) -> list[psutil.Process]:
@@ -58,8 +76,11 @@ def run_wrapper(
     try:
         done = subprocess.run(
             wrapper_command(tmp_path, fault, *options, job_args=job_args, nproc=nproc),
-            capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            cwd=tmp_path,
+        )
     finally:
         leftovers = job_processes(tmp_path / "run")
         for process in leftovers:
@@ -83,7 +104,9 @@ def only_report(tmp_path: Path) -> dict:
 
 def analyzed(path: Path) -> dict:
     """``ncclwatch analyze --json`` on what the live run left (run folder or bundle)."""
-    done = subprocess.run([sys.executable, "-m", "ncclwatch", "analyze", "--json", str(path)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "ncclwatch", "analyze", "--json", str(path)], capture_output=True, text=True, timeout=120
+    )
     assert done.stdout, done.stderr[-2000:]
     return json.loads(done.stdout)
 
@@ -113,7 +136,9 @@ def test_hang_is_named_bundled_and_killed(tmp_path: Path, fault: str, verdict: s
     assert report["verdict"] == verdict
     assert report["culprit_ranks"] == [NPROC - 1]
     assert report["hang_started_at"] and report["detected_at"]
-    assert {"report.json", "report.md", "evidence.json", f"stacks/rank{NPROC - 1}.json", "proc/rank0.txt"} <= report["_files"]
+    assert {"report.json", "report.md", "evidence.json", f"stacks/rank{NPROC - 1}.json", "proc/rank0.txt"} <= report[
+        "_files"
+    ]
     culprit = next(r for r in report["ranks"] if r["rank"] == NPROC - 1)
     assert culprit["state"] == ("T" if fault == "sigstop" else "S")
     # The bundle keeps the probe's rule for RAS: a gloo job has none, so nothing waits on a server that is not there.
@@ -138,9 +163,13 @@ def test_preflight_measures_before_the_job_and_again_after_the_kill(tmp_path: Pa
     [bundle] = sorted((tmp_path / "bundles").glob("*.tar.gz"))
     after = json.loads(bundle.with_name(bundle.name.removesuffix(".tar.gz") + "-busbw.json").read_text())
     assert after["when"] == "after --on-hang kill ended the hung job"
-    assert after.get("rows") and after.get("pairs"), after.get("error")  # seen once in CI on a loaded VM: the probe failed
+    assert after.get("rows") and after.get("pairs"), after.get(
+        "error"
+    )  # seen once in CI on a loaded VM: the probe failed
     assert after["baseline"]["rows"] and isinstance(after["findings"], list)
-    assert said.index("ncclwatch: bus bandwidth after the hang:") > said.index("ncclwatch: ending the job: --on-hang kill")
+    assert said.index("ncclwatch: bus bandwidth after the hang:") > said.index(
+        "ncclwatch: ending the job: --on-hang kill"
+    )
 
 
 def test_elastic_restart_is_followed_and_the_new_attempt_judged(tmp_path: Path) -> None:
@@ -163,21 +192,55 @@ def test_elastic_restart_is_followed_and_the_new_attempt_judged(tmp_path: Path) 
 def test_crashing_rank_keeps_torchrun_exit_code_and_no_bundle(tmp_path: Path) -> None:
     done = run_wrapper(tmp_path, "exit")
     bare = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}", "--monitor-interval=0.2",
-         demo_job.__file__, "--fault=exit", "--fault-step=10", "--step-time=0.05", "--steps=30", "--mark-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=TIMEOUT_S,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={NPROC}",
+            "--monitor-interval=0.2",
+            demo_job.__file__,
+            "--fault=exit",
+            "--fault-step=10",
+            "--step-time=0.05",
+            "--steps=30",
+            "--mark-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert done.returncode == exit_status(bare.returncode) != 0
     assert not list((tmp_path / "bundles").glob("*.tar.gz"))
 
 
 def test_healthy_job_exits_zero_without_bundle_and_cleans_up(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"),
-         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}", "--monitor-interval=0.2",
-         demo_job.__file__, "--fault=uneven", "--step-time=0.05", "--steps=30", "--mark-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ncclwatch",
+            "--bundle-dir",
+            str(tmp_path / "bundles"),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={NPROC}",
+            "--monitor-interval=0.2",
+            demo_job.__file__,
+            "--fault=uneven",
+            "--step-time=0.05",
+            "--steps=30",
+            "--mark-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "30 steps done" in done.stderr
     assert not (tmp_path / "bundles").exists()
@@ -217,9 +280,21 @@ def test_report_mode_leaves_the_job_running_and_sigterm_ends_it(tmp_path: Path) 
 def test_readme_demo_catches_names_and_bundles(tmp_path: Path) -> None:
     """The README's main command: ``ncclwatch demo`` (the default fault: the last rank skips a collective)."""
     done = subprocess.run(
-        [sys.executable, "-m", "ncclwatch", "demo", "--bundle-dir", str(tmp_path / "bundles"), "--run-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ncclwatch",
+            "demo",
+            "--bundle-dir",
+            str(tmp_path / "bundles"),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=tmp_path,
+    )
     leftovers = job_processes(tmp_path / "run")
     for process in leftovers:
         process.kill()

@@ -33,11 +33,32 @@ def line_of(pattern: str) -> int:
 
 def run(tmp_path: Path, *job_args: str) -> subprocess.CompletedProcess[str]:
     command = [
-        sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"), "--run-dir", str(tmp_path / "run"),
-        "--on-hang", "kill",
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=0.2",
-        str(JOB), "--device", "cpu", "--blocks", "4", "--width", "64", "--mark-dir", str(tmp_path / "run"), *job_args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "ncclwatch",
+        "--bundle-dir",
+        str(tmp_path / "bundles"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--on-hang",
+        "kill",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--monitor-interval=0.2",
+        str(JOB),
+        "--device",
+        "cpu",
+        "--blocks",
+        "4",
+        "--width",
+        "64",
+        "--mark-dir",
+        str(tmp_path / "run"),
+        *job_args,
+    ]
     try:
         return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
     finally:
@@ -53,7 +74,10 @@ def test_fsdp2_rank_skipping_the_logging_all_reduce_is_named_with_its_line(tmp_p
     report = only_report(tmp_path)
     assert (report["verdict"], report["culprit_ranks"]) == ("collective_mismatch", [1])
     logged, forward = line_of(r"dist\.all_reduce\(logged\)"), line_of(r"logits = model\(")
-    assert f"rank 1 skipped AllReduce count=1 Float at fsdp_job.py:{logged}, which every step issues once" in report["reason"]
+    assert (
+        f"rank 1 skipped AllReduce count=1 Float at fsdp_job.py:{logged}, which every step issues once"
+        in report["reason"]
+    )
     assert f"it is already at AllGather count=65536 BFloat16 at fsdp_job.py:{forward}" in report["reason"]
     sites = {row["rank"]: row["call_site"] for row in report["ranks"]}
     assert sites[0].endswith(f"fsdp_job.py:{logged})") and sites[1].endswith(f"fsdp_job.py:{forward})"), sites
@@ -66,5 +90,7 @@ def test_healthy_fsdp2_job_exits_zero_without_a_bundle(tmp_path: Path) -> None:
     done = run(tmp_path, "--steps", "30")
     assert done.returncode == 0, done.stderr[-3000:]
     assert not (tmp_path / "bundles").exists()
-    said = [line for line in done.stderr.splitlines() if line.startswith("ncclwatch:") and "run folder kept" not in line]
+    said = [
+        line for line in done.stderr.splitlines() if line.startswith("ncclwatch:") and "run folder kept" not in line
+    ]
     assert not said, said  # nothing to say about a healthy job (--run-dir keeps the folder, and says where)

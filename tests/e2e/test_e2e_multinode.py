@@ -34,13 +34,33 @@ PER_NODE = 2
 async def start_node(tmp_path: Path, node: int, nnodes: int, per_node: int, port: int, hook: str, job: list[str]):
     env = dict(os.environ, NCCLWATCH_WEBHOOK_URL=hook, NCCLWATCH_WEBHOOK_SECRET="s3cret")
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ncclwatch", "--job-name", "twonodes", "--bundle-dir", str(tmp_path / f"bundles{node}"),
-        "--run-dir", str(tmp_path / f"run{node}"), "--on-hang", "kill",
-        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node}",
-        f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={port}", "--monitor-interval=0.2",
-        demo_job.__file__, *job,
-        env=env, cwd=tmp_path, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "ncclwatch",
+        "--job-name",
+        "twonodes",
+        "--bundle-dir",
+        str(tmp_path / f"bundles{node}"),
+        "--run-dir",
+        str(tmp_path / f"run{node}"),
+        "--on-hang",
+        "kill",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--node-rank={node}",
+        f"--nproc-per-node={per_node}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        "--monitor-interval=0.2",
+        demo_job.__file__,
+        *job,
+        env=env,
+        cwd=tmp_path,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 async def training(run_dir: Path, ranks: int, steps: int = 20, timeout_s: float = 240.0) -> None:
@@ -83,13 +103,27 @@ def kill(pid: int) -> list[psutil.Process]:
 
 
 async def run_nodes(
-    tmp_path: Path, fault: str, fault_rank: int, *job_args: str, nnodes: int = 2, per_node: int = PER_NODE,
-    act_on: int | None = None, act=freeze, after_s: float = 1.0,
-):  # fmt: skip
+    tmp_path: Path,
+    fault: str,
+    fault_rank: int,
+    *job_args: str,
+    nnodes: int = 2,
+    per_node: int = PER_NODE,
+    act_on: int | None = None,
+    act=freeze,
+    after_s: float = 1.0,
+):
     """``nnodes`` wrappers of one job; ``act`` on node ``act_on`` (freeze, kill) ``after_s`` into its training.
     The exit codes and stderr of the nodes that ran to the end, and the webhook's triggers."""
-    job = [f"--fault={fault}", f"--fault-rank={fault_rank}", "--fault-step=12", "--step-time=0.05", "--steps=40",
-           "--backend=gloo", *job_args]  # fmt: skip
+    job = [
+        f"--fault={fault}",
+        f"--fault-rank={fault_rank}",
+        "--fault-step=12",
+        "--step-time=0.05",
+        "--steps=40",
+        "--backend=gloo",
+        *job_args,
+    ]
     async with Receiver() as receiver:
         port = free_port()
         nodes = [await start_node(tmp_path, n, nnodes, per_node, port, receiver.url, job) for n in range(nnodes)]
@@ -135,7 +169,9 @@ def reports(tmp_path: Path, node: int) -> list[dict]:
     ("fault", "fault_rank", "verdict"),
     [("skip", 3, "collective_mismatch"), ("python_stuck", 2, "rank_behind")],
 )
-def test_one_verdict_and_one_page_for_a_fault_on_the_second_node(tmp_path: Path, fault: str, fault_rank: int, verdict: str) -> None:
+def test_one_verdict_and_one_page_for_a_fault_on_the_second_node(
+    tmp_path: Path, fault: str, fault_rank: int, verdict: str
+) -> None:
     codes, stderr, triggers = asyncio.run(two_nodes(tmp_path, fault, fault_rank))
     assert len(triggers) == 1, (triggers, stderr[0][-3000:], stderr[1][-3000:])
     [page] = triggers

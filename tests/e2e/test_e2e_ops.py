@@ -47,10 +47,27 @@ def get(url: str, token: str | None = None) -> tuple[int, bytes]:
 def test_sidecar_serves_bundles_and_metrics_during_a_hang(tmp_path: Path) -> None:
     port = free_port()
     command = [
-        sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"), "--listen", f"127.0.0.1:{port}",
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "--monitor-interval=0.2",
-        demo_job.__file__, "--fault=skip", "--fault-step=10", "--step-time=0.05", "--steps=30", "--mark-dir", str(tmp_path),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "ncclwatch",
+        "--bundle-dir",
+        str(tmp_path / "bundles"),
+        "--listen",
+        f"127.0.0.1:{port}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=3",
+        "--monitor-interval=0.2",
+        demo_job.__file__,
+        "--fault=skip",
+        "--fault-step=10",
+        "--step-time=0.05",
+        "--steps=30",
+        "--mark-dir",
+        str(tmp_path),
+    ]
     env = {**os.environ, "NCCLWATCH_API_TOKEN": TOKEN}
     with open(tmp_path / "stderr.txt", "w") as stderr:
         process = subprocess.Popen(command, stderr=stderr, cwd=tmp_path, env=env)

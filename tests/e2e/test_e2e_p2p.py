@@ -27,12 +27,35 @@ pytest.importorskip("torch")
 
 def test_both_ranks_receiving_first_is_a_p2p_deadlock_naming_both(tmp_path: Path) -> None:
     command = [
-        sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"), "--run-dir", str(tmp_path / "run"),
-        "--on-hang", "kill",
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=0.2",
-        str(REPO / "bench" / "gpu_job.py"), "--device", "cpu", "--size", "tiny", "--steps", "90",
-        "--fault", "p2p_deadlock", "--fault-step", "40", "--mark-dir", str(tmp_path / "run"),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "ncclwatch",
+        "--bundle-dir",
+        str(tmp_path / "bundles"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--on-hang",
+        "kill",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--monitor-interval=0.2",
+        str(REPO / "bench" / "gpu_job.py"),
+        "--device",
+        "cpu",
+        "--size",
+        "tiny",
+        "--steps",
+        "90",
+        "--fault",
+        "p2p_deadlock",
+        "--fault-step",
+        "40",
+        "--mark-dir",
+        str(tmp_path / "run"),
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
     finally:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, stderr_at_end
-from test_e2e_multinode import TIMEOUT_S, reports
 from receiver import Receiver
 from support import free_port
+from test_e2e_multinode import TIMEOUT_S, reports
 
 pytest.importorskip("torch")
 
@@ -33,14 +33,37 @@ FAULT_STEP = 30  # the learned stall timeout needs steps of rhythm first (before
 async def start_node(tmp_path: Path, node: int, port: int, hook: str, job: list[str]):  # type: ignore[no-untyped-def]
     env = dict(os.environ, NCCLWATCH_WEBHOOK_URL=hook, NCCLWATCH_WEBHOOK_SECRET="s3cret")
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ncclwatch", "--job-name", "pipeline", "--bundle-dir", str(tmp_path / f"bundles{node}"),
-        "--run-dir", str(tmp_path / f"run{node}"), "--on-hang", "kill",
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
-        "--master-addr=127.0.0.1", f"--master-port={port}", "--monitor-interval=0.2",
-        str(REPO / "bench" / "pipeline_job.py"), "--device=cpu", "--step-time=0.05", f"--fault-step={FAULT_STEP}",
-        f"--mark-dir={tmp_path / f'run{node}'}", *job,
-        env=env, cwd=tmp_path, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "ncclwatch",
+        "--job-name",
+        "pipeline",
+        "--bundle-dir",
+        str(tmp_path / f"bundles{node}"),
+        "--run-dir",
+        str(tmp_path / f"run{node}"),
+        "--on-hang",
+        "kill",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        f"--node-rank={node}",
+        "--nproc-per-node=1",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        "--monitor-interval=0.2",
+        str(REPO / "bench" / "pipeline_job.py"),
+        "--device=cpu",
+        "--step-time=0.05",
+        f"--fault-step={FAULT_STEP}",
+        f"--mark-dir={tmp_path / f'run{node}'}",
+        *job,
+        env=env,
+        cwd=tmp_path,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 async def pipeline(tmp_path: Path, *job: str) -> tuple[list[int | None], list[str], list[dict]]:
@@ -60,7 +83,11 @@ def assert_one_job_wide_verdict(tmp_path: Path, verdict: str, culprits: list[int
     assert (triggers[0]["verdict"], triggers[0]["culprit_ranks"]) == (verdict, culprits), stderr[0][-3000:]
     for node in (0, 1):
         [report] = reports(tmp_path, node)  # each node's bundle carries the job-wide verdict, not its own
-        assert (report["verdict"], report["culprit_ranks"]) == (verdict, culprits), (node, report["summary"], stderr[node][-3000:])
+        assert (report["verdict"], report["culprit_ranks"]) == (verdict, culprits), (
+            node,
+            report["summary"],
+            stderr[node][-3000:],
+        )
         assert {r["rank"] for r in report["ranks"]} == {0, 1}
     assert "pages the job-wide verdict" in stderr[1]
     assert codes == [3, 3], stderr

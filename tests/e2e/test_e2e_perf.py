@@ -25,9 +25,9 @@ import aiohttp
 import pytest
 from conftest import REPO
 from prometheus_client.parser import text_string_to_metric_families
-from test_e2e_cpu import job_processes
 from receiver import Receiver
 from support import free_port
+from test_e2e_cpu import job_processes
 
 pytest.importorskip("torch")
 
@@ -47,12 +47,39 @@ async def run_straggler_job(tmp_path: Path) -> tuple[int, str, dict, list]:  # t
     """The job under the wrapper; its exit code, stderr, the first /metrics showing a straggler, and the webhook's requests."""
     port = free_port()
     command = [
-        sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"), "--run-dir", str(tmp_path / "run"),
-        "--listen", f"127.0.0.1:{port}", "--perf-interval", "3",
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=0.2",
-        str(REPO / "bench" / "gpu_job.py"), "--device", "cpu", "--size", "tiny", "--batch", "16", "--seq", "64",
-        "--steps", "300", "--fault", "straggler", "--fault-step", "5",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "ncclwatch",
+        "--bundle-dir",
+        str(tmp_path / "bundles"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--perf-interval",
+        "3",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--monitor-interval=0.2",
+        str(REPO / "bench" / "gpu_job.py"),
+        "--device",
+        "cpu",
+        "--size",
+        "tiny",
+        "--batch",
+        "16",
+        "--seq",
+        "64",
+        "--steps",
+        "300",
+        "--fault",
+        "straggler",
+        "--fault-step",
+        "5",
+    ]
     async with Receiver() as receiver:
         env = {**os.environ, "NCCLWATCH_WEBHOOK_URL": receiver.url}
         process = await asyncio.create_subprocess_exec(*command, env=env, cwd=tmp_path, stderr=asyncio.subprocess.PIPE)
@@ -85,7 +112,9 @@ def test_a_straggler_is_named_in_metrics_and_the_log_and_not_paged(tmp_path: Pat
     assert code == 0, stderr[-3000:]
     assert metrics, f"no scrape showed a straggler:\n{stderr[-3000:]}"
     assert metrics[("ncclwatch_rank_straggler", "0")] == 0
-    assert metrics[("ncclwatch_rank_last_arrival_ratio", "1")] >= 0.6 > metrics[("ncclwatch_rank_last_arrival_ratio", "0")]
+    assert (
+        metrics[("ncclwatch_rank_last_arrival_ratio", "1")] >= 0.6 > metrics[("ncclwatch_rank_last_arrival_ratio", "0")]
+    )
     assert metrics[("ncclwatch_perf_findings", "straggler")] == 1
     said = [line for line in stderr.splitlines() if "performance: straggler" in line]
     assert len(said) == 1 and "performance: straggler: rank 1 (" in said[0] and "AllReduce" in said[0], stderr[-3000:]

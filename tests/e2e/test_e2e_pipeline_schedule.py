@@ -46,12 +46,28 @@ TIMEOUT_S = 120  # each run takes 15-35 s on two busy cores
 
 def test_a_stage_stuck_in_its_own_code_is_behind_and_paged_within_the_stall_timeout(tmp_path: Path) -> None:
     command = [
-        sys.executable, "-m", "ncclwatch", "--bundle-dir", str(tmp_path / "bundles"),
-        "--run-dir", str(tmp_path / "run"), "--on-hang", "kill",
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=0.2",
-        str(JOB), "--steps=400", "--step-time=0.05", "--fault=python_stuck", f"--fault-step={FAULT_STEP}",
+        sys.executable,
+        "-m",
+        "ncclwatch",
+        "--bundle-dir",
+        str(tmp_path / "bundles"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--on-hang",
+        "kill",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--monitor-interval=0.2",
+        str(JOB),
+        "--steps=400",
+        "--step-time=0.05",
+        "--fault=python_stuck",
+        f"--fault-step={FAULT_STEP}",
         f"--mark-dir={tmp_path / 'run'}",
-    ]  # fmt: skip
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
     finally:
@@ -73,14 +89,39 @@ def test_a_stage_stuck_in_its_own_code_is_behind_and_paged_within_the_stall_time
 async def start_node(tmp_path: Path, node: int, port: int, hook: str, grad_group: str):  # type: ignore[no-untyped-def]
     env = dict(os.environ, NCCLWATCH_WEBHOOK_URL=hook, NCCLWATCH_WEBHOOK_SECRET="s3cret")
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ncclwatch", "--job-name", "pp-dp", "--bundle-dir", str(tmp_path / f"bundles{node}"),
-        "--run-dir", str(tmp_path / f"run{node}"), "--on-hang", "kill",
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2",
-        "--master-addr=127.0.0.1", f"--master-port={port}", "--monitor-interval=0.2",
-        str(JOB), "--dp=2", f"--grad-group={grad_group}", "--steps=400", "--step-time=0.05", "--fault=both_recv",
-        f"--fault-step={FAULT_STEP}", f"--mark-dir={tmp_path / f'run{node}'}",
-        env=env, cwd=tmp_path, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "ncclwatch",
+        "--job-name",
+        "pp-dp",
+        "--bundle-dir",
+        str(tmp_path / f"bundles{node}"),
+        "--run-dir",
+        str(tmp_path / f"run{node}"),
+        "--on-hang",
+        "kill",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        f"--node-rank={node}",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        "--monitor-interval=0.2",
+        str(JOB),
+        "--dp=2",
+        f"--grad-group={grad_group}",
+        "--steps=400",
+        "--step-time=0.05",
+        "--fault=both_recv",
+        f"--fault-step={FAULT_STEP}",
+        f"--mark-dir={tmp_path / f'run{node}'}",
+        env=env,
+        cwd=tmp_path,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 async def two_nodes(tmp_path: Path, grad_group: str) -> tuple[list[int | None], list[str], list[dict]]:

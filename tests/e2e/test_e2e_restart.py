@@ -31,23 +31,53 @@ TIMEOUT_S = 300
 
 
 def job_args(tmp_path: Path, fault: str, fault_rank: int, *more: str) -> list[str]:
-    return [str(JOB), "--steps=50", "--ckpt-every=10", f"--ckpt-dir={tmp_path}", f"--events={tmp_path / 'events.jsonl'}",
-            f"--fault={fault}", f"--fault-rank={fault_rank}", "--fault-step=25", *more]  # fmt: skip
+    return [
+        str(JOB),
+        "--steps=50",
+        "--ckpt-every=10",
+        f"--ckpt-dir={tmp_path}",
+        f"--events={tmp_path / 'events.jsonl'}",
+        f"--fault={fault}",
+        f"--fault-rank={fault_rank}",
+        "--fault-step=25",
+        *more,
+    ]
 
 
 async def wrapper(tmp_path: Path, hook: str, name: str, watch: list[str], torchrun: list[str], job: list[str]):  # type: ignore[no-untyped-def]
     env = dict(os.environ, NCCLWATCH_WEBHOOK_URL=hook, PYTHONUNBUFFERED="1")
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ncclwatch", "--job-name", "ckpt", "--bundle-dir", str(tmp_path / f"bundles-{name}"), *watch,
-        sys.executable, "-m", "torch.distributed.run", "--max-restarts=2", "--monitor-interval=0.2", *torchrun, *job,
-        env=env, cwd=tmp_path, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "ncclwatch",
+        "--job-name",
+        "ckpt",
+        "--bundle-dir",
+        str(tmp_path / f"bundles-{name}"),
+        *watch,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--max-restarts=2",
+        "--monitor-interval=0.2",
+        *torchrun,
+        *job,
+        env=env,
+        cwd=tmp_path,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
-async def watched(tmp_path: Path, nodes: list[tuple[list[str], list[str]]], job: list[str]) -> tuple[list[int], list[str], list[dict]]:  # type: ignore[type-arg]
+async def watched(
+    tmp_path: Path, nodes: list[tuple[list[str], list[str]]], job: list[str]
+) -> tuple[list[int], list[str], list[dict]]:  # type: ignore[type-arg]
     """Run one wrapper per (watch options, torchrun options); their exit codes, stderr and the webhook's posts."""
     async with Receiver() as receiver:
-        started = [await wrapper(tmp_path, receiver.url, str(n), watch, torchrun, job) for n, (watch, torchrun) in enumerate(nodes)]
+        started = [
+            await wrapper(tmp_path, receiver.url, str(n), watch, torchrun, job)
+            for n, (watch, torchrun) in enumerate(nodes)
+        ]
         stderr = await stderr_at_end(started, TIMEOUT_S)
         await asyncio.sleep(0.5)  # a late delivery would still be counted
         posts = [json.loads(s.body) for s in receiver.seen]
@@ -93,7 +123,9 @@ def test_a_mismatch_is_not_restarted_and_the_page_says_why(tmp_path: Path) -> No
     assert codes == [EXIT_KILLED_ON_HANG], stderr[0][-3000:]
     triggers = [p for p in posts if p["action"] == "trigger"]
     assert len(triggers) == 1 and triggers[0]["verdict"] == "collective_mismatch"
-    assert "(ending the job: a restart cannot help: a collective mismatch comes from the program" in triggers[0]["summary"]
+    assert (
+        "(ending the job: a restart cannot help: a collective mismatch comes from the program" in triggers[0]["summary"]
+    )
     assert [e["round"] for e in events(tmp_path) if e["event"] == "start"] == [0]
 
 
@@ -112,10 +144,18 @@ def test_the_loop_guard_ends_a_mismatch_that_recurs_after_the_restart_the_user_a
 def test_two_nodes_restart_together_with_one_page(tmp_path: Path) -> None:
     port = free_port()
     nodes = [
-        (["--on-hang", "restart", "--run-dir", str(tmp_path / f"run{n}")],
-         ["--nnodes=2", f"--node-rank={n}", "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}"])
+        (
+            ["--on-hang", "restart", "--run-dir", str(tmp_path / f"run{n}")],
+            [
+                "--nnodes=2",
+                f"--node-rank={n}",
+                "--nproc-per-node=2",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+            ],
+        )
         for n in range(2)
-    ]  # fmt: skip
+    ]
     codes, stderr, posts = asyncio.run(watched(tmp_path, nodes, job_args(tmp_path, "sigstop", 3)))
     assert codes == [0, 0], "\n".join(s[-2500:] for s in stderr)
     triggers = [p for p in posts if p["action"] == "trigger"]

@@ -35,7 +35,9 @@ def test_a_skip_on_node_5_of_8_is_one_page_naming_its_rank(tmp_path: Path) -> No
 
 
 def test_a_frozen_node_of_8_is_node_lost(tmp_path: Path) -> None:
-    codes, stderr, triggers = asyncio.run(run_nodes(tmp_path, "none", 0, "--steps=4000", nnodes=NODES, per_node=1, act_on=6))
+    codes, stderr, triggers = asyncio.run(
+        run_nodes(tmp_path, "none", 0, "--steps=4000", nnodes=NODES, per_node=1, act_on=6)
+    )
     assert len(triggers) == 1, (triggers, stderr[0][-3000:])
     assert (triggers[0]["verdict"], triggers[0]["culprit_ranks"]) == ("node_lost", [6]), stderr[0][-3000:]
     assert codes == [3] * (NODES - 1), stderr

@@ -26,11 +26,31 @@ JOB = DATA / "flight_recorder" / "make_tp_dumps.py"
 
 def test_tensor_parallel_rank_asleep_after_the_set_up_scatter_is_behind(tmp_path: Path) -> None:
     command = [
-        sys.executable, "-m", "ncclwatch", "--stall-timeout", "5", "--bundle-dir", str(tmp_path / "bundles"),
-        "--run-dir", str(tmp_path / "run"), "--on-hang", "kill",
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=0.2",
-        str(JOB), "--steps", "40", "--stuck-rank", "1", "--stuck-step", "20",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "ncclwatch",
+        "--stall-timeout",
+        "5",
+        "--bundle-dir",
+        str(tmp_path / "bundles"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--on-hang",
+        "kill",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--monitor-interval=0.2",
+        str(JOB),
+        "--steps",
+        "40",
+        "--stuck-rank",
+        "1",
+        "--stuck-step",
+        "20",
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
     finally:
@@ -40,7 +60,9 @@ def test_tensor_parallel_rank_asleep_after_the_set_up_scatter_is_behind(tmp_path
         assert not leftovers, f"processes outlived the wrapper: {leftovers}"
     assert done.returncode == EXIT_KILLED_ON_HANG, done.stderr[-3000:]
     report = only_report(tmp_path)
-    assert (report["verdict"], report["culprit_ranks"], report["position"]) == ("rank_behind", [1], 45), report["summary"]
+    assert (report["verdict"], report["culprit_ranks"], report["position"]) == ("rank_behind", [1], 45), report[
+        "summary"
+    ]
     [asleep] = [n for n, text in enumerate(JOB.read_text().splitlines(), 1) if re.search(r"time\.sleep\(", text)]
     assert f"it is at make_tp_dumps.py:{asleep} in main()" in report["headline"]
     assert not any("Scatter" in e["fact"] for e in report["evidence"])

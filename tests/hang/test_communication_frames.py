@@ -42,14 +42,24 @@ def captured(name: str, pid: int | None = None) -> StackDump:
         ("functional.json", "collective", WAIT_TENSOR, None, "functional (comm_waits_job.py:101)"),
         ("dtensor.json", "collective", WAIT_TENSOR, None, "dtensor (comm_waits_job.py:114)"),
         # work.wait() in the user's code, and a compiled graph's collective: only --native frames say so
-        ("irecv_wait.native.json", "p2p", "c10d::ProcessGroupGloo::RecvWork::wait (libtorch_cpu.so:0)", "recv",
-         "irecv_wait (comm_waits_job.py:78)"),
-        ("batch_p2p_wait.native.json", "p2p", "c10d::ProcessGroupGloo::SendWork::wait (libtorch_cpu.so:0)", "send",
-         "batch_p2p_wait (comm_waits_job.py:90)"),
+        (
+            "irecv_wait.native.json",
+            "p2p",
+            "c10d::ProcessGroupGloo::RecvWork::wait (libtorch_cpu.so:0)",
+            "recv",
+            "irecv_wait (comm_waits_job.py:78)",
+        ),
+        (
+            "batch_p2p_wait.native.json",
+            "p2p",
+            "c10d::ProcessGroupGloo::SendWork::wait (libtorch_cpu.so:0)",
+            "send",
+            "batch_p2p_wait (comm_waits_job.py:90)",
+        ),
         ("compiled_aot_eager.native.json", "collective", "c10d::Work::wait (libtorch_cpu.so:0)", None, COMPILED_CALLER),
         ("compiled_inductor.native.json", "collective", "c10d::Work::wait (libtorch_cpu.so:0)", None, COMPILED_CALLER),
     ],
-)  # fmt: skip
+)
 def test_a_rank_waiting_in_communication_is_inside_it(
     name: str, kind: str, frame: str, side: str | None, mine: str
 ) -> None:
@@ -68,7 +78,7 @@ def test_a_rank_waiting_in_communication_is_inside_it(
         ("compiled_aot_eager.json", "OpOverload.redispatch (torch/_ops.py:882)", COMPILED_CALLER),
         ("compiled_inductor.json", "OpOverload.redispatch (torch/_ops.py:882)", COMPILED_CALLER),
     ],
-)  # fmt: skip
+)
 def test_without_native_frames_some_waits_cannot_be_told_from_the_users_code(
     name: str, innermost: str, mine: str
 ) -> None:
@@ -103,8 +113,9 @@ class TestPipelineScheduleStalled:
 
     def test_the_busy_stage_is_held_to_the_progress_timeout(self) -> None:
         """A stage computing (an evaluation on one stage) keeps its peer waiting but is not hung yet."""
-        computing = [ProcessState(pid=1001, rank=1, state="R", cpu_seconds=10 + 0.9 * t, at=NOW - 4 + t)
-                     for t in (0, 4)]  # fmt: skip
+        computing = [
+            ProcessState(pid=1001, rank=1, state="R", cpu_seconds=10 + 0.9 * t, at=NOW - 4 + t) for t in (0, 4)
+        ]
         decision = judged(*self.workers, *computing, captured("schedule_1f1b.json", pid=1000), sleeping(1001), STALL)
         assert decision.finding.verdict == Verdict.rank_behind and not decision.page
         assert "busy" in (decision.held or "")

@@ -5,9 +5,10 @@ from __future__ import annotations
 from engine import snapshot_of, verdict_of
 from nccl_lines import destroy, init, op, steps
 
+from ncclwatch.watchdog.events import Citation, WorkerFailure
 from ncclwatch.watchdog.hang.detectors import check_point_to_point
 from ncclwatch.watchdog.hang.verdicts import Verdict
-from ncclwatch.watchdog.events import Citation, WorkerFailure
+
 
 def job(n: int, body) -> dict[str, str]:
     """One log per rank: init, then body(rank)."""
@@ -77,7 +78,9 @@ class TestRankBehind:
 
     def test_the_furthest_behind_is_the_culprit(self):
         def body(r):
-            return steps(r, f"0xc{r}", 2) + "".join(op(r, "AllReduce", 8, f"0xc{r}") for _ in range({0: 3, 1: 2, 2: 1}[r]))
+            return steps(r, f"0xc{r}", 2) + "".join(
+                op(r, "AllReduce", 8, f"0xc{r}") for _ in range({0: 3, 1: 2, 2: 1}[r])
+            )
 
         finding = verdict_of(job(3, body))
         assert finding.culprits == (2,)
@@ -87,7 +90,9 @@ class TestRankBehind:
         def body(r):
             return steps(r, f"0xc{r}", 2) + ("" if r == 1 else op(r, "AllReduce", 8, f"0xc{r}"))
 
-        failure = WorkerFailure(rank=1, exitcode=3, pid=1001, root_cause=True, cite=Citation(file="console.log", line=3))
+        failure = WorkerFailure(
+            rank=1, exitcode=3, pid=1001, root_cause=True, cite=Citation(file="console.log", line=3)
+        )
         finding = verdict_of(job(2, body), extra=[failure])
         assert (finding.verdict, finding.culprits) == (Verdict.process_dead, (1,))
 

@@ -6,11 +6,6 @@ from __future__ import annotations
 import nccl_lines as L
 from conftest import NOW
 
-from ncclwatch.watchdog.hang.classify import judge
-from ncclwatch.watchdog.hang.verdicts import Verdict
-from ncclwatch.watchdog.hang.report import build_report, headline
-from ncclwatch.watchdog.hang.snapshot import take_snapshot
-from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.events import (
     Citation,
     Event,
@@ -25,6 +20,11 @@ from ncclwatch.watchdog.events import (
     ThreadStack,
     WorkerSeen,
 )
+from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.report import build_report, headline
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.state import JobState
+from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
 
 COMM = "0x5583d3a1f0e0"
@@ -42,8 +42,13 @@ def judged(*events: Event, logs: dict[int, str] | None = None):  # type: ignore[
 
 class TestPointToPoint:
     def test_both_ranks_receiving_first_is_a_p2p_deadlock_naming_both(self) -> None:
-        logs = {r: L.init(r, 2, COMM) + L.op(r, "Send", 64, COMM, root=1 - r) + L.op(r, "Recv", 64, COMM, root=1 - r)
-                + L.op(r, "Recv", 1024, COMM, root=1 - r) for r in (0, 1)}  # fmt: skip
+        logs = {
+            r: L.init(r, 2, COMM)
+            + L.op(r, "Send", 64, COMM, root=1 - r)
+            + L.op(r, "Recv", 64, COMM, root=1 - r)
+            + L.op(r, "Recv", 1024, COMM, root=1 - r)
+            for r in (0, 1)
+        }
         decision = judged(logs=logs)
         assert decision.finding.verdict == Verdict.p2p_deadlock and decision.finding.culprits == (0, 1)
         assert "each wait for the other" in decision.finding.summary and "Send #2" in decision.finding.summary
@@ -55,9 +60,14 @@ class TestPointToPoint:
         events: list[Event] = [STALL]
         for rank, call in enumerate(calls):
             frames = [f"{call} (torch/distributed/distributed_c10d.py:2500)", "exchange (train.py:88)"]
-            events += [WorkerSeen(pid=1000 + rank, rank=rank, host="node1", at=NOW - 60),
-                       StackDump(pid=1000 + rank, threads=[ThreadStack(name="MainThread", frames=frames)],
-                                 cite=Citation(file="py-spy"))]  # fmt: skip
+            events += [
+                WorkerSeen(pid=1000 + rank, rank=rank, host="node1", at=NOW - 60),
+                StackDump(
+                    pid=1000 + rank,
+                    threads=[ThreadStack(name="MainThread", frames=frames)],
+                    cite=Citation(file="py-spy"),
+                ),
+            ]
         return events
 
     def test_without_sequences_every_rank_blocked_in_recv_is_a_p2p_deadlock(self) -> None:
@@ -79,22 +89,46 @@ class TestPointToPoint:
 def p2p(index: int, op: str, rank: int, peer: int, seq: int, state: OpState) -> FrEntry:
     arrow = "<-" if op == "Recv" else "->"
     line = 269 if op == "Recv" else 270  # the job's dist.recv / dist.send, as Flight Recorder records the stack
-    frames = [FrFrame(name=op.lower(), filename="/usr/lib/python3/torch/distributed/distributed_c10d.py", line=2597),
-              FrFrame(name="inject", filename="/job/gpu_job.py", line=line)]  # fmt: skip
-    return FrEntry(index=index, pg_id="0", collective_seq_id=0, p2p_seq_id=seq, is_p2p=True, op=op, peer=peer,
-                   profiling_name=f"nccl:{op.lower()} {rank}{arrow}{peer}", input_sizes=[[1024]],
-                   input_dtypes=["Float"], state=state, frames=frames)  # fmt: skip
+    frames = [
+        FrFrame(name=op.lower(), filename="/usr/lib/python3/torch/distributed/distributed_c10d.py", line=2597),
+        FrFrame(name="inject", filename="/job/gpu_job.py", line=line),
+    ]
+    return FrEntry(
+        index=index,
+        pg_id="0",
+        collective_seq_id=0,
+        p2p_seq_id=seq,
+        is_p2p=True,
+        op=op,
+        peer=peer,
+        profiling_name=f"nccl:{op.lower()} {rank}{arrow}{peer}",
+        input_sizes=[[1024]],
+        input_dtypes=["Float"],
+        state=state,
+        frames=frames,
+    )
 
 
 def coll(index: int, seq: int, state: OpState, op: str = "AllReduce") -> FrEntry:
-    return FrEntry(index=index, pg_id="0", collective_seq_id=seq, profiling_name=f"nccl:{op.lower()}", op=op,
-                   is_p2p=False, input_sizes=[[4096]], input_dtypes=["BFloat16"], state=state)  # fmt: skip
+    return FrEntry(
+        index=index,
+        pg_id="0",
+        collective_seq_id=seq,
+        profiling_name=f"nccl:{op.lower()}",
+        op=op,
+        is_p2p=False,
+        input_sizes=[[4096]],
+        input_dtypes=["BFloat16"],
+        state=state,
+    )
 
 
 def dumps_of(entries_of) -> list[FrDump]:  # type: ignore[no-untyped-def]
     group = {"0": FrProcessGroup(pg_id="0", ranks=[0, 1])}
-    return [FrDump(rank=r, version="2.10", process_groups=group, entries=entries_of(r), cite=Citation(file=f"fr/rank{r}"))
-            for r in (0, 1)]  # fmt: skip
+    return [
+        FrDump(rank=r, version="2.10", process_groups=group, entries=entries_of(r), cite=Citation(file=f"fr/rank{r}"))
+        for r in (0, 1)
+    ]
 
 
 class TestPointToPointInFlightRecorder:
@@ -104,13 +138,23 @@ class TestPointToPointInFlightRecorder:
 
     @staticmethod
     def nvlink_deadlock(rank: int) -> list[FrEntry]:
-        return [coll(0, 286, OpState.completed), p2p(1, "Recv", rank, 1 - rank, 1, OpState.started),
-                p2p(2, "Send", rank, 1 - rank, 2, OpState.scheduled), coll(3, 287, OpState.scheduled),
-                coll(4, 288, OpState.scheduled, "Broadcast")]  # fmt: skip
+        return [
+            coll(0, 286, OpState.completed),
+            p2p(1, "Recv", rank, 1 - rank, 1, OpState.started),
+            p2p(2, "Send", rank, 1 - rank, 2, OpState.scheduled),
+            coll(3, 287, OpState.scheduled),
+            coll(4, 288, OpState.scheduled, "Broadcast"),
+        ]
 
     def test_both_first_pending_ops_recv_from_each_other_is_a_p2p_deadlock(self) -> None:
-        stacks = [StackDump(pid=1000 + r, threads=[ThreadStack(name="MainThread", frames=["main (gpu_job.py:214)"])],
-                            cite=Citation(file="py-spy")) for r in (0, 1)]  # fmt: skip
+        stacks = [
+            StackDump(
+                pid=1000 + r,
+                threads=[ThreadStack(name="MainThread", frames=["main (gpu_job.py:214)"])],
+                cite=Citation(file="py-spy"),
+            )
+            for r in (0, 1)
+        ]
         seen = [WorkerSeen(pid=1000 + r, rank=r, host="node1", at=NOW - 60) for r in (0, 1)]
         decision = judged(*seen, *dumps_of(self.nvlink_deadlock), *stacks, STALL)
         finding = decision.finding
@@ -118,8 +162,10 @@ class TestPointToPointInFlightRecorder:
         line = headline(build_report(finding, take_snapshot(JobState(), observed_at=NOW), [], {}))
         assert line.startswith("ncclwatch: P2P DEADLOCK ranks 0, 1: Point-to-point deadlock") and ".." not in line
         # The ranks block in .item() (py-spy); where each posted its recv is Flight Recorder's recorded stack.
-        assert ("each wait in a recv from the other (rank 0: called from inject (gpu_job.py:269); rank 1: called from "
-                "inject (gpu_job.py:269))") in finding.summary  # fmt: skip
+        assert (
+            "each wait in a recv from the other (rank 0: called from inject (gpu_job.py:269); rank 1: called from "
+            "inject (gpu_job.py:269))"
+        ) in finding.summary
         assert {f.fact for f in finding.evidence} >= {
             "rank 0: first pending op with rank 1 is Recv #1 (Recv count=1024 Float from=1, started), called from "
             "inject (gpu_job.py:269); behind it: Send (scheduled)",
@@ -130,18 +176,35 @@ class TestPointToPointInFlightRecorder:
     def test_a_recv_waiting_for_a_peer_that_sends_first_is_no_deadlock(self) -> None:
         def entries(rank: int) -> list[FrEntry]:
             first, second = ("Recv", "Send") if rank == 0 else ("Send", "Recv")
-            return [coll(0, 286, OpState.completed), p2p(1, first, rank, 1 - rank, 1, OpState.started),
-                    p2p(2, second, rank, 1 - rank, 2, OpState.scheduled), coll(3, 287, OpState.scheduled)]  # fmt: skip
+            return [
+                coll(0, 286, OpState.completed),
+                p2p(1, first, rank, 1 - rank, 1, OpState.started),
+                p2p(2, second, rank, 1 - rank, 2, OpState.scheduled),
+                coll(3, 287, OpState.scheduled),
+            ]
 
         assert judged(*dumps_of(entries), STALL).finding.verdict != Verdict.p2p_deadlock
 
     def test_a_pending_batch_isend_irecv_group_is_no_deadlock(self) -> None:
         """Ops of one coalesced group run together: recv before send inside it orders nothing."""
+
         def entries(rank: int) -> list[FrEntry]:
-            marker = FrEntry(index=3, pg_id="0", collective_seq_id=0, p2p_seq_id=1, profiling_name="nccl:coalesced",
-                             op="Coalesced", is_p2p=False, state=OpState.started)  # fmt: skip
-            return [coll(0, 286, OpState.completed), p2p(1, "Recv", rank, 1 - rank, 1, OpState.scheduled),
-                    p2p(2, "Send", rank, 1 - rank, 1, OpState.scheduled), marker]  # fmt: skip
+            marker = FrEntry(
+                index=3,
+                pg_id="0",
+                collective_seq_id=0,
+                p2p_seq_id=1,
+                profiling_name="nccl:coalesced",
+                op="Coalesced",
+                is_p2p=False,
+                state=OpState.started,
+            )
+            return [
+                coll(0, 286, OpState.completed),
+                p2p(1, "Recv", rank, 1 - rank, 1, OpState.scheduled),
+                p2p(2, "Send", rank, 1 - rank, 1, OpState.scheduled),
+                marker,
+            ]
 
         assert judged(*dumps_of(entries), STALL).finding.verdict != Verdict.p2p_deadlock
 
@@ -161,8 +224,17 @@ BEHIND = {r: L.init(r, 3, COMM) + L.steps(r, COMM, 5 if r == 2 else 6) for r in 
 
 
 def entry(index: int, pg: str, seq: int, state: OpState, op: str = "AllReduce") -> FrEntry:
-    return FrEntry(index=index, pg_id=pg, collective_seq_id=seq, profiling_name=f"nccl:{op.lower()}", op=op, is_p2p=False,
-                   input_sizes=[[1024]], input_dtypes=["Float"], state=state)  # fmt: skip
+    return FrEntry(
+        index=index,
+        pg_id=pg,
+        collective_seq_id=seq,
+        profiling_name=f"nccl:{op.lower()}",
+        op=op,
+        is_p2p=False,
+        input_sizes=[[1024]],
+        input_dtypes=["Float"],
+        state=state,
+    )
 
 
 class TestBusy:
@@ -172,8 +244,13 @@ class TestBusy:
 
     def test_a_culprit_spinning_in_a_pending_operation_is_waiting_not_busy(self) -> None:
         """Seen on H100: ranks in a NCCL wait burn a full core; Flight Recorder says they wait."""
-        pending = FrDump(rank=2, version="2.10", process_groups={"5": FrProcessGroup(pg_id="5", ranks=[0, 2])},
-                         entries=[entry(0, "5", 1, OpState.scheduled)], cite=Citation(file="fr/rank2"))  # fmt: skip
+        pending = FrDump(
+            rank=2,
+            version="2.10",
+            process_groups={"5": FrProcessGroup(pg_id="5", ranks=[0, 2])},
+            entries=[entry(0, "5", 1, OpState.scheduled)],
+            cite=Citation(file="fr/rank2"),
+        )
         decision = judged(*workers(cpu_busy_rank=2), pending, STALL, logs=BEHIND)
         assert decision.finding.culprits == (2,) and decision.page and decision.held is None
 
@@ -183,8 +260,13 @@ class TestNeverStartedOnGpu:
         """Seen on H100 with two ranks sharing the GPU (NVML cannot tell them apart): a never-ending kernel on rank 0."""
         group = {"0": FrProcessGroup(pg_id="0", ranks=[0, 1])}
         dumps = [
-            FrDump(rank=rank, version="2.10", process_groups=group, cite=Citation(file=f"fr/rank{rank}"),
-                   entries=[entry(0, "0", 1, OpState.completed), entry(1, "0", 2, state)])  # fmt: skip
+            FrDump(
+                rank=rank,
+                version="2.10",
+                process_groups=group,
+                cite=Citation(file=f"fr/rank{rank}"),
+                entries=[entry(0, "0", 1, OpState.completed), entry(1, "0", 2, state)],
+            )
             for rank, state in ((0, OpState.scheduled), (1, OpState.started))
         ]
         finding = judged(*dumps).finding
@@ -194,8 +276,13 @@ class TestNeverStartedOnGpu:
     def test_started_everywhere_names_no_gpu_hang(self) -> None:
         group = {"0": FrProcessGroup(pg_id="0", ranks=[0, 1])}
         dumps = [
-            FrDump(rank=rank, version="2.10", process_groups=group, cite=Citation(file=f"fr/rank{rank}"),
-                   entries=[entry(0, "0", 1, OpState.started)])  # fmt: skip
+            FrDump(
+                rank=rank,
+                version="2.10",
+                process_groups=group,
+                cite=Citation(file=f"fr/rank{rank}"),
+                entries=[entry(0, "0", 1, OpState.started)],
+            )
             for rank in (0, 1)
         ]
         assert judged(*dumps).finding.verdict == Verdict.stuck_in_collective

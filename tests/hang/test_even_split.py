@@ -16,16 +16,25 @@ import nccl_lines as L
 from conftest import NOW
 from engine import verdict_of
 
+from ncclwatch.watchdog.events import (
+    Citation,
+    Event,
+    FrDump,
+    FrEntry,
+    FrFrame,
+    FrProcessGroup,
+    OpState,
+    StackDump,
+    ThreadStack,
+    WorkerSeen,
+)
 from ncclwatch.watchdog.hang.classify import judge
-from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.hang.report import build_report, render_text
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.stacks import user_frame
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.hang.step_pattern import expected_next, learn_steps
-from ncclwatch.watchdog.events import (
-    Citation, Event, FrDump, FrEntry, FrFrame, FrProcessGroup, OpState, StackDump, ThreadStack, WorkerSeen,
-)  # fmt: skip
+from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
 
 BF16, FP32 = 9, 7  # NCCL's datatype numbers
@@ -75,15 +84,19 @@ def job(steps: int, skip_step: int | None = None, skip_rank: int = 1, seed: int 
 
 
 def logs_of(sequences: list[list[tuple]]) -> dict[str, str]:
-    return {f"r{r}.log": L.init(r, 2, f"0xc{r}") + "".join(L.op(r, op, n, f"0xc{r}", dtype=d) for op, n, d, _ in ops)
-            for r, ops in enumerate(sequences)}  # fmt: skip
+    return {
+        f"r{r}.log": L.init(r, 2, f"0xc{r}") + "".join(L.op(r, op, n, f"0xc{r}", dtype=d) for op, n, d, _ in ops)
+        for r, ops in enumerate(sequences)
+    }
 
 
 def frames(op: tuple) -> list[FrFrame]:
     name = {"AllGather": "all_gather_into_tensor", "ReduceScatter": "reduce_scatter_tensor", "AllReduce": "all_reduce"}
     stack = [FrFrame(name=name[op[0]], filename=f"{TORCH}/distributed_c10d.py", line=4000)]
     if op[3] is None:
-        return stack + [FrFrame(name="post_backward", filename=f"{TORCH}/fsdp/_fully_shard/_fsdp_param_group.py", line=500)]
+        return stack + [
+            FrFrame(name="post_backward", filename=f"{TORCH}/fsdp/_fully_shard/_fsdp_param_group.py", line=500)
+        ]
     func, _, where = op[3].partition(" (")
     path, _, line = where.rstrip(")").rpartition(":")
     return stack + [FrFrame(name=func, filename=path, line=int(line))]
@@ -97,12 +110,26 @@ def dumps_of(sequences: list[list[tuple]], kept: int = 2000) -> list[FrDump]:
     for rank, ops in enumerate(sequences):
         first = max(0, len(ops) - kept)
         entries = [
-            FrEntry(index=i - first, pg_id="0", collective_seq_id=i + 1, profiling_name=f"nccl:{op[0].lower()}", op=op[0],
-                    is_p2p=False, input_sizes=[[op[1] * (2 if op[0] == "ReduceScatter" else 1)]], input_dtypes=[dtype[op[2]]],
-                    state=OpState.completed if i < len(ops) - 2 else OpState.scheduled, frames=frames(op))
-            for i, op in enumerate(ops) if i >= first
-        ]  # fmt: skip
-        dumps.append(FrDump(rank=rank, version="2.10", process_groups=group, entries=entries, cite=Citation(file=f"fr/rank{rank}")))
+            FrEntry(
+                index=i - first,
+                pg_id="0",
+                collective_seq_id=i + 1,
+                profiling_name=f"nccl:{op[0].lower()}",
+                op=op[0],
+                is_p2p=False,
+                input_sizes=[[op[1] * (2 if op[0] == "ReduceScatter" else 1)]],
+                input_dtypes=[dtype[op[2]]],
+                state=OpState.completed if i < len(ops) - 2 else OpState.scheduled,
+                frames=frames(op),
+            )
+            for i, op in enumerate(ops)
+            if i >= first
+        ]
+        dumps.append(
+            FrDump(
+                rank=rank, version="2.10", process_groups=group, entries=entries, cite=Citation(file=f"fr/rank{rank}")
+            )
+        )
     return dumps
 
 
@@ -153,9 +180,11 @@ class TestEvenSplitFromNcclLogs:
     def test_the_rank_that_skipped_the_loss_all_reduce_is_named(self) -> None:
         finding = verdict_of(logs_of(job(12, skip_step=9)))
         assert (finding.verdict, finding.culprits) == (Verdict.collective_mismatch, (1,))
-        assert finding.reason.startswith("Culprit because the ranks split evenly and the step this communicator repeats decides: "
-                                         "rank 1 skipped AllReduce count=1 float32 sum, which every step issues once; it is "
-                                         "already at AllGather count=263168 bfloat16, which this step already issued: the next step's")  # fmt: skip
+        assert finding.reason.startswith(
+            "Culprit because the ranks split evenly and the step this communicator repeats decides: "
+            "rank 1 skipped AllReduce count=1 float32 sum, which every step issues once; it is "
+            "already at AllGather count=263168 bfloat16, which this step already issued: the next step's"
+        )
 
     def test_the_culprit_does_not_depend_on_which_rank_skipped(self) -> None:
         assert verdict_of(logs_of(job(12, skip_step=9, skip_rank=0))).culprits == (0,)
@@ -174,19 +203,26 @@ class TestEvenSplitFromNcclLogs:
             sequences.append(ops)
         finding = verdict_of(logs_of(sequences))
         assert finding.culprits == (1,)
-        assert "where, in 8 of the last 8 steps, ReduceScatter count=263168 float32 sum was followed by AllReduce count=1 " \
-               "float32 sum and never by it" in finding.reason  # fmt: skip
+        assert (
+            "where, in 8 of the last 8 steps, ReduceScatter count=263168 float32 sum was followed by AllReduce count=1 "
+            "float32 sum and never by it" in finding.reason
+        )
 
     def test_an_added_operation_no_step_issues_is_named(self) -> None:
         sequences = job(12, seed=None)
         sequences[0][-1:-1] = [("AllReduce", 12345, FP32, None)]  # rank 0: an extra all_reduce before the loss's
         finding = verdict_of(logs_of(sequences))
-        assert finding.culprits == (0,) and "which no step issues, where the step still owes AllReduce count=1" in finding.reason
+        assert (
+            finding.culprits == (0,)
+            and "which no step issues, where the step still owes AllReduce count=1" in finding.reason
+        )
 
     def test_a_divergence_in_the_first_step_names_no_one(self) -> None:
         finding = verdict_of(logs_of(job(2, skip_step=0)))
         assert (finding.verdict, finding.culprits) == (Verdict.collective_mismatch, ())
-        assert finding.reason.startswith("No culprit: the ranks split evenly and no step repeats in the recorded history")
+        assert finding.reason.startswith(
+            "No culprit: the ranks split evenly and no step repeats in the recorded history"
+        )
         assert "Culprit because" not in finding.reason
         assert any("TORCH_FR_BUFFER_SIZE" in m for m in finding.missing)
         assert finding.summary.endswith("Both sides are suspects.")
@@ -219,22 +255,41 @@ class TestCallSites:
     def stacks(frames_of: dict[int, list[str]]) -> list[Event]:
         events: list[Event] = []
         for rank, frames in frames_of.items():
-            events += [WorkerSeen(pid=1000 + rank, rank=rank, host="node1", at=NOW - 60),
-                       StackDump(pid=1000 + rank, threads=[ThreadStack(name="MainThread", frames=frames)], cite=Citation(file="py-spy"))]  # fmt: skip
+            events += [
+                WorkerSeen(pid=1000 + rank, rank=rank, host="node1", at=NOW - 60),
+                StackDump(
+                    pid=1000 + rank,
+                    threads=[ThreadStack(name="MainThread", frames=frames)],
+                    cite=Citation(file="py-spy"),
+                ),
+            ]
         return events
 
     BACKWARD = ["_engine_run_backward (torch/autograd/graph.py:829)", "main (/job/train.py:67)"]
     IN_ALL_REDUCE = ["all_reduce (torch/distributed/distributed_c10d.py:3068)", "main (/job/train.py:71)"]
 
     def test_each_side_gets_the_line_that_issued_its_operation(self) -> None:
-        finding, report = judged(*dumps_of(job(12, skip_step=9)), *self.stacks({0: self.IN_ALL_REDUCE, 1: self.BACKWARD}))
+        finding, report = judged(
+            *dumps_of(job(12, skip_step=9)), *self.stacks({0: self.IN_ALL_REDUCE, 1: self.BACKWARD})
+        )
         assert finding.culprits == (1,)
         assert "rank 1 skipped AllReduce count=1 Float at train.py:71" in finding.reason
         assert "it is already at AllGather count=263168 BFloat16 at train.py:64" in finding.reason
         sites = {row.rank: row.call_site for row in report.ranks}
-        assert sites[0] and sites[0].endswith("<- main (/job/train.py:71)") and sites[1] and sites[1].endswith("<- main (/job/train.py:64)")
-        assert report.headline and ("— issued from train.py:64 in main() (py-spy: now at train.py:67 in main()); its peers "
-                                    "issued theirs from train.py:71 in main()") in report.headline  # fmt: skip
+        assert (
+            sites[0]
+            and sites[0].endswith("<- main (/job/train.py:71)")
+            and sites[1]
+            and sites[1].endswith("<- main (/job/train.py:64)")
+        )
+        assert (
+            report.headline
+            and (
+                "— issued from train.py:64 in main() (py-spy: now at train.py:67 in main()); its peers "
+                "issued theirs from train.py:71 in main()"
+            )
+            in report.headline
+        )
 
     def test_the_table_shows_py_spy_on_a_second_line_only_where_it_differs(self) -> None:
         _, report = judged(*dumps_of(job(12, skip_step=9)), *self.stacks({0: self.IN_ALL_REDUCE, 1: self.BACKWARD}))
@@ -248,14 +303,19 @@ class TestCallSites:
         finding, report = judged(*dumps_of(job(2, skip_step=0)))
         assert finding.culprits == ()
         assert "rank 0 issued AllReduce count=1 Float at train.py:71; rank 1 issued AllGather" in finding.summary
-        assert report.headline and "rank 0 from train.py:71 in main(), rank 1 from train.py:64 in main()" in report.headline
+        assert (
+            report.headline
+            and "rank 0 from train.py:71 in main(), rank 1 from train.py:64 in main()" in report.headline
+        )
 
     def test_a_verdict_from_nccl_logs_takes_the_lines_from_flight_recorder(self) -> None:
         sequences = job(12, skip_step=9)
         finding, report = judged(*dumps_of(sequences), logs=logs_of(sequences))
         assert finding.source == "nccl_log" and finding.culprits == (1,)
-        assert [row.call_site.rpartition(" <- ")[2] for row in report.ranks if row.call_site] == \
-               ["main (/job/train.py:71)", "main (/job/train.py:64)"]  # fmt: skip
+        assert [row.call_site.rpartition(" <- ")[2] for row in report.ranks if row.call_site] == [
+            "main (/job/train.py:71)",
+            "main (/job/train.py:64)",
+        ]
 
     def test_a_dump_too_short_for_a_step_leaves_the_split_to_the_longer_nccl_log(self) -> None:
         sequences = job(12, skip_step=10)

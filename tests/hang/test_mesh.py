@@ -106,8 +106,12 @@ class TestDerivation:
         assert not mesh and mesh.dims == () and mesh.of(0) is None and mesh.label(0) is None
         assert derive_mesh([]).dims == ()
         assert [mesh_dim(d) for d in ("mesh_tp", "mesh_dim_0", "mesh_default", "default_pg", None)] == [
-            "tp", "dim_0", None, None, None,
-        ]  # fmt: skip
+            "tp",
+            "dim_0",
+            None,
+            None,
+            None,
+        ]
 
     def test_a_partial_view_places_what_the_listed_groups_say(self) -> None:
         # NCCL's dumps list each group's ranks; only ranks 0 and 2 dumped: they name tp [0, 1], tp [2, 3], dp [0, 2]
@@ -226,18 +230,30 @@ class TestRealDumps:
         snapshot = take_snapshot(state, observed_at=NOW)
         finding = judge(snapshot).finding
         view = LiveView(
-            observed_at=NOW, workers=snapshot.workers, progress_at={}, beat_at={}, last_progress=NOW - 30,
-            stall_timeout=5.0, learned_gap=None, advances=10, signals=frozenset(), down=(),
-        )  # fmt: skip
+            observed_at=NOW,
+            workers=snapshot.workers,
+            progress_at={},
+            beat_at={},
+            last_progress=NOW - 30,
+            stall_timeout=5.0,
+            learned_gap=None,
+            advances=10,
+            signals=frozenset(),
+            down=(),
+        )
         report = live_report(finding, snapshot, view, job="train", host="node1", started_at=NOW - 30)
         assert report.culprit_ranks == [3]
         assert [(row.rank, row.pid, row.mesh) for row in report.ranks] == [
-            (0, 1000, {"dp": 0, "tp": 0}), (1, 1001, {"dp": 0, "tp": 1}),
-            (2, 1002, {"dp": 1, "tp": 0}), (3, 1003, {"dp": 1, "tp": 1}),
-        ]  # fmt: skip
+            (0, 1000, {"dp": 0, "tp": 0}),
+            (1, 1001, {"dp": 0, "tp": 1}),
+            (2, 1002, {"dp": 1, "tp": 0}),
+            (3, 1003, {"dp": 1, "tp": 1}),
+        ]
         assert report.headline is not None
-        assert "RANK BEHIND rank 3 (dp 1, tp 1; node1, pid 1003) never entered AllGather #13; its dp group's peers " \
-            "(rank 1) wait in it" in report.headline  # fmt: skip
+        assert (
+            "RANK BEHIND rank 3 (dp 1, tp 1; node1, pid 1003) never entered AllGather #13; its dp group's peers "
+            "(rank 1) wait in it" in report.headline
+        )
         assert "culprit rank 3 (dp 1, tp 1)" in terminal_text(report)
 
 

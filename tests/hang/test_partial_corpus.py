@@ -68,7 +68,10 @@ def test_pasted_excerpt_on_standard_input():
     text = (CORPUS / "g02_allgather_vs_allreduce_2.11" / "rank3.log").read_bytes()
     text += b"".join((CORPUS / "g02_allgather_vs_allreduce_2.11" / f"rank{r}.log").read_bytes() for r in range(3))
     proc = subprocess.run(
-        [sys.executable, "-m", "ncclwatch", "analyze", "-"], input=text, capture_output=True, timeout=60,
+        [sys.executable, "-m", "ncclwatch", "analyze", "-"],
+        input=text,
+        capture_output=True,
+        timeout=60,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     out = proc.stdout.decode()

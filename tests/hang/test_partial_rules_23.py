@@ -21,11 +21,24 @@ NOW = 1_800_000_000.0
 BF16, F32, SUM = 9, 7, 0
 
 
-def coll(host: str, pid: int, dev: int, op: str, opcount: int, count: int, dtype: int = BF16, *, comm: str = "0x55d1c0a3e8d0",
-         nranks: int = 3, prefix: str = "") -> str:  # fmt: skip
+def coll(
+    host: str,
+    pid: int,
+    dev: int,
+    op: str,
+    opcount: int,
+    count: int,
+    dtype: int = BF16,
+    *,
+    comm: str = "0x55d1c0a3e8d0",
+    nranks: int = 3,
+    prefix: str = "",
+) -> str:
     buffers = "sendbuff 0x7f1bebe05000 recvbuff 0x7f1bebe05600"
-    return (f"{prefix}{host}:{pid}:{pid + 50} [{dev}] NCCL INFO {op}: opCount {opcount:x} {buffers} count {count} datatype {dtype} "
-            f"op {SUM} root 0 comm {comm} [nranks={nranks}] stream 0x1efc1be0\n")  # fmt: skip
+    return (
+        f"{prefix}{host}:{pid}:{pid + 50} [{dev}] NCCL INFO {op}: opCount {opcount:x} {buffers} count {count} datatype {dtype} "
+        f"op {SUM} root 0 comm {comm} [nranks={nranks}] stream 0x1efc1be0\n"
+    )
 
 
 def write(folder: Path, files: dict[str, str]) -> Path:
@@ -57,12 +70,16 @@ class TestNcclLinesWithoutInit:
         assert (report.verdict.value, report.culprit_ranks) == ("collective_mismatch", [])
         assert [(p.host, p.pid, p.cuda_dev) for p in report.culprit_processes] == [("gpu7", 4102, 2)]
         assert "process gpu7:4102 (GPU 2)" in report.headline  # type: ignore[operator]
-        assert json.loads(report.model_dump_json())["culprit_processes"] == [{"host": "gpu7", "pid": 4102, "cuda_dev": 2}]
+        assert json.loads(report.model_dump_json())["culprit_processes"] == [
+            {"host": "gpu7", "pid": 4102, "cuda_dev": 2}
+        ]
 
     def test_a_process_that_stops_in_what_its_peers_issued_earlier_is_not_named(self, tmp_path: Path) -> None:
         """opCount 0 on every line: a process one operation behind stops in an all-reduce its peers also issued."""
         files = {f"nccl.gpu7.{4100 + d}": single_node(4, 4100 + d, d) for d in range(3)}
-        files["nccl.gpu7.4102"] = files["nccl.gpu7.4102"].rsplit("\n", 2)[0] + "\n"  # stopped before the last all-gather
+        files["nccl.gpu7.4102"] = (
+            files["nccl.gpu7.4102"].rsplit("\n", 2)[0] + "\n"
+        )  # stopped before the last all-gather
         report = analyze(write(tmp_path / "case", files))
         assert report.verdict.value == "inconclusive" and report.culprit_ranks == [] and report.culprit_processes == []
 
@@ -96,16 +113,30 @@ class TestDifferenceAtOneOpCount:
         for opcount, ranks in ((0, (0, 1, 2)), (1, (0, 1))):
             for r in ranks:
                 count = 2048 if (r == 2 and opcount == 0) else 1024
-                text += coll(f"node{r}", 300 + r, 0, "AllReduce", opcount, count, F32, comm=f"0x7f00{r}0", prefix=f"[rank{r}]:")
+                text += coll(
+                    f"node{r}", 300 + r, 0, "AllReduce", opcount, count, F32, comm=f"0x7f00{r}0", prefix=f"[rank{r}]:"
+                )
         report = analyze(write(tmp_path / "case", {"combined.log": text}))
         assert (report.verdict.value, report.culprit_ranks) == ("collective_mismatch", [2])
         assert "opCount 0x0" in report.summary and "count=2048" in report.summary
 
     def test_a_dtype_difference_between_two_ranks_names_no_one(self, tmp_path: Path) -> None:
         text = "".join(
-            coll(f"node{r}", 300 + r, 0, "AllReduce", oc, 1024, F32 if (r == 0 or oc == 0) else BF16, comm=f"0x7f00{r}0", nranks=2, prefix=f"[rank{r}]:")
-            for oc in (0, 1) for r in (0, 1)
-        )  # fmt: skip
+            coll(
+                f"node{r}",
+                300 + r,
+                0,
+                "AllReduce",
+                oc,
+                1024,
+                F32 if (r == 0 or oc == 0) else BF16,
+                comm=f"0x7f00{r}0",
+                nranks=2,
+                prefix=f"[rank{r}]:",
+            )
+            for oc in (0, 1)
+            for r in (0, 1)
+        )
         report = analyze(write(tmp_path / "case", {"combined.log": text}))
         assert (report.verdict.value, report.culprit_ranks, report.culprit_processes) == ("collective_mismatch", [], [])
         assert "float32" in report.summary and "bfloat16" in report.summary
@@ -117,11 +148,15 @@ def fingerprint(seq: int, op: str, shape: str, dtype: str = "Float", device: str
 
 
 def detail(rank: int, mine: str, other_rank: int, theirs: str) -> str:
-    return (f"[rank{rank}]: RuntimeError: Detected mismatch between collectives on ranks. Rank {rank} is running collective: {mine}, "
-            f"but Rank {other_rank} is running collective: {theirs}.\n")  # fmt: skip
+    return (
+        f"[rank{rank}]: RuntimeError: Detected mismatch between collectives on ranks. Rank {rank} is running collective: {mine}, "
+        f"but Rank {other_rank} is running collective: {theirs}.\n"
+    )
 
 
-GARBAGE = "CollectiveFingerPrint(SequenceNumber=0OpType=SCATTER)"  # the other side decoded from a buffer of another size
+GARBAGE = (
+    "CollectiveFingerPrint(SequenceNumber=0OpType=SCATTER)"  # the other side decoded from a buffer of another size
+)
 
 
 class TestDetailReports:
@@ -142,8 +177,10 @@ class TestDetailReports:
 
 def nccl_with_init(rank: int, ops: list[tuple[str, int]]) -> str:
     pid = 640 + rank
-    head = (f"vm:{pid}:{pid} [{rank}] NCCL INFO ncclCommInitRankConfig comm 0x180ad8{rank}0 rank {rank} nranks 2 cudaDev {rank} "
-            f"nvmlDev {rank} busId {60 + rank} commId 0x420c7c52a3fc1edd - Init COMPLETE\n")  # fmt: skip
+    head = (
+        f"vm:{pid}:{pid} [{rank}] NCCL INFO ncclCommInitRankConfig comm 0x180ad8{rank}0 rank {rank} nranks 2 cudaDev {rank} "
+        f"nvmlDev {rank} busId {60 + rank} commId 0x420c7c52a3fc1edd - Init COMPLETE\n"
+    )
     return head + "".join(coll("vm", pid, rank, op, 0, count, comm=f"0x180ad8{rank}0", nranks=2) for op, count in ops)
 
 
@@ -153,8 +190,12 @@ class TestDetailTieAndTheJobsStep:
     def case(self, tmp_path: Path, step: list[tuple[str, int]]) -> Report:
         history = step * 12  # 12 steps before the mismatch at SeqNum 37
         files = {f"nccl.vm.{640 + r}.log": nccl_with_init(r, history) for r in (0, 1)}
-        files["rank0.err"] = detail(0, fingerprint(37, "BROADCAST", "1024"), 1, fingerprint(37, "ALLREDUCE", "262144", device="cuda:1"))
-        files["rank1.err"] = detail(1, fingerprint(37, "ALLREDUCE", "262144", device="cuda:1"), 0, fingerprint(37, "BROADCAST", "1024"))
+        files["rank0.err"] = detail(
+            0, fingerprint(37, "BROADCAST", "1024"), 1, fingerprint(37, "ALLREDUCE", "262144", device="cuda:1")
+        )
+        files["rank1.err"] = detail(
+            1, fingerprint(37, "ALLREDUCE", "262144", device="cuda:1"), 0, fingerprint(37, "BROADCAST", "1024")
+        )
         return analyze(write(tmp_path / "case", files))
 
     def test_the_side_whose_operation_the_step_never_issues_departs(self, tmp_path: Path) -> None:
@@ -169,25 +210,35 @@ class TestDetailTieAndTheJobsStep:
 
 
 def timeout_line(rank: int, seq: int, op: str, numel: int, ts: str) -> str:
-    return (f"[rank{rank}]:[E1124 10:12:{ts} ProcessGroupNCCL.cpp:632] [Rank {rank}] Watchdog caught collective operation timeout: "
-            f"WorkNCCL(SeqNum={seq}, OpType={op}, NumelIn={numel}, NumelOut={numel}, Timeout(ms)=600000) ran for 600082 milliseconds before timing out.\n")  # fmt: skip
+    return (
+        f"[rank{rank}]:[E1124 10:12:{ts} ProcessGroupNCCL.cpp:632] [Rank {rank}] Watchdog caught collective operation timeout: "
+        f"WorkNCCL(SeqNum={seq}, OpType={op}, NumelIn={numel}, NumelOut={numel}, Timeout(ms)=600000) ran for 600082 milliseconds before timing out.\n"
+    )
 
 
 def failure_line(rank: int, pg: int, name: str, seq: int, completed: int, ts: str) -> str:
-    return (f"[rank{rank}]:[E1124 10:12:{ts} ProcessGroupNCCL.cpp:2271] [PG ID {pg} PG GUID {pg}({name}) Rank {rank}] failure detected by "
-            f"watchdog at work sequence id: {seq} PG status: last enqueued work: {seq}, last completed work: {completed}\n")  # fmt: skip
+    return (
+        f"[rank{rank}]:[E1124 10:12:{ts} ProcessGroupNCCL.cpp:2271] [PG ID {pg} PG GUID {pg}({name}) Rank {rank}] failure detected by "
+        f"watchdog at work sequence id: {seq} PG status: last enqueued work: {seq}, last completed work: {completed}\n"
+    )
 
 
 class TestSeqNumContradictions:
-    def test_a_rank_waiting_in_what_its_peer_completed_gives_the_divergence_with_both_seqnums(self, tmp_path: Path) -> None:
+    def test_a_rank_waiting_in_what_its_peer_completed_gives_the_divergence_with_both_seqnums(
+        self, tmp_path: Path
+    ) -> None:
         """Rank 1's excerpt holds its timeout line only (no group id from torch 2.4 on)."""
         files = {
-            "rank0.log": timeout_line(0, 1001, "ALLREDUCE", 524288, "01.123456789") + failure_line(0, 0, "default_pg", 1001, 1000, "01.124456789"),
+            "rank0.log": timeout_line(0, 1001, "ALLREDUCE", 524288, "01.123456789")
+            + failure_line(0, 0, "default_pg", 1001, 1000, "01.124456789"),
             "rank1.log": timeout_line(1, 1000, "BROADCAST", 16, "00.923456789"),
         }
         report = analyze(write(tmp_path / "case", files))
         assert (report.verdict.value, report.culprit_ranks) == ("rank_behind", [1])
-        assert "rank 1 still waits in SeqNum 1000 (BROADCAST), which rank 0 completed before entering SeqNum 1001" in report.summary
+        assert (
+            "rank 1 still waits in SeqNum 1000 (BROADCAST), which rank 0 completed before entering SeqNum 1001"
+            in report.summary
+        )
 
     def test_with_two_groups_named_a_line_without_a_group_is_never_compared(self, tmp_path: Path) -> None:
         files = {
@@ -200,10 +251,13 @@ class TestSeqNumContradictions:
         report = analyze(write(tmp_path / "case", files))
         assert (report.verdict.value, report.culprit_ranks, report.culprit_processes) == ("inconclusive", [], [])
 
-    def test_a_line_without_a_group_whose_seqnum_the_group_never_reached_that_way_is_not_compared(self, tmp_path: Path) -> None:
+    def test_a_line_without_a_group_whose_seqnum_the_group_never_reached_that_way_is_not_compared(
+        self, tmp_path: Path
+    ) -> None:
         """Rank 1 waits in SeqNum 212 (a tensor-parallel group's numbers) while rank 0's only named group completed 1000."""
         files = {
-            "rank0.log": timeout_line(0, 1001, "ALLREDUCE", 524288, "01.123456789") + failure_line(0, 0, "default_pg", 1001, 1000, "01.124456789"),
+            "rank0.log": timeout_line(0, 1001, "ALLREDUCE", 524288, "01.123456789")
+            + failure_line(0, 0, "default_pg", 1001, 1000, "01.124456789"),
             "rank1.log": timeout_line(1, 212, "ALLGATHER", 8192, "00.923456789"),
         }
         report = analyze(write(tmp_path / "case", files))

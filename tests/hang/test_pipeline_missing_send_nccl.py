@@ -18,17 +18,19 @@ from pathlib import Path
 
 import pytest
 
+from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, OpState
 from ncclwatch.watchdog.hang.classify import judge
 from ncclwatch.watchdog.hang.detectors import check_point_to_point
-from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.hang.verdict import decide
-from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, OpState
+from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
 from ncclwatch.watchdog.parsing.journal import parse_journal
 
-BUNDLE = next((Path(__file__).parents[1] / "fixtures" / "bundles" / "nccl-2.28.9-h100-pipeline-missing-send").glob("*.tar.gz"))
+BUNDLE = next(
+    (Path(__file__).parents[1] / "fixtures" / "bundles" / "nccl-2.28.9-h100-pipeline-missing-send").glob("*.tar.gz")
+)
 
 
 def _member(name: str) -> bytes:
@@ -57,18 +59,34 @@ def _stage0(rank1: FrDump) -> FrDump:
 
     def mine(entry: FrEntry, kind: str, p2p_seq: int, state: OpState) -> FrEntry:
         name = {"Send": "nccl:send 0->1", "Recv": "nccl:recv 0<-1"}.get(kind, entry.profiling_name)
-        return entry.model_copy(update={"p2p_seq_id": p2p_seq, "profiling_name": name, "peer": 1 if entry.is_p2p else None,
-                                        "state": state, "collective_seq_id": 1500})  # fmt: skip
+        return entry.model_copy(
+            update={
+                "p2p_seq_id": p2p_seq,
+                "profiling_name": name,
+                "peer": 1 if entry.is_p2p else None,
+                "state": state,
+                "collective_seq_id": 1500,
+            }
+        )
 
     step = [done, mine(send, "Send", 7501, OpState.completed)]
     for p2p_seq in (7502, 7503, 7504):  # batch_isend_irecv: members stay scheduled, the marker completes
-        step += [mine(send, "Send", p2p_seq, OpState.scheduled), mine(recv, "Recv", p2p_seq, OpState.scheduled),
-                 mine(marker, "Coalesced", p2p_seq, OpState.completed)]  # fmt: skip
+        step += [
+            mine(send, "Send", p2p_seq, OpState.scheduled),
+            mine(recv, "Recv", p2p_seq, OpState.scheduled),
+            mine(marker, "Coalesced", p2p_seq, OpState.completed),
+        ]
     step += [mine(recv, "Recv", 7505, OpState.started), hung.model_copy(update={"state": OpState.scheduled})]
     renumbered = [e.model_copy(update={"index": i}) for i, e in enumerate(step)]
     group = rank1.process_groups["0"].model_copy(update={"last_completed": 7505})
-    return FrDump(rank=0, version=rank1.version, comm_lib_version=rank1.comm_lib_version, process_groups={"0": group},
-                  entries=renumbered, cite=Citation(file="nccl_trace_rank_0"))  # fmt: skip
+    return FrDump(
+        rank=0,
+        version=rank1.version,
+        comm_lib_version=rank1.comm_lib_version,
+        process_groups={"0": group},
+        entries=renumbered,
+        cite=Citation(file="nccl_trace_rank_0"),
+    )
 
 
 def test_rank1s_all_reduce_is_pending_though_its_group_status_counts_higher(rank1: FrDump) -> None:

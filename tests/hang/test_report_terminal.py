@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 
 from ncclwatch.watchdog.analyze import analyze_paths
-
-from ncclwatch.watchdog.hang.verdicts import CATALOGUE, Verdict
 from ncclwatch.watchdog.hang.report import (
     STACK_ARROW,
     TERMINAL_COLUMNS,
@@ -25,6 +23,7 @@ from ncclwatch.watchdog.hang.report import (
     headline,
     render_text,
 )
+from ncclwatch.watchdog.hang.verdicts import CATALOGUE, Verdict
 from ncclwatch.watchdog.live.bundle import terminal_text
 
 TORCH = "torch/distributed/distributed_c10d.py"
@@ -32,7 +31,11 @@ USER = "step (/home/alice/projects/llm-pretraining/src/training/loops/train_loop
 
 
 def row(rank: int, culprit: bool) -> RankRow:
-    inner = "main (/home/alice/projects/llm-pretraining/src/training/loops/train_loop.py:97)" if culprit else f"all_reduce ({TORCH}:3252)"
+    inner = (
+        "main (/home/alice/projects/llm-pretraining/src/training/loops/train_loop.py:97)"
+        if culprit
+        else f"all_reduce ({TORCH}:3252)"
+    )
     return RankRow(
         rank=rank,
         host=f"gpu-node-{rank // 4:03d}.cluster.example.com",
@@ -60,10 +63,16 @@ def report(**changes) -> Report:  # type: ignore[no-untyped-def]
         reason="A rank that skips a collective leaves its peers waiting in it forever.",
         ranks=[row(r, r == 2) for r in range(8)],
         evidence=[
-            EvidenceItem(source="py-spy", fact="rank 2: python at main (/home/alice/projects/llm-pretraining/src/"
-                         "training/loops/train_loop.py:97)"),  # fmt: skip
-            EvidenceItem(source="flight_recorder", fact="rank 0 issued AllReduce count=16777216 BFloat16 as collective #57",
-                         cite="/tmp/ncclwatch-4242-abcdefgh/fr/ncclwatch_trace_0 entries[56]"),  # fmt: skip
+            EvidenceItem(
+                source="py-spy",
+                fact="rank 2: python at main (/home/alice/projects/llm-pretraining/src/"
+                "training/loops/train_loop.py:97)",
+            ),
+            EvidenceItem(
+                source="flight_recorder",
+                fact="rank 0 issued AllReduce count=16777216 BFloat16 as collective #57",
+                cite="/tmp/ncclwatch-4242-abcdefgh/fr/ncclwatch_trace_0 entries[56]",
+            ),
         ],
         notes=["ras: not queried: NCCL 2.27.5 is in a range known to crash when RAS is asked (NVIDIA/nccl#1762)"],
         analyzed_at="2026-11-23T13:23:16+00:00",
@@ -97,7 +106,10 @@ class TestWidth:
                 words = line.split()
                 for word in words:
                     if "train_loop" in word or "all_reduce" in word:
-                        assert word.strip("()") in {n.strip("()") for n in names} | {"train_loop.py:105)"}, (width, word)
+                        assert word.strip("()") in {n.strip("()") for n in names} | {"train_loop.py:105)"}, (
+                            width,
+                            word,
+                        )
 
     def test_a_wide_terminal_keeps_every_column(self) -> None:
         header = _table(report().ranks, 400)[0].split()
@@ -126,9 +138,15 @@ class TestHeadline:
         ), first
 
     def test_mismatch_names_both_operations(self) -> None:
-        rows = [r.model_copy(update={"detail": "#57: AllGather count=64 Float"}) if r.rank == 2 else r for r in report().ranks]
+        rows = [
+            r.model_copy(update={"detail": "#57: AllGather count=64 Float"}) if r.rank == 2 else r
+            for r in report().ranks
+        ]
         line = headline(report(verdict=Verdict.collective_mismatch, ranks=rows))
-        assert "rank 2 (gpu-node-000.cluster.example.com, pid 424202) issued AllGather where its peers issued AllReduce #57" in line
+        assert (
+            "rank 2 (gpu-node-000.cluster.example.com, pid 424202) issued AllGather where its peers issued AllReduce #57"
+            in line
+        )
         assert "Next: compare the two call sites" in line
 
     def test_waiting_culprit_points_at_its_user_line_not_torch(self) -> None:
@@ -137,8 +155,12 @@ class TestHeadline:
         assert "it is at train_loop.py:105 in step()" in line
 
     def test_no_culprit_uses_the_summary(self) -> None:
-        line = headline(report(verdict=Verdict.progress_stalled, culprit_ranks=[], summary="No rank has made progress for 1800 s."))
-        assert line.startswith("ncclwatch: PROGRESS STALLED No rank has made progress for 1800 s. Next: read the stacks")
+        line = headline(
+            report(verdict=Verdict.progress_stalled, culprit_ranks=[], summary="No rank has made progress for 1800 s.")
+        )
+        assert line.startswith(
+            "ncclwatch: PROGRESS STALLED No rank has made progress for 1800 s. Next: read the stacks"
+        )
 
     @pytest.mark.parametrize("verdict", list(Verdict))
     def test_every_verdict_has_the_catalogues_advice(self, verdict: Verdict) -> None:
@@ -146,7 +168,9 @@ class TestHeadline:
         assert headline(report(verdict=verdict)).endswith(f" Next: {advice}.")
 
     def test_live_report_carries_it(self) -> None:
-        assert Report.model_validate_json(report(headline=headline(report())).model_dump_json()).headline == headline(report())
+        assert Report.model_validate_json(report(headline=headline(report())).model_dump_json()).headline == headline(
+            report()
+        )
 
 
 class TestMismatchCallSites:
@@ -156,8 +180,12 @@ class TestMismatchCallSites:
         report = analyze_paths([str(fr)])
         assert (report.verdict, report.culprit_ranks) == (Verdict.collective_mismatch, [3])
         facts = [e.fact for e in report.evidence if e.source == "flight_recorder"]
-        assert any(f.startswith("ranks 0, 1, 2 issued") and f.endswith("called from main (train.py:158)") for f in facts), facts
-        assert any(f.startswith("rank 3 issued") and f.endswith("called from main (train.py:141)") for f in facts), facts
+        assert any(
+            f.startswith("ranks 0, 1, 2 issued") and f.endswith("called from main (train.py:158)") for f in facts
+        ), facts
+        assert any(f.startswith("rank 3 issued") and f.endswith("called from main (train.py:141)") for f in facts), (
+            facts
+        )
         assert report.headline and report.headline.startswith("ncclwatch: COLLECTIVE MISMATCH rank 3 ")
 
 
@@ -167,4 +195,7 @@ class TestOperationLine:
         assert "operation: AllReduce count=16777216 BFloat16\n" in text + "\n" and "(None)" not in text
 
     def test_position_and_communicator_both_said(self) -> None:
-        assert "operation: AllReduce count=16777216 BFloat16 (collective #57, process group 0 (default_pg))" in render_text(report())
+        assert (
+            "operation: AllReduce count=16777216 BFloat16 (collective #57, process group 0 (default_pg))"
+            in render_text(report())
+        )

@@ -19,13 +19,34 @@ from ncclwatch.watchdog.hang.verdicts import Verdict
 DONE, WAITING = OpState.completed, OpState.scheduled
 
 
-def entry(seq: int, op: str, sizes: tuple[list, list], dtypes: tuple[list, list] = (["Float"], ["Float"]),
-          state: OpState = DONE) -> FrEntry:  # fmt: skip
-    name = {"Scatter": "scatter", "Gather": "gather", "AlltoAll": "all_to_all", "AllReduce": "all_reduce",
-            "Broadcast": "broadcast", "AllGather": "all_gather"}[op]  # fmt: skip
-    return FrEntry(index=seq - 1, pg_id="0", collective_seq_id=seq, profiling_name=f"gloo:{name}", op=op, is_p2p=False,
-                   input_sizes=sizes[0], output_sizes=sizes[1], input_dtypes=dtypes[0], output_dtypes=dtypes[1],
-                   state=state)  # fmt: skip
+def entry(
+    seq: int,
+    op: str,
+    sizes: tuple[list, list],
+    dtypes: tuple[list, list] = (["Float"], ["Float"]),
+    state: OpState = DONE,
+) -> FrEntry:
+    name = {
+        "Scatter": "scatter",
+        "Gather": "gather",
+        "AlltoAll": "all_to_all",
+        "AllReduce": "all_reduce",
+        "Broadcast": "broadcast",
+        "AllGather": "all_gather",
+    }[op]
+    return FrEntry(
+        index=seq - 1,
+        pg_id="0",
+        collective_seq_id=seq,
+        profiling_name=f"gloo:{name}",
+        op=op,
+        is_p2p=False,
+        input_sizes=sizes[0],
+        output_sizes=sizes[1],
+        input_dtypes=dtypes[0],
+        output_dtypes=dtypes[1],
+        state=state,
+    )
 
 
 def judged(rank0: list[FrEntry], rank1: list[FrEntry], last_completed: tuple[int, int] | None = None) -> Finding:
@@ -37,8 +58,11 @@ def judged(rank0: list[FrEntry], rank1: list[FrEntry], last_completed: tuple[int
             entries = [e.model_copy(update={"state": WAITING}) for e in entries]
             status = {"last_enqueued": len(entries), "last_completed": last_completed[rank]}
         group = {"0": FrProcessGroup(pg_id="0", desc="default_pg", ranks=[0, 1], **status)}
-        state.apply(FrDump(rank=rank, version="2.10", process_groups=group, entries=entries,
-                           cite=Citation(file=f"fr/rank_{rank}")))  # fmt: skip
+        state.apply(
+            FrDump(
+                rank=rank, version="2.10", process_groups=group, entries=entries, cite=Citation(file=f"fr/rank_{rank}")
+            )
+        )
     return decide(take_snapshot(state, observed_at=NOW))
 
 

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from ncclwatch.watchdog.hang.stacks import is_user_frame, short_frame, split_frame, user_frame, whereabouts
 from ncclwatch.watchdog.events import Citation, StackDump, ThreadStack
+from ncclwatch.watchdog.hang.stacks import is_user_frame, short_frame, split_frame, user_frame, whereabouts
 from ncclwatch.watchdog.parsing.pyspy import parse_pyspy
 
-CAPTURE = Path(__file__).parents[1] / "fixtures" / "captures" / "nccl-2.28.9-h200x4" / "skip" / "pyspy" / "pyspy.1169.json"
+CAPTURE = (
+    Path(__file__).parents[1] / "fixtures" / "captures" / "nccl-2.28.9-h200x4" / "skip" / "pyspy" / "pyspy.1169.json"
+)
 
 # A rank in all_reduce, reached from the user's step() through the optimizer hook and a stdlib context manager.
 FRAMES = [
@@ -58,8 +60,12 @@ class TestUserFrame:
 
     @pytest.mark.parametrize(
         "frame",
-        ["step (train.py:105)", "main (/work/main/tools/capture/train.py:164)", "forward (mymodel/layers.py:9)",
-         "step (/work/main/launcher/demo_job.py:80)"],  # fmt: skip
+        [
+            "step (train.py:105)",
+            "main (/work/main/tools/capture/train.py:164)",
+            "forward (mymodel/layers.py:9)",
+            "step (/work/main/launcher/demo_job.py:80)",
+        ],
     )
     def test_the_users_files_are(self, frame: str) -> None:
         assert is_user_frame(frame)

@@ -60,9 +60,14 @@ class TestMissingScript:
         fake.write_text("#!/bin/sh\necho \"python: can't open file 'nope.py': [Errno 2] No such file\" >&2\nexit 1\n")
         fake.chmod(0o755)
         done = ncclwatch(
-            "--bundle-dir", str(tmp_path / "b"), "torchrun", "--standalone", "nope.py",
-            path=f"{bin_dir}:{os.environ['PATH']}", cwd=tmp_path,
-        )  # fmt: skip
+            "--bundle-dir",
+            str(tmp_path / "b"),
+            "torchrun",
+            "--standalone",
+            "nope.py",
+            path=f"{bin_dir}:{os.environ['PATH']}",
+            cwd=tmp_path,
+        )
         lines = done.stderr.splitlines()
         assert done.returncode == 1 and "can't open file 'nope.py'" in lines[0]
         assert lines[-1] == f"ncclwatch: training script not found: nope.py (in {tmp_path})"
@@ -119,8 +124,11 @@ class TestServeBundleDir:
         env = {k: v for k, v in os.environ.items() if not k.startswith("NCCLWATCH_")}
         process = subprocess.Popen(
             [sys.executable, "-m", "ncclwatch", "serve", "--bundle-dir", str(folder), "--listen", "127.0.0.1:0"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         try:
             first = process.stdout.readline()  # type: ignore[union-attr]
         finally:

@@ -17,8 +17,14 @@ from ncclwatch.watchdog.parsing import flight_recorder as fr
 
 
 def entry(**extra: object) -> dict[str, object]:
-    return {"record_id": 1, "pg_id": 0, "collective_seq_id": 1, "profiling_name": "nccl:all_reduce",
-            "state": "scheduled", **extra}  # fmt: skip
+    return {
+        "record_id": 1,
+        "pg_id": 0,
+        "collective_seq_id": 1,
+        "profiling_name": "nccl:all_reduce",
+        "state": "scheduled",
+        **extra,
+    }
 
 
 def dump(entries: list[object]) -> dict[str, object]:
@@ -89,8 +95,10 @@ def test_oversize_pickle_is_refused_without_being_walked():
 
 
 def test_many_distinct_entries_within_the_bounds_still_read():
-    entries = [entry(record_id=i, collective_seq_id=i, frames=[{"name": "step", "filename": "train.py", "line": i}])
-               for i in range(2000)]  # fmt: skip
+    entries = [
+        entry(record_id=i, collective_seq_id=i, frames=[{"name": "step", "filename": "train.py", "line": i}])
+        for i in range(2000)
+    ]
     event = parse(pickle.dumps(dump(entries), protocol=2))
     assert isinstance(event, FrDump)
     assert len(event.entries) == 2000 and event.entries[-1].frames[0].line == 1999

@@ -19,18 +19,17 @@ from pathlib import Path
 
 import pytest
 
+from ncclwatch.watchdog.events import Citation, FrDump, OpState, Unusable
 from ncclwatch.watchdog.parsing.flight_recorder import (
     effective_states,
     looks_like_flight_recorder,
     parse_flight_recorder,
     parse_profiling_name,
 )
-from ncclwatch.watchdog.events import Citation, FrDump, OpState, Unusable
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests/fixtures/nccl-2.28.9-2gpu/mismatch_fr/fr"
 DATA = Path(__file__).resolve().parents[1] / "data/flight_recorder"
-
 
 
 def parse(data: bytes, name: str = "nccl_trace_rank_0") -> FrDump:

@@ -5,8 +5,17 @@ from __future__ import annotations
 from conftest import DATA, shared
 from nccl_lines import init, op
 
+from ncclwatch.watchdog.events import (
+    CommEnd,
+    CommInit,
+    CommTopology,
+    LocalPeerClosed,
+    NcclVersion,
+    NcclWarning,
+    OpBatch,
+    OpSig,
+)
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser, iter_op_lines, looks_like_nccl_log
-from ncclwatch.watchdog.events import CommEnd, CommInit, CommTopology, LocalPeerClosed, NcclVersion, NcclWarning, OpBatch, OpSig
 
 
 def parse(data: bytes, name: str = "f.log") -> tuple[NcclLogParser, list]:
@@ -105,7 +114,9 @@ class TestStreaming:
         assert [s.op for s in ops_of(events)] == ["AllReduce", "Broadcast"]
 
     def test_truncated_last_line_is_dropped_as_garbled(self):
-        text = (init(0, 2, "0xc0") + op(0, "AllReduce", 8, "0xc0")).encode() + op(0, "AllReduce", 8, "0xc0").encode()[:60]
+        text = (init(0, 2, "0xc0") + op(0, "AllReduce", 8, "0xc0")).encode() + op(0, "AllReduce", 8, "0xc0").encode()[
+            :60
+        ]
         parser, events = parse(text)
         assert len(ops_of(events)) == 1
         assert parser.garbled == 1
@@ -120,7 +131,11 @@ class TestStreaming:
         assert parser.garbled == 1
 
     def test_launcher_tee_prefix_and_several_processes_in_one_file(self):
-        text = "".join("[rank%d]:" % r + line + "\n" for r in (0, 1) for line in (init(r, 2, f"0xc{r}") + op(r, "AllReduce", 8, f"0xc{r}")).splitlines())
+        text = "".join(
+            "[rank%d]:" % r + line + "\n"
+            for r in (0, 1)
+            for line in (init(r, 2, f"0xc{r}") + op(r, "AllReduce", 8, f"0xc{r}")).splitlines()
+        )
         _, events = parse(text.encode())
         batches = [e for e in events if isinstance(e, OpBatch)]
         assert sorted(b.proc.pid for b in batches) == [1000, 1001]

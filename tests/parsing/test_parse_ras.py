@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import CAPTURES, DATA
 
+from ncclwatch.watchdog.events import Citation, RasCommunicator, RasRank, RasReport, Unusable
 from ncclwatch.watchdog.hang.ras import ras_outliers
 from ncclwatch.watchdog.parsing.ras import (
     MALFORMED_JSON_REASON,
@@ -31,7 +32,6 @@ from ncclwatch.watchdog.parsing.ras import (
     parse_ras_json,
     parse_ras_text,
 )
-from ncclwatch.watchdog.events import Citation, RasCommunicator, RasRank, RasReport, Unusable
 
 RAS = DATA / "ras"
 SAMPLES = sorted(p.name for p in RAS.iterdir() if p.suffix in (".txt", ".json"))

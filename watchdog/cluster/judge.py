@@ -18,12 +18,11 @@ from dataclasses import replace
 
 from ncclwatch.watchdog.cluster.peers import Membership
 from ncclwatch.watchdog.cluster.view import LOST_AFTER_S, Contact
+from ncclwatch.watchdog.events import Event, Stall
 from ncclwatch.watchdog.hang.classify import Decision
+from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.hang.types import Fact
 from ncclwatch.watchdog.hang.verdicts import PRIORITY, Verdict
-from ncclwatch.watchdog.hang.state import JobState
-from ncclwatch.watchdog.events import Event, Stall
-
 
 
 def job_state(local: JobState, remote: dict[int, list[Event]], stall: Stall) -> JobState:
@@ -62,7 +61,9 @@ SILENT = "its sidecar has not published for over {s:.0f} s while the other nodes
 STORE_GONE = "it served the job's store, which is gone, and its sidecar does not answer"
 
 
-def with_lost_nodes(decision: Decision, lost: dict[int, Contact], remote: dict[int, list[Event]], why: str = SILENT) -> Decision:
+def with_lost_nodes(
+    decision: Decision, lost: dict[int, Contact], remote: dict[int, list[Event]], why: str = SILENT
+) -> Decision:
     """A node that neither publishes nor shares evidence while ranks wait is the job's problem, unless a
     fault at least as strong (``PRIORITY``: a mismatch, a dead process) is named elsewhere.  What waiting on
     a lost node looks like (a neighbour behind in enqueued collectives, ranks stuck in one) is its symptom:
@@ -83,9 +84,13 @@ def with_lost_nodes(decision: Decision, lost: dict[int, Contact], remote: dict[i
         culprits=tuple(lost_ranks),
         summary=f"Node {nodes}{ranks} stopped answering: {why.format(s=LOST_AFTER_S)}.",
         reason="The whole node is frozen, cut off the network, or its sidecar died; its ranks cannot be seen. "
-        "Check the node (console, dmesg, its network) first. " + (f"Engine on the rest: {finding.summary}" if finding.summary else ""),
-        evidence=tuple(Fact("cluster", f"node {_node(n, s)}: last summary {'never' if s.at is None else f'at {s.at:.0f}'}")
-                       for n, s in sorted(gone.items())) + finding.evidence,  # fmt: skip
+        "Check the node (console, dmesg, its network) first. "
+        + (f"Engine on the rest: {finding.summary}" if finding.summary else ""),
+        evidence=tuple(
+            Fact("cluster", f"node {_node(n, s)}: last summary {'never' if s.at is None else f'at {s.at:.0f}'}")
+            for n, s in sorted(gone.items())
+        )
+        + finding.evidence,
     )
     return Decision(lost, page=True)
 
@@ -101,9 +106,13 @@ def unread_verdict(decision: Decision, leader: int, key: str) -> Decision:
     and paged it; this node's own view, judged alone, is said to be only that (it may well differ: it lacks the
     other nodes' ranks)."""
     finding = decision.finding
-    note = f"the job-wide verdict: node {leader}'s bundle and page ({key}); the store went away before this node read it"
-    summary = (f"Node {leader} judged the whole job and paged it ({key}); its store went away before this node read "
-               f"that verdict. This node's ranks alone: {finding.summary}")  # fmt: skip
+    note = (
+        f"the job-wide verdict: node {leader}'s bundle and page ({key}); the store went away before this node read it"
+    )
+    summary = (
+        f"Node {leader} judged the whole job and paged it ({key}); its store went away before this node read "
+        f"that verdict. This node's ranks alone: {finding.summary}"
+    )
     return replace(decision, finding=replace(finding, summary=summary, missing=finding.missing + (note,)))
 
 

@@ -120,8 +120,13 @@ def _tail_length(tail: SequenceTail, usual: int, since: int | None) -> int:
 def _trimmed_tail(tail: SequenceTail, length: int) -> SequenceTail:
     """The newest ``length`` collectives, and as many point-to-point ops per peer; counts stay whole."""
     cut = max(len(tail.sigs) - length, 0)
-    peers = {side: {peer: t.model_copy(update={"sigs": t.sigs[len(t.sigs) - min(length, len(t.sigs)):]})
-                    for peer, t in getattr(tail, side).items()} for side in ("sent", "received")}  # fmt: skip
+    peers = {
+        side: {
+            peer: t.model_copy(update={"sigs": t.sigs[len(t.sigs) - min(length, len(t.sigs)) :]})
+            for peer, t in getattr(tail, side).items()
+        }
+        for side in ("sent", "received")
+    }
     return tail.model_copy(update={"sigs": tail.sigs[cut:], "base": tail.base + cut, **peers})
 
 

@@ -23,10 +23,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from ncclwatch.watchdog.events import Citation, OpSig, OpState
 from ncclwatch.watchdog.hang.snapshot import CommView, PeerView, RankView
 from ncclwatch.watchdog.hang.stacks import call_line, short_frame, split_frame, user_frame
 from ncclwatch.watchdog.hang.step_pattern import Expectation, expected_next
-from ncclwatch.watchdog.events import Citation, OpSig, OpState
 from ncclwatch.watchdog.hang.types import Fact, Finding, OpRef, RankStatus
 from ncclwatch.watchdog.hang.verdicts import Verdict
 
@@ -54,7 +54,9 @@ def _op_evidence(comm: CommView, rank: RankView, position: int, fact: str) -> Fa
     return Fact(comm.source, fact, Citation(file=rank.file), ref)
 
 
-def _rows(comm: CommView, status: Callable[[RankView], tuple[str, str]], position: int | None = None) -> tuple[RankStatus, ...]:
+def _rows(
+    comm: CommView, status: Callable[[RankView], tuple[str, str]], position: int | None = None
+) -> tuple[RankStatus, ...]:
     """Each rank's row; with ``position``, the user's line that issued its operation there (Flight Recorder)."""
     rows = []
     for rank in comm.ranks:
@@ -180,7 +182,9 @@ def _mismatch(
     good = groups[good_sig] if decided else []
     evidence = [
         _op_evidence(
-            comm, members[0], position,
+            comm,
+            members[0],
+            position,
             f"{names(members)} issued {sig.describe() if sig else '?'} as collective #{position + 1}{_called_from(members[0], position)}",
         )
         for sig, members in groups.items()
@@ -233,7 +237,12 @@ def _describe(key: Hashable) -> str:
     return text
 
 
-def _step_line(step: Expectation, keys: dict[OpSig | None, Hashable], groups: dict[OpSig | None, list[RankView]], good_sig: OpSig | None) -> str:
+def _step_line(
+    step: Expectation,
+    keys: dict[OpSig | None, Hashable],
+    groups: dict[OpSig | None, list[RankView]],
+    good_sig: OpSig | None,
+) -> str:
     """One clause per wrong side: what it skipped or issued instead, and how the learned step says so."""
     shape = step.shape
     if shape is None or step.expected is None:
@@ -292,7 +301,7 @@ def with_call_sites(finding: Finding, others: Sequence[Finding]) -> Finding:
 
 
 def _called_from(rank: RankView, position: int) -> str:
-    """", called from step (train.py:105)": the user's line Flight Recorder recorded for this operation."""
+    """ ", called from step (train.py:105)": the user's line Flight Recorder recorded for this operation."""
     op = rank.details.get(position)
     mine = user_frame(op.frames) if op is not None else None
     return f", called from {short_frame(mine)}" if mine else ""
@@ -328,7 +337,9 @@ def _behind(comm: CommView, ranks: list[RankView]) -> Finding | None:
     for r in culprits:
         last = r.at(low - 1)
         fact = f"{r.name}'s last collective is #{low}" + (f" ({last.describe()})" if last else "")
-        evidence.append(_op_evidence(comm, r, low - 1, fact) if low else Fact(comm.source, f"{r.name} issued no collective"))
+        evidence.append(
+            _op_evidence(comm, r, low - 1, fact) if low else Fact(comm.source, f"{r.name} issued no collective")
+        )
     evidence += [Fact(comm.source, f"{r.name} ended the communicator ({r.end})", r.end_cite) for r in ended]
     return _comm_finding(
         comm,
@@ -339,7 +350,10 @@ def _behind(comm: CommView, ranks: list[RankView]) -> Finding | None:
         position=low + 1,
         operation=operation,
         evidence=tuple(evidence),
-        rows=_rows(comm, lambda r: ("behind" if r.total == low else "waiting" if r.total == top else "behind", f"issued {r.total}")),
+        rows=_rows(
+            comm,
+            lambda r: ("behind" if r.total == low else "waiting" if r.total == top else "behind", f"issued {r.total}"),
+        ),
     )
 
 
@@ -394,7 +408,9 @@ def check_point_to_point(comm: CommView) -> Finding | None:
     return _p2p_deadlock(comm, waits) or _p2p_behind(comm, waits[0])
 
 
-def _compare_pair(comm: CommView, sender: RankView, receiver: RankView, sends: PeerView, recvs: PeerView) -> Finding | _P2pWait | None:
+def _compare_pair(
+    comm: CommView, sender: RankView, receiver: RankView, sends: PeerView, recvs: PeerView
+) -> Finding | _P2pWait | None:
     first = max(sends.base, recvs.base)
     last = min(sends.count, recvs.count)
     for index in range(first, last):
@@ -411,18 +427,46 @@ def _compare_pair(comm: CommView, sender: RankView, receiver: RankView, sends: P
                 culprits=tuple(sorted({sender.rank, receiver.rank})),
                 operation=s.describe(),
                 evidence=(
-                    _p2p_evidence(comm, sender, "Send", receiver.comm_rank, index, f"{sender.name} send #{index + 1}: {s.describe()}"),
-                    _p2p_evidence(comm, receiver, "Recv", sender.comm_rank, index, f"{receiver.name} recv #{index + 1}: {r.describe()}"),
+                    _p2p_evidence(
+                        comm,
+                        sender,
+                        "Send",
+                        receiver.comm_rank,
+                        index,
+                        f"{sender.name} send #{index + 1}: {s.describe()}",
+                    ),
+                    _p2p_evidence(
+                        comm,
+                        receiver,
+                        "Recv",
+                        sender.comm_rank,
+                        index,
+                        f"{receiver.name} recv #{index + 1}: {r.describe()}",
+                    ),
                 ),
             )
     if sends.count > recvs.count:
-        return _P2pWait(sender, receiver, "Recv", recvs.count, sends.sigs[recvs.count - sends.base] if recvs.count >= sends.base else None)
+        return _P2pWait(
+            sender,
+            receiver,
+            "Recv",
+            recvs.count,
+            sends.sigs[recvs.count - sends.base] if recvs.count >= sends.base else None,
+        )
     if recvs.count > sends.count:
-        return _P2pWait(receiver, sender, "Send", sends.count, recvs.sigs[sends.count - recvs.base] if sends.count >= recvs.base else None)
+        return _P2pWait(
+            receiver,
+            sender,
+            "Send",
+            sends.count,
+            recvs.sigs[sends.count - recvs.base] if sends.count >= recvs.base else None,
+        )
     return None
 
 
-def _p2p_evidence(comm: CommView, rank: RankView, kind: Literal["Send", "Recv"], peer: int, index: int, fact: str) -> Fact:
+def _p2p_evidence(
+    comm: CommView, rank: RankView, kind: Literal["Send", "Recv"], peer: int, index: int, fact: str
+) -> Fact:
     ref = None
     if rank.proc is not None and rank.comm_ptr is not None:
         ref = OpRef(rank.file, rank.proc, rank.comm_ptr, kind, peer, index)
@@ -457,7 +501,14 @@ P2P_DEADLOCK_FIX = "reorder them (one side sends first), or post both with batch
 def _p2p_deadlock(comm: CommView, waits: list[_P2pWait]) -> Finding | None:
     """Two ranks each waiting for the other's missing side: a cycle of waits."""
     for one in waits:
-        other = next((w for w in waits if w.waiter.comm_rank == one.culprit.comm_rank and w.culprit.comm_rank == one.waiter.comm_rank), None)
+        other = next(
+            (
+                w
+                for w in waits
+                if w.waiter.comm_rank == one.culprit.comm_rank and w.culprit.comm_rank == one.waiter.comm_rank
+            ),
+            None,
+        )
         if other is None:
             continue
         pair = tuple(sorted((one.waiter.rank, one.culprit.rank)))
@@ -507,8 +558,12 @@ def _first_pending(rank: RankView, peer: int) -> _PendingP2p | None:
 def _pending_fact(comm: CommView, rank: RankView, other: RankView, wait: _PendingP2p) -> Fact:
     behind = f"; behind it: {wait.then}" if wait.then else "; nothing posted behind it"
     called = f", called from {wait.called_from}" if wait.called_from else ""
-    return Fact(comm.source, f"{rank.name}: first pending op with {other.name} is Recv #{wait.index + 1} "
-                f"({wait.sig.describe()}, {wait.state}){called}{behind}", Citation(file=rank.file))  # fmt: skip
+    return Fact(
+        comm.source,
+        f"{rank.name}: first pending op with {other.name} is Recv #{wait.index + 1} "
+        f"({wait.sig.describe()}, {wait.state}){called}{behind}",
+        Citation(file=rank.file),
+    )
 
 
 def _call_sites(waits: Sequence[tuple[RankView, _PendingP2p]]) -> str:
@@ -568,7 +623,12 @@ def _recv_never_sent(comm: CommView) -> Finding | None:
         for peer in sorted(waiter.received):
             sender = ranks.get(peer)
             mine = _first_pending(waiter, peer)
-            if sender is None or mine is None or mine.kind != "Recv" or _first_pending(sender, waiter.comm_rank) is not None:
+            if (
+                sender is None
+                or mine is None
+                or mine.kind != "Recv"
+                or _first_pending(sender, waiter.comm_rank) is not None
+            ):
                 continue
             after = next((pos for pos, op in sorted(waiter.details.items()) if op.line > mine.line), None)
             if after is None or sender.total <= after:
@@ -587,9 +647,13 @@ def _recv_never_sent(comm: CommView) -> Finding | None:
                 operation=mine.sig.describe(),
                 evidence=(
                     _pending_fact(comm, waiter, sender, mine),
-                    Fact(comm.source, f"{sender.name}: no send or recv with {waiter.name} pending; collective #{after + 1} "
-                         f"enqueued ({sender.state_at(after) or '?'})", Citation(file=sender.file)),
-                ),  # fmt: skip
+                    Fact(
+                        comm.source,
+                        f"{sender.name}: no send or recv with {waiter.name} pending; collective #{after + 1} "
+                        f"enqueued ({sender.state_at(after) or '?'})",
+                        Citation(file=sender.file),
+                    ),
+                ),
             )
     return None
 
@@ -605,8 +669,18 @@ def missing_send_behind_cycle(findings: Sequence[Finding]) -> Finding | None:
     cycle = next((f for f in findings if f.verdict == Verdict.p2p_deadlock and f.source == "flight_recorder"), None)
     if cycle is None:
         return None
-    return next((f for f in findings if f.source == "nccl_log" and f.verdict == Verdict.rank_behind and f.position is None
-                 and f.culprits and set(f.culprits) <= set(cycle.culprits)), None)  # fmt: skip
+    return next(
+        (
+            f
+            for f in findings
+            if f.source == "nccl_log"
+            and f.verdict == Verdict.rank_behind
+            and f.position is None
+            and f.culprits
+            and set(f.culprits) <= set(cycle.culprits)
+        ),
+        None,
+    )
 
 
 # --------------------------------------------------------------------------
@@ -674,7 +748,8 @@ def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding
         return _silent_ranks(comm, ranks, silent, position)
     sig = pending[0].at(position)
     evidence = [
-        _op_evidence(comm, r, position, f"{r.name}: collective #{position + 1} is {states[r.comm_rank] or 'absent'}") for r in ranks
+        _op_evidence(comm, r, position, f"{r.name}: collective #{position + 1} is {states[r.comm_rank] or 'absent'}")
+        for r in ranks
     ]
     reason = (
         f"{names(lead)} never started the collective its peers are running (Flight Recorder: scheduled vs started)."
@@ -690,7 +765,9 @@ def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding
         position=position + 1,
         operation=sig.describe() if sig else None,
         evidence=tuple(evidence),
-        missing=() if lead else ("which rank is late: 'started' states need TORCH_NCCL_ENABLE_TIMING=1; or add NVML samples / stacks",),
+        missing=()
+        if lead
+        else ("which rank is late: 'started' states need TORCH_NCCL_ENABLE_TIMING=1; or add NVML samples / stacks",),
         rows=_rows(comm, lambda r: (str(states[r.comm_rank] or "?"), f"completed {r.completed}")),
     )
 
@@ -710,7 +787,10 @@ def _silent_ranks(comm: CommView, ranks: list[RankView], silent: list[int], posi
         culprits=culprits,
         position=position + 1,
         operation=sig.describe() if sig else None,
-        evidence=tuple(_op_evidence(comm, r, position, f"{r.name}: collective #{position + 1} is {r.state_at(position)}") for r in ranks),
+        evidence=tuple(
+            _op_evidence(comm, r, position, f"{r.name}: collective #{position + 1} is {r.state_at(position)}")
+            for r in ranks
+        ),
         missing=(f"Flight Recorder dumps of rank {', '.join(map(str, culprits))}",),
         absent=culprits,
     )

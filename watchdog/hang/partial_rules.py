@@ -11,10 +11,6 @@ import signal
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ncclwatch.watchdog.hang.types import CulpritProcess, Fact, Finding, RankStatus
-from ncclwatch.watchdog.hang.verdicts import Verdict
-from ncclwatch.watchdog.hang.pg_status import Group, RankInGroup, build_groups
-from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.events import (
     Citation,
     CollectiveFingerprint,
@@ -26,10 +22,24 @@ from ncclwatch.watchdog.events import (
     WatchdogTimeout,
     WorkerFailure,
 )
-
+from ncclwatch.watchdog.hang.pg_status import Group, RankInGroup, build_groups
+from ncclwatch.watchdog.hang.snapshot import Snapshot
+from ncclwatch.watchdog.hang.types import CulpritProcess, Fact, Finding, RankStatus
+from ncclwatch.watchdog.hang.verdicts import Verdict
 
 # OpTypes whose NumelIn must be equal on every rank (not all-to-all, gather/scatter, p2p).
-SIZED_ALIKE = frozenset({"ALLREDUCE", "BROADCAST", "REDUCE", "ALLGATHER", "_ALLGATHER_BASE", "REDUCE_SCATTER", "_REDUCE_SCATTER_BASE", "BARRIER"})
+SIZED_ALIKE = frozenset(
+    {
+        "ALLREDUCE",
+        "BROADCAST",
+        "REDUCE",
+        "ALLGATHER",
+        "_ALLGATHER_BASE",
+        "REDUCE_SCATTER",
+        "_REDUCE_SCATTER_BASE",
+        "BARRIER",
+    }
+)
 P2P_TYPES = frozenset({"SEND", "RECV", "RECVANYSOURCE", "COALESCED"})
 _NOT_DEAD = {-signal.SIGTERM, -signal.SIGINT}  # torchrun's teardown of the healthy ranks
 
@@ -53,8 +63,11 @@ class Facts:
     def collect(cls, snapshot: Snapshot) -> Facts:
         facts = cls(timeouts=list(snapshot.timeouts))
         sort = {
-            PgStatus: facts.statuses, CollectiveFingerprint: facts.fingerprints, NetworkError: facts.network,
-            RankLog: facts.rank_logs, OrphanOps: facts.orphans,
+            PgStatus: facts.statuses,
+            CollectiveFingerprint: facts.fingerprints,
+            NetworkError: facts.network,
+            RankLog: facts.rank_logs,
+            OrphanOps: facts.orphans,
         }
         for event in snapshot.partial:
             bucket = sort.get(type(event))
@@ -76,7 +89,9 @@ class Facts:
 
     @property
     def empty(self) -> bool:
-        return not (self.timeouts or self.statuses or self.fingerprints or self.network or self.orphans or self.rank_logs)
+        return not (
+            self.timeouts or self.statuses or self.fingerprints or self.network or self.orphans or self.rank_logs
+        )
 
     def diagnosed_ranks(self) -> set[int]:
         """Ranks that printed a PyTorch or network diagnostic of their own: alive when they printed it."""
@@ -88,8 +103,12 @@ class Facts:
         """Ranks torchrun saw exit on their own (not its SIGTERM), that were not busy reporting an error."""
         diagnosed = self.diagnosed_ranks()
         return {
-            r: f for r, f in self.failures_by_rank.items()
-            if f.exitcode != 0 and f.exitcode not in _NOT_DEAD and r not in diagnosed and (f.root_cause or f.exitcode < 0)
+            r: f
+            for r, f in self.failures_by_rank.items()
+            if f.exitcode != 0
+            and f.exitcode not in _NOT_DEAD
+            and r not in diagnosed
+            and (f.root_cause or f.exitcode < 0)
         }
 
     def held_ranks(self) -> set[int]:
@@ -109,19 +128,30 @@ class Facts:
             for info in group.ranks.values():
                 row = rows.setdefault(info.rank, {"detail": []})
                 row.setdefault("issued", info.enqueued)
-                row.setdefault("last_op", f"SeqNum {info.waiting} {info.op or ''}".strip() if info.waiting is not None else None)
-                row.setdefault("status", "timed out" if info.op else "waiting" if info.waiting is not None else "placed")
+                row.setdefault(
+                    "last_op", f"SeqNum {info.waiting} {info.op or ''}".strip() if info.waiting is not None else None
+                )
+                row.setdefault(
+                    "status", "timed out" if info.op else "waiting" if info.waiting is not None else "placed"
+                )
                 row["detail"].append(f"{group.label}: {info.position()}")
         for error in self.network:
             if error.rank is not None:
                 row = rows.setdefault(error.rank, {"detail": []})
                 row.setdefault("status", "network error")
-                row["detail"].append(f"{error.kind.replace('_', ' ')}" + (f" (peer {error.peer})" if error.peer else ""))
+                row["detail"].append(
+                    f"{error.kind.replace('_', ' ')}" + (f" (peer {error.peer})" if error.peer else "")
+                )
         for log in self.rank_logs:
             rows.setdefault(log.rank, {"detail": [], "status": "log held, no diagnostic"})
         return tuple(
             RankStatus(
-                rank=r, host=None, pid=None, issued=v.get("issued"), last_op=v.get("last_op"), status=v.get("status", ""),
+                rank=r,
+                host=None,
+                pid=None,
+                issued=v.get("issued"),
+                last_op=v.get("last_op"),
+                status=v.get("status", ""),
                 detail="; ".join(dict.fromkeys(v["detail"]))[:300],
             )
             for r, v in sorted(rows.items())
@@ -137,7 +167,9 @@ class Facts:
 def _op_history(snapshot: Snapshot, orphans: list[OrphanOps]) -> tuple[str, ...]:
     """One rank's recorded operations in order, from the job's largest communicator (the default group's, as a
     rule): what the job repeats, for a DETAIL report that cannot say which side departs."""
-    candidates = [(comm.nranks, len(r.window), tuple(sig.op for sig in r.window)) for comm in snapshot.comms for r in comm.ranks]
+    candidates = [
+        (comm.nranks, len(r.window), tuple(sig.op for sig in r.window)) for comm in snapshot.comms for r in comm.ranks
+    ]
     candidates += [(o.nranks or 0, len(o.last), tuple(sig.op for _, sig, _ in o.last)) for o in orphans]
     return max(candidates, default=(0, 0, ()))[2]
 
@@ -179,9 +211,12 @@ def _judge_group(group: Group, facts: Facts) -> Finding:
     if group.ambiguous:
         seqs = "; ".join(f"rank {i.rank}: SeqNum {sorted(i.seqs)}" for i in infos if i.rank in group.ambiguous)
         return _seen(
-            group, infos,
+            group,
+            infos,
             f"{seqs}: several process groups whose lines carry no group id; their sequence numbers are not compared",
-            ("lines with process-group ids (torch 2.4+ prints '[PG ID n PG GUID g(name) Rank r]'), or Flight Recorder dumps",),
+            (
+                "lines with process-group ids (torch 2.4+ prints '[PG ID n PG GUID g(name) Rank r]'), or Flight Recorder dumps",
+            ),
         )
     waiting = [i for i in infos if i.waiting is not None]
     if not waiting:
@@ -191,7 +226,9 @@ def _judge_group(group: Group, facts: Facts) -> Finding:
     mismatch = _op_mismatch(group, at_top, top)
     if mismatch is not None:
         return mismatch
-    behind = [i for i in infos if (i.enqueued is not None and i.enqueued < top) or (i.waiting is not None and i.waiting < top)]
+    behind = [
+        i for i in infos if (i.enqueued is not None and i.enqueued < top) or (i.waiting is not None and i.waiting < top)
+    ]
     if behind and len(behind) < len(infos):
         return _behind(group, behind, at_top, top)
     op = at_top[0].op or "?"
@@ -206,9 +243,13 @@ def _judge_group(group: Group, facts: Facts) -> Finding:
             comm_label=group.label,
             source="pytorch",
             evidence=tuple(Fact("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in at_top[:12]),
-            missing=("Flight Recorder dumps (started vs scheduled names the late rank), or the network errors of each rank",),
+            missing=(
+                "Flight Recorder dumps (started vs scheduled names the late rank), or the network errors of each rank",
+            ),
         )
-    return _seen(group, infos, f"{group.label}: ranks {ranks} wait in SeqNum {top} ({op}); no rank is seen behind it", ())
+    return _seen(
+        group, infos, f"{group.label}: ranks {ranks} wait in SeqNum {top} ({op}); no rank is seen behind it", ()
+    )
 
 
 def _op_mismatch(group: Group, at_top: list[RankInGroup], top: int) -> Finding | None:
@@ -228,7 +269,11 @@ def _op_mismatch(group: Group, at_top: list[RankInGroup], top: int) -> Finding |
         verdict=Verdict.collective_mismatch,
         summary=f"At SeqNum {top} on {group.label} ranks issued different collectives: {sides}.",
         reason="PyTorch numbers a group's collectives alike on every rank; the same number with another type or size is another call. "
-        + ("The ranks split evenly: which side is wrong is not in these lines." if tie else "The minority departs from the others."),
+        + (
+            "The ranks split evenly: which side is wrong is not in these lines."
+            if tie
+            else "The minority departs from the others."
+        ),
         culprits=culprits,
         position=top,
         operation=" vs ".join(text(k) for k, _ in ordered),
@@ -241,10 +286,16 @@ def _op_mismatch(group: Group, at_top: list[RankInGroup], top: int) -> Finding |
 def _behind(group: Group, behind: list[RankInGroup], at_top: list[RankInGroup], top: int) -> Finding:
     names = ", ".join(str(i.rank) for i in behind)
     op = at_top[0].op or "?"
-    finished = [(i, peer) for i in behind for peer in at_top if i.waiting is not None and peer.completed is not None and peer.completed >= i.waiting]
+    finished = [
+        (i, peer)
+        for i in behind
+        for peer in at_top
+        if i.waiting is not None and peer.completed is not None and peer.completed >= i.waiting
+    ]
     diverged = " ".join(
         f"They diverged: rank {i.rank} still waits in SeqNum {i.waiting} ({i.op or '?'}), which rank {peer.rank} completed before "
-        f"entering SeqNum {top}." for i, peer in finished[:1]
+        f"entering SeqNum {top}."
+        for i, peer in finished[:1]
     )
     evidence = [Fact("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in at_top[:6]]
     evidence += [Fact("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in behind[:6]]
@@ -271,7 +322,10 @@ def _seen(group: Group, infos: list[RankInGroup], text: str, missing: tuple[str,
         summary=text,
         comm_label=group.label,
         source="pytorch",
-        evidence=tuple(Fact("pytorch", f"rank {i.rank}: {i.position()} ({group.label})", c) for i, c in zip(infos, cites, strict=False))[:8],
+        evidence=tuple(
+            Fact("pytorch", f"rank {i.rank}: {i.position()} ({group.label})", c)
+            for i, c in zip(infos, cites, strict=False)
+        )[:8],
         missing=missing,
     )
 
@@ -320,7 +374,13 @@ def reporter(error: NetworkError) -> str:
 def describe_network(error: NetworkError) -> str:
     who = reporter(error)
     if error.kind == "ib_completion":
-        what = f"InfiniBand completion error {error.status}" + (f" ({error.status_name}: {error.meaning})" if error.meaning else f" ({error.status_name})" if error.status_name else "")
+        what = f"InfiniBand completion error {error.status}" + (
+            f" ({error.status_name}: {error.meaning})"
+            if error.meaning
+            else f" ({error.status_name})"
+            if error.status_name
+            else ""
+        )
         return f"{who}: {what} from peer {error.peer}" + (f" on {error.device}" if error.device else "")
     if error.kind == "connection_closed":
         return f"{who}: connection closed by peer {error.peer}"
@@ -367,10 +427,16 @@ def _named(orphans: list[OrphanOps]) -> dict:
 def _align_orphans(size: int | None, procs: dict[ProcKey, list[OrphanOps]]) -> Finding:
     label = f"communicator of {size} ranks" if size else "communicator of unknown size"
     single = [slots[0] for slots in procs.values() if len(slots) == 1 and slots[0].last]
-    seen = "; ".join(f"{_who(o)}: {o.count} ops, last {o.last[-1][1].describe()} opCount {o.last[-1][0]:#x}" for o in single[:12])
+    seen = "; ".join(
+        f"{_who(o)}: {o.count} ops, last {o.last[-1][1].describe()} opCount {o.last[-1][0]:#x}" for o in single[:12]
+    )
     missing = ("NCCL logs from their start (the Init lines name each rank and communicator)",)
     if len(single) < 2:
-        return Finding(Verdict.inconclusive, summary=f"NCCL operations without Init lines ({label}): {seen or 'several communicators per process'}", missing=missing)
+        return Finding(
+            Verdict.inconclusive,
+            summary=f"NCCL operations without Init lines ({label}): {seen or 'several communicators per process'}",
+            missing=missing,
+        )
     mismatch = _orphan_mismatch(label, single)
     if mismatch is not None:
         return mismatch
@@ -384,7 +450,11 @@ def _align_orphans(size: int | None, procs: dict[ProcKey, list[OrphanOps]]) -> F
     top = max(last.values())
     behind = [o for o in single if last[o.proc] < top]
     if not behind:
-        return Finding(Verdict.inconclusive, summary=f"NCCL operations without Init lines ({label}) all end at opCount {top:#x}: {seen}", missing=missing)
+        return Finding(
+            Verdict.inconclusive,
+            summary=f"NCCL operations without Init lines ({label}) all end at opCount {top:#x}: {seen}",
+            missing=missing,
+        )
     ahead = [o for o in single if last[o.proc] == top]
     return Finding(
         verdict=Verdict.rank_behind,
@@ -395,7 +465,11 @@ def _align_orphans(size: int | None, procs: dict[ProcKey, list[OrphanOps]]) -> F
         operation=ahead[0].last[-1][1].describe(),
         source="nccl_log",
         evidence=tuple(
-            Fact("nccl_log", f"{_who(o)}: last operation {o.last[-1][1].describe()} at opCount {o.last[-1][0]:#x}", Citation(file=o.file, line=o.last[-1][2]))
+            Fact(
+                "nccl_log",
+                f"{_who(o)}: last operation {o.last[-1][1].describe()} at opCount {o.last[-1][0]:#x}",
+                Citation(file=o.file, line=o.last[-1][2]),
+            )
             for o in single[:12]
         ),
         missing=missing,
@@ -424,12 +498,18 @@ def _orphan_mismatch(label: str, single: list[OrphanOps]) -> Finding | None:
     odd = [] if tie else [o for o in single if issued[o.proc][0] != good]
     return Finding(
         verdict=Verdict.collective_mismatch,
-        summary=f"At {where} on the {label}: " + "; ".join(f"{_who(o)} issued {issued[o.proc][0].describe()}" for o in single),
+        summary=f"At {where} on the {label}: "
+        + "; ".join(f"{_who(o)} issued {issued[o.proc][0].describe()}" for o in single),
         reason="Ranks of one communicator launch the same operation at the same opCount (count, datatype and operation alike). "
         + ("The ranks split evenly: which side is wrong is not in these lines." if tie else "The minority departs."),
         operation=" vs ".join(s.describe() for s in sigs),
         source="nccl_log",
-        evidence=tuple(Fact("nccl_log", f"{_who(o)}: {issued[o.proc][0].describe()}", Citation(file=o.file, line=issued[o.proc][1])) for o in single)[:12],
+        evidence=tuple(
+            Fact(
+                "nccl_log", f"{_who(o)}: {issued[o.proc][0].describe()}", Citation(file=o.file, line=issued[o.proc][1])
+            )
+            for o in single
+        )[:12],
         **_named(odd),
     )
 

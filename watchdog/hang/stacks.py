@@ -77,9 +77,21 @@ _SHARED_OBJECT = re.compile(r"\.so(\.\d+)*$")
 # Top-level packages that py-spy shows relative to site-packages: library
 # frames between the user's code and torch (a Trainer's loop is not the user's line).
 LIBRARY_ROOTS = frozenset(
-    {"torch", "torchvision", "torchaudio", "transformers", "accelerate", "deepspeed", "lightning",
-     "pytorch_lightning", "apex", "triton", "numpy", "ncclwatch"}
-)  # fmt: skip
+    {
+        "torch",
+        "torchvision",
+        "torchaudio",
+        "transformers",
+        "accelerate",
+        "deepspeed",
+        "lightning",
+        "pytorch_lightning",
+        "apex",
+        "triton",
+        "numpy",
+        "ncclwatch",
+    }
+)
 # Python that torch generated, as py-spy 0.4 names its file (short names): inductor's output code
 # ("c7h466...gj.py", kept under /tmp/torchinductor_<user>/) and an FX graph module's forward
 # ("proxy_tensor.py:1738 in wrapped", short for "<eval_with_key>.1 from .../proxy_tensor.py:1738 in wrapped").

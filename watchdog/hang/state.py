@@ -29,9 +29,9 @@ from typing import Literal
 
 from ncclwatch.watchdog.events import (
     Citation,
+    CollectiveFingerprint,
     CommEnd,
     CommInit,
-    CollectiveFingerprint,
     CommTopology,
     Event,
     FrDump,
@@ -54,8 +54,8 @@ from ncclwatch.watchdog.events import (
     ProcKey,
     RankLog,
     RasReport,
-    StackDump,
     SequenceTail,
+    StackDump,
     Stall,
     Unusable,
     WatchdogTimeout,
@@ -205,7 +205,11 @@ class Worker:
         seconds = last.at - first.at
         if seconds <= 0:
             return None, None
-        io = (last.io_bytes - first.io_bytes) / seconds if last.io_bytes is not None and first.io_bytes is not None else None
+        io = (
+            (last.io_bytes - first.io_bytes) / seconds
+            if last.io_bytes is not None and first.io_bytes is not None
+            else None
+        )
         return (last.cpu_seconds - first.cpu_seconds) / seconds, io
 
 
@@ -388,14 +392,22 @@ class JobState:
     def _on_tail(self, event: SequenceTail) -> None:
         comm = self.comms.get(event.comm_key)
         if comm is None:
-            comm = self.comms[event.comm_key] = Communicator(key=event.comm_key, source="nccl_log", nranks=event.nranks, label=event.label)
+            comm = self.comms[event.comm_key] = Communicator(
+                key=event.comm_key, source="nccl_log", nranks=event.nranks, label=event.label
+            )
         if event.comm_rank in comm.ranks:
             return  # this node read the rank's own log: the full sequence wins
         comm.ranks[event.comm_rank] = RankSeq(
-            comm_rank=event.comm_rank, proc=ProcKey(event.host, event.pid), file=f"{event.host}:{event.pid}{SHARED_TAIL}",
-            global_rank=event.global_rank, coll=list(event.sigs), base=event.base, digest=None,
-            sent=_peer_logs(event.sent), received=_peer_logs(event.received),
-        )  # fmt: skip
+            comm_rank=event.comm_rank,
+            proc=ProcKey(event.host, event.pid),
+            file=f"{event.host}:{event.pid}{SHARED_TAIL}",
+            global_rank=event.global_rank,
+            coll=list(event.sigs),
+            base=event.base,
+            digest=None,
+            sent=_peer_logs(event.sent),
+            received=_peer_logs(event.received),
+        )
 
     def sequence_tails(self, length: int) -> list[SequenceTail]:
         """This node's NCCL-log sequences, their newest ``length`` collectives each: what other nodes need to align."""
@@ -407,19 +419,30 @@ class JobState:
                 if seq.proc is None or seq.file.endswith(SHARED_TAIL):  # another node's: it shares its own
                     continue
                 sigs = seq.coll[-length:]
-                tails.append(SequenceTail(
-                    comm_key=comm.key, label=comm.label, nranks=comm.nranks, comm_rank=seq.comm_rank, global_rank=seq.global_rank,
-                    host=seq.proc.host, pid=seq.proc.pid, base=seq.total - len(sigs), sigs=sigs,
-                    sent=_peer_tails(seq.sent, length), received=_peer_tails(seq.received, length),
-                ))  # fmt: skip
+                tails.append(
+                    SequenceTail(
+                        comm_key=comm.key,
+                        label=comm.label,
+                        nranks=comm.nranks,
+                        comm_rank=seq.comm_rank,
+                        global_rank=seq.global_rank,
+                        host=seq.proc.host,
+                        pid=seq.proc.pid,
+                        base=seq.total - len(sigs),
+                        sigs=sigs,
+                        sent=_peer_tails(seq.sent, length),
+                        received=_peer_tails(seq.received, length),
+                    )
+                )
         return tails
 
     def fewest_issued(self) -> dict[str, int]:
         """NCCL communicator -> the fewest collectives one of its ranks issued, as far as this state knows."""
         return {
             comm.key: min(seq.total for seq in comm.ranks.values())
-            for comm in self.comms.values() if comm.source == "nccl_log" and comm.ranks
-        }  # fmt: skip
+            for comm in self.comms.values()
+            if comm.source == "nccl_log" and comm.ranks
+        }
 
     def world_size(self) -> int | None:
         """The job's rank count as torchrun told the workers (WORLD_SIZE), when any worker was seen."""
@@ -639,8 +662,11 @@ def _fold_fr_entries(seq: RankSeq, entries: list[FrEntry], last_completed: int |
 def pending_alone(entries: list[FrEntry]) -> list[FrEntry]:
     """Point-to-point ops issued alone (not in a coalesced group) that have not completed, oldest first."""
     states, grouped = _effective_states(entries)
-    return [e for i, (e, state) in enumerate(zip(entries, states, strict=True))
-            if e.is_p2p and e.op != "Coalesced" and i not in grouped and state is not OpState.completed]  # fmt: skip
+    return [
+        e
+        for i, (e, state) in enumerate(zip(entries, states, strict=True))
+        if e.is_p2p and e.op != "Coalesced" and i not in grouped and state is not OpState.completed
+    ]
 
 
 def _effective_states(entries: list[FrEntry]) -> tuple[list[OpState], set[int]]:

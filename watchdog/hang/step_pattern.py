@@ -144,36 +144,44 @@ def expected_next(history: Sequence[Hashable], candidates: Sequence[Hashable]) -
     shape = learn_steps(history, avoid=candidates)
     if shape is None:
         return Expectation(
-            None, None,
+            None,
+            None,
             why_not=f"no step repeats in the recorded history before it (fewer than {MIN_STEPS} whole steps agree)",
             would_decide="a longer history, if the job ran whole steps before it: NCCL debug logs from the job's "
             "start, or a larger TORCH_FR_BUFFER_SIZE",
-        )  # fmt: skip
+        )
     older = [key for key in candidates if key not in shape.counts and key in history]
     if older:
         return Expectation(
-            None, shape,
+            None,
+            shape,
             why_not="an operation the recent steps do not issue was issued in earlier ones (a branch on data?)",
             would_decide="the code: when that operation is meant to run, and whether every rank takes that branch",
-        )  # fmt: skip
+        )
     after, votes = history[-1], _followers(history, shape)
     seen = [key for key in candidates if votes.get(key)]
     if len(seen) > 1:
         return Expectation(
-            None, shape, after=after, votes=votes,
+            None,
+            shape,
+            after=after,
+            votes=votes,
             why_not="earlier steps issued these operations in either order here (two streams, or a branch on data)",
             would_decide="the code at both call sites: whether their order may differ between ranks (it must not "
             "on one communicator)",
-        )  # fmt: skip
+        )
     # A sliding window is blind to a swap at its edge; the order vote above has ruled that out.
     by_count = _by_count(history, shape, candidates)
     by_order = seen[0] if seen and votes[seen[0]] >= MIN_STEPS else None
     if by_count is not None and by_order is not None and by_count != by_order:
         return Expectation(
-            None, shape, after=after, votes=votes,
+            None,
+            shape,
+            after=after,
+            votes=votes,
             why_not="the step's counts and its order point at different sides",
             would_decide="the code at both call sites: which one every rank should reach here",
-        )  # fmt: skip
+        )
     if by_count is not None:
         return Expectation(by_count, shape, "count", after, votes)
     if by_order is not None:
@@ -184,10 +192,14 @@ def expected_next(history: Sequence[Hashable], candidates: Sequence[Hashable]) -
     else:
         why = "neither operation is what the step issues at this point"
     return Expectation(
-        None, shape, after=after, votes=votes, why_not=why,
+        None,
+        shape,
+        after=after,
+        votes=votes,
+        why_not=why,
         would_decide="the code at both call sites: which one every rank should reach here (a branch on the rank "
         "or on data before them)",
-    )  # fmt: skip
+    )
 
 
 def _by_count(history: Sequence[Hashable], shape: StepShape, candidates: Sequence[Hashable]) -> Hashable | None:

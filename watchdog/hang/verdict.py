@@ -14,13 +14,13 @@ import signal
 from collections import Counter
 from dataclasses import replace
 
+from ncclwatch.watchdog.events import Citation, RasCommunicator, RasReport
 from ncclwatch.watchdog.hang.detectors import analyze_comm, missing_send_behind_cycle, with_call_sites
-from ncclwatch.watchdog.hang.types import Fact, Finding
-from ncclwatch.watchdog.hang.verdicts import HANG_VERDICTS, PRIORITY, Verdict
 from ncclwatch.watchdog.hang.partial import decide_partial, strong_partial
 from ncclwatch.watchdog.hang.ras import ras_outliers
 from ncclwatch.watchdog.hang.snapshot import Snapshot
-from ncclwatch.watchdog.events import Citation, RasCommunicator, RasReport
+from ncclwatch.watchdog.hang.types import Fact, Finding
+from ncclwatch.watchdog.hang.verdicts import HANG_VERDICTS, PRIORITY, Verdict
 
 NCCL_SPIN = "multi-block kernel (NCCL spin)"
 
@@ -57,7 +57,9 @@ def decide(snapshot: Snapshot) -> Finding:
         for f in findings[1:]
         if f.verdict in HANG_VERDICTS
     ]
-    best = replace(best, evidence=best.evidence + tuple(corroborating[:8]), missing=best.missing + _missing_ranks(snapshot))
+    best = replace(
+        best, evidence=best.evidence + tuple(corroborating[:8]), missing=best.missing + _missing_ranks(snapshot)
+    )
     if best.verdict == Verdict.rank_behind:
         best = _upgrade_to_dead(snapshot, best)
     if best.verdict == Verdict.stuck_in_collective and not best.culprits:
@@ -98,7 +100,11 @@ def _dead_ranks(snapshot: Snapshot) -> dict[int, Fact]:
         if failure.root_cause or failure.exitcode != 0:
             dead.setdefault(
                 failure.rank,
-                Fact("torchrun", f"rank {failure.rank} exited with code {failure.exitcode} (pid {failure.pid})", failure.cite),
+                Fact(
+                    "torchrun",
+                    f"rank {failure.rank} exited with code {failure.exitcode} (pid {failure.pid})",
+                    failure.cite,
+                ),
             )
     for closed in snapshot.peer_closed:
         for comm in snapshot.comms:
@@ -107,7 +113,11 @@ def _dead_ranks(snapshot: Snapshot) -> dict[int, Fact]:
             if rank is not None and rank.end is None:
                 dead.setdefault(
                     rank.rank,
-                    Fact("nccl_log", f"a peer's NCCL proxy saw {rank.name}'s connection close (local rank {closed.local_rank})", closed.cite),
+                    Fact(
+                        "nccl_log",
+                        f"a peer's NCCL proxy saw {rank.name}'s connection close (local rank {closed.local_rank})",
+                        closed.cite,
+                    ),
                 )
     return dead
 
@@ -239,7 +249,11 @@ def _without_sequences(snapshot: Snapshot) -> Finding:
     return Finding(
         verdict=Verdict.inconclusive,
         summary="Nothing to align: no NCCL log, Flight Recorder dump or RAS report with operation counts was found.",
-        missing=("NCCL debug files (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL)", "Flight Recorder dumps", "an NCCL RAS report"),
+        missing=(
+            "NCCL debug files (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL)",
+            "Flight Recorder dumps",
+            "an NCCL RAS report",
+        ),
     )
 
 

@@ -158,7 +158,23 @@ _UPPER_COALESCED_MARKER = re.compile(r"[A-Z_]+_coalesced")  # "ALLGATHER_coalesc
 
 # Opcodes that import or call: never in a dump (plain types need none).
 _CODE_OPCODES = frozenset(
-    ["GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID", "NEXT_BUFFER", "READONLY_BUFFER"]
+    [
+        "GLOBAL",
+        "STACK_GLOBAL",
+        "REDUCE",
+        "BUILD",
+        "INST",
+        "OBJ",
+        "NEWOBJ",
+        "NEWOBJ_EX",
+        "EXT1",
+        "EXT2",
+        "EXT4",
+        "PERSID",
+        "BINPERSID",
+        "NEXT_BUFFER",
+        "READONLY_BUFFER",
+    ]
 )
 _MEMO_OPCODES = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"})
 

@@ -5,6 +5,7 @@ Gloo records collectives only (its send/recv and batch_isend_irecv left no
 entry), has no CUDA events (every entry stays "scheduled"), and records
 one empty process group in pg_config.
 """
+
 import os
 
 import torch

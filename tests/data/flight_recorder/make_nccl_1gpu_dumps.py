@@ -3,6 +3,7 @@
 Run: ``OUT=out TORCH_FR_BUFFER_SIZE=200 TORCH_NCCL_ENABLE_TIMING=1 python3 make_nccl_1gpu_dumps.py``.
 One rank cannot make p2p entries; the 2-GPU shared fixture has them.
 """
+
 import os
 import pickle
 
@@ -16,11 +17,16 @@ os.environ.setdefault("MASTER_PORT", "29533")
 dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
 dev = "cuda:0"
 t = torch.ones(8, device=dev)
+
+
 def run(name, fn):
     try:
-        fn(); torch.cuda.synchronize()
+        fn()
+        torch.cuda.synchronize()
     except Exception as e:
         print("FAILED", name, type(e).__name__, str(e)[:200])
+
+
 run("all_reduce", lambda: dist.all_reduce(t))
 run("broadcast", lambda: dist.broadcast(t, 0))
 run("reduce", lambda: dist.reduce(t, 0))
@@ -34,19 +40,32 @@ run("barrier", lambda: dist.barrier())
 run("gather", lambda: dist.gather(t, [torch.zeros(8, device=dev)], dst=0))
 run("scatter", lambda: dist.scatter(torch.zeros(8, device=dev), [t], src=0))
 run("all_reduce_coalesced", lambda: dist.all_reduce_coalesced([t, t.clone()]))
+
+
 def coal_ag():
     with dist._coalescing_manager(async_ops=False):
         dist.all_gather_into_tensor(torch.zeros(8, device=dev), t)
         dist.all_gather_into_tensor(torch.zeros(8, device=dev), t)
+
+
 run("coalescing_manager_all_gather", coal_ag)
+
+
 def coal_rs():
     with dist._coalescing_manager(async_ops=False):
         dist.reduce_scatter_tensor(torch.zeros(8, device=dev), t)
         dist.reduce_scatter_tensor(torch.zeros(8, device=dev), t)
+
+
 run("coalescing_manager_reduce_scatter", coal_rs)
+
+
 def coal_ar():
     with dist._coalescing_manager(async_ops=False):
-        dist.all_reduce(t); dist.all_reduce(t.clone())
+        dist.all_reduce(t)
+        dist.all_reduce(t.clone())
+
+
 run("coalescing_manager_all_reduce", coal_ar)
 g = dist.new_group([0], group_desc="tp_group")
 run("sub_all_reduce", lambda: dist.all_reduce(torch.ones(3, dtype=torch.bfloat16, device=dev), group=g))
@@ -58,9 +77,23 @@ open(f"{out}/nccl_pickle_rank_0", "wb").write(c._dump_nccl_trace())
 open(f"{out}/nccl_json_rank_0", "wb").write(c._dump_nccl_trace_json())
 if hasattr(c, "_dump_fr_trace_json"):
     open(f"{out}/fr_json_rank_0", "wb").write(c._dump_fr_trace_json())
-w.wait(); torch.cuda.synchronize()
+w.wait()
+torch.cuda.synchronize()
 d = pickle.loads(open(f"{out}/nccl_pickle_rank_0", "rb").read())  # our own fresh dump
 print({k: v for k, v in d.items() if k != "entries"})
 for e in d["entries"]:
-    print(e["record_id"], e["pg_id"], e["process_group"], e["collective_seq_id"], e["p2p_seq_id"], e["op_id"], e["profiling_name"], e["state"], e["input_sizes"], e["output_sizes"], e.get("input_dtypes"), e.get("duration_ms"))
+    print(
+        e["record_id"],
+        e["pg_id"],
+        e["process_group"],
+        e["collective_seq_id"],
+        e["p2p_seq_id"],
+        e["op_id"],
+        e["profiling_name"],
+        e["state"],
+        e["input_sizes"],
+        e["output_sizes"],
+        e.get("input_dtypes"),
+        e.get("duration_ms"),
+    )
 dist.destroy_process_group()

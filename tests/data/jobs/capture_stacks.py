@@ -43,10 +43,21 @@ def pyspy() -> str:
 def capture(wait: str, hold_s: float, out: Path) -> None:
     with tempfile.TemporaryDirectory() as marks:
         job = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-             str(HERE / "comm_waits_job.py"), f"--wait={wait}", f"--hold={hold_s}", f"--mark-dir={marks}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                str(HERE / "comm_waits_job.py"),
+                f"--wait={wait}",
+                f"--hold={hold_s}",
+                f"--mark-dir={marks}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         mark = Path(marks) / "waiting.0"
         deadline = time.monotonic() + hold_s
         while not mark.exists() and time.monotonic() < deadline:

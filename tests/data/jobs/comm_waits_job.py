@@ -26,8 +26,14 @@ import sys
 import time
 
 WAITS = (
-    "schedule_1f1b", "irecv_wait", "batch_p2p_wait", "functional", "dtensor", "compiled_aot_eager", "compiled_inductor"
-)  # fmt: skip
+    "schedule_1f1b",
+    "irecv_wait",
+    "batch_p2p_wait",
+    "functional",
+    "dtensor",
+    "compiled_aot_eager",
+    "compiled_inductor",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

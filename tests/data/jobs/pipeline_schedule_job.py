@@ -40,8 +40,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline")
-    parser.add_argument("--grad-group", choices=("stage", "world"), default="stage",
-                        help="the gradient all-reduce (--dp > 1) spans the stage's data-parallel group or every rank")
+    parser.add_argument(
+        "--grad-group",
+        choices=("stage", "world"),
+        default="stage",
+        help="the gradient all-reduce (--dp > 1) spans the stage's data-parallel group or every rank",
+    )
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds of simulated work per step")
