@@ -31,7 +31,8 @@ from test_e2e_cpu import job_processes
 
 pytest.importorskip("torch")
 
-TIMEOUT_S = 240  # 300 CPU steps: 2.4 steps/s on the 2-core CI machine of 2026-11-24 (a fresh-clone run reached step 268 at 120 s)
+# 300 CPU steps: 2.4 steps/s on the 2-core CI machine of 2026-11-24 (a fresh-clone run reached step 268 at 120 s)
+TIMEOUT_S = 240
 
 
 def samples(body: str) -> dict[tuple[str, str | None], float]:
@@ -44,7 +45,8 @@ def samples(body: str) -> dict[tuple[str, str | None], float]:
 
 
 async def run_straggler_job(tmp_path: Path) -> tuple[int, str, dict, list]:  # type: ignore[type-arg]
-    """The job under the wrapper; its exit code, stderr, the first /metrics showing a straggler, and the webhook's requests."""
+    """The job under the wrapper; its exit code, stderr, the first /metrics showing a straggler,
+    and the webhook's requests."""
     port = free_port()
     command = [
         sys.executable,

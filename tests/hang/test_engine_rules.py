@@ -257,7 +257,8 @@ class TestBusy:
 
 class TestNeverStartedOnGpu:
     def test_scheduled_on_the_lead_and_started_on_its_peers_is_a_gpu_compute_hang(self) -> None:
-        """Seen on H100 with two ranks sharing the GPU (NVML cannot tell them apart): a never-ending kernel on rank 0."""
+        """Seen on H100 with two ranks sharing the GPU (NVML cannot tell them apart):
+        a never-ending kernel on rank 0."""
         group = {"0": FrProcessGroup(pg_id="0", ranks=[0, 1])}
         dumps = [
             FrDump(

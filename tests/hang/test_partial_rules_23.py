@@ -36,8 +36,8 @@ def coll(
 ) -> str:
     buffers = "sendbuff 0x7f1bebe05000 recvbuff 0x7f1bebe05600"
     return (
-        f"{prefix}{host}:{pid}:{pid + 50} [{dev}] NCCL INFO {op}: opCount {opcount:x} {buffers} count {count} datatype {dtype} "
-        f"op {SUM} root 0 comm {comm} [nranks={nranks}] stream 0x1efc1be0\n"
+        f"{prefix}{host}:{pid}:{pid + 50} [{dev}] NCCL INFO {op}: opCount {opcount:x} {buffers} count {count} "
+        f"datatype {dtype} op {SUM} root 0 comm {comm} [nranks={nranks}] stream 0x1efc1be0\n"
     )
 
 
@@ -108,7 +108,8 @@ class TestNcclLinesWithoutInit:
 
 class TestDifferenceAtOneOpCount:
     def test_a_count_difference_at_opcount_0_is_a_mismatch_not_a_rank_behind(self, tmp_path: Path) -> None:
-        """The job's first launch: ranks 0 and 1 all-reduce 1024 elements and go on; rank 2 all-reduced 2048 and waits."""
+        """The job's first launch: ranks 0 and 1 all-reduce 1024 elements and go on;
+        rank 2 all-reduced 2048 and waits."""
         text = ""
         for opcount, ranks in ((0, (0, 1, 2)), (1, (0, 1))):
             for r in ranks:
@@ -143,14 +144,20 @@ class TestDifferenceAtOneOpCount:
 
 
 def fingerprint(seq: int, op: str, shape: str, dtype: str = "Float", device: str = "cuda:0") -> str:
-    options = f"TensorOptions(dtype=float (default), device={device}, layout=Strided (default), requires_grad=false (default), pinned_memory=false (default), memory_format=(nullopt))"
-    return f"CollectiveFingerPrint(SequenceNumber={seq}, OpType={op}, TensorShape=[{shape}], TensorDtypes={dtype}, TensorDeviceTypes={options})"
+    options = (
+        f"TensorOptions(dtype=float (default), device={device}, layout=Strided (default), "
+        "requires_grad=false (default), pinned_memory=false (default), memory_format=(nullopt))"
+    )
+    return (
+        f"CollectiveFingerPrint(SequenceNumber={seq}, OpType={op}, TensorShape=[{shape}], TensorDtypes={dtype}, "
+        f"TensorDeviceTypes={options})"
+    )
 
 
 def detail(rank: int, mine: str, other_rank: int, theirs: str) -> str:
     return (
-        f"[rank{rank}]: RuntimeError: Detected mismatch between collectives on ranks. Rank {rank} is running collective: {mine}, "
-        f"but Rank {other_rank} is running collective: {theirs}.\n"
+        f"[rank{rank}]: RuntimeError: Detected mismatch between collectives on ranks. "
+        f"Rank {rank} is running collective: {mine}, but Rank {other_rank} is running collective: {theirs}.\n"
     )
 
 
@@ -178,8 +185,8 @@ class TestDetailReports:
 def nccl_with_init(rank: int, ops: list[tuple[str, int]]) -> str:
     pid = 640 + rank
     head = (
-        f"vm:{pid}:{pid} [{rank}] NCCL INFO ncclCommInitRankConfig comm 0x180ad8{rank}0 rank {rank} nranks 2 cudaDev {rank} "
-        f"nvmlDev {rank} busId {60 + rank} commId 0x420c7c52a3fc1edd - Init COMPLETE\n"
+        f"vm:{pid}:{pid} [{rank}] NCCL INFO ncclCommInitRankConfig comm 0x180ad8{rank}0 rank {rank} nranks 2 "
+        f"cudaDev {rank} nvmlDev {rank} busId {60 + rank} commId 0x420c7c52a3fc1edd - Init COMPLETE\n"
     )
     return head + "".join(coll("vm", pid, rank, op, 0, count, comm=f"0x180ad8{rank}0", nranks=2) for op, count in ops)
 
@@ -211,15 +218,18 @@ class TestDetailTieAndTheJobsStep:
 
 def timeout_line(rank: int, seq: int, op: str, numel: int, ts: str) -> str:
     return (
-        f"[rank{rank}]:[E1124 10:12:{ts} ProcessGroupNCCL.cpp:632] [Rank {rank}] Watchdog caught collective operation timeout: "
-        f"WorkNCCL(SeqNum={seq}, OpType={op}, NumelIn={numel}, NumelOut={numel}, Timeout(ms)=600000) ran for 600082 milliseconds before timing out.\n"
+        f"[rank{rank}]:[E1124 10:12:{ts} ProcessGroupNCCL.cpp:632] [Rank {rank}] "
+        "Watchdog caught collective operation timeout: "
+        f"WorkNCCL(SeqNum={seq}, OpType={op}, NumelIn={numel}, NumelOut={numel}, Timeout(ms)=600000) "
+        "ran for 600082 milliseconds before timing out.\n"
     )
 
 
 def failure_line(rank: int, pg: int, name: str, seq: int, completed: int, ts: str) -> str:
     return (
-        f"[rank{rank}]:[E1124 10:12:{ts} ProcessGroupNCCL.cpp:2271] [PG ID {pg} PG GUID {pg}({name}) Rank {rank}] failure detected by "
-        f"watchdog at work sequence id: {seq} PG status: last enqueued work: {seq}, last completed work: {completed}\n"
+        f"[rank{rank}]:[E1124 10:12:{ts} ProcessGroupNCCL.cpp:2271] [PG ID {pg} PG GUID {pg}({name}) Rank {rank}] "
+        f"failure detected by watchdog at work sequence id: {seq} PG status: last enqueued work: {seq}, "
+        f"last completed work: {completed}\n"
     )
 
 
@@ -254,7 +264,8 @@ class TestSeqNumContradictions:
     def test_a_line_without_a_group_whose_seqnum_the_group_never_reached_that_way_is_not_compared(
         self, tmp_path: Path
     ) -> None:
-        """Rank 1 waits in SeqNum 212 (a tensor-parallel group's numbers) while rank 0's only named group completed 1000."""
+        """Rank 1 waits in SeqNum 212 (a tensor-parallel group's numbers)
+        while rank 0's only named group completed 1000."""
         files = {
             "rank0.log": timeout_line(0, 1001, "ALLREDUCE", 524288, "01.123456789")
             + failure_line(0, 0, "default_pg", 1001, 1000, "01.124456789"),

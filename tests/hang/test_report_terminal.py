@@ -144,8 +144,8 @@ class TestHeadline:
         ]
         line = headline(report(verdict=Verdict.collective_mismatch, ranks=rows))
         assert (
-            "rank 2 (gpu-node-000.cluster.example.com, pid 424202) issued AllGather where its peers issued AllReduce #57"
-            in line
+            "rank 2 (gpu-node-000.cluster.example.com, pid 424202) issued AllGather "
+            "where its peers issued AllReduce #57" in line
         )
         assert "Next: compare the two call sites" in line
 

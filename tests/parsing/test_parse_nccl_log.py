@@ -132,7 +132,7 @@ class TestStreaming:
 
     def test_launcher_tee_prefix_and_several_processes_in_one_file(self):
         text = "".join(
-            "[rank%d]:" % r + line + "\n"
+            f"[rank{r}]:" + line + "\n"
             for r in (0, 1)
             for line in (init(r, 2, f"0xc{r}") + op(r, "AllReduce", 8, f"0xc{r}")).splitlines()
         )

@@ -176,7 +176,10 @@ def _mismatch(
             how += f": {_step_line(step, keys, groups, good_sig)}"
     else:
         good_sig = by_step
-        how = f"the ranks split evenly and the step this communicator repeats decides: {_step_line(step, keys, groups, good_sig)}"
+        how = (
+            "the ranks split evenly and the step this communicator repeats decides: "
+            f"{_step_line(step, keys, groups, good_sig)}"
+        )
     decided = len(sizes) == 1 or sizes[0] > sizes[1] or explained
     culprits = [r for s, members in groups.items() if s != good_sig for r in members] if decided else []
     good = groups[good_sig] if decided else []
@@ -185,7 +188,8 @@ def _mismatch(
             comm,
             members[0],
             position,
-            f"{names(members)} issued {sig.describe() if sig else '?'} as collective #{position + 1}{_called_from(members[0], position)}",
+            f"{names(members)} issued {sig.describe() if sig else '?'} as collective "
+            f"#{position + 1}{_called_from(members[0], position)}",
         )
         for sig, members in groups.items()
     ]
@@ -256,7 +260,8 @@ def _step_line(
         if step.rule == "order":
             clauses.append(
                 f"{names(members)} issued {_describe(theirs)} where, in {step.votes.get(expected, 0)} of the last "
-                f"{len(shape.lengths)} steps, {_describe(step.after)} was followed by {_describe(expected)} and never by it"
+                f"{len(shape.lengths)} steps, {_describe(step.after)} was followed by {_describe(expected)} "
+                "and never by it"
             )
         elif theirs in shape.counts:
             clauses.append(
@@ -277,9 +282,15 @@ def _skew_note(position: int, culprit: RankView, good: RankView) -> str:
     ahead = _realign(c.window[position - c.base :], g.window[position - g.base :])
     behind = _realign(g.window[position - g.base :], c.window[position - c.base :])
     if ahead is not None and (behind is None or ahead <= behind):
-        return f" Aligned by shortest edit, {c.name} has {ahead} operation(s) here that {g.name} lacks: it skipped operations the others issued, or added its own."
+        return (
+            f" Aligned by shortest edit, {c.name} has {ahead} operation(s) here that {g.name} lacks: "
+            "it skipped operations the others issued, or added its own."
+        )
     if behind is not None:
-        return f" Aligned by shortest edit, {c.name} lacks {behind} operation(s) that {g.name} issued here: it skipped them."
+        return (
+            f" Aligned by shortest edit, {c.name} lacks {behind} operation(s) that {g.name} issued here: "
+            "it skipped them."
+        )
     return ""
 
 
@@ -420,8 +431,8 @@ def _compare_pair(
                 comm,
                 Verdict.collective_mismatch,
                 summary=(
-                    f"Point-to-point #{index + 1} from {sender.name} to {receiver.name} on {comm.label} does not match: "
-                    f"send count={s.count} dtype={s.dtype}, recv count={r.count} dtype={r.dtype}."
+                    f"Point-to-point #{index + 1} from {sender.name} to {receiver.name} on {comm.label} "
+                    f"does not match: send count={s.count} dtype={s.dtype}, recv count={r.count} dtype={r.dtype}."
                 ),
                 reason="A send and its matching recv must agree on size and type.",
                 culprits=tuple(sorted({sender.rank, receiver.rank})),
@@ -477,7 +488,10 @@ def _waiting(comm: CommView, wait: _P2pWait) -> tuple[str, Fact]:
     theirs = "Recv" if wait.missing == "Send" else "Send"
     direction = "to" if wait.missing == "Send" else "from"
     sig = wait.sig.describe() if wait.sig else "?"
-    sentence = f"{wait.culprit.name} never posted {wait.missing} #{wait.index + 1} {direction} {wait.waiter.name}; {wait.waiter.name} waits in its matching {theirs}."
+    sentence = (
+        f"{wait.culprit.name} never posted {wait.missing} #{wait.index + 1} {direction} {wait.waiter.name}; "
+        f"{wait.waiter.name} waits in its matching {theirs}."
+    )
     fact = f"{wait.waiter.name} posted {theirs} #{wait.index + 1} ({sig})"
     return sentence, _p2p_evidence(comm, wait.waiter, theirs, wait.culprit.comm_rank, wait.index, fact)
 
@@ -516,9 +530,10 @@ def _p2p_deadlock(comm: CommView, waits: list[_P2pWait]) -> Finding | None:
         return _comm_finding(
             comm,
             Verdict.p2p_deadlock,
-            summary=f"Point-to-point deadlock on {comm.label}: rank {pair[0]} and rank {pair[1]} each wait for the other. {first} {second}",
-            reason="Each posted the side that waits (e.g. both recv first) and neither posted the side the other needs: "
-            f"{P2P_DEADLOCK_FIX}.",
+            summary=f"Point-to-point deadlock on {comm.label}: rank {pair[0]} and rank {pair[1]} each wait for "
+            f"the other. {first} {second}",
+            reason="Each posted the side that waits (e.g. both recv first) and neither posted the side the other "
+            f"needs: {P2P_DEADLOCK_FIX}.",
             culprits=pair,
             operation=one.sig.describe() if one.sig else None,
             evidence=(one_fact, other_fact),
@@ -637,12 +652,13 @@ def _recv_never_sent(comm: CommView) -> Finding | None:
             return _comm_finding(
                 comm,
                 Verdict.rank_behind,
-                summary=f"{sender.name} never posted the Send {waiter.name} waits for on {comm.label}: {waiter.name}'s "
-                f"Recv #{mine.index + 1} from it ({mine.sig.describe()}{called}) is pending, and {sender.name} went on to "
-                f"collective #{after + 1}, which {waiter.name} enqueued after that Recv, with nothing pending towards "
-                f"{waiter.name}.",
-                reason="Point-to-point operations are matched pairwise; the rank that went past its side without posting "
-                "it is at fault (Flight Recorder: the waiter's first pending op with it is a recv, its own sends all completed).",
+                summary=f"{sender.name} never posted the Send {waiter.name} waits for on {comm.label}: "
+                f"{waiter.name}'s Recv #{mine.index + 1} from it ({mine.sig.describe()}{called}) is pending, and "
+                f"{sender.name} went on to collective #{after + 1}, which {waiter.name} enqueued after that Recv, "
+                f"with nothing pending towards {waiter.name}.",
+                reason="Point-to-point operations are matched pairwise; the rank that went past its side without "
+                "posting it is at fault (Flight Recorder: the waiter's first pending op with it is a recv, its own "
+                "sends all completed).",
                 culprits=(sender.rank,),
                 operation=mine.sig.describe(),
                 evidence=(
@@ -719,8 +735,10 @@ def check_completion(comm: CommView) -> Finding:
     return _comm_finding(
         comm,
         Verdict.inconclusive,
-        summary=f"Every rank issued the same {total} collectives on {comm.label}; the log does not say whether the last completed.",
-        reason="NCCL logs an operation when it is enqueued, never when it completes, and no rank shut the communicator down.",
+        summary=f"Every rank issued the same {total} collectives on {comm.label}; "
+        "the log does not say whether the last completed.",
+        reason="NCCL logs an operation when it is enqueued, never when it completes, "
+        "and no rank shut the communicator down.",
         missing=("completion state: a Flight Recorder dump, or the live watchdog's timing",),
         rows=_rows(comm, lambda r: ("?", "no end line")),
     )
@@ -732,7 +750,8 @@ def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding
         return _comm_finding(
             comm,
             Verdict.no_hang,
-            summary=f"Flight Recorder shows all {total} collectives on {comm.label} completed on every rank: nothing is pending.",
+            summary=f"Flight Recorder shows all {total} collectives on {comm.label} completed on every rank: "
+            "nothing is pending.",
             rows=_rows(comm, lambda r: ("ok", "all completed")),
         )
     position = min(r.completed or 0 for r in pending)
@@ -759,7 +778,8 @@ def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding
     return _comm_finding(
         comm,
         Verdict.stuck_in_collective,
-        summary=f"Collective #{position + 1} ({sig.describe() if sig else '?'}) on {comm.label} was issued by every rank and never completed.",
+        summary=f"Collective #{position + 1} ({sig.describe() if sig else '?'}) on {comm.label} was issued by "
+        "every rank and never completed.",
         reason=reason,
         culprits=tuple(sorted(r.rank for r in lead)),
         position=position + 1,
@@ -780,10 +800,11 @@ def _silent_ranks(comm: CommView, ranks: list[RankView], silent: list[int], posi
         comm,
         Verdict.stuck_in_collective,
         summary=(
-            f"Every rank that answered waits in collective #{position + 1} ({sig.describe() if sig else '?'}) on {comm.label}; "
-            f"rank {', '.join(map(str, culprits))} left no Flight Recorder dump."
+            f"Every rank that answered waits in collective #{position + 1} ({sig.describe() if sig else '?'}) "
+            f"on {comm.label}; rank {', '.join(map(str, culprits))} left no Flight Recorder dump."
         ),
-        reason="A rank stuck in Python still dumps (a background thread writes it); one that cannot is stopped or dead.",
+        reason="A rank stuck in Python still dumps (a background thread writes it); "
+        "one that cannot is stopped or dead.",
         culprits=culprits,
         position=position + 1,
         operation=sig.describe() if sig else None,

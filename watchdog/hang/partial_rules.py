@@ -215,7 +215,8 @@ def _judge_group(group: Group, facts: Facts) -> Finding:
             infos,
             f"{seqs}: several process groups whose lines carry no group id; their sequence numbers are not compared",
             (
-                "lines with process-group ids (torch 2.4+ prints '[PG ID n PG GUID g(name) Rank r]'), or Flight Recorder dumps",
+                "lines with process-group ids (torch 2.4+ prints '[PG ID n PG GUID g(name) Rank r]'), "
+                "or Flight Recorder dumps",
             ),
         )
     waiting = [i for i in infos if i.waiting is not None]
@@ -236,8 +237,10 @@ def _judge_group(group: Group, facts: Facts) -> Finding:
     if facts.world is not None and set(range(facts.world)) <= set(ranks):
         return Finding(
             verdict=Verdict.stuck_in_collective,
-            summary=f"Every rank ({facts.world}) timed out in SeqNum {top} ({op}) on {group.label}: all entered it and it never completed.",
-            reason="PyTorch's watchdog on every rank gave up on the same collective; the lead is in NCCL or the network, not in the ranks' order.",
+            summary=f"Every rank ({facts.world}) timed out in SeqNum {top} ({op}) on {group.label}: "
+            "all entered it and it never completed.",
+            reason="PyTorch's watchdog on every rank gave up on the same collective; "
+            "the lead is in NCCL or the network, not in the ranks' order.",
             position=top,
             operation=op,
             comm_label=group.label,
@@ -268,7 +271,8 @@ def _op_mismatch(group: Group, at_top: list[RankInGroup], top: int) -> Finding |
     return Finding(
         verdict=Verdict.collective_mismatch,
         summary=f"At SeqNum {top} on {group.label} ranks issued different collectives: {sides}.",
-        reason="PyTorch numbers a group's collectives alike on every rank; the same number with another type or size is another call. "
+        reason="PyTorch numbers a group's collectives alike on every rank; "
+        "the same number with another type or size is another call. "
         + (
             "The ranks split evenly: which side is wrong is not in these lines."
             if tie
@@ -293,18 +297,18 @@ def _behind(group: Group, behind: list[RankInGroup], at_top: list[RankInGroup], 
         if i.waiting is not None and peer.completed is not None and peer.completed >= i.waiting
     ]
     diverged = " ".join(
-        f"They diverged: rank {i.rank} still waits in SeqNum {i.waiting} ({i.op or '?'}), which rank {peer.rank} completed before "
-        f"entering SeqNum {top}."
+        f"They diverged: rank {i.rank} still waits in SeqNum {i.waiting} ({i.op or '?'}), "
+        f"which rank {peer.rank} completed before entering SeqNum {top}."
         for i, peer in finished[:1]
     )
     evidence = [Fact("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in at_top[:6]]
     evidence += [Fact("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in behind[:6]]
     return Finding(
         verdict=Verdict.rank_behind,
-        summary=f"Rank {names} never entered SeqNum {top} ({op}) on {group.label}; rank {', '.join(str(i.rank) for i in at_top)} wait in it."
-        + (f" {diverged}" if diverged else ""),
-        reason="The behind rank's own watchdog line places it before that collective (its last enqueued work is lower, or its NCCL "
-        "call for it never returned), so its peers wait for it.",
+        summary=f"Rank {names} never entered SeqNum {top} ({op}) on {group.label}; "
+        f"rank {', '.join(str(i.rank) for i in at_top)} wait in it." + (f" {diverged}" if diverged else ""),
+        reason="The behind rank's own watchdog line places it before that collective (its last enqueued work is lower, "
+        "or its NCCL call for it never returned), so its peers wait for it.",
         culprits=tuple(i.rank for i in behind),
         position=top,
         operation=op,
@@ -350,15 +354,18 @@ def network_finding(facts: Facts) -> Finding | None:
     return Finding(
         verdict=Verdict.network_error,
         summary=f"InfiniBand link failure: {describe_network(first)}. Peers named: {peer_text}.",
-        reason="NCCL's InfiniBand transport got a failed completion: the link to that peer (its adapter, cable, switch port, "
-        "or the peer itself) broke, and every collective through it waits.",
+        reason="NCCL's InfiniBand transport got a failed completion: the link to that peer (its adapter, cable, "
+        "switch port, or the peer itself) broke, and every collective through it waits.",
         culprits=culprits,
         source="network",
         operation=first.status_name,
         evidence=tuple(Fact("network", describe_network(e), e.cite) for e in errors[:8]),
         missing=(
             "which rank ran on the peer host (its log or torchrun's summary from that node)",
-            "the adapters' counters on both hosts: /sys/class/infiniband/<hca>/ports/1/counters (link_downed, symbol_error)",
+            (
+                "the adapters' counters on both hosts: "
+                "/sys/class/infiniband/<hca>/ports/1/counters (link_downed, symbol_error)"
+            ),
         ),
     )
 
@@ -444,7 +451,8 @@ def _align_orphans(size: int | None, procs: dict[ProcKey, list[OrphanOps]]) -> F
     if not any(last.values()):
         return Finding(
             Verdict.inconclusive,
-            summary=f"NCCL operations without Init lines ({label}), opCount 0 on every line (NCCL 2.27.3+ single node): cannot align. {seen}",
+            summary=f"NCCL operations without Init lines ({label}), opCount 0 on every line "
+            f"(NCCL 2.27.3+ single node): cannot align. {seen}",
             missing=missing,
         )
     top = max(last.values())
@@ -458,10 +466,11 @@ def _align_orphans(size: int | None, procs: dict[ProcKey, list[OrphanOps]]) -> F
     ahead = [o for o in single if last[o.proc] == top]
     return Finding(
         verdict=Verdict.rank_behind,
-        summary=f"{', '.join(_who(o) for o in behind)} stopped at an earlier opCount than {', '.join(_who(o) for o in ahead)} "
-        f"(last {top:#x}, {ahead[0].last[-1][1].describe()}) on the {label}.",
-        reason="NCCL numbers a communicator's launches alike on every rank (opCount); each file is taken to run to its rank's "
-        "last operation, so the rank that stopped earlier is the one the others wait for. No Init line: ranks come from prefixes or file names.",
+        summary=f"{', '.join(_who(o) for o in behind)} stopped at an earlier opCount than "
+        f"{', '.join(_who(o) for o in ahead)} (last {top:#x}, {ahead[0].last[-1][1].describe()}) on the {label}.",
+        reason="NCCL numbers a communicator's launches alike on every rank (opCount); each file is taken to run to its "
+        "rank's last operation, so the rank that stopped earlier is the one the others wait for. No Init line: ranks "
+        "come from prefixes or file names.",
         operation=ahead[0].last[-1][1].describe(),
         source="nccl_log",
         evidence=tuple(
@@ -500,7 +509,8 @@ def _orphan_mismatch(label: str, single: list[OrphanOps]) -> Finding | None:
         verdict=Verdict.collective_mismatch,
         summary=f"At {where} on the {label}: "
         + "; ".join(f"{_who(o)} issued {issued[o.proc][0].describe()}" for o in single),
-        reason="Ranks of one communicator launch the same operation at the same opCount (count, datatype and operation alike). "
+        reason="Ranks of one communicator launch the same operation at the same opCount "
+        "(count, datatype and operation alike). "
         + ("The ranks split evenly: which side is wrong is not in these lines." if tie else "The minority departs."),
         operation=" vs ".join(s.describe() for s in sigs),
         source="nccl_log",

@@ -139,7 +139,8 @@ class Expectation:
 
 
 def expected_next(history: Sequence[Hashable], candidates: Sequence[Hashable]) -> Expectation:
-    """The candidate the step ``history`` repeats expects next, if exactly one (``candidates``: each side's operation)."""
+    """The candidate the step ``history`` repeats expects next, if exactly one
+    (``candidates``: each side's operation)."""
     history = history[-MAX_HISTORY:]
     shape = learn_steps(history, avoid=candidates)
     if shape is None:

@@ -209,7 +209,8 @@ def _with_job_evidence(snapshot: Snapshot, finding: Finding) -> Finding:
         extra.append(
             Fact(
                 "pytorch",
-                f"rank {timeout.rank}: PyTorch watchdog timed out in {timeout.op} (SeqNum {timeout.seq}) after {timeout.ran_ms} ms",
+                f"rank {timeout.rank}: PyTorch watchdog timed out in {timeout.op} (SeqNum {timeout.seq}) "
+                f"after {timeout.ran_ms} ms",
                 timeout.cite,
             )
         )
