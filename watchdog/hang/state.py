@@ -12,11 +12,12 @@ communicator must match the n-th of every other rank.  NCCL's ``opCount`` is
 not used (it is 0 forever on single-node jobs from 2.27.3).
 
 Mergeable: every ``RankSeq`` belongs to one rank and so to one node; merging
-the states of several nodes is a union (``merge``), which is what the
-multi-node sidecars will do through the rendezvous store.
+the states of several nodes is a union (``merge``): the leader's sidecar
+merges the other nodes' evidence, shared through the job's store, into its own
+(``live/judging.py``, ``cluster/judge.py``).
 
-``snapshot()`` hands detectors a frozen view; detectors never see this module's
-mutable objects.
+``hang.snapshot.take_snapshot`` hands detectors a frozen view; detectors never
+see this module's mutable objects.
 """
 
 from __future__ import annotations
