@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -24,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 from restart import Pages
 
 BENCH = Path(__file__).resolve().parent
@@ -74,20 +76,36 @@ def bundle_reports(folder: Path) -> list[dict]:  # type: ignore[type-arg]
     return found
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a wrapper and everything under it: torchrun's workers run in sessions of their own and outlive a kill
+    of the wrapper alone."""
+    try:
+        root = psutil.Process(pid)
+        tree = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+
+
 def fault_time(folders: list[Path]) -> float | None:
     times = [json.loads(p.read_text())["time"] for f in folders for p in f.glob("fault.*")]
     return min(times) if times else None
 
 
-async def run(scenario: Scenario, work: Path, timeout_s: float, device: str) -> dict:  # type: ignore[type-arg]
+async def run(scenario: Scenario, work: Path, timeout_s: float, device: str, gpus: int = 1) -> dict:  # type: ignore[type-arg]
+    """One scenario's wrappers to the end; ``gpus``: the machine's, to tell who names the NCCL hosts."""
     port = random.randint(29600, 29900)
     runs = [work / f"run{n}" for n in range(scenario.nodes)]
     async with Pages() as pages:
         wrappers = []
         for n in range(scenario.nodes):
             env = dict(os.environ, NCCLWATCH_WEBHOOK_URL=pages.url, PYTHONUNBUFFERED="1")
-            if scenario.nodes > 1:
-                env["NCCL_HOSTID"] = f"node{n}"  # one "host" per wrapper on one machine
+            if scenario.nodes > 1 and scenario.per_node <= gpus:
+                # One "host" per wrapper on one machine.  With more ranks per wrapper than GPUs, ranks.py gives
+                # each rank its own instead: NCCL refuses two ranks of one host on one GPU.
+                env["NCCL_HOSTID"] = f"node{n}"
             launch = ["--standalone"] if scenario.nodes == 1 else [f"--nnodes={scenario.nodes}", f"--node-rank={n}",
                                                                    "--master-addr=127.0.0.1", f"--master-port={port}"]  # fmt: skip
             wrappers.append(await asyncio.create_subprocess_exec(
@@ -100,16 +118,14 @@ async def run(scenario: Scenario, work: Path, timeout_s: float, device: str) -> 
         # Read stderr beside the wait: a wrapper killed at the deadline keeps what it said (communicate() under
         # wait_for drops it).
         reading = [asyncio.create_task(w.stderr.read()) for w in wrappers]  # type: ignore[union-attr]
-        deadline = time.monotonic() + timeout_s
-        ends = []
-        for w, read in zip(wrappers, reading):
-            try:
-                await asyncio.wait_for(w.wait(), max(0.1, deadline - time.monotonic()))
-                ends.append(await read)
-            except TimeoutError:
-                w.kill()
-                await w.wait()
-                ends.append(await read + b"\nbench: timed out\n")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(w.wait() for w in wrappers)), timeout_s)
+        late = [w.returncode is None for w in wrappers]
+        for w, running in zip(wrappers, late, strict=True):
+            if running:
+                kill_tree(w.pid)  # all at once: a wrapper still running might page for another's end
+        await asyncio.gather(*(w.wait() for w in wrappers))
+        ends = [await r + (b"\nbench: timed out\n" if running else b"") for r, running in zip(reading, late, strict=True)]
         await asyncio.sleep(0.5)
         posts = list(pages.posts)
     stderr = [e.decode(errors="replace") for e in ends]
