@@ -519,6 +519,7 @@ class ProcessState(Event):
     cpu_seconds: float
     io_bytes: int | None = None  # read + write bytes, when /proc/<pid>/io is readable
     at: float
+    main_cpu_seconds: float | None = None  # the main (training) thread's alone; None where /proc/<pid>/task is not read
 
 
 class PeerTail(Event):

@@ -199,7 +199,11 @@ class Worker:
         return self.samples[-1].state if self.samples else None
 
     def rates(self) -> tuple[float | None, float | None]:
-        """CPU (cores) and I/O (bytes/s) over the samples kept: a busy rank from an idle one."""
+        """CPU (cores) and I/O (bytes/s) over the samples kept: a busy rank from an idle one.
+
+        The CPU is the main thread's where both samples have it: the thread that runs the rank's own code.  On
+        the H200 a pipeline stage asleep in Python read as busy by its process's CPU (NCCL's proxy thread spins
+        while a peer's send waits), and its hang was held as "a checkpoint?"."""
         if len(self.samples) < 2:
             return None, None
         first, last = self.samples[0], self.samples[-1]
@@ -211,6 +215,8 @@ class Worker:
             if last.io_bytes is not None and first.io_bytes is not None
             else None
         )
+        if last.main_cpu_seconds is not None and first.main_cpu_seconds is not None:
+            return (last.main_cpu_seconds - first.main_cpu_seconds) / seconds, io
         return (last.cpu_seconds - first.cpu_seconds) / seconds, io
 
 

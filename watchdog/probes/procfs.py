@@ -155,6 +155,20 @@ def proc_state(pid: int, proc_root: Path = PROC) -> str | None:
         return None
 
 
+def main_thread_cpu_seconds(pid: int, proc_root: Path = PROC) -> float | None:
+    """utime + stime of the process's main thread (``task/<pid>/stat``), the one that runs the training loop;
+    None when it cannot be read.  A CUDA process's other threads (NCCL's proxy, PyTorch's watchdog) burn CPU while
+    the training thread sleeps, so the process's total does not say whether the rank's own code runs."""
+    text = _read_text(proc_root / str(pid) / "task" / str(pid) / "stat")
+    if not text:
+        return None
+    try:
+        stat = parse_stat(text)
+    except ValueError:
+        return None
+    return (stat.utime_ticks + stat.stime_ticks) / CLK_TCK
+
+
 def read_proc(pid: int, proc_root: Path = PROC) -> ProcInfo | None:
     base = proc_root / str(pid)
     text = _read_text(base / "stat")

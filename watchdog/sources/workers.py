@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import psutil
 
 from ncclwatch.watchdog.events import ProcessState, WorkerGone, WorkerSeen
+from ncclwatch.watchdog.probes.procfs import main_thread_cpu_seconds
 from ncclwatch.watchdog.sources import DownOnce, Emit, PollingSource
 
 # psutil's status names -> the /proc state letters people know.
@@ -155,4 +156,5 @@ def sample(process: psutil.Process, rank: int) -> ProcessState | None:
         cpu_seconds=times.user + times.system,
         io_bytes=io_bytes,
         at=time.time(),
+        main_cpu_seconds=main_thread_cpu_seconds(process.pid),
     )
