@@ -10,6 +10,7 @@
 #   bash bench/gpu.sh slow_links [bench/slow_links.py args...]   (issue 14: preflight, straggler, slow link)
 #   bash bench/gpu.sh restart  [bench/restart.py args...]   (issue 24: fault -> training again, the loop guard)
 #   bash bench/gpu.sh hard     [bench/hard_cases.py args...]   (issue 23: FSDP2 even splits, pipelines across nodes)
+#   bash bench/gpu.sh shapes   [bench/job_shapes.py args...]   (issue 30: DDP, FSDP2, TP, PP schedules, 2-D meshes)
 #     (its throttle case needs pyroute2's wheel in .whl/: pip download --no-deps -d .whl pyroute2)
 set -euo pipefail
 OUT=${OUT:-bench/out}
@@ -46,7 +47,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 {
     echo "== $(date -u +%FT%TZ) host $(hostname) nproc $(nproc) ${what} $*"
     nvidia-smi -L || echo "no nvidia-smi"
-    python3 -c 'import sys, torch, ncclwatch.watchdog.cli; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.is_available() and ".".join(map(str, torch.cuda.nccl.version())), "gpus", torch.cuda.device_count())'
+    python3 -c 'import sys, torch, ncclwatch.launcher.cli; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.is_available() and ".".join(map(str, torch.cuda.nccl.version())), "gpus", torch.cuda.device_count())'
     echo "py-spy $(py-spy --version 2>&1)"
 } 2>&1 | tee -a "$log"
 case $what in
@@ -56,7 +57,8 @@ case $what in
     slow_links) script=bench/slow_links.py; set -- "$OUT/slow_links" "$@" ;;
     restart) script=bench/restart.py; set -- --out "$OUT/restart.jsonl" "$@" ;;
     hard) script=bench/hard_cases.py; set -- --out "$OUT/hard.jsonl" "$@" ;;
-    *) echo "unknown benchmark: $what (faults, overhead, latency, slow_links, restart, hard)" >&2; exit 2 ;;
+    shapes) script=bench/job_shapes.py; set -- --device cuda --out "$OUT/shapes.jsonl" "$@" ;;
+    *) echo "unknown benchmark: $what (faults, overhead, latency, slow_links, restart, hard, shapes)" >&2; exit 2 ;;
 esac
 set +e
 python3 "$script" "$@" 2>&1 | tee -a "$log"

@@ -195,7 +195,11 @@ async def main_async(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     runnable = [c for c in CASES if args.device == "cuda" or not c.gpu_only]
-    picked = (lambda c: c.shape == args.only) if args.only in SHAPES else (lambda c: args.only in c.name)
+    terms = args.only.split(",")
+
+    def picked(case: Case) -> bool:
+        return any(case.shape == term if term in SHAPES else term in case.name for term in terms)
+
     chosen = [laid_out(c, args.nodes) for c in runnable if picked(c)]
     if not chosen:
         raise SystemExit(f"no {args.device} scenario matches {args.only!r}")
@@ -204,25 +208,41 @@ async def main_async(args: argparse.Namespace) -> int:
     gpus = visible_gpus(args.device)
     fault_step = args.fault_step or FAULT_STEP[args.device]
     rows = []
-    for index in range(args.repeat):
-        for case in chosen:
-            job = case.job(fault_step)
-            scenario = Scenario(case.name, "shapes_job.py", case.nodes, case.per_node, job, case.expect)
-            began = time.time()
-            work = Path(tempfile.mkdtemp(prefix=f"{case.name}-", dir=args.work))
-            got = await run(scenario, work, args.timeout, args.device, gpus)
-            row = result_row(case, got, args.device, index, fault_step)
-            # The engine under test is the working tree's: when each run began says which version judged it.
-            row["started_at"] = dt.datetime.fromtimestamp(began).astimezone().isoformat(timespec="seconds")
-            row["wall_s"] = round(time.time() - began, 1)
-            rows.append(row)
-            with out.open("a") as handle:
-                handle.write(json.dumps(row) + "\n")
-            brief = {k: row[k] for k in ("scenario", "layout", "right", "outcome", "fault_to_page_s", "wall_s")}
-            print(json.dumps(brief), flush=True)
-            for n, node in enumerate(row["nodes"]):
-                print(f"  node {n}: exit {node['exit']} {node['verdict']} {node['culprits']}: {node['headline']}",
-                      flush=True)  # fmt: skip
+    # Several scenarios at once share the GPU (and the host's cores): fault-to-page latencies then include that
+    # contention; GPU signatures (NVML) see the other jobs' kernels too, so gpu_hang scenarios run alone.
+    slots = asyncio.Semaphore(args.parallel)
+    alone = asyncio.Lock()
+
+    async def one(case: Case, index: int) -> None:
+        async with slots:
+            if case.fault == "gpu_hang":
+                async with alone:
+                    await judge(case, index)
+            else:
+                await judge(case, index)
+
+    async def judge(case: Case, index: int) -> None:
+        job = case.job(fault_step)
+        scenario = Scenario(case.name, "shapes_job.py", case.nodes, case.per_node, job, case.expect)
+        began = time.time()
+        work = Path(tempfile.mkdtemp(prefix=f"{case.name}-", dir=args.work))
+        got = await run(scenario, work, args.timeout, args.device, gpus)
+        row = result_row(case, got, args.device, index, fault_step)
+        # The engine under test is the working tree's: when each run began says which version judged it.
+        row["started_at"] = dt.datetime.fromtimestamp(began).astimezone().isoformat(timespec="seconds")
+        row["wall_s"] = round(time.time() - began, 1)
+        row["parallel"] = args.parallel
+        rows.append(row)
+        with out.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        brief = {k: row[k] for k in ("scenario", "layout", "right", "outcome", "fault_to_page_s", "wall_s")}
+        print(json.dumps(brief), flush=True)
+        for n, node in enumerate(row["nodes"]):
+            print(
+                f"  node {n}: exit {node['exit']} {node['verdict']} {node['culprits']}: {node['headline']}", flush=True
+            )
+
+    await asyncio.gather(*(one(case, index) for index in range(args.repeat) for case in chosen))
     print(summary(rows), flush=True)
     return 0
 
@@ -232,12 +252,20 @@ def main() -> int:
     parser.add_argument("--out", help="JSON lines, one per run (appended); needed to run scenarios")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo (no gpu_hang scenarios)")
     parser.add_argument(
-        "--only", default="", help="a shape's scenarios (tp: not fsdp2_tp's), or those whose name holds this (_skip_)"
+        "--only",
+        default="",
+        help="a shape's scenarios (tp: not fsdp2_tp's), or those whose name holds this (_skip_); several, comma-separated",
     )
     parser.add_argument("--repeat", type=int, default=1, help="run the chosen scenarios this many times, in turn")
     parser.add_argument("--nodes", type=int, default=0, help="run every scenario as N wrappers (0: the table's layout)")
     parser.add_argument(
         "--fault-step", type=int, default=0, help="step of each fault and pause (0: 60 on cpu, 600 on cuda)"
+    )
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="scenarios run at once (gpu_hang ones alone); latencies then share the host",
     )
     parser.add_argument("--timeout", type=float, default=180, help="seconds one run may take before it is killed")
     parser.add_argument("--work", default=None, help="where each run's folder goes (default: the temp folder)")
