@@ -254,7 +254,7 @@ def main() -> int:
     parser.add_argument(
         "--only",
         default="",
-        help="a shape's scenarios (tp: not fsdp2_tp's), or those whose name holds this (_skip_); several, comma-separated",
+        help="a shape's scenarios (tp: not fsdp2_tp's), or those whose name holds this (_skip_); comma-separated",
     )
     parser.add_argument("--repeat", type=int, default=1, help="run the chosen scenarios this many times, in turn")
     parser.add_argument("--nodes", type=int, default=0, help="run every scenario as N wrappers (0: the table's layout)")
