@@ -219,7 +219,7 @@ async def main_async(args: argparse.Namespace) -> int:
 
     async def judge(case: Case, index: int) -> None:
         job = case.job(fault_step)
-        scenario = Scenario(case.name, "shapes_job.py", case.nodes, case.per_node, job, case.expect)
+        scenario = Scenario(case.name, "shapes_job.py", case.nodes, case.per_node, job, case.expect, args.watch)
         began = time.time()
         work = Path(tempfile.mkdtemp(prefix=f"{case.name}-", dir=args.work))
         got = await run(scenario, work, args.timeout, args.device, gpus)
@@ -266,6 +266,9 @@ def main() -> int:
         type=int,
         default=1,
         help="scenarios run at once (gpu_hang ones after, alone); latencies then share the host",
+    )
+    parser.add_argument(
+        "--watch", action="append", default=[], metavar="ARG", help="an option for every wrapper, e.g. --watch=-v"
     )
     parser.add_argument("--timeout", type=float, default=180, help="seconds one run may take before it is killed")
     parser.add_argument("--work", default=None, help="where each run's folder goes (default: the temp folder)")
