@@ -562,6 +562,9 @@ class Stall(Event):
     stalled_for_s: float
     stall_timeout_s: float
     progress_timeout_s: float
+    # When this probe began asking the ranks for dumps: the I/O of the dumps it asked for is ncclwatch's, not the
+    # rank's (hang/state.py's Worker.rates leaves it out).
+    probe_began_at: float | None = None
 
 
 class SourceDown(Event):

@@ -7,7 +7,7 @@ rank's window (bounded), never the whole history.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
@@ -197,8 +197,8 @@ def _comm(comm: Communicator, global_ranks: Mapping[ProcKey, int]) -> CommView:
     )
 
 
-def worker_view(worker: Worker) -> WorkerView:
-    cpu, io = worker.rates()
+def worker_view(worker: Worker, probes: Sequence[tuple[float, float]] = ()) -> WorkerView:
+    cpu, io = worker.rates(probes)
     return WorkerView(
         rank=worker.rank,  # type: ignore[arg-type]  # current_workers() have one
         pid=worker.pid,
@@ -229,7 +229,7 @@ def take_snapshot(state: JobState, observed_at: float) -> Snapshot:
         stacks=MappingProxyType(dict(state.stacks)),
         gpus=tuple(state.gpus),
         notes=tuple(state.notes),
-        workers=tuple(worker_view(w) for w in state.current_workers()),
+        workers=tuple(worker_view(w, state.probes) for w in state.current_workers()),
         stall=state.stall,
         partial=tuple(state.partial),
         mesh_groups=mesh_groups_of_dumps(state.fr_dumps.values()),

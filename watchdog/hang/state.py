@@ -25,6 +25,7 @@ from __future__ import annotations
 import zlib
 from array import array
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -71,6 +72,8 @@ _MAX_NOTES = 200
 _MAX_PARTIAL = 4000  # partial-evidence events kept (each is one diagnostic line, deduplicated)
 SHARED_TAIL = " (shared via the store)"  # the file of a sequence another node's sidecar shared
 SAMPLES_KEPT = 8  # /proc samples per worker (0.5 s apart live: CPU and I/O rates over ~4 s)
+PROBES_KEPT = SAMPLES_KEPT  # probe windows remembered: more than the samples span
+DUMP_SETTLE_S = 0.5  # after a probe, a rank may still be writing the dump it was asked for
 
 Source = Literal["nccl_log", "flight_recorder"]
 
@@ -198,26 +201,38 @@ class Worker:
     def proc_state(self) -> str | None:
         return self.samples[-1].state if self.samples else None
 
-    def rates(self) -> tuple[float | None, float | None]:
+    def rates(self, probes: Sequence[tuple[float, float]] = ()) -> tuple[float | None, float | None]:
         """CPU (cores) and I/O (bytes/s) over the samples kept: a busy rank from an idle one.
 
         The CPU is the main thread's where both samples have it: the thread that runs the rank's own code.  On
         the H200 a pipeline stage asleep in Python read as busy by its process's CPU (NCCL's proxy thread spins
-        while a peer's send waits), and its hang was held as "a checkpoint?"."""
+        while a peer's send waits), and its hang was held as "a checkpoint?".  The I/O leaves out the spans of
+        ``probes`` (when ncclwatch asked the ranks for Flight Recorder dumps, and until they were written): on the
+        H200 an FSDP2 rank asleep in Python wrote its dump while the confirming look sampled it, and every hang of
+        FSDP2, TP and pipeline jobs was held as busy."""
         if len(self.samples) < 2:
             return None, None
         first, last = self.samples[0], self.samples[-1]
         seconds = last.at - first.at
         if seconds <= 0:
             return None, None
-        io = (
-            (last.io_bytes - first.io_bytes) / seconds
-            if last.io_bytes is not None and first.io_bytes is not None
-            else None
-        )
+        io = _io_rate(self.samples, probes)
         if last.main_cpu_seconds is not None and first.main_cpu_seconds is not None:
             return (last.main_cpu_seconds - first.main_cpu_seconds) / seconds, io
         return (last.cpu_seconds - first.cpu_seconds) / seconds, io
+
+
+def _io_rate(samples: Sequence[ProcessState], probes: Sequence[tuple[float, float]]) -> float | None:
+    """Bytes per second over the spans between consecutive samples that no probe overlaps; None without any."""
+    moved, seconds = 0, 0.0
+    for before, after in zip(samples, list(samples)[1:]):
+        if before.io_bytes is None or after.io_bytes is None or after.at <= before.at:
+            continue
+        if any(began < after.at and before.at < ended + DUMP_SETTLE_S for began, ended in probes):
+            continue
+        moved += after.io_bytes - before.io_bytes
+        seconds += after.at - before.at
+    return moved / seconds if seconds > 0 else None
 
 
 class JobState:
@@ -239,6 +254,7 @@ class JobState:
         self.notes: list[str] = []
         self.workers: dict[int, Worker] = {}  # pid -> worker (live sidecar, or its journal)
         self.stall: Stall | None = None  # the latest probe's clock (live sidecar, or its journal)
+        self.probes: deque[tuple[float, float]] = deque(maxlen=PROBES_KEPT)  # (began, ended) of the latest probes
         self._live: dict[tuple[ProcKey, str], RankSeq] = {}  # (proc, comm ptr) -> open sequence
         self._comm_of: dict[tuple[ProcKey, str], str] = {}  # (proc, comm ptr) -> comm key
         self._init_count: dict[ProcKey, int] = {}
@@ -395,6 +411,8 @@ class JobState:
 
     def _on_stall(self, event: Stall) -> None:
         self.stall = event
+        if event.probe_began_at is not None:
+            self.probes.append((event.probe_began_at, event.at))
 
     def _on_tail(self, event: SequenceTail) -> None:
         comm = self.comms.get(event.comm_key)
