@@ -70,16 +70,25 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("NCCL_HOSTID", f"host{rank}")  # two ranks on one GPU: NCCL wants two "hosts"
     backend = "nccl" if cuda else "gloo"
     timeout = datetime.timedelta(minutes=30)
-    # torchrun keeps its store across restarts; a new round reading the dead round's keys would hang: a prefix per round.
+    # torchrun keeps its store across restarts; a new round reading the dead round's keys would hang: a prefix per
+    # round.
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"checkpoint-job-round{round_}", store), rank=rank,
-                            world_size=world, timeout=timeout, device_id=device if cuda else None)  # fmt: skip
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"checkpoint-job-round{round_}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        device_id=device if cuda else None,
+    )
 
     torch.manual_seed(0)
     vocab, seq = 512, 64
     layer = torch.nn.TransformerEncoderLayer(args.width, nhead=4, dim_feedforward=4 * args.width, batch_first=True)
     model = torch.nn.Sequential(
-        torch.nn.Embedding(vocab, args.width), torch.nn.TransformerEncoder(layer, args.layers), torch.nn.Linear(args.width, vocab)
+        torch.nn.Embedding(vocab, args.width),
+        torch.nn.TransformerEncoder(layer, args.layers),
+        torch.nn.Linear(args.width, vocab),
     ).to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)

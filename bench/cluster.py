@@ -65,7 +65,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from importlib.metadata import version
 from multiprocessing.connection import Connection
@@ -77,9 +77,6 @@ from ncclwatch.watchdog.cluster.payload import TAIL_SHARED, pack, unpack
 from ncclwatch.watchdog.cluster.peers import EVIDENCE_WAIT_S, FULL_NODES, FULL_WAIT_S, Cluster, Membership
 from ncclwatch.watchdog.cluster.store import StoreClient, StoreError
 from ncclwatch.watchdog.cluster.view import HOT_S, PUBLISH_S, NodeSummary
-from ncclwatch.watchdog.hang.classify import judge
-from ncclwatch.watchdog.hang.snapshot import take_snapshot
-from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.events import (
     Citation,
     Event,
@@ -96,6 +93,9 @@ from ncclwatch.watchdog.events import (
     ThreadStack,
     WorkerSeen,
 )
+from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.state import JobState
 
 HOST = "127.0.0.1"
 FR_ENTRIES = 2000  # each rank's Flight Recorder ring (torch's default size); pack keeps the newest
@@ -121,8 +121,9 @@ class Store:
     """torch's TCPStore server (libuv, torch's default) in its own process: its RSS is the store's alone."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", STORE_CODE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", STORE_CODE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         ready, _, _ = select.select([self.proc.stdout], [], [], 60)
         line = self.proc.stdout.readline() if ready else ""  # type: ignore[union-attr]
         if not line.strip().isdigit():
@@ -157,8 +158,16 @@ class Store:
 
 def summary(node: int, ranks: int, nnodes: int, phase: str) -> NodeSummary:
     now = time.time()
-    return NodeSummary(node=node, host=f"node{node}", at=now, ranks=list(range(node * ranks, (node + 1) * ranks)),
-                       last_progress=now, phase=phase, world_size=nnodes * ranks, started_at=now - 600)  # fmt: skip
+    return NodeSummary(
+        node=node,
+        host=f"node{node}",
+        at=now,
+        ranks=list(range(node * ranks, (node + 1) * ranks)),
+        last_progress=now,
+        phase=phase,
+        world_size=nnodes * ranks,
+        started_at=now - 600,
+    )
 
 
 @lru_cache(maxsize=2)
@@ -167,9 +176,18 @@ def ring(total: int) -> list[FrEntry]:
     rank issuing as many, so it is built once per process (frozen models), not 2,000 validations per rank."""
     frames = [FrFrame(name="step", filename="/opt/train/loop.py", line=42)] * 12
     return [
-        FrEntry(index=i, pg_id="0", collective_seq_id=total - FR_ENTRIES + i + 1, profiling_name="nccl:all_reduce",
-                op="AllReduce", is_p2p=False, input_sizes=[[1 << 20]], input_dtypes=["BFloat16"],
-                state=OpState.completed if i < FR_ENTRIES - 1 else OpState.started, frames=frames)  # fmt: skip
+        FrEntry(
+            index=i,
+            pg_id="0",
+            collective_seq_id=total - FR_ENTRIES + i + 1,
+            profiling_name="nccl:all_reduce",
+            op="AllReduce",
+            is_p2p=False,
+            input_sizes=[[1 << 20]],
+            input_dtypes=["BFloat16"],
+            state=OpState.completed if i < FR_ENTRIES - 1 else OpState.started,
+            frames=frames,
+        )
         for i in range(FR_ENTRIES)
     ]
 
@@ -186,18 +204,46 @@ def node_evidence(node: int, ranks: int, nnodes: int, stall: Stall) -> list[Even
     for local in range(ranks):
         rank = node * ranks + local
         pid = 10_000 + rank
-        events.append(WorkerSeen(pid=pid, rank=rank, local_rank=local, world_size=world, host=f"node{node}",
-                                 at=stall.at - 600, node_rank=node, nnodes=nnodes))  # fmt: skip
+        events.append(
+            WorkerSeen(
+                pid=pid,
+                rank=rank,
+                local_rank=local,
+                world_size=world,
+                host=f"node{node}",
+                at=stall.at - 600,
+                node_rank=node,
+                nnodes=nnodes,
+            )
+        )
         events += [ProcessState(pid=pid, rank=rank, state="S", cpu_seconds=1.0, at=stall.at - i) for i in range(8)]
         frames = [f"frame{i} (/opt/train/model.py:{100 + i})" for i in range(20)]
         stack = ThreadStack(name="MainThread", frames=frames)
         events.append(StackDump(pid=pid, threads=[stack], cite=Citation(file="py-spy")))
         total = ISSUED - (rank == world - 1)
-        events.append(FrDump(rank=rank, version="2.10", process_groups=default_group(world), entries=ring(total),
-                             cite=Citation(file=f"fr/{rank}")))  # fmt: skip
+        events.append(
+            FrDump(
+                rank=rank,
+                version="2.10",
+                process_groups=default_group(world),
+                entries=ring(total),
+                cite=Citation(file=f"fr/{rank}"),
+            )
+        )
         sigs = [OpSig("AllReduce", 1 << 20, "9", "0", 0)] * TAIL_SHARED
-        events.append(SequenceTail(comm_key="nccl:0xabc", label="commId 0xabc", nranks=world, comm_rank=rank,
-                                   global_rank=rank, host=f"node{node}", pid=pid, base=total - TAIL_SHARED, sigs=sigs))  # fmt: skip
+        events.append(
+            SequenceTail(
+                comm_key="nccl:0xabc",
+                label="commId 0xabc",
+                nranks=world,
+                comm_rank=rank,
+                global_rank=rank,
+                host=f"node{node}",
+                pid=pid,
+                base=total - TAIL_SHARED,
+                sigs=sigs,
+            )
+        )
     return events + [stall]
 
 
@@ -295,8 +341,10 @@ class Sim:
 
     async def status(self) -> dict:
         views = [n.cluster.view for n in self.nodes]
-        return {"joined": all(v is not None and v.joined == self.nnodes for v in views),
-                "followed": sum(n.followed_at is not None for n in self.nodes)}  # fmt: skip
+        return {
+            "joined": all(v is not None and v.joined == self.nnodes for v in views),
+            "followed": sum(n.followed_at is not None for n in self.nodes),
+        }
 
     async def mark(self) -> None:
         for node in self.nodes:
@@ -336,7 +384,10 @@ class Sim:
             await node.cluster.client.close()
         nodes = self.nodes
         return {
-            "wall_s": wall, "cpu_s": cpu, "roles": roles, "unstopped": len(running),
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "roles": roles,
+            "unstopped": len(running),
             "errors": sum(n.errors for n in nodes),
             "worst_round_s": max((n.worst_round_s for n in nodes), default=0.0),
             "worst_lag_s": max((n.worst_lag_s for n in nodes), default=0.0),
@@ -346,7 +397,7 @@ class Sim:
             "followed_at": [n.followed_at for n in nodes if n.followed_at is not None],
             "verdict_read": sum(n.verdict_read for n in nodes),
             "culprits": sorted({tuple(n.culprits) for n in nodes if n.followed_at is not None}),
-        }  # fmt: skip
+        }
 
     async def restart(self, run: str, nodes: list[int]) -> int:
         """An elastic restart: each node's first exchange of the new round deletes its keys of the round before.
@@ -523,9 +574,11 @@ def latency_report(before: Samples, after: Samples, loaded: Samples) -> dict:
 
         idle, with_load = percentiles(pick(before) + pick(after)), percentiles(pick(loaded))
         out[op] = {
-            "idle": idle, "loaded": with_load, "p99_ratio": round(with_load["p99_ms"] / idle["p99_ms"], 2),
+            "idle": idle,
+            "loaded": with_load,
+            "p99_ratio": round(with_load["p99_ms"] / idle["p99_ms"], 2),
             "idle_p99_before_after_ms": [percentiles(pick(before))["p99_ms"], percentiles(pick(after))["p99_ms"]],
-        }  # fmt: skip
+        }
     return out
 
 
@@ -562,12 +615,14 @@ def role_figures(stats: list[dict], role: str) -> dict:
     requests, sent, received, rounds, count = (sum(s["roles"][role][i] for s in hosts) for i in range(5))
     cpu_share = sum(s["cpu_s"] / s["wall_s"] for s in hosts) / max(count, 1)
     return {
-        "sidecars": count, "requests_per_round": round(requests / max(rounds, 1), 2),
+        "sidecars": count,
+        "requests_per_round": round(requests / max(rounds, 1), 2),
         "sent_bytes_per_round": round(sent / max(rounds, 1)),
         "received_bytes_per_round": round(received / max(rounds, 1)),
-        "cpu_share_of_a_core": round(cpu_share, 5), "cpu_ms_per_round": round(1000 * cpu_share * PUBLISH_S, 3),
+        "cpu_share_of_a_core": round(cpu_share, 5),
+        "cpu_ms_per_round": round(1000 * cpu_share * PUBLISH_S, 3),
         "worst_round_s": round(max((s["worst_round_s"] for s in hosts), default=0.0), 4),
-    }  # fmt: skip
+    }
 
 
 def steady_figures(stats: list[dict]) -> dict:
@@ -579,13 +634,18 @@ def steady_figures(stats: list[dict]) -> dict:
     worst_lag = max(s["worst_lag_s"] for s in stats)
     return {
         "window_s": round(max(s["wall_s"] for s in stats), 1),
-        "requests_per_s": round(per_s(0)), "bytes_in_per_s": round(per_s(1)), "bytes_out_per_s": round(per_s(2)),
-        "members": role_figures(stats, "members"), "leader": role_figures(stats[:1], "leader"),
-        "worst_lag_s": round(worst_lag, 4), "lagging": worst_lag > LAG_S, "errors": sum(s["errors"] for s in stats),
+        "requests_per_s": round(per_s(0)),
+        "bytes_in_per_s": round(per_s(1)),
+        "bytes_out_per_s": round(per_s(2)),
+        "members": role_figures(stats, "members"),
+        "leader": role_figures(stats[:1], "leader"),
+        "worst_lag_s": round(worst_lag, 4),
+        "lagging": worst_lag > LAG_S,
+        "errors": sum(s["errors"] for s in stats),
         "unstopped": sum(s["unstopped"] for s in stats),
         "leaders": sorted({leader for s in stats for leader in s["leaders"]}),
         "joined_min": min(s["joined_min"] for s in stats),
-    }  # fmt: skip
+    }
 
 
 # -- at a hang ------------------------------------------------------------
@@ -621,8 +681,8 @@ def step(out: dict, name: str) -> Iterator[None]:
 
 
 async def lead_incident(leader: Cluster, local: JobState, stall: Stall, out: dict) -> None:
-    """The leader's side, as ``ClusterJudging._judge_job`` (live/judging.py) runs it and ``_page`` publishes it, step by step.
-    (The leader's own exchanges go on meanwhile, as in the sidecar: their CPU is in the steps' CPU.)"""
+    """The leader's side, as ``ClusterJudging._judge_job`` (live/judging.py) runs it and ``_page`` publishes it, step by
+    step. (The leader's own exchanges go on meanwhile, as in the sidecar: their CPU is in the steps' CPU.)"""
     client = leader.client
     assert isinstance(client, CountingClient)
     received, started = client.received_bytes, time.perf_counter()
@@ -646,11 +706,15 @@ async def lead_incident(leader: Cluster, local: JobState, stall: Stall, out: dic
     with step(out, "publish_verdict"):
         await leader.publish_verdict(incident_key(leader.membership, decision), decision)
     out.update(
-        total_s=round(time.perf_counter() - started, 3), published_at=time.time(),
+        total_s=round(time.perf_counter() - started, 3),
+        published_at=time.time(),
         verdict=decision.finding.verdict.value,
-        culprits=list(decision.finding.culprits), full_asked=want, pending=sorted(answering - set(remote)),
-        evidence_read_bytes=client.evidence_read, leader_read_bytes=client.received_bytes - received,
-    )  # fmt: skip
+        culprits=list(decision.finding.culprits),
+        full_asked=want,
+        pending=sorted(answering - set(remote)),
+        evidence_read_bytes=client.evidence_read,
+        leader_read_bytes=client.received_bytes - received,
+    )
 
 
 async def until(check: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
@@ -811,9 +875,11 @@ def steady_row(size: dict) -> dict[str, object]:
         "worst round ms m/l": f"{1000 * members['worst_round_s']:.0f}/{1000 * leader['worst_round_s']:.0f}",
         "lagging": steady["lagging"],
         "agree": steady["leaders"] == [0] and steady["joined_min"] == size["nodes"],
-        "job p99 ms idle>loaded": f"{lat['idle']['p99_ms']}>{lat['loaded']['p99_ms']} ({lat['p99_ratio']}x)" if lat else "-",
+        "job p99 ms idle>loaded": f"{lat['idle']['p99_ms']}>{lat['loaded']['p99_ms']} ({lat['p99_ratio']}x)"
+        if lat
+        else "-",
         "store RSS MB": f"{size['rss_mb']['start']}>{size['rss_mb']['steady']}",
-    }  # fmt: skip
+    }
 
 
 def hang_row(size: dict) -> dict[str, object]:
@@ -825,7 +891,9 @@ def hang_row(size: dict) -> dict[str, object]:
     return {
         "nodes": size["nodes"],
         "compact/full B/node": f"{hang.get('compact_sent_bytes_per_node')}/{hang.get('full_sent_bytes_per_node')}",
-        "leader read KB evidence/all": f"{hang.get('evidence_read_bytes', 0) / 1e3:.0f}/{hang.get('leader_read_bytes', 0) / 1e3:.0f}",
+        "leader read KB evidence/all": (
+            f"{hang.get('evidence_read_bytes', 0) / 1e3:.0f}/{hang.get('leader_read_bytes', 0) / 1e3:.0f}"
+        ),
         "gather s": wall("gather_compact", "gather_full"),
         "judge s": wall("judge_compact", "judge_full"),
         "total s": hang.get("total_s"),
@@ -835,7 +903,7 @@ def hang_row(size: dict) -> dict[str, object]:
         "keys watch/closed/restart": "/".join(str(hang["keys"].get(k)) for k in ("watching", "closed", "restarted")),
         "store RSS MB": "/".join(str(v) for v in hang["rss_mb"].values()),
         "timed out in": hang.get("timed_out_in", "-"),
-    }  # fmt: skip
+    }
 
 
 def table(rows: list[dict[str, object]]) -> str:
@@ -858,10 +926,16 @@ def main() -> None:
     if args.procs < 2 or min(args.nodes) < 2:
         parser.error("--procs and --nodes must be at least 2: the leader runs in a process of its own")
     result = {
-        "machine": platform.node(), "python": platform.python_version(), "torch": version("torch"),
-        "cpu_count": os.cpu_count(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "publish_s": PUBLISH_S, "hot_s": HOT_S, "args": vars(args), "sizes": [],
-    }  # fmt: skip
+        "machine": platform.node(),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "cpu_count": os.cpu_count(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "publish_s": PUBLISH_S,
+        "hot_s": HOT_S,
+        "args": vars(args),
+        "sizes": [],
+    }
     for nnodes in args.nodes:
         started = time.monotonic()
         result["sizes"].append(run_size(nnodes, args))

@@ -260,16 +260,34 @@ def wrapper_commands(
 ) -> list[list[str]]:
     fault, tail = (scenario, args.steps_after) if EXPECT[scenario].node_action is None else ("none", ACTION_TAIL_STEPS)
     job_args = [
-        str(JOB), f"--device={args.device}", f"--size={args.size}", f"--fault={fault}", f"--fault-rank={rank}",
-        f"--fault-step={step}", f"--steps={step + tail}", f"--warmup-steps={min(20, step)}",
-        f"--pause-s={args.pause_s}", f"--mark-dir={work / 'marks'}", f"--result={work / 'result.json'}",
-    ]  # fmt: skip
+        str(JOB),
+        f"--device={args.device}",
+        f"--size={args.size}",
+        f"--fault={fault}",
+        f"--fault-rank={rank}",
+        f"--fault-step={step}",
+        f"--steps={step + tail}",
+        f"--warmup-steps={min(20, step)}",
+        f"--pause-s={args.pause_s}",
+        f"--mark-dir={work / 'marks'}",
+        f"--result={work / 'result.json'}",
+    ]
     commands = []
     for node in range(args.nnodes):
         wrapper = [
-            sys.executable, "-m", "ncclwatch", "-v", "--on-hang", "kill", "--job-name", job,
-            "--bundle-dir", str(work / f"bundles{node}"), "--run-dir", str(work / f"run{node}"),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "ncclwatch",
+            "-v",
+            "--on-hang",
+            "kill",
+            "--job-name",
+            job,
+            "--bundle-dir",
+            str(work / f"bundles{node}"),
+            "--run-dir",
+            str(work / f"run{node}"),
+        ]
         if args.stall_timeout_floor is not None:
             wrapper += ["--stall-timeout-floor", str(args.stall_timeout_floor)]
         torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}"]
@@ -385,13 +403,27 @@ def run_once(
         steps_per_s = json.loads(result_file.read_text()).get("steps_per_s") if result_file.exists() else None
         archive_logs(logs, wrappers, f"{scenario}-{n}")
         record = {
-            "scenario": scenario, "repeat": n, "nnodes": args.nnodes, "rdzv": args.rdzv if args.nnodes > 1 else None,
-            "nproc_per_node": args.nproc, "device": args.device, "size": args.size, "fault_rank": rank,
-            "fault_step": step, "action": expect.node_action, "action_node": node, "expected_verdict": expect.verdict,
-            "expect_crash": expect.crash, "expected_culprits": expected_culprits(expect, rank, node, args.nproc),
-            "fault_at": fault_at, "wall_s": round(time.time() - began, 1), "timed_out": timed_out, "nodes": nodes,
-            "steps_per_s": steps_per_s, "leftover_processes": leftovers,
-        }  # fmt: skip
+            "scenario": scenario,
+            "repeat": n,
+            "nnodes": args.nnodes,
+            "rdzv": args.rdzv if args.nnodes > 1 else None,
+            "nproc_per_node": args.nproc,
+            "device": args.device,
+            "size": args.size,
+            "fault_rank": rank,
+            "fault_step": step,
+            "action": expect.node_action,
+            "action_node": node,
+            "expected_verdict": expect.verdict,
+            "expect_crash": expect.crash,
+            "expected_culprits": expected_culprits(expect, rank, node, args.nproc),
+            "fault_at": fault_at,
+            "wall_s": round(time.time() - began, 1),
+            "timed_out": timed_out,
+            "nodes": nodes,
+            "steps_per_s": steps_per_s,
+            "leftover_processes": leftovers,
+        }
         score(record, receiver.for_job(job))
         record["correct"] = judge(expect, record, rank)
         if not record["correct"]:
@@ -414,11 +446,13 @@ def score(record: dict, posts: list[dict]) -> None:
     triggers = [p for p in posts if p["event"] == "trigger"]
     reported = [i for i, node in enumerate(nodes) if node["page_verdict"] or node["verdict"]]
     record.update(
-        reports=len(reported), paged_by=[i for i in reported if not nodes[i]["deferred"]],
-        webhook_triggers=len(triggers), webhook_resolves=sum(p["event"] == "resolve" for p in posts),
+        reports=len(reported),
+        paged_by=[i for i in reported if not nodes[i]["deferred"]],
+        webhook_triggers=len(triggers),
+        webhook_resolves=sum(p["event"] == "resolve" for p in posts),
         webhook_keys=len({p["id"] for p in triggers}),
         webhook_pages=[[p["verdict"], p["culprit_ranks"]] for p in triggers],
-    )  # fmt: skip
+    )
     record["pages"] = len(record["paged_by"])
     for key in ("page_s", "report_s", "bundle_s"):
         values = [node[key] for node in nodes if node.get(key) is not None]
@@ -444,11 +478,15 @@ def node_result(wrapper: Wrapper, bundles: Path, fault_at: float | None) -> dict
     first_line = wrapper.verdict_lines[0] if wrapper.verdict_lines else (None, None, None)
     node = {
         "returncode": wrapper.process.returncode,
-        "page_verdict": first_line[1], "page_culprits": first_line[2], "page_s": since(first_line[0]),
-        "verdict_lines": len(wrapper.verdict_lines), "deferred": wrapper.deferred,
-        "verdict": None, "culprit_ranks": None,
+        "page_verdict": first_line[1],
+        "page_culprits": first_line[2],
+        "page_s": since(first_line[0]),
+        "verdict_lines": len(wrapper.verdict_lines),
+        "deferred": wrapper.deferred,
+        "verdict": None,
+        "culprit_ranks": None,
         "perf_findings": [{"kind": kind, "summary": text, "s": since(at)} for at, kind, text in wrapper.perf_lines],
-    }  # fmt: skip
+    }
     found = sorted(bundles.glob("*.tar.gz"))
     node["bundles"] = len(found)
     if found:
@@ -464,10 +502,13 @@ def node_result(wrapper: Wrapper, bundles: Path, fault_at: float | None) -> dict
         ]
         detected = dt.datetime.fromisoformat(report["detected_at"]).timestamp()
         node.update(
-            verdict=report["verdict"], culprit_ranks=report["culprit_ranks"],
-            stall_timeout_s=report.get("stall_timeout_s"), hang_started_at=report.get("hang_started_at"),
-            report_s=since(detected), bundle_s=since(found[0].stat().st_mtime),
-        )  # fmt: skip
+            verdict=report["verdict"],
+            culprit_ranks=report["culprit_ranks"],
+            stall_timeout_s=report.get("stall_timeout_s"),
+            hang_started_at=report.get("hang_started_at"),
+            report_s=since(detected),
+            bundle_s=since(found[0].stat().st_mtime),
+        )
     if (not found and node["returncode"] != 0) or node["verdict"] != node["page_verdict"]:
         node["tail"] = wrapper.log.read_bytes()[-3000:].decode(errors="replace")
     return node

@@ -63,9 +63,20 @@ def _dump(entries: bytes) -> bytes:
 def _entry(extra: bytes = b"") -> bytes:
     """One entry dict, left on the stack; ``extra`` is more key/value pairs."""
     return (
-        b"}(" + _str("record_id") + b"K\x01" + _str("pg_id") + b"K\x00" + _str("collective_seq_id") + b"K\x01"
-        + _str("profiling_name") + _str("nccl:all_reduce") + _str("state") + _str("scheduled") + extra + b"u"
-    )  # fmt: skip
+        b"}("
+        + _str("record_id")
+        + b"K\x01"
+        + _str("pg_id")
+        + b"K\x00"
+        + _str("collective_seq_id")
+        + b"K\x01"
+        + _str("profiling_name")
+        + _str("nccl:all_reduce")
+        + _str("state")
+        + _str("scheduled")
+        + extra
+        + b"u"
+    )
 
 
 def entries_repeat() -> bytes:
@@ -134,8 +145,13 @@ def measure(name: str, folder: Path, parser: str | None, limit_gib: int, timeout
         return {"input": name, "bytes": path.stat().st_size, "error": last}
     result = json.loads(done.stdout)
     peak = f"{result['peak_kib'] / 1024:.0f}"
-    return {"input": name, "bytes": path.stat().st_size, "seconds": round(result["seconds"], 2), "peak_mib": peak,
-            "what": result["what"][:110]}  # fmt: skip
+    return {
+        "input": name,
+        "bytes": path.stat().st_size,
+        "seconds": round(result["seconds"], 2),
+        "peak_mib": peak,
+        "what": result["what"][:110],
+    }
 
 
 def main() -> None:

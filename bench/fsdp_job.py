@@ -37,8 +37,9 @@ import argparse
 import os
 import sys
 
-from ncclwatch.launcher.demo_job import mark
 from ranks import join_job  # bench/ranks.py: the script's folder is on sys.path
+
+from ncclwatch.launcher.demo_job import mark
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,7 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--skip-rank", type=int, default=-1, help="this rank skips the logging all_reduce (-1: none)")
     parser.add_argument("--skip-step", type=int, default=20)
-    parser.add_argument("--slow-rank", type=int, default=-1, help="this rank's GPU is --slow-ms late every step (-1: none)")
+    parser.add_argument(
+        "--slow-rank", type=int, default=-1, help="this rank's GPU is --slow-ms late every step (-1: none)"
+    )
     parser.add_argument("--slow-ms", type=float, default=100.0)
     parser.add_argument("--mark-dir", default=os.environ.get("NCCLWATCH_RUN_DIR", "."), help="where fault.<rank> goes")
     return parser.parse_args(argv)

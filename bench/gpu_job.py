@@ -60,15 +60,27 @@ import signal
 import sys
 import time
 
-from ncclwatch.launcher.demo_job import mark as demo_mark
 from ranks import join_job  # bench/ranks.py: the script's folder is on sys.path
+
+from ncclwatch.launcher.demo_job import mark as demo_mark
 
 STARTED_AT = time.time()
 
 FAULTS = (
-    "none", "skip", "dtype", "conditional", "p2p_deadlock", "syscall", "long_kernel",
-    "sigkill", "exception", "checkpoint", "straggler", "pause", "sigstop",
-)  # fmt: skip
+    "none",
+    "skip",
+    "dtype",
+    "conditional",
+    "p2p_deadlock",
+    "syscall",
+    "long_kernel",
+    "sigkill",
+    "exception",
+    "checkpoint",
+    "straggler",
+    "pause",
+    "sigstop",
+)
 ALL_RANK_FAULTS = ("pause", "p2p_deadlock")  # every rank misbehaves (and writes a mark)
 SIZES = {
     #        layers d_model heads seq batch vocab

@@ -44,35 +44,108 @@ class Scenario:
 
 
 FSDP = [
-    Scenario("fsdp2_skip_rank1", "fsdp_job.py", 1, 2, ["--steps=400", "--skip-rank=1", "--skip-step=40"], ("collective_mismatch", (1,))),
-    Scenario("fsdp2_skip_rank0", "fsdp_job.py", 1, 2, ["--steps=400", "--skip-rank=0", "--skip-step=55"], ("collective_mismatch", (0,))),
-    Scenario("fsdp2_skip_rank1_clip_accum", "fsdp_job.py", 1, 2,
-             ["--steps=400", "--skip-rank=1", "--skip-step=70", "--clip-grad", "--grad-accum=2"], ("collective_mismatch", (1,))),
-    Scenario("fsdp2_skip_rank1_late", "fsdp_job.py", 1, 2, ["--steps=400", "--skip-rank=1", "--skip-step=90"], ("collective_mismatch", (1,))),
-    Scenario("fsdp2_skip_two_nodes", "fsdp_job.py", 2, 1, ["--steps=400", "--skip-rank=1", "--skip-step=40"], ("collective_mismatch", (1,))),
+    Scenario(
+        "fsdp2_skip_rank1",
+        "fsdp_job.py",
+        1,
+        2,
+        ["--steps=400", "--skip-rank=1", "--skip-step=40"],
+        ("collective_mismatch", (1,)),
+    ),
+    Scenario(
+        "fsdp2_skip_rank0",
+        "fsdp_job.py",
+        1,
+        2,
+        ["--steps=400", "--skip-rank=0", "--skip-step=55"],
+        ("collective_mismatch", (0,)),
+    ),
+    Scenario(
+        "fsdp2_skip_rank1_clip_accum",
+        "fsdp_job.py",
+        1,
+        2,
+        ["--steps=400", "--skip-rank=1", "--skip-step=70", "--clip-grad", "--grad-accum=2"],
+        ("collective_mismatch", (1,)),
+    ),
+    Scenario(
+        "fsdp2_skip_rank1_late",
+        "fsdp_job.py",
+        1,
+        2,
+        ["--steps=400", "--skip-rank=1", "--skip-step=90"],
+        ("collective_mismatch", (1,)),
+    ),
+    Scenario(
+        "fsdp2_skip_two_nodes",
+        "fsdp_job.py",
+        2,
+        1,
+        ["--steps=400", "--skip-rank=1", "--skip-step=40"],
+        ("collective_mismatch", (1,)),
+    ),
     Scenario("fsdp2_healthy", "fsdp_job.py", 1, 2, ["--steps=2000"], None, ["--perf-interval=10"]),
     # Four ranks on one node: three against one, and the culprit's line.
-    Scenario("fsdp2_4ranks_skip_rank2", "fsdp_job.py", 1, 4, ["--steps=400", "--skip-rank=2", "--skip-step=45"], ("collective_mismatch", (2,))),
-    Scenario("fsdp2_4ranks_skip_rank0", "fsdp_job.py", 1, 4, ["--steps=400", "--skip-rank=0", "--skip-step=60"], ("collective_mismatch", (0,))),
+    Scenario(
+        "fsdp2_4ranks_skip_rank2",
+        "fsdp_job.py",
+        1,
+        4,
+        ["--steps=400", "--skip-rank=2", "--skip-step=45"],
+        ("collective_mismatch", (2,)),
+    ),
+    Scenario(
+        "fsdp2_4ranks_skip_rank0",
+        "fsdp_job.py",
+        1,
+        4,
+        ["--steps=400", "--skip-rank=0", "--skip-step=60"],
+        ("collective_mismatch", (0,)),
+    ),
     # A GPU 80 ms late every step: one straggler finding, no page, nothing slow beside it.
-    Scenario("fsdp2_straggler_rank1", "fsdp_job.py", 1, 2, ["--steps=600", "--slow-rank=1", "--slow-ms=80"], None,
-             ["--perf-interval=10"], ("straggler: rank 1",)),
-]  # fmt: skip
+    Scenario(
+        "fsdp2_straggler_rank1",
+        "fsdp_job.py",
+        1,
+        2,
+        ["--steps=600", "--slow-rank=1", "--slow-ms=80"],
+        None,
+        ["--perf-interval=10"],
+        ("straggler: rank 1",),
+    ),
+]
 # Faults late enough that the job has shown its rhythm (on the H100 a step takes ~16 ms: a hang at step 60
 # came 1 s into training, under the 300 s warm-up timeout).
 PIPELINE = [
-    Scenario("pipeline_both_recv", "pipeline_job.py", 2, 1, ["--steps=100000", "--fault=both_recv", "--fault-step=1500"], ("p2p_deadlock", (0, 1))),
-    Scenario("pipeline_missing_send", "pipeline_job.py", 2, 1, ["--steps=100000", "--fault=missing_send", "--fault-rank=1", "--fault-step=1500"],
-             ("rank_behind", (1,))),
-    Scenario("pipeline_healthy", "pipeline_job.py", 2, 1, ["--steps=3000", "--step-time=0.01"], None, ["--perf-interval=10"]),
-]  # fmt: skip
+    Scenario(
+        "pipeline_both_recv",
+        "pipeline_job.py",
+        2,
+        1,
+        ["--steps=100000", "--fault=both_recv", "--fault-step=1500"],
+        ("p2p_deadlock", (0, 1)),
+    ),
+    Scenario(
+        "pipeline_missing_send",
+        "pipeline_job.py",
+        2,
+        1,
+        ["--steps=100000", "--fault=missing_send", "--fault-rank=1", "--fault-step=1500"],
+        ("rank_behind", (1,)),
+    ),
+    Scenario(
+        "pipeline_healthy", "pipeline_job.py", 2, 1, ["--steps=3000", "--step-time=0.01"], None, ["--perf-interval=10"]
+    ),
+]
 
 
 def bundle_reports(folder: Path) -> list[dict]:  # type: ignore[type-arg]
     found = []
     for bundle in sorted(folder.glob("*.tar.gz")):
         with tarfile.open(bundle) as tar:
-            found.append(json.loads(tar.extractfile(next(n for n in tar.getnames() if n.endswith("/report.json"))).read()))  # type: ignore[union-attr]
+            found.append(
+                json.loads(tar.extractfile(next(n for n in tar.getnames() if n.endswith("/report.json"))).read())
+            )  # type: ignore[union-attr]
     return found
 
 
@@ -106,15 +179,45 @@ async def run(scenario: Scenario, work: Path, timeout_s: float, device: str, gpu
                 # One "host" per wrapper on one machine.  With more ranks per wrapper than GPUs, ranks.py gives
                 # each rank its own instead: NCCL refuses two ranks of one host on one GPU.
                 env["NCCL_HOSTID"] = f"node{n}"
-            launch = ["--standalone"] if scenario.nodes == 1 else [f"--nnodes={scenario.nodes}", f"--node-rank={n}",
-                                                                   "--master-addr=127.0.0.1", f"--master-port={port}"]  # fmt: skip
-            wrappers.append(await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "ncclwatch", "--job-name", scenario.name, "--on-hang", "kill", *scenario.watch,
-                "--bundle-dir", str(work / f"bundles{n}"), "--run-dir", str(runs[n]),
-                sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc-per-node={scenario.per_node}",
-                "--monitor-interval=0.2", str(BENCH / scenario.script), f"--device={device}", f"--mark-dir={runs[n]}", *scenario.job,
-                env=env, cwd=work, stderr=asyncio.subprocess.PIPE,
-            ))  # fmt: skip
+            launch = (
+                ["--standalone"]
+                if scenario.nodes == 1
+                else [
+                    f"--nnodes={scenario.nodes}",
+                    f"--node-rank={n}",
+                    "--master-addr=127.0.0.1",
+                    f"--master-port={port}",
+                ]
+            )
+            wrappers.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "ncclwatch",
+                    "--job-name",
+                    scenario.name,
+                    "--on-hang",
+                    "kill",
+                    *scenario.watch,
+                    "--bundle-dir",
+                    str(work / f"bundles{n}"),
+                    "--run-dir",
+                    str(runs[n]),
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    *launch,
+                    f"--nproc-per-node={scenario.per_node}",
+                    "--monitor-interval=0.2",
+                    str(BENCH / scenario.script),
+                    f"--device={device}",
+                    f"--mark-dir={runs[n]}",
+                    *scenario.job,
+                    env=env,
+                    cwd=work,
+                    stderr=asyncio.subprocess.PIPE,
+                )
+            )
         # Read stderr beside the wait: a wrapper killed at the deadline keeps what it said (communicate() under
         # wait_for drops it).
         reading = [asyncio.create_task(w.stderr.read()) for w in wrappers]  # type: ignore[union-attr]
@@ -125,7 +228,9 @@ async def run(scenario: Scenario, work: Path, timeout_s: float, device: str, gpu
             if running:
                 kill_tree(w.pid)  # all at once: a wrapper still running might page for another's end
         await asyncio.gather(*(w.wait() for w in wrappers))
-        ends = [await r + (b"\nbench: timed out\n" if running else b"") for r, running in zip(reading, late, strict=True)]
+        ends = [
+            await r + (b"\nbench: timed out\n" if running else b"") for r, running in zip(reading, late, strict=True)
+        ]
         await asyncio.sleep(0.5)
         posts = list(pages.posts)
     stderr = [e.decode(errors="replace") for e in ends]
@@ -139,27 +244,41 @@ async def run(scenario: Scenario, work: Path, timeout_s: float, device: str, gpu
         report = reports[0] if reports else None
         rows = {r["rank"]: r for r in report["ranks"]} if report else {}
         culprit = rows.get(report["culprit_ranks"][0]) if report and report["culprit_ranks"] else None
-        nodes.append({
-            "exit": wrappers[n].returncode, "bundles": len(reports), "verdict": report["verdict"] if report else None,
-            "culprits": report["culprit_ranks"] if report else None,
-            "call_site": culprit.get("call_site") if culprit else None, "stack": culprit.get("stack") if culprit else None,
-            "headline": report.get("headline") if report else None,
-            "performance": [line for line in stderr[n].splitlines() if "performance:" in line],
-        })  # fmt: skip
+        nodes.append(
+            {
+                "exit": wrappers[n].returncode,
+                "bundles": len(reports),
+                "verdict": report["verdict"] if report else None,
+                "culprits": report["culprit_ranks"] if report else None,
+                "call_site": culprit.get("call_site") if culprit else None,
+                "stack": culprit.get("stack") if culprit else None,
+                "headline": report.get("headline") if report else None,
+                "performance": [line for line in stderr[n].splitlines() if "performance:" in line],
+            }
+        )
     got = (triggers[0][1]["verdict"], tuple(triggers[0][1]["culprit_ranks"])) if triggers else None
     agree = len({(x["verdict"], tuple(x["culprits"] or ())) for x in nodes}) == 1
     if scenario.expect is None:
         logged = sorted(line.split("performance: ", 1)[1] for x in nodes for line in x["performance"])
         wanted = sorted(scenario.findings)
-        right = (not triggers and all(x["bundles"] == 0 and x["exit"] == 0 for x in nodes) and len(logged) == len(wanted)
-                 and all(line.startswith(prefix) for line, prefix in zip(logged, wanted)))  # fmt: skip
+        right = (
+            not triggers
+            and all(x["bundles"] == 0 and x["exit"] == 0 for x in nodes)
+            and len(logged) == len(wanted)
+            and all(line.startswith(prefix) for line, prefix in zip(logged, wanted))
+        )
     else:
         right = len(triggers) == 1 and got == scenario.expect and agree
     return {
-        "scenario": scenario.name, "expect": scenario.expect, "right": right, "pages": len(triggers), "paged": got,
-        "fault_to_page_s": round(triggers[0][0] - fault, 2) if triggers and fault else None, "nodes_agree": agree,
+        "scenario": scenario.name,
+        "expect": scenario.expect,
+        "right": right,
+        "pages": len(triggers),
+        "paged": got,
+        "fault_to_page_s": round(triggers[0][0] - fault, 2) if triggers and fault else None,
+        "nodes_agree": agree,
         "nodes": nodes,
-    }  # fmt: skip
+    }
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -170,15 +289,20 @@ async def main_async(args: argparse.Namespace) -> int:
         chosen = [s for s in chosen if s.name in args.names]
     for scenario in chosen * args.repeat:
         began = time.time()
-        row = await run(scenario, Path(tempfile.mkdtemp(prefix=f"{scenario.name}-", dir=args.work)), args.timeout, args.device)
+        row = await run(
+            scenario, Path(tempfile.mkdtemp(prefix=f"{scenario.name}-", dir=args.work)), args.timeout, args.device
+        )
         row["wall_s"] = round(time.time() - began, 1)
         with out.open("a") as handle:
             handle.write(json.dumps(row) + "\n")
         brief = {k: row[k] for k in ("scenario", "right", "pages", "paged", "fault_to_page_s", "nodes_agree", "wall_s")}
         print(json.dumps(brief), flush=True)
         for n, node in enumerate(row["nodes"]):
-            print(f"  node {n}: exit {node['exit']} {node['verdict']} {node['culprits']} call site {node['call_site']!r} "
-                  f"perf {node['performance'][:2]}", flush=True)  # fmt: skip
+            print(
+                f"  node {n}: exit {node['exit']} {node['verdict']} {node['culprits']} call site {node['call_site']!r} "
+                f"perf {node['performance'][:2]}",
+                flush=True,
+            )
     return 0
 
 

@@ -90,8 +90,14 @@ class Case:
         shape, step = f"--shape={self.shape}", self.step(fault_step)
         if self.fault == "none":
             return [shape, f"--steps={step + STEPS_AFTER_PAUSE}", f"--pause-at={step}", f"--pause-s={PAUSE_S}"]
-        return [shape, "--steps=1000000", f"--fault={self.fault}", f"--fault-rank={self.rank}", f"--fault-step={step}",
-                f"--fault-where={self.where}"]  # fmt: skip
+        return [
+            shape,
+            "--steps=1000000",
+            f"--fault={self.fault}",
+            f"--fault-rank={self.rank}",
+            f"--fault-step={step}",
+            f"--fault-where={self.where}",
+        ]
 
 
 def shape_cases(shape: str) -> list[Case]:
@@ -124,7 +130,7 @@ SPECIAL = [
     # Pipeline x data parallel on 2 wrappers: ranks 1 and 2 (one per node, one pipeline) both recv first while
     # their data-parallel peers, 0 and 3, wait in the gradient all_reduce.
     Case("pp_dp", "recv_first", 1, "before", 2, 2, ("p2p_deadlock", (1, 2)), pinned=True),
-]  # fmt: skip
+]
 # FSDP2 x TP with rank 3 stuck or skipping (issue 30) are shape_cases("fsdp2_tp")'s own: its last rank is 3.
 CASES = [c for shape in SHAPES for c in shape_cases(shape)] + SPECIAL
 
@@ -165,14 +171,26 @@ def judged(case: Case, got: dict, device: str) -> bool:  # type: ignore[type-arg
 def result_row(case: Case, got: dict, device: str, index: int, fault_step: int) -> dict:  # type: ignore[type-arg]
     """hard_cases.run's row with what this suite reports beside it."""
     return {
-        "scenario": case.name, "shape": case.shape, "fault": case.fault, "fault_rank": case.rank,
-        "fault_step": case.step(fault_step), "where": case.where, "layout": f"{case.nodes}x{case.per_node}",
-        "device": device, "run": index, "expect": case.expect, "pages": got["pages"], "paged": got["paged"],
+        "scenario": case.name,
+        "shape": case.shape,
+        "fault": case.fault,
+        "fault_rank": case.rank,
+        "fault_step": case.step(fault_step),
+        "where": case.where,
+        "layout": f"{case.nodes}x{case.per_node}",
+        "device": device,
+        "run": index,
+        "expect": case.expect,
+        "pages": got["pages"],
+        "paged": got["paged"],
         "bundle_verdicts": [(n["verdict"], n["culprits"]) for n in got["nodes"]],
-        "fault_to_page_s": got["fault_to_page_s"], "false_page": case.expect is None and got["pages"] > 0,
-        "outcome": outcome(got), "right": judged(case, got, device), "nodes_agree": got["nodes_agree"],
+        "fault_to_page_s": got["fault_to_page_s"],
+        "false_page": case.expect is None and got["pages"] > 0,
+        "outcome": outcome(got),
+        "right": judged(case, got, device),
+        "nodes_agree": got["nodes_agree"],
         "nodes": got["nodes"],
-    }  # fmt: skip
+    }
 
 
 def summary(rows: list[dict]) -> str:  # type: ignore[type-arg]

@@ -9,7 +9,8 @@ scenarios (none, uneven, pause) must end with exit 0 and no bundle; ``exit``
 must keep torchrun's exit code and leave no bundle.
 
     python3 bench/latency.py --nproc 3 --repeat 3                   # CPU, gloo
-    python3 bench/latency.py --nproc 4 --repeat 3 --scenarios skip,python_stuck,sigstop,spin_kernel,exit,none,pause,uneven
+    python3 bench/latency.py --nproc 4 --repeat 3 \\
+        --scenarios skip,python_stuck,sigstop,spin_kernel,exit,none,pause,uneven
 
 Prints a Markdown table (for BENCHMARKS.md) and writes every run as JSON lines to --out.
 """
@@ -42,17 +43,37 @@ HEALTHY = ("none", "uneven", "pause")
 def run_once(scenario: str, args: argparse.Namespace, work: Path) -> dict:
     bundles, run_dir = work / "bundles", work / "run"
     command = [
-        sys.executable, "-m", "ncclwatch", "--on-hang", "kill", "--bundle-dir", str(bundles), "--run-dir", str(run_dir),
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-        "--monitor-interval=0.2", str(DEMO), f"--fault={scenario}", f"--fault-step={args.fault_step}",
-        f"--step-time={args.step_time}", f"--steps={args.steps}", f"--pause-s={args.pause_s}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "ncclwatch",
+        "--on-hang",
+        "kill",
+        "--bundle-dir",
+        str(bundles),
+        "--run-dir",
+        str(run_dir),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        "--monitor-interval=0.2",
+        str(DEMO),
+        f"--fault={scenario}",
+        f"--fault-step={args.fault_step}",
+        f"--step-time={args.step_time}",
+        f"--steps={args.steps}",
+        f"--pause-s={args.pause_s}",
+    ]
     began = time.time()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, cwd=work)
         returncode, stderr = done.returncode, done.stderr
     except subprocess.TimeoutExpired as exc:
-        returncode, stderr = None, (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        returncode, stderr = (
+            None,
+            (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or ""),
+        )
     result: dict = {"scenario": scenario, "returncode": returncode, "wall_s": round(time.time() - began, 2)}
     marks = [json.loads(p.read_text()) for p in run_dir.glob("fault.*")]
     fault_at = min((m["time"] for m in marks), default=None)

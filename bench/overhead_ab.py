@@ -105,11 +105,19 @@ def config_env(config: str, work: Path) -> dict[str, str]:
 def command(config: str, args: argparse.Namespace, size: str, work: Path, steps: int | None = None) -> list[str]:
     long = size == "long"
     torchrun = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", str(JOB),
-        f"--device={args.device}", f"--size={size}", "--fault=none", f"--result={work / 'result.json'}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+        str(JOB),
+        f"--device={args.device}",
+        f"--size={size}",
+        "--fault=none",
+        f"--result={work / 'result.json'}",
         f"--steps={steps or (args.long_steps if long else args.steps)}",
         f"--warmup-steps={10 if long else args.warmup_steps}",
-    ]  # fmt: skip
+    ]
     if config in WRAPPED:
         return [sys.executable, "-m", "ncclwatch", "--bundle-dir", str(work / "bundles"), *torchrun]
     return torchrun
@@ -144,9 +152,13 @@ def run_job(config: str, args: argparse.Namespace, size: str) -> dict:
         returncode = process.wait()
         wall_s = time.time() - launched
         record = {
-            "config": config, "size": size, "returncode": returncode, "wall_s": round(wall_s, 2),
-            "launcher_cpu_s": round(cpu_s, 2), "launcher_cpu_pct": round(100 * cpu_s / wall_s, 1),
-        }  # fmt: skip
+            "config": config,
+            "size": size,
+            "returncode": returncode,
+            "wall_s": round(wall_s, 2),
+            "launcher_cpu_s": round(cpu_s, 2),
+            "launcher_cpu_pct": round(100 * cpu_s / wall_s, 1),
+        }
         result_file = work / "result.json"
         if result_file.exists():
             result = json.loads(result_file.read_text())
@@ -155,8 +167,11 @@ def run_job(config: str, args: argparse.Namespace, size: str) -> dict:
                 to_job_start_s=round(result["started_at"] - launched, 2),  # the wrapper's and torchrun's own start
                 to_first_step_s=round(result["first_step_at"] - launched, 2),
                 after_end_s=round(time.time() - result["ended_at"], 2),  # teardown until the command returned
-                device=result["device"], world=result["world"], params=result["params"], steps=result["steps_measured"],
-            )  # fmt: skip
+                device=result["device"],
+                world=result["world"],
+                params=result["params"],
+                steps=result["steps_measured"],
+            )
         else:
             record["error_tail"] = output.read_bytes()[-3000:].decode(errors="replace")
     return record
@@ -228,8 +243,11 @@ def measure_fr_dump(args: argparse.Namespace) -> list[dict]:
         fr_dir, hb_dir = work / "run" / "fr", work / "run" / "hb"
         job = subprocess.Popen(
             command("injected_env", args, "short" if args.device == "cuda" else "tiny", work, steps=1_000_000),
-            env=env, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            env=env,
+            cwd=work,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         records = []
         try:
             workers = wait_for_steps(hb_dir, args.nproc, args.warmup_steps, deadline=time.time() + args.timeout)

@@ -27,8 +27,8 @@ Faults (``--fault``):
              ranks send to it: one rank's link, as a faulty cable on one node.
 
 Without a GPU it runs on gloo (a dry run: gloo's Flight Recorder has no
-durations, so only the straggler can be found).  Every rank has its own ``NCCL_HOSTID``, so NCCL joins them over its network
-transport even when they share one GPU.  Rank 0 decides when to stop
+durations, so only the straggler can be found).  Every rank has its own ``NCCL_HOSTID``, so NCCL joins them over its
+network transport even when they share one GPU.  Rank 0 decides when to stop
 (``--seconds``) and tells the others through the loss all-reduce, so every
 rank runs the same number of steps.  Marks (JSON, ``--mark-dir``):
 ``first_step`` (time of rank 0's first finished step), ``fault.<rank>``

@@ -35,8 +35,9 @@ import os
 import sys
 import time
 
-from ncclwatch.launcher.demo_job import mark as demo_mark
 from ranks import join_job  # bench/ranks.py: the script's folder is on sys.path
+
+from ncclwatch.launcher.demo_job import mark as demo_mark
 
 FAULTS = ("none", "both_recv", "missing_send")
 
@@ -50,7 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16, help="rows per microbatch")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds of simulated work per step")
     parser.add_argument("--fault", choices=FAULTS, default="none")
-    parser.add_argument("--fault-rank", type=int, default=-1, help="missing_send: the stage that never sends (default: the last)")
+    parser.add_argument(
+        "--fault-rank", type=int, default=-1, help="missing_send: the stage that never sends (default: the last)"
+    )
     parser.add_argument("--fault-step", type=int, default=50)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--mark-dir", default=os.environ.get("NCCLWATCH_RUN_DIR", "."), help="where fault.<rank> goes")
@@ -83,7 +86,9 @@ class Stage:
             else:
                 dist.recv(buffers[0], src=recvs[0])
             return buffers
-        ops = [dist.P2POp(dist.isend, t, dst) for t, dst in sends] + [dist.P2POp(dist.irecv, b, src) for b, src in zip(buffers, recvs)]
+        ops = [dist.P2POp(dist.isend, t, dst) for t, dst in sends] + [
+            dist.P2POp(dist.irecv, b, src) for b, src in zip(buffers, recvs)
+        ]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         return buffers

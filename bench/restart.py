@@ -71,18 +71,45 @@ async def one_run(scenario: str, run: int, args: argparse.Namespace, folder: Pat
     fault_step = args.fault_step + 7 * run  # a different step each run
     watch = ["--on-hang", "restart", *(["--restart-on", "collective_mismatch"] if scenario == "loop_guard" else [])]
     events = folder / "events.jsonl"
-    job = [str(JOB), f"--device={args.device}", f"--width={args.width}", f"--layers={args.layers}", f"--steps={args.steps}",
-           f"--ckpt-every={args.ckpt_every}", f"--ckpt-dir={folder}", f"--events={events}", f"--fault={fault}",
-           f"--fault-rank={fault_rank}", f"--fault-step={fault_step}", "--step-time=0",
-           f"--fault-rounds={1 if scenario == 'transient' else 9}"]  # fmt: skip
+    job = [
+        str(JOB),
+        f"--device={args.device}",
+        f"--width={args.width}",
+        f"--layers={args.layers}",
+        f"--steps={args.steps}",
+        f"--ckpt-every={args.ckpt_every}",
+        f"--ckpt-dir={folder}",
+        f"--events={events}",
+        f"--fault={fault}",
+        f"--fault-rank={fault_rank}",
+        f"--fault-step={fault_step}",
+        "--step-time=0",
+        f"--fault-rounds={1 if scenario == 'transient' else 9}",
+    ]
     async with Pages() as pages:
         env = dict(os.environ, NCCLWATCH_WEBHOOK_URL=pages.url, PYTHONUNBUFFERED="1")
         began = time.time()
         wrapper = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "ncclwatch", "--job-name", f"restart-{scenario}", "--bundle-dir", str(folder / "bundles"),
-            *watch, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", "--max-restarts=2", "--monitor-interval=0.2",
-            *job, env=env, cwd=folder, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "ncclwatch",
+            "--job-name",
+            f"restart-{scenario}",
+            "--bundle-dir",
+            str(folder / "bundles"),
+            *watch,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.nproc}",
+            "--max-restarts=2",
+            "--monitor-interval=0.2",
+            *job,
+            env=env,
+            cwd=folder,
+            stderr=asyncio.subprocess.PIPE,
+        )
         try:
             _, stderr = await asyncio.wait_for(wrapper.communicate(), args.timeout)
         except TimeoutError:
@@ -100,23 +127,32 @@ async def one_run(scenario: str, run: int, args: argparse.Namespace, folder: Pat
     reports = []
     for bundle in sorted((folder / "bundles").glob("*.tar.gz")):
         with tarfile.open(bundle) as tar:
-            reports.append(json.loads(tar.extractfile(next(n for n in tar.getnames() if n.endswith("/report.json"))).read()))  # type: ignore[union-attr]
+            reports.append(
+                json.loads(tar.extractfile(next(n for n in tar.getnames() if n.endswith("/report.json"))).read())
+            )  # type: ignore[union-attr]
     restarts = [iso_time(a["at"]) for r in reports for a in r.get("actions", []) if a["kind"] == "restart"]
     triggers = [(t, p) for t, p in posts if p["action"] == "trigger"]
     resolves = [(t, p) for t, p in posts if p["action"] == "resolve"]
     since = lambda t: round(t - first, 2) if t is not None and first is not None else None  # noqa: E731
     return {
-        "scenario": scenario, "run": run, "fault_rank": fault_rank, "fault_step": fault_step, "exit": wrapper.returncode,
-        "wall_s": round(time.time() - began, 1), "rounds": sorted({e["round"] for e in seen if e["event"] == "start"}),
-        "pages": len(triggers), "verdicts": [p["verdict"] for _, p in triggers],
-        "summaries": [p["summary"][:300] for _, p in triggers], "resolves": [p["reason"] for _, p in resolves],
+        "scenario": scenario,
+        "run": run,
+        "fault_rank": fault_rank,
+        "fault_step": fault_step,
+        "exit": wrapper.returncode,
+        "wall_s": round(time.time() - began, 1),
+        "rounds": sorted({e["round"] for e in seen if e["event"] == "start"}),
+        "pages": len(triggers),
+        "verdicts": [p["verdict"] for _, p in triggers],
+        "summaries": [p["summary"][:300] for _, p in triggers],
+        "resolves": [p["reason"] for _, p in resolves],
         "fault_to_page_s": since(triggers[0][0]) if triggers else None,
         "fault_to_workers_ended_s": since(restarts[0]) if restarts else None,
         "fault_to_training_again_s": since(new_round["time"]) if new_round else None,
         "resumed_at_step": next((e["step"] for e in seen if e["event"] == "start" and e["round"] >= 1), None),
         "fault_to_resolve_s": since(resolves[0][0]) if resolves else None,
         "done": any(e["event"] == "done" for e in seen),
-    }  # fmt: skip
+    }
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -135,7 +171,10 @@ async def main_async(args: argparse.Namespace) -> int:
     for key in ("fault_to_page_s", "fault_to_workers_ended_s", "fault_to_training_again_s", "fault_to_resolve_s"):
         values = [r[key] for r in transient if r[key] is not None]
         if values:
-            print(f"{key}: median {statistics.median(values):.1f} s, min {min(values):.1f}, max {max(values):.1f} (n={len(values)})")
+            print(
+                f"{key}: median {statistics.median(values):.1f} s, "
+                f"min {min(values):.1f}, max {max(values):.1f} (n={len(values)})"
+            )
     return 0
 
 

@@ -349,8 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()  # every rank past its last collective before any tears down
     dist.destroy_process_group()
     if rank == 0:
-        print(f"[shapes_job] {args.shape}: {args.steps} steps on {world} ranks in {time.monotonic() - began:.1f} s",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"[shapes_job] {args.shape}: {args.steps} steps on {world} ranks in {time.monotonic() - began:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     return 0
 
 

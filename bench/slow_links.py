@@ -4,7 +4,8 @@
 Usage (on the GPU machine, from the repository root, with ncclwatch installed)::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-        python bench/slow_links.py OUT_DIR [--cases preflight,healthy,throttle,slow_link,fewer_sockets,straggler] [--nproc 4]
+        python bench/slow_links.py OUT_DIR \\
+            [--cases preflight,healthy,throttle,slow_link,fewer_sockets,straggler] [--nproc 4]
 
 Cases:
 
@@ -65,9 +66,12 @@ from fault_suite import PERF_LINE  # the wrapper's performance lines, as the fau
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "bench" / "pairs_job.py"
 EXPECTED = {
-    "healthy": None, "throttle": "slow_collective", "slow_link": "slow_link", "fewer_sockets": "transport_anomaly",
+    "healthy": None,
+    "throttle": "slow_collective",
+    "slow_link": "slow_link",
+    "fewer_sockets": "transport_anomaly",
     "straggler": "straggler",
-}  # fmt: skip
+}
 JOB_FAULT = {"healthy": "none", "throttle": "none"}  # cases whose fault is made outside the job (or partly: slow_link)
 ETH_P_IP = 0x0800  # a tc filter's protocol is an ethertype (not socket.AF_INET, as pyroute2's own example has it)
 THROTTLED = {"throttle": None, "slow_link": "127.0.0.1"}  # case -> the address throttled (None: all of lo)
@@ -98,8 +102,18 @@ class LoopbackThrottle:
         self.root = ("htb", {"default": 0})  # no default class: unclassified packets are not shaped
         self.ip.tc("add", "htb", self.index, 0x10000, **self.root[1])
         # lo's packets are up to 64 KiB: mtu and burst sized for them.
-        self.ip.tc("add-class", "htb", self.index, 0x10001, parent=0x10000, rate=self.rate, ceil=self.rate,
-                   burst=1 << 20, cburst=1 << 20, mtu=65536)  # fmt: skip
+        self.ip.tc(
+            "add-class",
+            "htb",
+            self.index,
+            0x10001,
+            parent=0x10000,
+            rate=self.rate,
+            ceil=self.rate,
+            burst=1 << 20,
+            cburst=1 << 20,
+            mtu=65536,
+        )
         destination = int.from_bytes(socket.inet_aton(self.only_to), "big")
         self.ip.tc("add-filter", "u32", self.index, parent=0x10000, prio=1, protocol=ETH_P_IP,
                    target=0x10001, keys=[f"0x{destination:08x}/0xffffffff+16"])  # fmt: skip  # IPv4 destination
@@ -115,9 +129,17 @@ class LoopbackThrottle:
 def run_preflight(out: Path, nproc: int) -> dict:
     result = out / "preflight.json"
     command = [
-        sys.executable, "-m", "ncclwatch", "preflight", "--backend=nccl", f"--nproc={nproc}", "--pairs=64M",
-        "--sizes=1M,4M,16M,64M,256M", f"--out={result}", "--time-limit=150",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "ncclwatch",
+        "preflight",
+        "--backend=nccl",
+        f"--nproc={nproc}",
+        "--pairs=64M",
+        "--sizes=1M,4M,16M,64M,256M",
+        f"--out={result}",
+        "--time-limit=150",
+    ]
     import torch
 
     # Ranks sharing a GPU must pose as hosts of their own (NET/Socket); one GPU each, NCCL takes NVLink or PCIe.
@@ -126,7 +148,12 @@ def run_preflight(out: Path, nproc: int) -> dict:
     began = time.monotonic()
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     (out / "preflight.txt").write_text(proc.stdout + proc.stderr)
-    return {"case": "preflight", "exit": proc.returncode, "wall_s": round(time.monotonic() - began, 1), "table": proc.stdout}
+    return {
+        "case": "preflight",
+        "exit": proc.returncode,
+        "wall_s": round(time.monotonic() - began, 1),
+        "table": proc.stdout,
+    }
 
 
 def run_live(out: Path, case: str, args: argparse.Namespace) -> dict:
@@ -136,13 +163,28 @@ def run_live(out: Path, case: str, args: argparse.Namespace) -> dict:
         work = Path(folder)
         (work / "marks").mkdir()
         command = [
-            sys.executable, "-m", "ncclwatch", "-v", f"--perf-interval={args.perf_interval}",
-            "--bundle-dir", str(work / "bundles"), "--run-dir", str(work / "run"),
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", str(JOB),
-            f"--fault={JOB_FAULT.get(case, case)}", f"--fault-rank={fault_rank}",
-            f"--seconds={args.seconds}", f"--fault-after={args.fault_after}", f"--mark-dir={work / 'marks'}",
+            sys.executable,
+            "-m",
+            "ncclwatch",
+            "-v",
+            f"--perf-interval={args.perf_interval}",
+            "--bundle-dir",
+            str(work / "bundles"),
+            "--run-dir",
+            str(work / "run"),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.nproc}",
+            str(JOB),
+            f"--fault={JOB_FAULT.get(case, case)}",
+            f"--fault-rank={fault_rank}",
+            f"--seconds={args.seconds}",
+            f"--fault-after={args.fault_after}",
+            f"--mark-dir={work / 'marks'}",
             *args.job_arg,
-        ]  # fmt: skip
+        ]
         lines: list[tuple[float, str, str]] = []
         began = time.time()
         proc = subprocess.Popen(
@@ -162,7 +204,9 @@ def run_live(out: Path, case: str, args: argparse.Namespace) -> dict:
         throttled_at = None
         try:
             if throttle is not None:
-                throttled_at = throttle_after_first_step(throttle, work / "marks" / "first_step", args.fault_after, proc)
+                throttled_at = throttle_after_first_step(
+                    throttle, work / "marks" / "first_step", args.fault_after, proc
+                )
             code = proc.wait(timeout=args.seconds + 150)
         except subprocess.TimeoutExpired:
             proc.kill()
@@ -187,18 +231,26 @@ def run_live(out: Path, case: str, args: argparse.Namespace) -> dict:
     else:
         right = [(at, kind, text) for at, kind, text, ranks in named if kind == expected and ranks == {fault_rank}]
     false = [
-        (kind, text) for at, kind, text, ranks in named
+        (kind, text)
+        for at, kind, text, ranks in named
         if (kind != expected if case == "throttle" else expected is None or fault_rank not in ranks)
-    ]  # fmt: skip
+    ]
     record = {
-        "case": case, "exit": code, "wall_s": round(time.time() - began, 1), "nproc": args.nproc,
-        "fault_rank": fault_rank if expected else None, "perf_interval_s": args.perf_interval,
-        "steps": marks.get("steps", {}).get("steps"), "train_s": marks.get("steps", {}).get("seconds"),
-        "findings": [{"s_after_fault": round(at - fault, 1) if fault else None, "kind": k, "summary": t} for at, k, t in lines],
+        "case": case,
+        "exit": code,
+        "wall_s": round(time.time() - began, 1),
+        "nproc": args.nproc,
+        "fault_rank": fault_rank if expected else None,
+        "perf_interval_s": args.perf_interval,
+        "steps": marks.get("steps", {}).get("steps"),
+        "train_s": marks.get("steps", {}).get("seconds"),
+        "findings": [
+            {"s_after_fault": round(at - fault, 1) if fault else None, "kind": k, "summary": t} for at, k, t in lines
+        ],
         "right": bool(right) if expected else not lines,
         "first_right_s": round(right[0][0] - fault, 1) if right and fault else None,
         "false_reports": len(false),
-    }  # fmt: skip
+    }
     return record
 
 
@@ -207,7 +259,9 @@ def ranks_named(summary: str) -> set[int]:
     return {int(r) for listed in re.findall(r"\branks? ((?:\d+, )*\d+)", summary) for r in listed.split(", ")}
 
 
-def throttle_after_first_step(throttle: LoopbackThrottle, first_step: Path, after_s: float, proc: subprocess.Popen) -> float | None:
+def throttle_after_first_step(
+    throttle: LoopbackThrottle, first_step: Path, after_s: float, proc: subprocess.Popen
+) -> float | None:
     """Throttle ``after_s`` seconds after the job's first step; when it was done (None: the job ended first)."""
     while not first_step.exists():
         if proc.poll() is not None:
@@ -222,7 +276,8 @@ def throttle_after_first_step(throttle: LoopbackThrottle, first_step: Path, afte
 
 def table(records: list[dict]) -> str:
     rows = [
-        "| case | ranks | look every (s) | exit | steps | expected | right | fault -> first right finding (s) | other findings "
+        "| case | ranks | look every (s) | exit | steps | expected | right | "
+        "fault -> first right finding (s) | other findings "
         "| first finding |",
         "|" + " --- |" * 10,
     ]
@@ -230,10 +285,12 @@ def table(records: list[dict]) -> str:
         if r["case"] == "preflight":
             continue
         first = r["findings"][0] if r["findings"] else None
+        first_right = r["first_right_s"] if r["first_right_s"] is not None else "-"
+        first_text = first["kind"] + ": " + first["summary"] if first else "-"
         rows.append(
             f"| {r['case']} | {r['nproc']} | {r['perf_interval_s']:g} | {r['exit']} | {r['steps']} | "
-            f"{EXPECTED[r['case']] or 'nothing'} | {r['right']} | {r['first_right_s'] if r['first_right_s'] is not None else '-'} | "
-            f"{r['false_reports']} | {first['kind'] + ': ' + first['summary'] if first else '-'} |"
+            f"{EXPECTED[r['case']] or 'nothing'} | {r['right']} | {first_right} | "
+            f"{r['false_reports']} | {first_text} |"
         )
     return "\n".join(rows)
 
@@ -246,15 +303,21 @@ def main() -> int:
     parser.add_argument("--fault-rank", type=int, default=-1, help="-1: the last rank")
     parser.add_argument("--perf-interval", type=float, default=10.0, help="the wrapper's --perf-interval")
     parser.add_argument("--seconds", type=float, default=45.0, help="training time of a live case")
-    parser.add_argument("--fault-after", type=float, default=10.0, help="straggler, throttle, slow_link: seconds after the first step")
-    parser.add_argument("--throttle-rate", default="1gbit", help="throttle, slow_link: the rate once throttled (tc syntax)")
+    parser.add_argument(
+        "--fault-after", type=float, default=10.0, help="straggler, throttle, slow_link: seconds after the first step"
+    )
+    parser.add_argument(
+        "--throttle-rate", default="1gbit", help="throttle, slow_link: the rate once throttled (tc syntax)"
+    )
     parser.add_argument("--preflight-nproc", type=int, default=2)
     parser.add_argument("--job-arg", action="append", default=[], help="one more pairs_job.py option (repeatable)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     records = []
     for case in args.cases.split(","):
-        record = run_preflight(args.out, args.preflight_nproc) if case == "preflight" else run_live(args.out, case, args)
+        record = (
+            run_preflight(args.out, args.preflight_nproc) if case == "preflight" else run_live(args.out, case, args)
+        )
         records.append(record)
         print(json.dumps(record), flush=True)
         with (args.out / "results.jsonl").open("a") as handle:

@@ -60,19 +60,47 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     steps = int(args.hours * 3600 / args.step_time) + 10_000  # never ends on its own before the soak does
     command = [
-        sys.executable, "-m", "ncclwatch", "--job-name", "soak", "--on-hang", "report",
-        "--perf-interval", str(args.perf_interval), "--bundle-dir", str(out.parent / "soak-bundles"),
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-        demo_job.__file__, "--fault=none", "--backend=gloo", f"--steps={steps}", f"--step-time={args.step_time}",
-    ]  # fmt: skip
-    wrapper = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(out.with_suffix(".stderr"), "w"),
-                               start_new_session=True)  # fmt: skip
+        sys.executable,
+        "-m",
+        "ncclwatch",
+        "--job-name",
+        "soak",
+        "--on-hang",
+        "report",
+        "--perf-interval",
+        str(args.perf_interval),
+        "--bundle-dir",
+        str(out.parent / "soak-bundles"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.ranks}",
+        demo_job.__file__,
+        "--fault=none",
+        "--backend=gloo",
+        f"--steps={steps}",
+        f"--step-time={args.step_time}",
+    ]
+    wrapper = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=open(out.with_suffix(".stderr"), "w"), start_new_session=True
+    )
     process = psutil.Process(wrapper.pid)
     started = time.monotonic()
     rows = []
     with out.open("w") as sink:
-        sink.write(json.dumps({"machine": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count(),
-                               "date": time.strftime("%Y-%m-%d"), "args": vars(args)}) + "\n")  # fmt: skip
+        sink.write(
+            json.dumps(
+                {
+                    "machine": platform.node(),
+                    "python": platform.python_version(),
+                    "cpus": os.cpu_count(),
+                    "date": time.strftime("%Y-%m-%d"),
+                    "args": vars(args),
+                }
+            )
+            + "\n"
+        )
         try:
             while time.monotonic() - started < args.hours * 3600 and wrapper.poll() is None:
                 cpu = process.cpu_times()
@@ -101,7 +129,9 @@ def main() -> None:
             "wrapper_exit": wrapper.returncode,
             "rss_mib_after_warmup": [first["sidecar_rss_mib"], last["sidecar_rss_mib"]],
             "rss_slope_mib_per_hour": round(slope_per_hour([(r["t_s"], r["sidecar_rss_mib"]) for r in steady]), 3),
-            "cpu_share_of_a_core": round((last["sidecar_cpu_s"] - first["sidecar_cpu_s"]) / max(1.0, last["t_s"] - first["t_s"]), 4),
+            "cpu_share_of_a_core": round(
+                (last["sidecar_cpu_s"] - first["sidecar_cpu_s"]) / max(1.0, last["t_s"] - first["t_s"]), 4
+            ),
             "cpu_seconds_slope_per_hour": round(slope_per_hour([(r["t_s"], r["sidecar_cpu_s"]) for r in steady]), 1),
             # Flat CPU means the same share of a core in both halves of the steady part.
             "cpu_share_halves": [_share(half) for half in (steady[: len(steady) // 2 + 1], steady[len(steady) // 2 :])],
