@@ -35,13 +35,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from ncclwatch.watchdog.events import STOPPED_STATES, OpState, Stall
 from ncclwatch.watchdog.hang.detectors import P2P_DEADLOCK_FIX
-from ncclwatch.watchdog.hang.types import Fact, Finding, RankStatus
-from ncclwatch.watchdog.hang.verdicts import HANG_VERDICTS, Verdict
 from ncclwatch.watchdog.hang.snapshot import Snapshot, WorkerView
 from ncclwatch.watchdog.hang.stacks import IN_COMMUNICATION, Whereabouts, short_frame, whereabouts
+from ncclwatch.watchdog.hang.types import Fact, Finding, RankStatus
 from ncclwatch.watchdog.hang.verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
-from ncclwatch.watchdog.events import STOPPED_STATES, OpState, Stall
+from ncclwatch.watchdog.hang.verdicts import HANG_VERDICTS, Verdict
 
 BUSY_CPU_SHARE = 0.2  # of one core, over the last few seconds
 BUSY_IO_BYTES_PER_S = 64 << 10  # a log line now and then is not a checkpoint
@@ -108,9 +108,12 @@ def _unblame_absent(finding: Finding, snapshot: Snapshot) -> Finding:
         finding,
         culprits=(),
         absent=(),
-        summary=finding.summary.replace(f"rank {ranks} left no Flight Recorder dump.", f"no dump of rank {ranks} was given."),
+        summary=finding.summary.replace(
+            f"rank {ranks} left no Flight Recorder dump.", f"no dump of rank {ranks} was given."
+        ),
         reason="Every rank whose dump was given waits in the collective; the ranks not seen cannot be judged.",
-        missing=finding.missing + (f"rank {ranks}: their Flight Recorder dumps (or the live watchdog's journal) would decide",),
+        missing=finding.missing
+        + (f"rank {ranks}: their Flight Recorder dumps (or the live watchdog's journal) would decide",),
     )
 
 
@@ -127,7 +130,8 @@ def _stopped(workers: tuple[WorkerView, ...], finding: Finding) -> Finding | Non
         summary=f"Rank {ranks} is stopped (state T: SIGSTOP, or a debugger); its peers wait for it in{where}.",
         reason="A stopped process runs nothing, so its peers wait forever; send SIGCONT, or find who stopped it. "
         + (f"Engine: {finding.summary}" if finding.verdict in HANG_VERDICTS else ""),
-        evidence=tuple(Fact("procfs", f"rank {w.rank}: pid {w.pid} in state {w.state}") for w in stopped) + finding.evidence,
+        evidence=tuple(Fact("procfs", f"rank {w.rank}: pid {w.pid} in state {w.state}") for w in stopped)
+        + finding.evidence,
         missing=tuple(m for m in finding.missing if "which rank" not in m),
     )
 
@@ -159,7 +163,8 @@ def _gpu_compute_hang(finding: Finding, signatures: Mapping[int, str]) -> Findin
     return replace(
         finding,
         verdict=Verdict.gpu_compute_hang,
-        summary=f"Rank {', '.join(map(str, finding.culprits))}'s GPU is stuck in a non-NCCL kernel ({lead[0]}) while its peers "
+        summary=f"Rank {', '.join(map(str, finding.culprits))}'s GPU is stuck in a non-NCCL kernel ({lead[0]}) "
+        "while its peers "
         f"spin inside {finding.operation or 'the collective'}.",
         reason="Its NCCL kernel is queued behind a kernel that does not finish (a spinning user kernel, a deadlocked "
         "custom op): check the stack for the kernel launched before the collective.",
@@ -254,8 +259,10 @@ def _behind_peers_in_p2p(finding: Finding, where: Mapping[int, Whereabouts], sna
         rows=_with_rows(
             finding,
             snapshot,
-            {**{r: ("waiting", f"in {short_frame(where[r].frame)}") for r in waiting if where[r].frame},
-             **{r: ("culprit", "in its own code") for r in behind}},
+            {
+                **{r: ("waiting", f"in {short_frame(where[r].frame)}") for r in waiting if where[r].frame},
+                **{r: ("culprit", "in its own code") for r in behind},
+            },
         ),  # fmt: skip
         summary=f"Rank {culprits} is in its own code ({frames}) while rank {waiters} waits in point-to-point "
         f"operations ({_wait_frames(where, waiting)}): it never posted the send or recv they wait for.",
@@ -359,9 +366,11 @@ def _lead_from_stacks(finding: Finding, where: Mapping[int, Whereabouts]) -> Fin
     return replace(
         finding,
         culprits=tuple(outside),
-        reason=f"Ranks {', '.join(map(str, inside))} wait inside a collective while rank {', '.join(map(str, outside))} "
+        reason=f"Ranks {', '.join(map(str, inside))} wait inside a collective "
+        f"while rank {', '.join(map(str, outside))} "
         f"is in Python elsewhere ({frames}): it is the lead.",
-        evidence=finding.evidence + tuple(Fact("py-spy", f"rank {r}: {w.kind} at {w.frame}") for r, w in sorted(where.items())),
+        evidence=finding.evidence
+        + tuple(Fact("py-spy", f"rank {r}: {w.kind} at {w.frame}") for r, w in sorted(where.items())),
     )
 
 
@@ -400,7 +409,12 @@ def _blind(finding: Finding, stall: Stall, unseen: list[int]) -> Decision:
         missing=finding.missing + (f"where rank {ranks} is: py-spy needs CAP_SYS_PTRACE or the same user",),
     )
     page = stall.stalled_for_s >= stall.progress_timeout_s
-    held = None if page else f"cannot see where rank {ranks} is (stacks and Flight Recorder unavailable); reported after {stall.progress_timeout_s:.0f} s without progress"
+    held = (
+        None
+        if page
+        else f"cannot see where rank {ranks} is (stacks and Flight Recorder unavailable); "
+        f"reported after {stall.progress_timeout_s:.0f} s without progress"
+    )
     return Decision(undecided, page=page, held=held, blind=True)
 
 
@@ -442,13 +456,18 @@ def _never_started_on_gpu(snapshot: Snapshot, finding: Finding) -> Finding | Non
     states = {r.rank: r.state_at(finding.position - 1) for r in comm.ranks}
     lead = [states.get(r) for r in finding.culprits]
     peers = [s for r, s in states.items() if r not in finding.culprits]
-    if not peers or any(s != OpState.scheduled for s in lead) or not any(s in (OpState.started, OpState.completed) for s in peers):
+    if (
+        not peers
+        or any(s != OpState.scheduled for s in lead)
+        or not any(s in (OpState.started, OpState.completed) for s in peers)
+    ):
         return None
     ranks = ", ".join(map(str, finding.culprits))
     return replace(
         finding,
         verdict=Verdict.gpu_compute_hang,
-        summary=f"Rank {ranks}'s GPU never started {finding.operation or 'the collective'} (#{finding.position}) that its "
+        summary=f"Rank {ranks}'s GPU never started {finding.operation or 'the collective'} (#{finding.position}) "
+        "that its "
         "peers' GPUs are running: a kernel queued before it does not finish.",
         reason="Flight Recorder (with timing) shows the collective scheduled on rank "
         f"{ranks} and started on its peers: the host enqueued it, the GPU stream is stuck on earlier work (a spinning "
@@ -457,11 +476,14 @@ def _never_started_on_gpu(snapshot: Snapshot, finding: Finding) -> Finding | Non
 
 
 def _with_where(finding: Finding, where: Mapping[int, Whereabouts]) -> Finding:
-    """Put each culprit's stack frame, and the user's own frame that led there, in the evidence (people look there first)."""
+    """Put each culprit's stack frame, and the user's own frame that led there, in the evidence (people look
+    there first)."""
     mine = lambda w: f", from {w.user_frame}" if w.user_frame and w.user_frame != w.frame else ""
     extra = tuple(
         Fact("py-spy", f"rank {r}: {where[r].kind} at {where[r].frame}{mine(where[r])}")
         for r in finding.culprits
-        if r in where and where[r].frame and not any(e.source == "py-spy" and e.fact.startswith(f"rank {r}:") for e in finding.evidence)
+        if r in where
+        and where[r].frame
+        and not any(e.source == "py-spy" and e.fact.startswith(f"rank {r}:") for e in finding.evidence)
     )
     return replace(finding, evidence=extra + finding.evidence)
