@@ -40,12 +40,15 @@ NOISE = "NCCL INFO New proxy send connection 98 from local rank 0, transport 0"
 def write_rank_log(path: Path, rank: int, nranks: int, lines: int) -> None:
     pid = 700 + rank
     pre = f"node1:{pid}:{pid} [{rank}] "
-    comm = f"0x{0x18564c40 + rank:x}"
+    comm = f"0x{0x18564C40 + rank:x}"
     head = [
         pre + "NCCL INFO NCCL version 2.28.9+cuda13.0",
-        pre + f"NCCL INFO ncclCommInitRankConfig comm {comm} rank {rank} nranks {nranks} cudaDev {rank} nvmlDev {rank} busId {rank}0 commId {COMM_ID} - Init START",
-        pre + f"NCCL INFO comm {comm} rank {rank} nRanks {nranks} nNodes 1 localRanks {nranks} localRank {rank} MNNVL 0",
-        pre + f"NCCL INFO ncclCommInitRankConfig comm {comm} rank {rank} nranks {nranks} cudaDev {rank} nvmlDev {rank} busId {rank}0 commId {COMM_ID} - Init COMPLETE",
+        pre + f"NCCL INFO ncclCommInitRankConfig comm {comm} rank {rank} nranks {nranks} cudaDev {rank} "
+        f"nvmlDev {rank} busId {rank}0 commId {COMM_ID} - Init START",
+        pre
+        + f"NCCL INFO comm {comm} rank {rank} nRanks {nranks} nNodes 1 localRanks {nranks} localRank {rank} MNNVL 0",
+        pre + f"NCCL INFO ncclCommInitRankConfig comm {comm} rank {rank} nranks {nranks} cudaDev {rank} "
+        f"nvmlDev {rank} busId {rank}0 commId {COMM_ID} - Init COMPLETE",
     ]
     tail = pre + f"NCCL INFO comm {comm} rank {rank} nranks {nranks} cudaDev {rank} busId {rank}0 - Destroy COMPLETE"
     templates = []
@@ -99,7 +102,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per size; the best is reported")
     args = parser.parse_args()
     sizes = args.lines or [500_000]
-    print("| ranks | lines/rank | total lines | MB | best wall s | lines/s (whole process, 1 core) | peak RSS MiB | verdict |")
+    print(
+        "| ranks | lines/rank | total lines | MB | best wall s | lines/s (whole process, 1 core) "
+        "| peak RSS MiB | verdict |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for lines in sizes:
         with tempfile.TemporaryDirectory(prefix="ncclwatch-bench-") as tmp:
@@ -116,7 +122,10 @@ def main() -> None:
             peak = runs[-1][1] / 1024
             total = lines * args.ranks
             verdict = runs[-1][2]["verdict"]
-            print(f"| {args.ranks} | {lines:,} | {total:,} | {size_mb:.0f} | {wall:.2f} | {total / wall:,.0f} | {peak:.0f} | {verdict} |")
+            print(
+                f"| {args.ranks} | {lines:,} | {total:,} | {size_mb:.0f} | {wall:.2f} | {total / wall:,.0f} "
+                f"| {peak:.0f} | {verdict} |"
+            )
 
 
 if __name__ == "__main__":
