@@ -308,6 +308,7 @@ class Probing:
         """Probe the ranks of ``view``; the confirming look reuses the GPU sample."""
         if self._positions_of != incident_opened_at:  # each incident compares from its first look
             self._positions, self._positions_of = None, incident_opened_at
+        began = self.clock()
         events = await self.prober.probe(view.workers, with_gpus=not confirming, stalled_since=view.last_progress)
         now = self.clock()
         for event in events:
@@ -319,6 +320,7 @@ class Probing:
             stalled_for_s=view.stalled_for,
             stall_timeout_s=view.stall_timeout,
             progress_timeout_s=self.settings.progress_timeout,
+            probe_began_at=began,
         )
         self.live.apply(stall, now)
         if self.journal is not None:
