@@ -244,11 +244,17 @@ verdicts (live):
 
 {AFTER_THE_PAGE}
 
-timing: the stall timeout is learned: 3 x the longest gap between progress the
-job showed in the last 15 minutes, at least --stall-timeout-floor
-(default 5 s); until the job has shown 8 steps, --warmup-stall-timeout
-(default 300 s) covers start-up and compilation.  A pause with no rank in a
-collective (checkpoint, evaluation) is never a collective hang.
+timing: evidence that proves a hang by itself (ranks at one position with
+different collectives, a rank gone for 5 s or stopped for 2 s while its peers
+wait) is paged within seconds, at any step, step 0 included: the sidecar
+judges what streams after 1 s of silence and looks quietly at the ranks after
+3 s (once the job has a rhythm, 1.5 x its longest gap), then every 20 s.
+Silence alone waits for the stall timeout, learned: 3 x the longest gap
+between progress the job showed in the last 15 minutes, at least
+--stall-timeout-floor (default 5 s); until the job has shown 8 steps,
+--warmup-stall-timeout (default 300 s) covers start-up and compilation.  A
+pause with no rank in a collective (checkpoint, evaluation) is never a
+collective hang.
 
 every option is also an environment variable NCCLWATCH_<OPTION> and a key in
 a TOML file (--config, NCCLWATCH_CONFIG, or ./ncclwatch.toml); the command

@@ -14,6 +14,7 @@ from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.hang.report import Report
 from ncclwatch.watchdog.hang.verdicts import (
     CATALOGUE,
+    CONCLUSIVE,
     DRAIN_ON_DEFAULT,
     HANG_VERDICTS,
     PRIORITY,
@@ -103,3 +104,16 @@ def test_each_help_lists_its_verdicts_with_their_meaning() -> None:
 
 def test_priorities_rank_every_hang_above_no_hang_above_inconclusive() -> None:
     assert min(PRIORITY[v] for v in HANG_VERDICTS) > PRIORITY[Verdict.no_hang] > PRIORITY[Verdict.inconclusive]
+
+
+def test_proof_is_what_does_not_go_away_with_a_pause() -> None:
+    """Conclusive verdicts page as soon as they are seen (the live incident machine); the others are a moment a
+    healthy job passes through (a rank still compiling, a long kernel, stacks caught a few ms apart) and wait."""
+    assert CONCLUSIVE == {
+        Verdict.collective_mismatch,
+        Verdict.process_dead,
+        Verdict.process_stopped,
+        Verdict.network_error,
+        Verdict.node_lost,
+    }
+    assert CONCLUSIVE <= HANG_VERDICTS

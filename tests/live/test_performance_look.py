@@ -67,8 +67,10 @@ class IdleProber:
     def prime(self, workers) -> int:  # type: ignore[no-untyped-def]
         return 0
 
-    async def probe(self, workers, with_gpus: bool, stalled_since: float | None = None) -> list[Event]:  # type: ignore[no-untyped-def]
-        self.calls += 1
+    async def probe(
+        self, workers, with_gpus: bool, stalled_since: float | None = None, peek: bool = False
+    ) -> list[Event]:  # type: ignore[no-untyped-def]
+        self.calls += not peek  # a peek (a quiet look below the stall timeout) is no probe
         frame = "all_reduce (torch/distributed/distributed_c10d.py:3252)"
         return [
             StackDump(pid=w.pid, threads=[ThreadStack(name="MainThread", frames=[frame])], cite=Citation(file="py-spy"))

@@ -15,7 +15,7 @@ from test_sidecar_ticks import SETTINGS, Rig, healthy_job, stuck_frames
 
 from ncclwatch.watchdog.hang.report import Report
 from ncclwatch.watchdog.hang.verdicts import Verdict
-from ncclwatch.watchdog.live import bundle, sidecar
+from ncclwatch.watchdog.live import bundle, judging
 from ncclwatch.watchdog.live.bundle import BundleWriter
 from ncclwatch.watchdog.live.incident import CONFIRM_S, Phase
 from ncclwatch.watchdog.response.policy import Plan, Response
@@ -44,7 +44,8 @@ class PlanRecorder:
 
 @pytest.fixture
 def live_report_builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The job of each ``live_report`` call, wherever the sidecar or the bundle writer makes one."""
+    """The job of each ``live_report`` call, wherever the sidecar (``judging.page_report``) or the bundle writer
+    makes one."""
     builds: list[str] = []
     original = bundle.live_report
 
@@ -56,7 +57,7 @@ def live_report_builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return []
 
     monkeypatch.setattr(bundle, "live_report", counted)
-    monkeypatch.setattr(sidecar, "live_report", counted)
+    monkeypatch.setattr(judging, "live_report", counted)
     monkeypatch.setattr(bundle, "collect_all", no_evidence)
     return builds
 

@@ -33,6 +33,7 @@ from ncclwatch.watchdog.hang.types import Finding
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live.incident import (
     CONFIRM_S,
+    PEEK_EVERY_S,
     REPROBE_S,
     WATCHING,
     Incident,
@@ -64,6 +65,8 @@ class ScriptedProber:
     def __init__(self) -> None:
         self.frames: dict[int, str] = {}
         self.calls: list[bool] = []  # with_gpus of each probe
+        self.peeks = 0  # quiet looks below the stall timeout (``incident.py``), not counted in ``calls``
+        self.extra: list[Event] = []  # answered by every look besides the stacks (Flight Recorder dumps)
         self.primed: set[int] = set()
 
     def prime(self, workers) -> int:  # type: ignore[no-untyped-def]
@@ -71,9 +74,14 @@ class ScriptedProber:
         self.primed |= new
         return len(new)
 
-    async def probe(self, workers, with_gpus: bool, stalled_since: float | None = None) -> list[Event]:  # type: ignore[no-untyped-def]
-        self.calls.append(with_gpus)
-        return [
+    async def probe(
+        self, workers, with_gpus: bool, stalled_since: float | None = None, peek: bool = False
+    ) -> list[Event]:  # type: ignore[no-untyped-def]
+        if peek:
+            self.peeks += 1
+        else:
+            self.calls.append(with_gpus)
+        return self.extra + [
             StackDump(
                 pid=w.pid,
                 threads=[ThreadStack(name="MainThread", frames=[self.frames[w.pid]])],
@@ -273,6 +281,9 @@ def decision(page: bool, held: str | None = None, blind: bool = False) -> Decisi
     )
 
 
+MISMATCH = Decision(Finding(Verdict.collective_mismatch, "s", culprits=(1,)), page=True)
+
+
 class TestIncidentEdges:
     def test_watching_below_the_timeout_does_nothing(self) -> None:
         assert on_tick(WATCHING, NOW, NOW - 1, 1.0, 5.0) == (WATCHING, [])
@@ -336,6 +347,72 @@ class TestIncidentEdges:
     def test_paged_without_progress_stays_paged(self) -> None:
         paged = Incident(Phase.paged, started_at=NOW - 6, opened_at=NOW)
         assert on_tick(paged, NOW + 60, NOW - 6, 66.0, 5.0) == (paged, [])
+
+
+class TestPeekEdges:
+    """Proof pages at once, at any time; silence waits for the stall timeout (300 s here: the warm-up)."""
+
+    PEEK = Probe(confirming=False, peek=True)
+
+    def peeked(self) -> Incident:
+        incident, actions = on_tick(WATCHING, NOW, NOW - 3, 3.0, 300.0, peek_after=3.0)
+        assert actions == [self.PEEK] and incident.phase is Phase.watching
+        return incident
+
+    def test_no_peek_before_peek_after_or_without_one(self) -> None:
+        assert on_tick(WATCHING, NOW, NOW - 2, 2.0, 300.0, peek_after=3.0) == (WATCHING, [])
+        assert on_tick(WATCHING, NOW, NOW - 9, 9.0, 300.0, peek_after=None) == (WATCHING, [])
+
+    def test_a_peek_that_proves_opens_the_incident_and_the_full_look_pages_without_confirming(self) -> None:
+        suspect, actions = on_probe(self.peeked(), NOW + 0.2, MISMATCH, moved=False, stalled_for=3.2, proven=True)
+        assert suspect.phase is Phase.suspect and actions == [Probe(confirming=False)]
+        assert suspect.started_at == NOW - 3 and suspect.opened_at == NOW + 0.2 and suspect.proof_only
+        paged, actions = on_probe(suspect, NOW + 0.4, MISMATCH, moved=False, stalled_for=3.4, proven=True)
+        assert paged.phase is Phase.paged and actions == [Page(MISMATCH)]
+
+    def test_a_peek_that_does_not_prove_stays_silent_and_peeks_again_only_after_peek_every(self) -> None:
+        peeked = self.peeked()
+        for held in (decision(True), decision(False, held="a pause"), MISMATCH):  # a page not proven counts nothing
+            assert on_probe(peeked, NOW + 0.2, held, moved=False, stalled_for=3.2) == (peeked, [])
+        assert on_tick(peeked, NOW + PEEK_EVERY_S - 0.1, NOW - 3, PEEK_EVERY_S + 2.9, 300.0, 3.0) == (peeked, [])
+        again, actions = on_tick(peeked, NOW + PEEK_EVERY_S, NOW - 3, PEEK_EVERY_S + 3, 300.0, 3.0)
+        assert actions == [self.PEEK] and again.next_probe == NOW + 2 * PEEK_EVERY_S
+
+    def test_progress_after_a_peek_starts_the_silence_over(self) -> None:
+        peeked = self.peeked()
+        assert on_tick(peeked, NOW + 1, NOW + 0.5, 0.5, 300.0, 3.0) == (WATCHING, [])
+        _, actions = on_tick(peeked, NOW + 3.5, NOW + 0.5, 3.0, 300.0, 3.0)  # the new silence: peek_after, not 20 s
+        assert actions == [self.PEEK]
+
+    def test_a_rank_moving_during_the_peek_is_no_proof(self) -> None:
+        peeked = self.peeked()
+        assert on_probe(peeked, NOW + 0.2, MISMATCH, moved=True, stalled_for=3.2, proven=True) == (peeked, [])
+
+    def test_a_peek_then_the_stall_timeout_takes_the_regular_suspect_path(self) -> None:
+        peeked = self.peeked()
+        suspect, actions = on_tick(peeked, NOW + 5, NOW - 3, 8.0, 5.0, 3.0)
+        assert suspect.phase is Phase.suspect and actions == [Probe(confirming=False)] and not suspect.proof_only
+        confirming, _ = on_probe(suspect, NOW + 5.2, decision(True), moved=False, stalled_for=8.2)
+        assert confirming.phase is Phase.confirming
+
+    def test_a_conclusive_verdict_in_suspect_pages_without_confirming(self) -> None:
+        suspect, _ = on_tick(WATCHING, NOW, NOW - 6, 6.0, 5.0)
+        paged, actions = on_probe(suspect, NOW + 0.2, MISMATCH, moved=False, stalled_for=6.2, proven=True)
+        assert paged.phase is Phase.paged and actions == [Page(MISMATCH)]
+
+    def test_streamed_proof_opens_the_incident_at_once(self) -> None:
+        suspect, actions = on_tick(WATCHING, NOW, NOW - 1, 1.0, 300.0, 3.0, proven=True)
+        assert suspect.phase is Phase.suspect and suspect.proof_only and actions == [Probe(confirming=False)]
+
+    def test_opened_on_proof_silence_alone_still_waits_for_the_stall_timeout(self) -> None:
+        """The full look no longer proves it (a rank behind, say): no confirming look, no page, until the timeout."""
+        suspect, _ = on_tick(WATCHING, NOW, NOW - 1, 1.0, 300.0, 3.0, proven=True)
+        held, actions = on_probe(suspect, NOW + 0.2, decision(True), moved=False, stalled_for=1.2)
+        assert held.phase is Phase.suspect and actions == [] and held.proof_only
+        assert on_tick(held, NOW + 5.2, NOW - 1, 6.2, 300.0, 3.0)[1] == [Probe(confirming=False)]
+        late, _ = on_tick(held, NOW + 299, NOW - 1, 300.0, 300.0, 3.0)
+        assert not late.proof_only
+        assert on_probe(late, NOW + 299, decision(True), moved=False, stalled_for=300.0)[0].phase is Phase.confirming
 
 
 def test_the_journal_starts_over_past_its_bound(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

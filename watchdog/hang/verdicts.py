@@ -2,8 +2,9 @@
 
 Every reader takes its words from ``CATALOGUE``: the help of ``ncclwatch`` and ``ncclwatch analyze``
 (``launcher/cli.py``), the report's headline (its "Next:" advice, ``report.py``), the defaults of
-``--restart-on`` and ``--drain-on`` and the response's "why" (``config.py``, ``response/policy.py``), and
-the engine's ranking of findings (``PRIORITY``).
+``--restart-on`` and ``--drain-on`` and the response's "why" (``config.py``, ``response/policy.py``),
+the engine's ranking of findings (``PRIORITY``), and the live watchdog's choice of which verdicts page as soon as
+they are seen (``CONCLUSIVE``: the evidence proves the hang by itself) rather than after the stall timeout.
 
 Adding a verdict is its member in ``Verdict``, its entry in ``CATALOGUE`` (a member without one, or with
 two, fails at import) and its detector; nothing else is edited by hand, except the README's three verdict
@@ -37,6 +38,11 @@ class VerdictEntry:
     verdict: Verdict
     priority: int  # higher wins when communicators or sources disagree
     hang: bool  # paged, and a --restart-on / --drain-on choice (no_hang and inconclusive are not)
+    # The evidence proves the hang by itself, whatever the clock says: paged as soon as it is seen (at any step,
+    # before any timeout is learned) and without a second look, because it does not go away with a pause (a
+    # mismatch, a dead or stopped rank).  False: the same picture is a moment a healthy job passes through (a rank
+    # still compiling, a long kernel, stacks caught a few ms apart), so the stall timeout and the second look apply.
+    conclusive: bool = False
     meaning: str  # one line, for the help texts
     detail: str  # how it is decided and who is named (the README, after the meaning)
     # What on-call checks first (the headline's "Next:"); "{ranks}" stands for the culprits, or "the lead rank".
@@ -55,6 +61,7 @@ class VerdictEntry:
 _ENTRIES = (
     VerdictEntry(
         verdict=Verdict.collective_mismatch,
+        conclusive=True,
         priority=9,
         hang=True,
         meaning="ranks issued different operations at the same position",
@@ -80,6 +87,7 @@ _ENTRIES = (
     ),
     VerdictEntry(
         verdict=Verdict.process_dead,
+        conclusive=True,
         priority=8,
         hang=True,
         meaning="a rank exited while its peers wait",
@@ -93,6 +101,7 @@ _ENTRIES = (
     ),
     VerdictEntry(
         verdict=Verdict.process_stopped,
+        conclusive=True,
         priority=7,
         hang=True,
         meaning="a rank is stopped (state T: SIGSTOP, a debugger)",
@@ -114,6 +123,8 @@ _ENTRIES = (
         restart=True,
         restart_why="a new process clears the GPU's endless kernel",
         # Not drained: without the GPU's Xid (not collected yet) a kernel that never ends is as often the program's.
+        # Not conclusive: one NVML sample or dump cannot tell a kernel that never ends from a long one (autotuning,
+        # a first step) while the peers already wait; the stall timeout does.
         culprit_does="has its GPU stuck in a non-NCCL kernel while its peers wait in {op}",
     ),
     VerdictEntry(
@@ -140,6 +151,7 @@ _ENTRIES = (
     ),
     VerdictEntry(
         verdict=Verdict.network_error,
+        conclusive=True,
         priority=7,
         hang=True,
         meaning="a link failed (InfiniBand completion error); names the peer",
@@ -154,6 +166,7 @@ _ENTRIES = (
     ),
     VerdictEntry(
         verdict=Verdict.node_lost,
+        conclusive=True,
         priority=8,
         hang=True,
         meaning="a node's sidecar stopped answering while the other nodes' ranks wait",
@@ -176,6 +189,8 @@ _ENTRIES = (
         next_step="reorder the send/recv pair on one side of {ranks} (one sends first), or post both with "
         "batch_isend_irecv",
         restart_why="a send/recv order that deadlocks is the program's and recurs",
+        # Not conclusive: from stacks (gloo) the ranks are caught a few ms apart, and a healthy pipeline stage that
+        # sends and enters its next recv between two captures reads as every stage in recv.
     ),
     VerdictEntry(
         verdict=Verdict.no_hang,
@@ -204,6 +219,8 @@ def _catalogue(entries: Iterable[VerdictEntry]) -> dict[Verdict, VerdictEntry]:
             raise ValueError(f"verdict catalogue: {entry.verdict.value} has two entries")
         if not entry.hang and (entry.restart or entry.drain or entry.restart_why):
             raise ValueError(f"verdict catalogue: {entry.verdict.value} is no hang: nothing to restart or drain")
+        if entry.conclusive and not entry.hang:
+            raise ValueError(f"verdict catalogue: {entry.verdict.value} is no hang: it proves none")
         if entry.hang and not entry.restart_why:
             raise ValueError(f"verdict catalogue: {entry.verdict.value} needs restart_why (why a restart helps or not)")
         by_verdict[entry.verdict] = entry
@@ -217,5 +234,6 @@ CATALOGUE = _catalogue(_ENTRIES)
 PRIORITY = {v: entry.priority for v, entry in CATALOGUE.items()}
 HANG_VERDICTS = frozenset(v for v, entry in CATALOGUE.items() if entry.hang)
 HANG_VERDICT_NAMES = frozenset(v.value for v in HANG_VERDICTS)
+CONCLUSIVE = frozenset(v for v, entry in CATALOGUE.items() if entry.conclusive)
 RESTART_ON_DEFAULT = tuple(v for v, entry in CATALOGUE.items() if entry.restart)
 DRAIN_ON_DEFAULT = tuple(v for v, entry in CATALOGUE.items() if entry.drain)

@@ -1,16 +1,32 @@
 """One stall's life as a small state machine: watching -> suspect -> confirming -> paged -> resolved.
 
 The sidecar feeds it two kinds of observation, ``on_tick`` (the clock moved:
-how long nothing has moved, the stall timeout) and ``on_probe`` (a probe's
-decision, and whether any rank issued a collective since the last look),
-and performs the actions it returns.  Pure: no I/O, the clock passed in, so
-every edge is tested with a fake clock and no sleeps.
+how long nothing has moved, the stall timeout, when a silent look is due,
+whether the streamed evidence already proves a hang) and ``on_probe`` (a
+probe's decision, whether it is *proven*, and whether any rank moved since
+the last look), and performs the actions it returns.  Pure: no I/O, the
+clock passed in, so every edge is tested with a fake clock and no sleeps.
+
+A decision is proven when its verdict is conclusive in the catalogue
+(``hang/verdicts.py``: a mismatch, a dead or stopped rank; the evidence
+proves the hang by itself and does not go away with a pause) and settled
+(``judging.Proof``: a dead rank gone, a stopped rank stopped, for a few
+seconds).  Proof pages at any time, step 0 included; silence alone waits
+for the stall timeout (learned, or the warm-up timeout).
 
 - watching: nothing is wrong.  A stall (nothing moved for the stall
-  timeout) makes it ``suspect`` and asks for a probe.
+  timeout) makes it ``suspect`` and asks for a probe.  Before that, after
+  ``peek_after`` of silence, a *peek*: a quiet look (no RAS, no GPU sample,
+  nothing printed into the job's output, not journaled) whose decision is
+  kept only when proven; then ``suspect`` at once.  Otherwise nothing is
+  said or held, and the next peek comes after ``PEEK_EVERY_S`` more silence
+  (a long compile or checkpoint load is not probed every tick).  Streamed
+  evidence that proves a hang (``judging.Proof.streamed``: a mismatch in the
+  NCCL logs, a dead or stopped rank) makes it ``suspect`` at once too.
 - suspect: probing every ``REPROBE_S``.  A decision that does not page
   (a pause, a busy rank, a blind probe) is held, with its reason said once
-  on the terminal; a decision that pages goes to ``confirming``.
+  on the terminal; a proven decision pages; another that pages goes to
+  ``confirming``.
 - confirming: ranks leaving a pause enter their next collective a moment
   apart, and one look can land in that instant; a hang is what a second
   look ``CONFIRM_S`` later still sees.  Then ``paged``.
@@ -21,7 +37,9 @@ Progress (any rank moved) in suspect or confirming goes back to watching.
 
 With several nodes, only the leader's sidecar decides; the others feed its
 verdict in with ``on_verdict``, which pages from any open phase (and from
-watching: the leader saw the job hang before this node's ranks did).
+watching: the leader saw the job hang before this node's ranks did).  A
+peek there judges this node's ranks only: proof opens the incident, which
+starts the leader's job-wide judging, and pages nothing by itself.
 """
 
 from __future__ import annotations
@@ -33,6 +51,7 @@ from ncclwatch.watchdog.hang.classify import Decision
 
 REPROBE_S = 5.0  # while a stall is held (a pause, a busy rank), look again this often
 CONFIRM_S = 1.0  # a hang verdict is paged only if a second look this much later sees nothing move
+PEEK_EVERY_S = 20.0  # while the job stays silent below the stall timeout, a peek at most this often
 
 
 class Phase(StrEnum):
@@ -46,6 +65,7 @@ class Phase(StrEnum):
 @dataclass(frozen=True)
 class Probe:
     confirming: bool  # the confirming look reuses the GPU sample
+    peek: bool = False  # a quiet look while watching: only proof counts
 
 
 @dataclass(frozen=True)
@@ -69,10 +89,11 @@ Action = Probe | Page | Resolve | Say
 @dataclass(frozen=True)
 class Incident:
     phase: Phase = Phase.watching
-    started_at: float | None = None  # the last moment anything moved
+    started_at: float | None = None  # the last moment anything moved (watching: the silence last peeked at)
     opened_at: float | None = None
-    next_probe: float = 0.0
+    next_probe: float = 0.0  # watching: the next peek
     held: str | None = None  # why a hang-like state is not paged (suspect only)
+    proof_only: bool = False  # opened on proof before the stall timeout: until then only proof pages
     decision: Decision | None = None  # the latest decision (the candidate while confirming)
 
 
@@ -80,15 +101,34 @@ WATCHING = Incident()
 
 
 def on_tick(
-    incident: Incident, now: float, last_progress: float, stalled_for: float, stall_timeout: float
+    incident: Incident,
+    now: float,
+    last_progress: float,
+    stalled_for: float,
+    stall_timeout: float,
+    peek_after: float | None = None,
+    proven: bool = False,
 ) -> tuple[Incident, list[Action]]:
+    """``peek_after``: silence after which a peek is due (None: none); ``proven``: the streamed evidence proves a
+    hang now (only asked while watching)."""
     if incident.phase is not Phase.watching and incident.started_at is not None and last_progress > incident.started_at:
         return _progress(incident, stalled_for)
     if incident.phase is Phase.watching:
-        if stalled_for < stall_timeout:
-            return incident, []
-        suspect = Incident(Phase.suspect, started_at=last_progress, opened_at=now, next_probe=now + REPROBE_S)
-        return suspect, [Probe(confirming=False)]
+        if stalled_for >= stall_timeout or proven:
+            suspect = Incident(
+                Phase.suspect,
+                started_at=last_progress,
+                opened_at=now,
+                next_probe=now + REPROBE_S,
+                proof_only=stalled_for < stall_timeout,
+            )
+            return suspect, [Probe(confirming=False)]
+        peeked = incident.started_at is not None and incident.started_at >= last_progress  # this silence
+        if peek_after is not None and stalled_for >= peek_after and (not peeked or now >= incident.next_probe):
+            return Incident(started_at=last_progress, next_probe=now + PEEK_EVERY_S), [Probe(False, peek=True)]
+        return (incident if peeked or incident.started_at is None else WATCHING), []
+    if incident.proof_only and stalled_for >= stall_timeout:
+        incident = replace(incident, proof_only=False)
     if incident.phase in (Phase.suspect, Phase.confirming) and now >= incident.next_probe:
         confirming = incident.phase is Phase.confirming
         return replace(incident, next_probe=now + REPROBE_S), [Probe(confirming=confirming)]
@@ -96,16 +136,24 @@ def on_tick(
 
 
 def on_probe(
-    incident: Incident, now: float, decision: Decision, moved: bool, stalled_for: float
+    incident: Incident, now: float, decision: Decision, moved: bool, stalled_for: float, proven: bool = False
 ) -> tuple[Incident, list[Action]]:
+    """``proven``: ``decision`` pages, and its evidence proves the hang by itself (``judging.Proof.proves``)."""
+    if incident.phase is Phase.watching:  # a peek: proof opens the incident and looks again at once, fully
+        if moved or not proven or incident.started_at is None:
+            return incident, []
+        opened = replace(incident, phase=Phase.suspect, opened_at=now, next_probe=now + REPROBE_S, proof_only=True)
+        return replace(opened, decision=decision), [Probe(confirming=False)]
     if incident.phase not in (Phase.suspect, Phase.confirming):
         return incident, []
     if moved:
         return WATCHING, []
-    if decision.page and incident.phase is Phase.suspect:
-        return replace(incident, phase=Phase.confirming, decision=decision, held=None, next_probe=now + CONFIRM_S), []
+    if decision.page and (proven or incident.phase is Phase.confirming):
+        return replace(incident, phase=Phase.paged, decision=decision, held=None), [Page(decision)]
+    if decision.page and incident.proof_only:  # silence alone waits for the stall timeout
+        return replace(incident, phase=Phase.suspect, decision=decision, next_probe=now + REPROBE_S), []
     if decision.page:
-        return replace(incident, phase=Phase.paged, decision=decision), [Page(decision)]
+        return replace(incident, phase=Phase.confirming, decision=decision, held=None, next_probe=now + CONFIRM_S), []
     said = [] if decision.held == incident.held or decision.held is None else [Say(_held_line(decision, stalled_for))]
     return replace(
         incident, phase=Phase.suspect, decision=decision, held=decision.held, next_probe=now + REPROBE_S

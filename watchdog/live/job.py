@@ -5,9 +5,14 @@ each worker's identity and /proc samples, the same as ``ncclwatch analyze``
 reads them back from the journal) and, per worker process, keeps when it
 last made progress (a heartbeat with a new step, a new operation in its
 NCCL debug file) and the gaps between progress it showed while healthy.
-From those it answers two questions the detectors cannot: how long has
-nothing moved, and how long is too long for this job (the learned stall
-timeout).
+From those it answers three questions the detectors cannot: how long has
+nothing moved, how long is too long for this job (the learned stall
+timeout), and after how much silence a look may find proof of a hang before
+that (``peek_after``: a look that pages only what proves itself, see
+``incident.py``).  It also counts the events that could change a verdict
+(``revision``: operations, workers gone or stopped, NCCL's warnings; not
+heartbeats, GPU samples or unchanged /proc samples), so the streamed state is
+judged again only when one came.
 
 ``view()`` freezes that; this module decides nothing.  Memory is bounded:
 per worker a fixed deque of gaps; GPU and RAS samples keep only the latest
@@ -22,7 +27,17 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.events import Event, Heartbeat, OpBatch, SourceDown, SourceUp
+from ncclwatch.watchdog.events import (
+    STOPPED_STATES,
+    Event,
+    FrDump,
+    GpuSnapshot,
+    Heartbeat,
+    OpBatch,
+    ProcessState,
+    SourceDown,
+    SourceUp,
+)
 from ncclwatch.watchdog.hang.snapshot import WorkerView, worker_view
 from ncclwatch.watchdog.hang.state import DEFAULT_WINDOW, JobState
 
@@ -33,6 +48,12 @@ MIN_PROGRESS = 8  # steps (or NCCL operation batches) the job must show before i
 WARMUP_STEPS = 2
 GAP_MEMORY_S = 900.0  # a gap older than this no longer widens the timeout
 STALL_MULTIPLIER = 3.0
+# A look for proof while the job is silent, before the stall timeout: before the job has a rhythm, after this much
+# silence (on CPU a look at 3 gloo ranks took 0.2 s; a healthy start-up is looked at every PEEK_EVERY_S, silently)...
+PEEK_WARMUP_S = 3.0
+PEEK_MULTIPLIER = 1.5  # ... once it has one, after 1.5 x its longest gap (the stall timeout is 3 x) ...
+PEEK_MIN_S = 2.0  # ... and never sooner than this
+_UNCHANGING = (Heartbeat, GpuSnapshot, SourceDown, SourceUp)  # events that change no verdict of the streamed state
 
 
 @dataclass
@@ -76,6 +97,7 @@ class LiveView:
     advances: int  # progress the job has shown (steps, NCCL batches): below MIN_PROGRESS the warm-up timeout holds
     signals: frozenset[str]  # progress signals seen so far: "heartbeat", "nccl_log"
     down: tuple[str, ...]  # sources that cannot read, with why
+    peek_after: float | None = None  # silence after which a look may find proof; None: the stall timeout comes first
 
     @property
     def stalled_for(self) -> float:
@@ -95,6 +117,9 @@ class LiveJob:
         self.signals: set[str] = set()
         self.down: dict[str, str] = {}
         self.excused: list[tuple[float, float]] = []  # (from, to): the watchdog's own doing slowed the job
+        self.revision = 0  # events folded in that could change a verdict of the streamed state
+        # (communicator key, global rank) -> the round (restart count) in which a dump last replaced that sequence
+        self.dumped_in: dict[tuple[str, int], int] = {}
 
     def excuse(self, at: float, seconds: float) -> None:
         """Gaps overlapping [at, at + seconds] were caused by the watchdog (a first Flight Recorder dump).
@@ -136,8 +161,22 @@ class LiveJob:
             self.down[event.source] = event.reason
         elif isinstance(event, SourceUp):
             self.down.pop(event.source, None)
+        elif isinstance(event, FrDump) and event.rank is not None:
+            # Only a group with entries replaces the rank's sequence (a new round's first dumps are empty: the old
+            # round's sequences stay).  The key is the state's own for a Flight Recorder group ("fr:<pg>").
+            for pg in {entry.pg_id for entry in event.entries}:
+                self.dumped_in[(f"fr:{pg}", event.rank)] = self.state.current_round()
+        if not isinstance(event, _UNCHANGING) and not (isinstance(event, ProcessState) and self._same_state(event)):
+            self.revision += 1
         self.state.apply(event)
         self.state.keep_latest(4)
+
+    def _same_state(self, sample: ProcessState) -> bool:
+        """A /proc sample that changes nothing a verdict reads: the worker was, and is, stopped or not (running and
+        sleeping alternate all the time)."""
+        worker = self.state.workers.get(sample.pid)
+        was = worker.proc_state if worker is not None else None
+        return was is not None and (was in STOPPED_STATES) == (sample.state in STOPPED_STATES) and sample.state != "Z"
 
     def mark_progress(self, ranks: set[int], now: float) -> None:
         """Ranks seen moving by a probe (Flight Recorder positions grew): that is progress too."""
@@ -175,6 +214,16 @@ class LiveJob:
             return self.settings.warmup_stall_timeout
         return max(self.settings.stall_timeout_floor, STALL_MULTIPLIER * gap + 2 * self.settings.poll_interval)
 
+    def _peek_after(self, gap: float | None, progress: int, timeout: float) -> float | None:
+        """After how much silence to look for proof (a mismatch, a dead or stopped rank) before the stall timeout:
+        a few seconds while the job has no rhythm (a hang in the first second waited for the 300 s warm-up
+        timeout), else 1.5 x its longest gap; None when that is not below the stall timeout."""
+        if gap is None or progress < MIN_PROGRESS:
+            peek = PEEK_WARMUP_S
+        else:
+            peek = max(PEEK_MIN_S, PEEK_MULTIPLIER * gap)
+        return peek if peek < timeout else None
+
     def moved_since(self, since: float) -> bool:
         """Did a worker of the current attempt make progress (a step, an NCCL operation) after ``since``?"""
         return any((p := self.of(w.pid).last_progress) is not None and p > since for w in self.state.current_workers())
@@ -189,15 +238,17 @@ class LiveJob:
     def view(self, now: float) -> LiveView:
         gap, progress = self.learned_gap(now)
         workers = self.state.current_workers()
+        timeout = self._timeout(gap, progress)
         return LiveView(
             observed_at=now,
             workers=tuple(worker_view(w, self.state.probes) for w in workers),
             progress_at=MappingProxyType({w.pid: self.of(w.pid).last_progress for w in workers}),
             beat_at=MappingProxyType({w.pid: self.of(w.pid).beat_at for w in workers}),
             last_progress=self.last_progress(),
-            stall_timeout=self._timeout(gap, progress),
+            stall_timeout=timeout,
             learned_gap=gap,
             advances=progress,
             signals=frozenset(self.signals),
             down=tuple(f"{k}: {v}" for k, v in sorted(self.down.items())),
+            peek_after=self._peek_after(gap, progress, timeout),
         )

@@ -14,6 +14,10 @@ Without the store each judges alone, asks whether the store's node is lost (``st
 elected through the lifelines, pages.  ``farewell`` does the same when the job fails here after the store went
 away.
 
+Proof (``Proof``): which decisions prove a hang by themselves, so the incident pages them at once and without a
+second look (``incident.py``), and whether the streamed state (NCCL logs, workers' /proc) already holds one before
+any probe.  Across nodes a member's proof only opens its incident: the leader still judges the job and pages.
+
 Failure modes: a store that fails mid-exchange is a ``SourceDown`` of the cluster source, and this node judges
 its own ranks (the verdict says it is degraded); a node whose lifeline cannot listen is taken for lost by the
 others once the store is gone; a leader's verdict that went unread before the store went is said, never paged
@@ -24,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
@@ -44,12 +50,14 @@ from ncclwatch.watchdog.cluster.peers import (
 )
 from ncclwatch.watchdog.cluster.store import StoreError
 from ncclwatch.watchdog.cluster.view import HOT_S, PUBLISH_S, Contact, NodeSummary
-from ncclwatch.watchdog.events import Event, SourceDown, SourceUp, Stall, WorkerSeen
+from ncclwatch.watchdog.events import STOPPED_STATES, Event, SourceDown, SourceUp, Stall, WorkerSeen
 from ncclwatch.watchdog.hang.classify import Decision, judge
+from ncclwatch.watchdog.hang.report import Report
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
-from ncclwatch.watchdog.hang.state import JobState
+from ncclwatch.watchdog.hang.state import JobState, Worker
 from ncclwatch.watchdog.hang.types import Finding
-from ncclwatch.watchdog.hang.verdicts import Verdict
+from ncclwatch.watchdog.hang.verdicts import CONCLUSIVE, Verdict
+from ncclwatch.watchdog.live.bundle import live_report
 from ncclwatch.watchdog.live.incident import Action, Incident, Phase
 from ncclwatch.watchdog.live.job import LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import live_inputs
@@ -61,8 +69,110 @@ ClusterFactory = Callable[[Membership, str], Cluster]  # (membership, host) -> t
 CLUSTER = "cluster"  # the source the store's reachability is reported under (``SourceDown``, ``LiveJob.down``)
 
 
+STREAMED_QUIET_S = 1.0  # the streamed state is judged once the job has been silent this long, when events came
+# torchrun ends the other workers when one fails (its monitor looks every 0.1 s, then SIGTERM): a rank gone this long
+# while its peers live is a hang (it exited 0 early, or its peers outlive it), not a job being torn down.
+DEAD_SETTLED_S = 5.0
+# A blocking py-spy or a debugger's attach stops a rank (state t) for a moment.  Below the span of the /proc samples
+# a worker keeps (hang/state.py: 8, 0.5 s apart), or it would never settle.
+STOPPED_SETTLED_S = 2.0
+
+
 def judge_at(state: JobState, at: float) -> Decision:
     return judge(take_snapshot(state, observed_at=at))
+
+
+class Proof:
+    """Which decisions prove a hang by themselves, and whether the streamed state already holds one.
+
+    A decision proves a hang when it pages, its verdict is conclusive in the catalogue (``CONCLUSIVE``) and a
+    dead or stopped culprit is settled: gone for DEAD_SETTLED_S, stopped for STOPPED_SETTLED_S (on this node's
+    clock; a culprit on another node is left to the second look).  ``streamed`` judges what the sources streamed
+    (NCCL logs, the workers' /proc states) without any probe, once the job has been silent STREAMED_QUIET_S and
+    only when an event that could change a verdict came since (``LiveJob.revision``) or a culprit settles.
+    """
+
+    def __init__(self, live: LiveJob) -> None:
+        self.live = live
+        self._judged = -1  # the revision last judged
+        self._again_at: float | None = None  # a dead or stopped culprit settles then: judge again
+        self.slowest_s = 0.0  # the longest streamed judging so far (-v says when it grows past 50 ms)
+
+    def proves(self, decision: Decision, at: float) -> bool:
+        if not decision.page or decision.finding.verdict not in CONCLUSIVE or not self._this_round(decision):
+            return False
+        return self._settled_at(decision, at) <= at
+
+    def streamed(self, view: LiveView) -> bool:
+        if view.stalled_for < STREAMED_QUIET_S or view.stalled_for >= view.stall_timeout:
+            return False
+        revision, at = self.live.revision, view.observed_at
+        if revision == self._judged and (self._again_at is None or at < self._again_at):
+            return False
+        self._judged, self._again_at = revision, None
+        began = time.perf_counter()
+        snapshot = take_snapshot(self.live.state, observed_at=at)
+        decision = judge(replace(snapshot, stall=None))  # an earlier probe's stall clock says nothing of this one
+        self._took(time.perf_counter() - began)
+        if not decision.page or decision.finding.verdict not in CONCLUSIVE or not self._this_round(decision):
+            return False
+        settled = self._settled_at(decision, at)
+        if settled > at:
+            self._again_at = settled if settled < math.inf else None
+            return False
+        log.info(
+            "streamed evidence proves a hang after %.1f s of silence: %s %s; looking now",
+            view.stalled_for,
+            decision.finding.verdict,
+            decision.finding.culprits,
+        )
+        return True
+
+    def _took(self, seconds: float) -> None:
+        if seconds > max(self.slowest_s, 0.05):
+            log.info("judging the streamed state took %.0f ms", seconds * 1e3)
+        self.slowest_s = max(self.slowest_s, seconds)
+
+    def _this_round(self, decision: Decision) -> bool:
+        """After an elastic restart the state still holds the old round's sequences (its NCCL logs; its dumps until
+        the new round's come): a mismatch proves a hang only from the current round's processes and dumps (else
+        the stall timeout and the second look decide, as before any proof).  A process's own state is its round's."""
+        state, finding = self.live.state, decision.finding
+        current = state.current_round()
+        if current == 0 or finding.verdict is not Verdict.collective_mismatch:
+            return True
+        comm = state.comms.get(finding.comm_key or "")
+        if comm is None:
+            return False
+        if comm.source == "flight_recorder":
+            return all(self.live.dumped_in.get((comm.key, seq.rank)) == current for seq in comm.ranks.values())
+        pids = {w.pid for w in state.current_workers()}
+        return all(seq.proc is not None and seq.proc.pid in pids for seq in comm.ranks.values())
+
+    def _settled_at(self, decision: Decision, at: float) -> float:
+        """When the decision's dead or stopped culprits have been so long enough (``at`` for any other verdict)."""
+        verdict = decision.finding.verdict
+        if verdict not in (Verdict.process_dead, Verdict.process_stopped):
+            return at
+        workers = {w.rank: w for w in self.live.state.current_workers()}
+        times = []
+        for rank in decision.finding.culprits:
+            worker = workers.get(rank)
+            since = None if worker is None else worker.gone_at if verdict is Verdict.process_dead else _stopped(worker)
+            if since is None:
+                return math.inf
+            times.append(since + (DEAD_SETTLED_S if verdict is Verdict.process_dead else STOPPED_SETTLED_S))
+        return max(times, default=at)
+
+
+def _stopped(worker: Worker) -> float | None:
+    """Since when the worker's /proc samples have said stopped (the oldest of the latest run of them)."""
+    since = None
+    for sample in reversed(worker.samples):
+        if sample.state not in STOPPED_STATES:
+            break
+        since = sample.at
+    return since
 
 
 class Judging(Protocol):
@@ -84,6 +194,17 @@ class Judging(Protocol):
     async def paged_elsewhere(self, job_wide: bool, following: bool) -> Callable[[], str] | None: ...
     async def hand_off(self) -> None: ...  # before a job-wide response ends the job
     async def farewell(self, job_failed: bool, paged: Callable[[], bool]) -> tuple[Decision, str] | None: ...
+
+
+def page_report(
+    judging: Judging, decision: Decision, view: LiveView, job: str, host: str, started_at: float, at: float
+) -> Report:
+    """The report of a page: from the state the decision was judged on, under the incident's key."""
+    snapshot = take_snapshot(judging.report_state(), observed_at=at)
+    report = live_report(
+        decision.finding, snapshot, view, job=job, host=host, started_at=started_at, held=decision.held
+    )
+    return report.model_copy(update={"incident_key": judging.incident_key(decision)})
 
 
 class NodeJudging:

@@ -42,9 +42,12 @@ from typing import Protocol
 
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.events import STOPPED_STATES, Citation, Event, NcclWarning, Stall, Unusable, WarningCategory
+from ncclwatch.watchdog.hang.classify import Decision
 from ncclwatch.watchdog.hang.snapshot import WorkerView
-from ncclwatch.watchdog.live.job import LiveJob, LiveView
+from ncclwatch.watchdog.live.incident import Probe
+from ncclwatch.watchdog.live.job import MIN_PROGRESS, LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import Journal
+from ncclwatch.watchdog.live.judging import Judging, Proof, judge_at
 from ncclwatch.watchdog.parsing.pyspy import parse_pyspy
 from ncclwatch.watchdog.parsing.ras import parse_ras
 from ncclwatch.watchdog.probes.flight_recorder import prime, read_dump, request_dumps, written_since
@@ -108,7 +111,7 @@ def comm_errored(warnings: Sequence[NcclWarning]) -> bool:
 
 class Prober(Protocol):
     async def probe(
-        self, workers: Sequence[WorkerView], with_gpus: bool, stalled_since: float | None = None
+        self, workers: Sequence[WorkerView], with_gpus: bool, stalled_since: float | None = None, peek: bool = False
     ) -> list[Event]: ...
 
     def prime(self, workers: Sequence[WorkerView]) -> int: ...
@@ -153,12 +156,24 @@ class JobProber:
         return asked
 
     async def probe(
-        self, workers: Sequence[WorkerView], with_gpus: bool, stalled_since: float | None = None
+        self, workers: Sequence[WorkerView], with_gpus: bool, stalled_since: float | None = None, peek: bool = False
     ) -> list[Event]:
         """``stalled_since``: when the job last moved; a rank whose dump does not come is read from a dump of it
-        already on disk that was written after that (``written_since``), and the report says so."""
+        already on disk that was written after that (``written_since``), and the report says so.
+
+        ``peek``: a look at a job that may well be healthy (``incident.py``): dumps through ncclwatch's quiet door
+        (nothing printed into the job's output), stacks, no GPU sample, no RAS; it leaves no mark on what the
+        incident's looks remember (the ranks that did not answer)."""
         alive = [w for w in workers if not w.gone]
         answering = {w.rank: w.pid for w in alive if w.state not in STOPPED_STATES}
+        if peek:
+            dumps, stacks = await asyncio.gather(
+                request_dumps(self.fr_dir, answering, DUMP_WAIT_S, quiet=True),
+                asyncio.gather(*(self._stack(w.pid) for w in alive)),
+                return_exceptions=True,
+            )
+            found = [read_dump(path) for path in dumps[0].values()] if isinstance(dumps, tuple) else []
+            return [e for events in found + (stacks if isinstance(stacks, list) else []) for e in events]
         if not with_gpus:
             # The confirming look, a second after the first: a rank that could not dump then (its
             # communicator errored, it holds the GIL) will not now; waiting again only delays the page.
@@ -267,31 +282,42 @@ class Look:
     view: LiveView  # the job with the probe's events folded in
     events: list[Event]  # the probe's own (its Flight Recorder dumps travel to the other nodes)
     stall: Stall  # the moment the decision is judged at
-    moved: bool  # a rank issued a collective since the incident's previous look
+    moved: bool  # a rank moved since the look began, or issued a collective since the incident's previous look
 
 
 class Probing:
     """The probes of this node's ranks, and how many collectives each rank had issued at the latest one."""
 
     def __init__(
-        self, prober: Prober, live: LiveJob, settings: Settings, journal: Journal | None, clock: Callable[[], float]
+        self,
+        prober: Prober,
+        live: LiveJob,
+        settings: Settings,
+        journal: Journal | None,
+        clock: Callable[[], float],
+        drain: Callable[[], None] = lambda: None,
     ) -> None:
+        """``drain``: folds what the sources sent meanwhile into ``live`` (progress during a look is progress)."""
         self.prober = prober
         self.live = live
         self.settings = settings
         self.journal = journal
         self.clock = clock
+        self.drain = drain
         self._positions: dict[int, int] | None = None  # collectives each rank had issued at the last look
         self._positions_of: float | None = None  # the incident (its opening time) those positions belong to
         self._quiet_said = 0.0  # how long the job had been quiet when -v last said so
+        self._rhythm_said: bool | None = None  # -v: the timeout said for a job without (False) or with (True) rhythm
 
     def between_probes(self, view: LiveView) -> None:
         """Every tick of a running job.  Below the stall timeout, once the job has a rhythm: the ranks' first
-        dumps, the gaps they may cause excused.  With -v, every QUIET_LOG_S of a quiet job: its stall timeout, and
-        why it is not probed yet (the warm-up timeout, a long gap)."""
+        dumps, the gaps they may cause excused.  With -v: once at the start and once the rhythm is learned, what
+        timeout applies and why; every QUIET_LOG_S of a quiet job, its stall timeout, and why it is not probed
+        yet (the warm-up timeout, a long gap)."""
         if view.stalled_for < view.stall_timeout and view.learned_gap is not None:
             if self.prober.prime(view.workers):
                 self.live.excuse(view.observed_at, PRIME_EXCUSE_S)
+        self._say_timeout(view)
         if view.stalled_for >= self._quiet_said + QUIET_LOG_S:
             self._quiet_said = view.stalled_for
             log.info(
@@ -304,17 +330,51 @@ class Probing:
         elif view.stalled_for < QUIET_LOG_S:
             self._quiet_said = 0.0
 
-    async def look(self, view: LiveView, confirming: bool, incident_opened_at: float | None) -> Look:
-        """Probe the ranks of ``view``; the confirming look reuses the GPU sample."""
-        if self._positions_of != incident_opened_at:  # each incident compares from its first look
+    def _say_timeout(self, view: LiveView) -> None:
+        """-v, once without a rhythm (the start) and once with one: after how much silence a hang is paged."""
+        rhythm = view.learned_gap is not None and view.advances >= MIN_PROGRESS
+        if self._rhythm_said is rhythm or (self._rhythm_said is not None and self.settings.stall_timeout is not None):
+            return
+        self._rhythm_said = rhythm
+        looks = f", looking for it after {view.peek_after:.0f} s of silence" if view.peek_after is not None else ""
+        proof = f"or at once when the evidence proves it (a mismatch, a dead or stopped rank{looks})"
+        if self.settings.stall_timeout is not None:
+            log.info("a hang is paged after %.0f s of silence (--stall-timeout), %s", view.stall_timeout, proof)
+        elif not rhythm:
+            log.info(
+                "no step rhythm yet: a hang is paged after %.0f s of silence (--warmup-stall-timeout, until the job "
+                "has shown %d steps), %s",
+                view.stall_timeout,
+                MIN_PROGRESS,
+                proof,
+            )
+        else:
+            log.info(
+                "step rhythm learned (longest gap %.2f s): a hang is paged after %.1f s of silence, %s",
+                view.learned_gap,
+                view.stall_timeout,
+                proof,
+            )
+
+    async def look(
+        self, view: LiveView, confirming: bool, incident_opened_at: float | None, peek: bool = False
+    ) -> Look:
+        """Probe the ranks of ``view``; the confirming look reuses the GPU sample.  A peek (``incident.py``) asks
+        quietly, is not journaled (it decides nothing unless it proves a hang, and the full look that follows is
+        journaled) and leaves the incident's positions alone."""
+        if not peek and self._positions_of != incident_opened_at:  # each incident compares from its first look
             self._positions, self._positions_of = None, incident_opened_at
         began = self.clock()
-        events = await self.prober.probe(view.workers, with_gpus=not confirming, stalled_since=view.last_progress)
-        now = self.clock()
+        if peek:
+            events = await self.prober.probe(view.workers, with_gpus=False, peek=True)
+        else:
+            events = await self.prober.probe(view.workers, with_gpus=not confirming, stalled_since=view.last_progress)
+        self.drain()
+        now, since = self.clock(), view.last_progress
         for event in events:
             self.live.apply(event, now)
         view = self.live.view(now)
-        moved = self._moved()
+        moved = (not peek and self._moved()) or self.live.moved_since(since)
         stall = Stall(
             at=now,
             stalled_for_s=view.stalled_for,
@@ -323,9 +383,26 @@ class Probing:
             probe_began_at=began,
         )
         self.live.apply(stall, now)
-        if self.journal is not None:
+        if peek:
+            log.info("peek after %.1f s of silence: %d event(s) in %.2f s", view.stalled_for, len(events), now - began)
+        elif self.journal is not None:
             self.journal.record(self.live.state, stall)
         return Look(view, events, stall, moved)
+
+    async def decide(
+        self, view: LiveView, probe: Probe, opened_at: float | None, judging: Judging, proof: Proof
+    ) -> tuple[Look, Decision, bool]:
+        """Look, then judge: a peek this node's ranks (only proof counts, ``incident.py``), a probe as the
+        ``Judging`` does (the whole job with several nodes); and whether the decision proves the hang."""
+        look = await self.look(view, probe.confirming, opened_at, peek=probe.peek)
+        decision = (
+            judge_at(self.live.state, look.stall.at) if probe.peek else await judging.judge(look.stall, look.events)
+        )
+        proven = proof.proves(decision, look.stall.at)
+        f = decision.finding
+        log.info("%s: %s %s page=%s proven=%s held=%s", "peek" if probe.peek else "probe", f.verdict, f.culprits,
+                 decision.page, proven, decision.held)  # fmt: skip
+        return look, decision, proven
 
     def _moved(self) -> bool:
         """Did any rank issue a collective since the last look (Flight Recorder)?  That is progress."""

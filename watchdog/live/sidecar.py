@@ -3,19 +3,16 @@
 - ``run`` starts one supervised task per source (``supervision.py``), the judging's exchange with the other
   nodes and the performance look, then calls ``tick`` every poll until ``stop``.
 - ``tick`` folds queued events into the ``LiveJob``, feeds the incident state machine (``incident.py``) the
-  clock, and performs the actions it answers with: probe (``prober.py``; journaled, so that ``ncclwatch
-  analyze`` replays the same decision offline), say a line on the terminal, resolve, or page (the ``Reporter``
-  writes the verdict and the bundle, the alert goes out, then the response).
+  clock and whether the streamed state proves a hang (``judging.Proof``), and performs what it answers: probe or
+  peek (``prober.py``; probes are journaled for ``ncclwatch analyze``), say a line, resolve, or page (the
+  ``Reporter`` writes the verdict and the bundle, the alert goes out, then the response, ``responding.py``).
 - ``stop`` ends the tasks; before it, ``farewell`` tells the other nodes that the job ended here.
 
-Who judges a stall is ``judging.py``: this node alone, or with several nodes the leader's sidecar for the whole
-job through its store (one verdict, one page).  The response to a page, and a restart followed until the new
-round trains, is ``responding.py``.  The performance look's findings, logged and paged where the operator asked
-(a slow job is not a hang: no bundle, no kill), are ``performance_paging.py``.
-
-Sources, prober, reporter, performance look and clock are injected: a test drives the sidecar tick by tick with
-scripted events and a fake clock, no sleeps.  Nothing here raises out of ``run`` for bad input: a broken source is
-a ``SourceDown``; a broken probe is a missing piece of evidence; a broken reporter or look is logged.
+Who judges a stall is ``judging.py``: this node alone, or the leader's sidecar for the whole job through its store
+(one verdict, one page).  A slow job is no hang: its findings are ``performance_paging.py``'s.  Sources, prober,
+reporter, performance look and clock are injected: a test drives the sidecar tick by tick with scripted events
+and a fake clock, no sleeps.  Nothing here raises out of ``run`` for bad input: a broken source is a
+``SourceDown``; a broken probe is a missing piece of evidence; a broken reporter or look is logged.
 """
 
 from __future__ import annotations
@@ -33,14 +30,12 @@ from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.events import Event
 from ncclwatch.watchdog.hang.classify import Decision
 from ncclwatch.watchdog.hang.report import Report
-from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.live import incident as machine
-from ncclwatch.watchdog.live.bundle import live_report
 from ncclwatch.watchdog.live.health import Health, health_of
 from ncclwatch.watchdog.live.incident import Action, Incident, Page, Phase, Probe, Resolve, Say
 from ncclwatch.watchdog.live.job import LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import Journal
-from ncclwatch.watchdog.live.judging import ClusterFactory, ClusterJudging, Judging, NodeJudging
+from ncclwatch.watchdog.live.judging import ClusterFactory, ClusterJudging, Judging, NodeJudging, Proof, page_report
 from ncclwatch.watchdog.live.performance_look import PerfWatch
 from ncclwatch.watchdog.live.performance_paging import PerformancePaging
 from ncclwatch.watchdog.live.prober import Prober, Probing
@@ -83,7 +78,8 @@ class Sidecar:
         self.incident = Incident()  # watching
         self.reported: list[Reported] = []  # every incident that was paged, oldest first
         self._stopping = asyncio.Event()
-        self.probing = Probing(self.prober, self.live, self.settings, self.journal, self.clock)
+        self.probing = Probing(self.prober, self.live, self.settings, self.journal, self.clock, self.drain)
+        self.proof = Proof(self.live)
         self.judging: Judging = NodeJudging(self.live) if join_cluster is None else ClusterJudging(self, join_cluster)
         self.responding = Responding(responder, self.live, self.clock, self._say, self.resolve)
         self.performance = (
@@ -143,11 +139,9 @@ class Sidecar:
             return
         decision, why = lost
         view = self.live.view(self.clock())
-        self.incident = Incident(
-            Phase.paged, started_at=view.last_progress, opened_at=view.observed_at, decision=decision
-        )
+        self.incident, actions = machine.on_verdict(machine.WATCHING, view.observed_at, decision, view.last_progress)
         self._say(why)
-        await self._page(decision, view)
+        await self.perform(actions, view)
 
     # -- the tick ----------------------------------------------------------
 
@@ -161,34 +155,27 @@ class Sidecar:
         if not view.workers or not view.alive:
             return
         self.probing.between_probes(view)
-        timeout = view.stall_timeout
-        if self.judging.peer_suspects():
-            # Another node is probing a stall and waits for this node's evidence: look now, not at our own timeout.
-            timeout = min(timeout, self.settings.stall_timeout_floor)
+        peer = self.judging.peer_suspects()  # another node probes a stall and waits for our evidence: look now
+        timeout = min(view.stall_timeout, self.settings.stall_timeout_floor) if peer else view.stall_timeout
         before = self.incident.phase
+        proven = before is Phase.watching and view.stalled_for < timeout and self.proof.streamed(view)
         self.incident, actions = machine.on_tick(
-            self.incident, view.observed_at, view.last_progress, view.stalled_for, timeout
+            self.incident, view.observed_at, view.last_progress, view.stalled_for, timeout, view.peek_after, proven
         )
         if self.incident.phase is not before:
             self.judging.phase_changed()
         if self.incident.phase is Phase.suspect and actions:
-            log.info(
-                "stall: nothing moved for %.1f s (stall timeout %.1f s, learned gap %s)",
-                view.stalled_for,
-                view.stall_timeout,
-                view.learned_gap,
-            )
+            log.info("stall: nothing moved for %.1f s (stall timeout %.1f s)", view.stalled_for, timeout)
         await self.perform(actions, view)
 
     async def perform(self, actions: list[Action], view: LiveView) -> None:
         for action in actions:
             if isinstance(action, Probe):
-                await self._probe(view, confirming=action.confirming)
+                await self._probe(view, action)
             elif isinstance(action, Say):
                 self._say(action.text)
-            elif isinstance(action, Resolve):
-                if self.reported:
-                    self.resolve(self.reported[-1], action.why)
+            elif isinstance(action, Resolve) and self.reported:
+                self.resolve(self.reported[-1], action.why)
             elif isinstance(action, Page):
                 await self._page(action.decision, view)
 
@@ -197,20 +184,12 @@ class Sidecar:
         self.incident, actions = machine.on_verdict(self.incident, view.observed_at, decision, view.last_progress)
         return actions
 
-    async def _probe(self, view: LiveView, confirming: bool) -> None:
-        look = await self.probing.look(view, confirming, self.incident.opened_at)
-        decision = await self.judging.judge(look.stall, look.events)
-        f = decision.finding
-        log.info(
-            "probe: %s culprits %s page=%s held=%s moved=%s",
-            f.verdict,
-            f.culprits,
-            decision.page,
-            decision.held,
-            look.moved,
+    async def _probe(self, view: LiveView, probe: Probe) -> None:
+        look, decision, proven = await self.probing.decide(
+            view, probe, self.incident.opened_at, self.judging, self.proof
         )
         self.incident, actions = machine.on_probe(
-            self.incident, look.stall.at, decision, look.moved, look.view.stalled_for
+            self.incident, look.stall.at, decision, look.moved, look.view.stalled_for, proven
         )
         await self.perform(actions, look.view)
 
@@ -220,16 +199,7 @@ class Sidecar:
         started_at = self.incident.started_at if self.incident.started_at is not None else view.last_progress
         judging = self.judging
         job_wide, following = judging.job_wide(), judging.follows()
-        snapshot = take_snapshot(judging.report_state(), observed_at=self.clock())
-        report = live_report(
-            decision.finding,
-            snapshot,
-            view,
-            job=self.job_name,
-            host=self.host,
-            started_at=started_at,
-            held=decision.held,
-        ).model_copy(update={"incident_key": judging.incident_key(decision)})
+        report = page_report(judging, decision, view, self.job_name, self.host, started_at, self.clock())
         plan = self.responding.plan(report, judging.followed if following else None)
         if job_wide:  # before the bundle: the members page (and restart or end their ranks) meanwhile
             await judging.publish_verdict(decision, plan)

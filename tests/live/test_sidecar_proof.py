@@ -1,0 +1,315 @@
+"""Proof pages now, silence waits: the sidecar, tick by tick, before the stall timeout.
+
+The rig of ``test_sidecar_ticks.py`` (a scripted prober, a fake clock, no sleeps).  A job in its warm-up (fewer
+than 8 steps: the stall timeout is 300 s) whose evidence proves a hang is paged within seconds, without a
+confirming look: ranks at the same position with different collectives in their Flight Recorder dumps (found by a
+peek, the gloo case) or in their NCCL logs (the streamed state, no probe needed), a rank gone while its peers live,
+a rank stopped.  What only looks like a hang for a moment (a rank behind in its own code, a rank stopped for an
+instant by a blocking py-spy, a rank gone while torchrun tears the job down) is not, and a healthy start-up is
+peeked at silently, at most every ``PEEK_EVERY_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import nccl_lines as L
+import pytest
+from conftest import NOW
+from test_sidecar_ticks import COMM, IN_ALL_REDUCE, IN_TRAIN, SETTINGS, Rig, healthy_job
+
+from ncclwatch.watchdog.cluster.peers import Cluster, Membership
+from ncclwatch.watchdog.cluster.store import StoreClient
+from ncclwatch.watchdog.cluster.view import JobView
+from ncclwatch.watchdog.events import (
+    Citation,
+    Event,
+    FrDump,
+    FrEntry,
+    FrProcessGroup,
+    Heartbeat,
+    OpState,
+    ProcessState,
+    WorkerGone,
+    WorkerSeen,
+)
+from ncclwatch.watchdog.hang.verdicts import Verdict
+from ncclwatch.watchdog.live.incident import Phase
+from ncclwatch.watchdog.live.job import PEEK_WARMUP_S, LiveJob
+from ncclwatch.watchdog.live.judging import DEAD_SETTLED_S, STOPPED_SETTLED_S, ClusterJudging, Proof
+from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
+
+IN_ALL_GATHER = "all_gather (torch/distributed/distributed_c10d.py:3890)"
+
+
+def starting_job(rig: Rig, steps: int = 2) -> None:
+    """Three ranks (pids 100-102) that have beaten ``steps`` times, the last at t = 1 s: no rhythm yet."""
+    for rank in range(3):
+        rig.emit(WorkerSeen(pid=100 + rank, rank=rank, host="node1", at=NOW))
+    for step in range(steps):
+        t = 1.0 - (steps - 1 - step) * 0.2
+        rig.at(t)
+        rig.emit(*(Heartbeat(pid=100 + r, rank=r, step=step, time=NOW + t) for r in range(3)))
+        rig.emit(*(ProcessState(pid=100 + r, rank=r, state="S", cpu_seconds=0.0, at=NOW + t) for r in range(3)))
+    rig.tick(1.0)
+    view = rig.sidecar.live.view(rig.clock())
+    assert view.stall_timeout == SETTINGS.warmup_stall_timeout and view.peek_after == PEEK_WARMUP_S
+
+
+def fr_dump(rank: int, ops: list[str]) -> FrDump:
+    """A gloo Flight Recorder dump: ``ops`` in order, the last one pending."""
+    entries = [
+        FrEntry(
+            index=i,
+            pg_id="0",
+            collective_seq_id=i + 1,
+            profiling_name=f"gloo:{op.lower()}",
+            op=op,
+            is_p2p=False,
+            input_sizes=[[1024]],
+            output_sizes=[[1024]],
+            input_dtypes=["Float"],
+            output_dtypes=["Float"],
+            state=OpState.scheduled if i == len(ops) - 1 else OpState.completed,
+        )
+        for i, op in enumerate(ops)
+    ]
+    group = FrProcessGroup(pg_id="0", desc="default_pg", ranks=[0, 1, 2])
+    return FrDump(rank=rank, version="2.10", process_groups={"0": group}, entries=entries, cite=Citation(file="fr"))
+
+
+def skipped_all_reduce(rig: Rig) -> None:
+    """Rank 1 skipped the step's all_reduce: its all_gather meets its peers' all_reduce (the demo's ``skip``)."""
+    rig.prober.frames = {100: IN_ALL_REDUCE, 101: IN_ALL_GATHER, 102: IN_ALL_REDUCE}
+    dumps: list[Event] = [fr_dump(r, ["AllReduce", "AllGather", "AllReduce"]) for r in (0, 2)]
+    rig.prober.extra = [*dumps, fr_dump(1, ["AllReduce", "AllGather", "AllGather"])]
+
+
+def bf16_beside_fp32(rig: Rig) -> None:
+    """NCCL's lines of ranks 0-2 (pids 100-102): one step, then rank 1's all_reduce in bf16, its peers' in fp32."""
+    for rank in range(3):
+        text = L.init(rank, 3, COMM, pid=100 + rank) + L.steps(rank, COMM, 1, pid=100 + rank)
+        text += L.op(rank, "AllReduce", 4096, COMM, dtype=9 if rank == 1 else 7, pid=100 + rank)
+        rig.emit(*NcclLogParser(f"node1.{100 + rank}").feed(text.encode(), final=True))
+
+
+def new_round(rig: Rig, at: float) -> None:
+    """torchrun's restart: ranks 0-2 again as pids 200-202, round 1, their first step at ``at``."""
+    rig.emit(*(WorkerGone(pid=100 + r, rank=r, at=NOW + at - 1) for r in range(3)))
+    rig.emit(*(WorkerSeen(pid=200 + r, rank=r, restart_count=1, host="node1", at=NOW + at - 0.5) for r in range(3)))
+    rig.at(at)
+    rig.emit(*(Heartbeat(pid=200 + r, rank=r, step=0, time=NOW + at, restart=1) for r in range(3)))
+    rig.prober.frames = {200: IN_ALL_REDUCE, 201: IN_ALL_GATHER, 202: IN_ALL_REDUCE}
+
+
+class TestProofPagesNow:
+    def test_a_mismatch_a_peek_finds_in_the_warm_up_is_paged_without_confirming(self, tmp_path: Path) -> None:
+        rig = Rig(tmp_path)
+        starting_job(rig)
+        skipped_all_reduce(rig)
+        rig.tick(1.0 + PEEK_WARMUP_S - 0.25)
+        assert rig.prober.peeks == 0 and rig.phase is Phase.watching
+        rig.tick(1.0 + PEEK_WARMUP_S)  # 3 s of silence, 297 s before the warm-up timeout
+        assert rig.prober.peeks == 1 and rig.prober.calls == [True]  # the peek, then one full look: no confirming
+        assert rig.phase is Phase.paged
+        [paged] = rig.pages
+        assert (paged.finding.verdict, paged.finding.culprits) == (Verdict.collective_mismatch, (1,))
+        assert rig.alerts.submitted == ["trigger"]
+
+    def test_a_mismatch_in_the_nccl_logs_is_paged_from_the_streamed_state(self, tmp_path: Path) -> None:
+        """No probe is needed to see it: one second of silence after rank 1 issued bf16 where its peers issued
+        fp32, the streamed state is judged; the look that follows gathers the evidence and pages."""
+        rig = Rig(tmp_path)
+        starting_job(rig)
+        bf16_beside_fp32(rig)
+        rig.tick(1.5)
+        assert rig.phase is Phase.watching and rig.prober.calls == []
+        rig.tick(2.6)  # 1.1 s after the last operation
+        assert rig.prober.peeks == 0 and rig.prober.calls == [True] and rig.phase is Phase.paged
+        [paged] = rig.pages
+        assert (paged.finding.verdict, paged.finding.culprits) == (Verdict.collective_mismatch, (1,))
+
+    def test_a_rank_gone_while_its_peers_live_is_paged_once_torchrun_would_have_ended_them(
+        self, tmp_path: Path
+    ) -> None:
+        rig = Rig(tmp_path)
+        starting_job(rig)
+        rig.prober.frames = {100: IN_ALL_REDUCE, 101: IN_ALL_REDUCE}
+        rig.emit(WorkerGone(pid=102, rank=2, at=NOW + 1.2))
+        rig.tick(1.2 + DEAD_SETTLED_S - 0.25)  # a crash torchrun is still tearing down: no page
+        assert rig.pages == [] and rig.prober.calls == []
+        rig.tick(1.2 + DEAD_SETTLED_S)
+        assert rig.prober.calls == [True] and rig.phase is Phase.paged
+        assert [(d.finding.verdict, d.finding.culprits) for d in rig.pages] == [(Verdict.process_dead, (2,))]
+
+    def test_a_stopped_rank_is_paged_once_it_stays_stopped(self, tmp_path: Path) -> None:
+        rig = Rig(tmp_path)
+        starting_job(rig)
+        rig.prober.frames = {100: IN_ALL_REDUCE, 101: IN_ALL_REDUCE}
+        for t in (1.5, 2.0, 2.5, 3.0):
+            rig.emit(ProcessState(pid=102, rank=2, state="T", cpu_seconds=0.0, at=NOW + t))
+            rig.tick(t)
+        assert rig.pages == [] and rig.prober.calls == []  # stopped since 1.5 s: settled at 3.5 s
+        rig.tick(1.5 + STOPPED_SETTLED_S)
+        assert [(d.finding.verdict, d.finding.culprits) for d in rig.pages] == [(Verdict.process_stopped, (2,))]
+        assert rig.prober.calls == [True]
+
+    def test_a_busy_culprit_of_a_mismatch_is_paged_never_held(self, tmp_path: Path) -> None:
+        """The busy hold ("not paging: rank 1 ... is busy ...; reported after 1800 s") is for a rank behind in its
+        own code; a culprit proven wrong is paged whatever its CPU does, and no line says otherwise first."""
+        rig = Rig(tmp_path)
+        starting_job(rig)
+        skipped_all_reduce(rig)
+        rig.prober.frames[101] = IN_TRAIN
+        for i, t in enumerate((1.5, 2.0, 2.5, 3.0, 3.5)):
+            rig.emit(ProcessState(pid=101, rank=1, state="R", cpu_seconds=0.5 * i, at=NOW + t))
+            rig.tick(t)
+        rig.tick(4.0)
+        assert [(d.finding.verdict, d.finding.culprits, d.held) for d in rig.pages] == [
+            (Verdict.collective_mismatch, (1,), None)
+        ]
+        assert "not paging" not in rig.out.getvalue()
+
+    def test_a_conclusive_verdict_at_the_stall_timeout_pages_without_confirming(self, tmp_path: Path) -> None:
+        rig = Rig(tmp_path)
+        healthy_job(rig, behind=False)
+        skipped_all_reduce(rig)
+        rig.tick(25.1)  # straight past the learned timeout (5 s): the suspect path, no peek
+        assert rig.prober.peeks == 0 and rig.prober.calls == [True] and rig.phase is Phase.paged
+        assert [d.finding.verdict for d in rig.pages] == [Verdict.collective_mismatch]
+
+
+class TestSilenceWaits:
+    def test_the_last_rounds_nccl_lines_prove_nothing_after_a_restart(self, tmp_path: Path) -> None:
+        """torchrun restarted the job (``--on-hang restart``, or its ranks crashed): the state still holds the old
+        round's NCCL lines, and the new round starting up is silent: no proof, the warm-up timeout holds."""
+        rig = Rig(tmp_path)
+        starting_job(rig)
+        bf16_beside_fp32(rig)
+        rig.tick(2.6)
+        assert [d.finding.verdict for d in rig.pages] == [Verdict.collective_mismatch]
+        new_round(rig, at=4.0)
+        for t in range(5, 40):
+            rig.tick(float(t))
+        assert rig.prober.peeks == 2 and len(rig.pages) == 1 and rig.phase is Phase.watching
+
+    def test_the_last_rounds_dumps_prove_nothing_until_this_rounds_do(self, tmp_path: Path) -> None:
+        rig = Rig(tmp_path)
+        starting_job(rig)
+        skipped_all_reduce(rig)
+        rig.tick(1.0 + PEEK_WARMUP_S)
+        assert [d.finding.verdict for d in rig.pages] == [Verdict.collective_mismatch]
+        new_round(rig, at=5.0)
+        # The new round's ranks answer before their process group exists: empty dumps; the old round's stay.
+        rig.prober.extra = [fr_dump(r, []) for r in range(3)]
+        for t in range(6, 12):
+            rig.tick(float(t))
+        assert rig.prober.peeks == 2 and len(rig.pages) == 1
+        rig.prober.extra = [fr_dump(r, ["AllReduce", "AllReduce"]) for r in (0, 2)] + [fr_dump(1, ["AllGather"] * 2)]
+        rig.tick(29.0)  # this round's own dumps disagree: proof
+        assert [d.finding.verdict for d in rig.pages] == [Verdict.collective_mismatch] * 2
+
+    def test_a_rank_behind_at_start_up_is_peeked_at_silently_every_peek_every_s(self, tmp_path: Path) -> None:
+        """Rank 2 still compiling while its peers wait in the first all_reduce: not proof; nothing is said."""
+        rig = Rig(tmp_path)
+        starting_job(rig)
+        rig.prober.frames = {100: IN_ALL_REDUCE, 101: IN_ALL_REDUCE, 102: IN_TRAIN}
+        for t in range(2, 60):
+            rig.tick(float(t))
+        assert rig.prober.peeks == 3  # at 4 s, 24 s, 44 s of the run
+        assert rig.prober.calls == [] and rig.pages == [] and rig.phase is Phase.watching
+        assert rig.out.getvalue() == ""
+
+    def test_a_peek_then_the_learned_timeout_takes_the_regular_path(self, tmp_path: Path) -> None:
+        rig = Rig(tmp_path)
+        healthy_job(rig)  # a 1 s rhythm: a peek at 2 s of silence, the stall timeout at 5 s
+        rig.prober.frames = {100: IN_ALL_REDUCE, 101: IN_ALL_REDUCE, 102: IN_TRAIN}
+        rig.tick(22.0)
+        assert rig.prober.peeks == 1 and rig.prober.calls == [] and rig.phase is Phase.watching
+        rig.tick(25.1)
+        rig.tick(25.1 + 1.0)
+        assert rig.prober.calls == [True, False]  # the confirming look: rank_behind is no proof
+        assert [(d.finding.verdict, d.finding.culprits) for d in rig.pages] == [(Verdict.rank_behind, (2,))]
+
+    def test_progress_after_a_peek_is_a_new_silence(self, tmp_path: Path) -> None:
+        rig = Rig(tmp_path)
+        starting_job(rig)
+        rig.prober.frames = {100: IN_ALL_REDUCE, 101: IN_ALL_REDUCE, 102: IN_TRAIN}
+        rig.tick(4.0)
+        assert rig.prober.peeks == 1
+        rig.emit(*(Heartbeat(pid=100 + r, rank=r, step=2, time=NOW + 5) for r in range(3)))
+        rig.tick(5.0)
+        rig.tick(8.0)
+        assert rig.prober.peeks == 2 and rig.pages == []
+
+    def test_a_rank_stopped_for_an_instant_is_not_paged(self, tmp_path: Path) -> None:
+        """A blocking py-spy (state t) or a debugger's attach, then the rank runs on."""
+        rig = Rig(tmp_path)
+        starting_job(rig)
+        rig.emit(ProcessState(pid=102, rank=2, state="t", cpu_seconds=0.0, at=NOW + 1.5))
+        rig.tick(1.5)
+        rig.emit(ProcessState(pid=102, rank=2, state="S", cpu_seconds=0.0, at=NOW + 2.0))
+        for t in (2.0, 2.5, 3.0, 3.5, 4.0, 4.5):
+            rig.tick(t)
+        assert rig.pages == [] and rig.prober.calls == []
+
+    def test_a_crash_torchrun_tears_down_is_not_paged(self, tmp_path: Path) -> None:
+        rig = Rig(tmp_path)
+        starting_job(rig)
+        rig.emit(WorkerGone(pid=102, rank=2, at=NOW + 1.2))
+        rig.tick(1.5)
+        rig.emit(*(WorkerGone(pid=100 + r, rank=r, at=NOW + 1.6) for r in range(2)))
+        for t in (2.0, 4.0, 8.0):
+            rig.tick(t)
+        assert rig.pages == [] and rig.prober.calls == [] and rig.prober.peeks == 0
+
+
+def test_the_streamed_state_is_judged_only_when_something_came(tmp_path: Path) -> None:
+    """Heartbeats, GPU samples and /proc samples that change nothing do not make it judge again; 8 ranks x 10,000
+    NCCL operations are judged in milliseconds (6 ms on the 2-core CI machine)."""
+    live = LiveJob(SETTINGS, started_at=NOW)
+    for rank in range(8):
+        live.apply(WorkerSeen(pid=100 + rank, rank=rank, host="node1", at=NOW), NOW)
+        text = L.init(rank, 8, COMM, pid=100 + rank) + L.steps(rank, COMM, 2500, pid=100 + rank)
+        for event in NcclLogParser(f"node1.{100 + rank}").feed(text.encode(), final=True):
+            live.apply(event, NOW)
+        live.apply(ProcessState(pid=100 + rank, rank=rank, state="S", cpu_seconds=1.0, at=NOW), NOW)
+    proof = Proof(live)
+    judged: list[float] = []
+    original = proof._took
+    proof._took = lambda seconds: (judged.append(seconds), original(seconds))  # type: ignore[method-assign]
+    assert not proof.streamed(live.view(NOW + 0.5))  # not silent for a second yet
+    began = time.perf_counter()
+    assert not proof.streamed(live.view(NOW + 2))
+    assert len(judged) == 1 and time.perf_counter() - began < 1.0
+    live.apply(ProcessState(pid=100, rank=0, state="R", cpu_seconds=2.0, at=NOW + 2.5), NOW + 2.5)
+    assert not proof.streamed(live.view(NOW + 3)) and len(judged) == 1
+    live.apply(ProcessState(pid=100, rank=0, state="T", cpu_seconds=2.0, at=NOW + 3.5), NOW + 3.5)
+    assert not proof.streamed(live.view(NOW + 4)) and len(judged) == 2  # stopped: judged, not settled yet
+    assert not proof.streamed(live.view(NOW + 4.5)) and len(judged) == 2
+    live.apply(ProcessState(pid=100, rank=0, state="T", cpu_seconds=2.0, at=NOW + 5.5), NOW + 5.5)
+    assert proof.streamed(live.view(NOW + 3.5 + STOPPED_SETTLED_S)) and len(judged) == 3  # settled: judged again
+
+
+def test_a_member_nodes_proof_opens_its_incident_and_leaves_the_page_to_the_leader(tmp_path: Path) -> None:
+    """Several nodes: the peek judges this node's ranks; its proof opens the incident (the leader sees the node
+    probing and judges the job), the full look shares this node's evidence, and nothing is paged from here."""
+    dist = pytest.importorskip("torch.distributed")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    rig = Rig(tmp_path)
+    starting_job(rig)
+    membership = Membership("127.0.0.1", store.port, "job", 0, 1, 2)  # node 1 of 2
+    cluster = Cluster(membership, "node1", clock=rig.clock, client=StoreClient("127.0.0.1", store.port, timeout_s=5))
+    rig.sidecar.judging = judging = ClusterJudging(rig.sidecar, join=lambda membership, host: cluster)
+    judging.cluster = cluster  # met: the workers named the store
+    cluster.view, cluster._view_changed_at = JobView(leader=0, term=0, seq=1, nnodes=2), NOW + 1
+    skipped_all_reduce(rig)
+    rig.tick(1.0 + PEEK_WARMUP_S)
+    assert rig.prober.peeks == 1 and rig.prober.calls == [True]
+    assert rig.phase is Phase.suspect and rig.pages == [] and rig.alerts.submitted == []
+    assert "node 0 judges the whole job; waiting for its verdict" in rig.out.getvalue()
+    reader = StoreClient("127.0.0.1", store.port, timeout_s=5)  # the leader's side (the rig's client has its loop)
+    assert asyncio.run(reader.get(cluster.key("compact", 1))) is not None  # this node's evidence, for the leader
