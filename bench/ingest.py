@@ -3,10 +3,12 @@
 Writes NCCL 2.28.9-format debug files (one per rank, the real line shapes of
 the shared fixtures: init, COLL lines for a DDP-like step with Send/Recv,
 destroy), then runs ``ncclwatch analyze --json`` on them in a fresh process
-pinned to one core and reports wall time, lines per second and peak RSS.
+pinned to one core and reports wall time (median and spread of the runs),
+lines per second and peak RSS.
 
     python bench/ingest.py                       # 4 ranks x 500k lines
     python bench/ingest.py --ranks 2 --lines 4000000 --lines 500000   # memory vs length
+    python bench/ingest.py --cpu 1 --repeat 5 --src /tmp/before --src .   # A/B, interleaved, on core 1
 
 Results go to stdout as a Markdown table (copy into BENCHMARKS.md).
 """
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -81,51 +84,95 @@ def write_rank_log(path: Path, rank: int, nranks: int, lines: int) -> None:
         out.write(tail + "\n")
 
 
-def run_analyze(folder: Path) -> tuple[float, int, dict]:
-    """Wall seconds, peak RSS in KiB and the report of one analyze process on one core."""
+def run_analyze(folder: Path, src: Path, cpu: int) -> tuple[float, int, dict]:
+    """Wall seconds, peak RSS in KiB and the report of one analyze process on one core, run from ``src``."""
     cmd = [sys.executable, "-m", "ncclwatch", "analyze", "--json", str(folder)]
     if hasattr(os, "sched_setaffinity"):
-        cmd = ["taskset", "-c", "0", *cmd]
+        cmd = ["taskset", "-c", str(cpu), *cmd]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = subprocess.Popen(cmd, cwd=src, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate()
     wall = time.perf_counter() - start
+    # This child's own peak (RUSAGE_CHILDREN is the largest over every child so far).
+    peak_kib = _peak_kib.pop(proc.pid, 0) or resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     if proc.returncode not in (0, 1, 2):
-        raise SystemExit(f"analyze failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return wall, peak_kib, json.loads(proc.stdout)
+        raise SystemExit(f"analyze failed ({proc.returncode}): {err.decode()[-2000:]}")
+    return wall, peak_kib, json.loads(out)
+
+
+_peak_kib: dict[int, int] = {}
+_wait = os.waitpid
+
+
+def _waitpid(pid: int, options: int) -> tuple[int, int]:
+    """``os.waitpid`` as ``subprocess`` calls it, through ``wait4`` to keep each child's peak RSS."""
+    if not hasattr(os, "wait4"):
+        return _wait(pid, options)
+    got, status, usage = os.wait4(pid, options)
+    if got:
+        _peak_kib[got] = usage.ru_maxrss
+    return got, status
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--lines", type=int, action="append", help="lines per rank (repeatable); default 500000")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per size; the best is reported")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per size and checkout")
+    parser.add_argument("--cpu", type=int, default=0, help="the core every run is pinned to (taskset -c)")
+    parser.add_argument(
+        "--src",
+        type=Path,
+        action="append",
+        help="a checkout to run `python -m ncclwatch` from (repeatable: A/B, runs interleaved); default this one",
+    )
+    parser.add_argument("--raw", type=Path, help="append every run here as a JSON line")
     args = parser.parse_args()
     sizes = args.lines or [500_000]
+    srcs = args.src or [Path(__file__).resolve().parent.parent]
+    os.waitpid = _waitpid  # type: ignore[assignment]
     print(
-        "| ranks | lines/rank | total lines | MB | best wall s | lines/s (whole process, 1 core) "
-        "| peak RSS MiB | verdict |"
+        "| ranks | lines/rank | total lines | MB | checkout | runs | median wall s | spread s (min-max) "
+        "| lines/s (median) | lines/s (best) | peak RSS MiB | verdict |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for lines in sizes:
         with tempfile.TemporaryDirectory(prefix="ncclwatch-bench-") as tmp:
             folder = Path(tmp)
             for rank in range(args.ranks):
                 write_rank_log(folder / f"nccl.node1.{700 + rank}.log", rank, args.ranks, lines)
             size_mb = sum(p.stat().st_size for p in folder.iterdir()) / 1e6
-            runs = []
-            for _ in range(args.repeat):
-                runs.append(run_analyze(folder))
-            wall = min(r[0] for r in runs)
-            # ru_maxrss of children is the max over every child so far: run the
-            # sizes in increasing order to read each one's peak.
-            peak = runs[-1][1] / 1024
             total = lines * args.ranks
-            verdict = runs[-1][2]["verdict"]
-            print(
-                f"| {args.ranks} | {lines:,} | {total:,} | {size_mb:.0f} | {wall:.2f} | {total / wall:,.0f} "
-                f"| {peak:.0f} | {verdict} |"
-            )
+            runs: dict[Path, list[tuple[float, int, dict]]] = {src: [] for src in srcs}
+            for index in range(args.repeat):
+                for src in srcs:  # interleaved: a slow moment of a shared machine hits every checkout alike
+                    wall, peak, report = run_analyze(folder, src, args.cpu)
+                    runs[src].append((wall, peak, report))
+                    if args.raw:
+                        with args.raw.open("a") as raw:
+                            row = {
+                                "ranks": args.ranks,
+                                "lines_per_rank": lines,
+                                "total_lines": total,
+                                "mb": round(size_mb, 1),
+                                "checkout": str(src),
+                                "run": index,
+                                "cpu": args.cpu,
+                                "wall_s": round(wall, 4),
+                                "lines_per_s": round(total / wall),
+                                "peak_rss_mib": round(peak / 1024, 1),
+                                "verdict": report["verdict"],
+                            }
+                            raw.write(json.dumps(row) + "\n")
+            for src, done in runs.items():
+                walls = sorted(r[0] for r in done)
+                median = statistics.median(walls)
+                peak = max(r[1] for r in done) / 1024
+                print(
+                    f"| {args.ranks} | {lines:,} | {total:,} | {size_mb:.0f} | {src.name} | {len(walls)} "
+                    f"| {median:.2f} | {walls[0]:.2f}-{walls[-1]:.2f} | {total / median:,.0f} "
+                    f"| {total / walls[0]:,.0f} | {peak:.0f} | {done[-1][2]['verdict']} |"
+                )
 
 
 if __name__ == "__main__":

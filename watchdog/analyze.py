@@ -9,8 +9,8 @@ kept run folder or a bundle holds the sidecar's journal (``journal.jsonl``),
 so the live-only inputs (process state, stacks, GPU samples, the stall's
 clock) reach the classifier here too.  The
 extra steps offline: resolving cited operations to ``file:line``, which the
-state does not keep (``evidence.citations``), and reading NCCL's transport
-choices from the logs again (``nccl_transports``).
+state does not keep (``evidence.citations``), and NCCL's transport choices,
+whose lines the same pass keeps (``inputs.TextIngest``).
 
 Bundles (``*.tar.gz``), named or found in a folder, are unpacked and read as
 the folders they hold (``bundles_in``).
@@ -23,7 +23,6 @@ on stderr, and gives no report when nothing could be used (``launcher/cli.py``).
 
 from __future__ import annotations
 
-import lzma
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -36,7 +35,7 @@ from ncclwatch.watchdog.hang.classify import judge
 from ncclwatch.watchdog.hang.report import InputFile, PerfNote, Report, build_report
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import DEFAULT_WINDOW, JobState
-from ncclwatch.watchdog.inputs import CHUNK_BYTES, cleanup_stdin, ingest_file, iter_files, open_input, rescan_orphans
+from ncclwatch.watchdog.inputs import cleanup_stdin, ingest_file, iter_files, rescan_orphans
 from ncclwatch.watchdog.parsing.transport import TransportScanner
 from ncclwatch.watchdog.slowness.bandwidth import match_collectives
 from ncclwatch.watchdog.slowness.engine import perf_health
@@ -48,19 +47,21 @@ def analyze_paths(paths: Iterable[str], window: int = DEFAULT_WINDOW, now: float
     stdin_spool: dict[str, str] = {}  # "-" is spooled once so that it can be rescanned
     with tempfile.TemporaryDirectory(prefix="ncclwatch-analyze-") as unpacked:
         try:
+            scanner = TransportScanner()  # NCCL's transport choices, from the same pass (``inputs.TextIngest``)
             for name, problem in files_and_bundles(paths, Path(unpacked)):
                 inputs.append(
-                    InputFile(path=name, kinds=[], note=problem) if problem else ingest_file(state, name, stdin_spool)
+                    InputFile(path=name, kinds=[], note=problem)
+                    if problem
+                    else ingest_file(state, name, stdin_spool, scanner)
                 )
             rescan_orphans(state, inputs, stdin_spool)
-            transport = nccl_transports(inputs, stdin_spool)
         finally:
             cleanup_stdin(stdin_spool)
         state.finish()
         snapshot = take_snapshot(state, observed_at=time.time() if now is None else now)
         finding = judge(snapshot).finding
         report = build_report(finding, snapshot, inputs, resolve_citations(finding))
-        performance = performance_notes(state.fr_dumps.values(), transport, state.global_ranks())
+        performance = performance_notes(state.fr_dumps.values(), scanner.facts(), state.global_ranks())
         return report.model_copy(update={"performance": performance})
 
 
@@ -82,27 +83,6 @@ def files_and_bundles(paths: Iterable[str], into: Path) -> Iterator[tuple[str, s
             yield from iter_files([str(unpacked.folder)])
         elif unpacked.plain:
             yield name, None
-
-
-def nccl_transports(inputs: Iterable[InputFile], stdin_spool: dict[str, str]) -> list[RankTransport]:
-    """The transports NCCL chose, from the init and channel lines of every input read as an NCCL log.
-
-    A second pass over those files: the first (``inputs.TextIngest``) feeds the hang engine's parsers only.  One
-    scanner for all of them, each file ended on its own: a process whose lines are split over files (a bundle's
-    tail beside the whole log) is one process.
-    """
-    scanner = TransportScanner()
-    for entry in inputs:
-        if "nccl_log" not in entry.kinds:
-            continue
-        try:
-            with open_input(entry.path, stdin_spool) as (handle, _):
-                while chunk := handle.read(CHUNK_BYTES):
-                    scanner.feed(chunk)
-        except (OSError, EOFError, lzma.LZMAError):
-            pass  # the first pass said what was wrong with it
-        scanner.feed(b"", final=True)
-    return scanner.facts()
 
 
 def performance_notes(

@@ -10,8 +10,10 @@ Failure modes, by design:
   Flight Recorder pipes (``*.pipe``, ``ncclwatch_pipe.<pid>``), and opening
   one for reading blocks until a writer comes, which is never.
 - Text is streamed in ``CHUNK_BYTES`` chunks through every text parser at
-  once (NCCL lines, PyTorch's diagnostics, network errors, rank prefixes), so
-  a 1 GB stderr costs one pass and one chunk of memory, whatever it holds.
+  once (NCCL lines, PyTorch's diagnostics, network errors, rank prefixes,
+  NCCL's transport lines), so a 1 GB stderr costs one pass and one chunk of
+  memory, whatever it holds; the NCCL parser's fast path spares the others
+  the operation lines (``TextIngest``).
 - Standard input is spooled to a temporary file (memory up to 64 MiB, then
   disk) so that it can be rescanned like any file.
 - ncclwatch's own output in a bundle (``report.json``, ``report.md``,
@@ -43,10 +45,18 @@ from ncclwatch.watchdog.hang.report import InputFile
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.parsing import EXCLUSIVE, SNIFF_BYTES, NcclLogParser
 from ncclwatch.watchdog.parsing.nccl_excerpt import OrphanScanner
-from ncclwatch.watchdog.parsing.rank_prefix import rank_of_file, ranks_in_chunk
+from ncclwatch.watchdog.parsing.nccl_log import Residual
+from ncclwatch.watchdog.parsing.rank_prefix import SAMPLE as PREFIX_SAMPLE
+from ncclwatch.watchdog.parsing.rank_prefix import rank_of_file, ranks_in_chunk, ranks_in_samples
+from ncclwatch.watchdog.parsing.torch_log import MARKERS as TORCH_MARKERS
 from ncclwatch.watchdog.parsing.torch_log import TorchLogParser
+from ncclwatch.watchdog.parsing.transport import MARKERS as TRANSPORT_MARKERS
+from ncclwatch.watchdog.parsing.transport import TransportScanner
+from ncclwatch.watchdog.parsing.transport import marker_lines as transport_marker_lines
 
 CHUNK_BYTES = 8 << 20
+TRANSPORT_LINES = 1 << 16  # transport lines kept per input; past this, ``analyze`` reads the input again for them
+_WATCHED = TORCH_MARKERS + TRANSPORT_MARKERS  # what the NCCL parser's fast path tells the other readers about
 STDIN = "<stdin>"
 _SPECIAL = (
     (
@@ -143,32 +153,62 @@ def _spool_stdin() -> str:
     return out.name
 
 
-def ingest_file(state: JobState, name: str, stdin_spool: dict[str, str] | None = None) -> InputFile:
-    """Parse one input into ``state``; say what it was, what was used, and what went wrong."""
+def ingest_file(
+    state: JobState, name: str, stdin_spool: dict[str, str] | None = None, transport: TransportScanner | None = None
+) -> InputFile:
+    """Parse one input into ``state``; say what it was, what was used, and what went wrong.
+
+    ``transport``: given the transport lines of an input read whole as an NCCL log (one scanner for all the
+    inputs, in order: a process whose lines are split over files is one process).
+    """
     spool = stdin_spool if stdin_spool is not None else {}
+    entry, ingest = _ingest(state, name, spool)
+    if transport is not None and ingest is not None and "nccl_log" in entry.kinds:
+        if ingest.transport_lines is not None:
+            transport.take(ingest.transport_lines)
+        else:
+            _transport_again(name, spool, transport)
+    return entry
+
+
+def _transport_again(name: str, stdin_spool: dict[str, str], transport: TransportScanner) -> None:
+    """An input with more transport lines than ``TextIngest`` keeps: read again, for them alone."""
+    try:
+        with open_input(name, stdin_spool) as (handle, _):
+            while chunk := handle.read(CHUNK_BYTES):
+                transport.feed(chunk)
+    except (OSError, EOFError, lzma.LZMAError):
+        pass  # read whole a moment ago
+    transport.feed(b"", final=True)
+
+
+def _ingest(state: JobState, name: str, spool: dict[str, str]) -> tuple[InputFile, TextIngest | None]:
+    """``ingest_file``'s reading; the ``TextIngest`` of an input read whole as text."""
     try:
         with open_input(name, spool) as (handle, compression):
             head = handle.read(SNIFF_BYTES)
             if not head:
-                return InputFile(path=name, kinds=[], note="empty file" + (f" ({compression})" if compression else ""))
+                note = "empty file" + (f" ({compression})" if compression else "")
+                return InputFile(path=name, kinds=[], note=note), None
             skipped = next((why for start, why in _OWN_OUTPUT if start.match(head)), None)
             if skipped is not None:
-                return InputFile(path=name, kinds=[], note=skipped)
+                return InputFile(path=name, kinds=[], note=skipped), None
             exclusive = next((f for f in EXCLUSIVE if f.looks_like(head)), None)
             if exclusive is not None:
                 for event in exclusive.parse(head + handle.read(), name):  # type: ignore[misc]
                     state.apply(event)
-                return InputFile(path=name, kinds=[exclusive.name], note=_compressed(compression))
+                return InputFile(path=name, kinds=[exclusive.name], note=_compressed(compression)), None
             if b"\x00" in head[:65536]:
-                return InputFile(path=name, kinds=[], note="not a recognised format; ignored")
-            return TextIngest(state, name).run(head, handle, compression)
+                return InputFile(path=name, kinds=[], note="not a recognised format; ignored"), None
+            ingest = TextIngest(state, name)
+            return ingest.run(head, handle, compression), ingest
     except (OSError, EOFError, lzma.LZMAError) as exc:
         problem = (
             _os_problem(exc)
             if isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile)
             else f"cannot decompress: {exc}"
         )
-        return InputFile(path=name, kinds=[], note=problem)
+        return InputFile(path=name, kinds=[], note=problem), None
 
 
 def cannot_read(item: InputFile) -> bool:
@@ -181,18 +221,27 @@ def _compressed(compression: str | None) -> str | None:
 
 
 class TextIngest:
-    """One pass over a text input through every text parser, with its accounting."""
+    """One pass over a text input through every text parser, with its accounting.
+
+    NCCL's operation lines are the bulk of a debug file and concern only the NCCL parser: once it has read a
+    chunk on its fast path it hands the rest of the text over (``nccl_log.Residual``, the lines less their
+    operation records), and a chunk in which no line holds a marker of the other readers is not scanned again.
+    The transport lines (``parsing.transport``) are kept for ``transport_lines``: ``analyze`` reads the
+    transports of the inputs found to be NCCL logs, in order, without a second pass.
+    """
 
     def __init__(self, state: JobState, name: str) -> None:
         self.state = state
         self.name = name
         self.file_rank = rank_of_file(name)
-        self.nccl = NcclLogParser(name)
+        self.nccl = NcclLogParser(name, watch=_WATCHED)
         self.torch = TorchLogParser(name, self.file_rank)
         self.nccl_ops = 0
         self.nccl_other = 0
         self.torch_events = 0
         self.prefixes: dict[tuple[int, str], int] = {}
+        # The transport lines, in order; None once more than TRANSPORT_LINES (then ``analyze`` reads the file again).
+        self.transport_lines: list[bytes] | None = []
         self._nccl_seen = False
         self._carry = b"\n"
         self._ranks_said = ""  # "rank 0-3 by [rankN]: prefix", set with the RankLog events
@@ -206,16 +255,50 @@ class TextIngest:
         return self._account(compression)
 
     def _feed(self, chunk: bytes, final: bool = False) -> None:
+        residual = None
         if self._nccl_seen or b" NCCL " in chunk:
+            shared = self.nccl.carry == self._carry  # then the NCCL parser reads the same lines as the others
             self._nccl_seen = True
             self._apply(self.nccl.feed(chunk, final=final), nccl=True)
-        self._apply(self.torch.feed(chunk, final=final), nccl=False)
-        # Rank prefixes are counted on whole lines: the carry keeps the partial last one.
-        body = self._carry + chunk
-        cut = len(body) if final else body.rfind(b"\n")
-        for key, n in ranks_in_chunk(body[:cut], self._prefixes_known).items():
+            residual = self.nccl.residual if shared else None
+        # Rank prefixes are counted on whole lines, at their starts: the residual holds them all.
+        if residual is not None and not final:
+            # The NCCL parser read the lines the others read (the final chunk's are one "\n" short, see below).
+            self._carry = self.nccl.carry
+            self._others(residual, b"", 0)
+            size = self.nccl.scanned_size
+            head, tail = self.nccl.window(0, PREFIX_SAMPLE), self.nccl.window(max(0, size - PREFIX_SAMPLE), size)
+            counts = ranks_in_samples(head, tail, lambda: residual.text, self._prefixes_known)
+        else:
+            # The carry keeps the partial last line; the rank prefixes' last sample ends at ``cut``.
+            body = self._carry + chunk
+            cut = len(body) if final else body.rfind(b"\n")
+            stop = len(body) - 1 if final and body.endswith(b"\n") else cut
+            self._carry = b"\n" if final else body[cut:]
+            self._others(residual, body, stop)
+            counted = residual.text if residual is not None and self._prefixes_known else None
+            counts = ranks_in_chunk(body, self._prefixes_known, cut, counted)
+        for key, n in counts.items():
             self.prefixes[key] = self.prefixes.get(key, 0) + n
-        self._carry = b"\n" if final else body[cut:]
+
+    def _others(self, residual: Residual | None, body: bytes, stop: int) -> None:
+        """PyTorch's diagnostics and the transport lines: in the residual when the NCCL parser left one (none to
+        look for where it holds no marker), else in body[:stop]."""
+        if residual is not None and not residual.marked:
+            self.torch.skip(residual.lines)
+            return
+        if residual is not None:
+            body = residual.text
+            stop = len(body)
+        self._apply(self.torch.scan(body, stop), nccl=False)
+        self._transport(body, stop)
+
+    def _transport(self, body: bytes, stop: int) -> None:
+        if self.transport_lines is None:
+            return
+        self.transport_lines += transport_marker_lines(body, stop)
+        if len(self.transport_lines) > TRANSPORT_LINES:
+            self.transport_lines = None
 
     def _apply(self, events: list[Event], nccl: bool) -> None:
         for event in events:

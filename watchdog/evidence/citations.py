@@ -15,12 +15,14 @@ raises.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
+from itertools import compress, count
 
 from ncclwatch.watchdog.events import P2P_OPS, OpSig, ProcKey
 from ncclwatch.watchdog.evidence.redact import redact_text
 from ncclwatch.watchdog.hang.types import Finding, OpRef
-from ncclwatch.watchdog.parsing.nccl_log import iter_op_lines
+from ncclwatch.watchdog.parsing.nccl_log import iter_op_lines, op_records, op_table
 
 CHUNK_BYTES = 8 << 20  # a cited 1 GB log is never read whole
 
@@ -33,35 +35,73 @@ def resolve_citations(finding: Finding) -> dict[int, tuple[str, str | None]]:
             wanted.setdefault(item.op_ref.file, []).append((index, item.op_ref))
     resolved: dict[int, tuple[str, str | None]] = {}
     for file, refs in wanted.items():
-        counters: dict[tuple, int] = {}
         targets = {(r.proc, r.comm_ptr, r.kind, r.peer, r.ordinal): i for i, r in refs}
-        for line, text, proc, comm_ptr, sig in _op_lines(file):
-            kind = sig.op if sig.op in P2P_OPS else "coll"
-            peer = sig.root if kind != "coll" else None
-            key = (proc, comm_ptr, kind, peer)
-            ordinal = counters.get(key, 0)
-            counters[key] = ordinal + 1
-            index = targets.pop((*key, ordinal), None)
-            if index is not None:
-                resolved[index] = (f"{file}:{line}", redact_text(text) if text else text)
-                if not targets:
-                    break
+        for index, line, text in _cited(file, targets):
+            resolved[index] = (f"{file}:{line}", redact_text(text) if text else text)
     return resolved
 
 
-def _op_lines(file: str) -> Iterator[tuple[int, str, ProcKey, str, OpSig]]:
-    """Operation lines of a file, chunk by chunk."""
+def _cited(file: str, targets: dict[tuple, int]) -> Iterator[tuple[int, int, str]]:
+    """(evidence index, line, text) of each target found in ``file``; reads no further than the last one.
+
+    A target is the ``ordinal``-th operation of its (process, communicator, kind, peer) in the file.  A chunk
+    is read column-wise where ``op_records`` vouches for it: operations counted per key with ``Counter`` (in
+    C), a target's line looked for only in the chunk that holds it; else line by line (``iter_op_lines``).
+    """
+    counters: dict[tuple, int] = {}
+    table = op_table()
+    wanted_keys = {target[:4] for target in targets}
+    for data, lines in _chunks(file):
+        records = op_records(data, table)
+        if records is None:
+            for line, text, proc, comm_ptr, sig in iter_op_lines(data):
+                key = _key(proc, comm_ptr, sig)
+                ordinal = counters.get(key, 0)
+                counters[key] = ordinal + 1
+                index = targets.pop((*key, ordinal), None)
+                if index is not None:
+                    yield index, lines + line, text
+                    if not targets:
+                        return
+            continue
+        by_key: dict[tuple, list[int]] = {}
+        per_id = Counter(records.ids)
+        for op_id in per_id:
+            proc, comm_ptr, sig = records.key(op_id)
+            by_key.setdefault(_key(proc, comm_ptr, sig), []).append(op_id)
+        for key, op_ids in by_key.items():
+            base = counters.get(key, 0)
+            counters[key] = base + sum(per_id[i] for i in op_ids)
+            if key not in wanted_keys:
+                continue
+            for ordinal in range(base, counters[key]):
+                index = targets.pop((*key, ordinal), None)
+                if index is None:
+                    continue
+                members = set(op_ids)
+                record = list(compress(count(), map(members.__contains__, records.ids)))[ordinal - base]
+                line, text = records.line(record)
+                yield index, lines + line, text
+        if not targets:
+            return
+
+
+def _key(proc: ProcKey, comm_ptr: str, sig: OpSig) -> tuple:
+    kind = sig.op if sig.op in P2P_OPS else "coll"
+    return proc, comm_ptr, kind, sig.root if kind != "coll" else None
+
+
+def _chunks(file: str) -> Iterator[tuple[bytes, int]]:
+    """A file's whole lines, chunk by chunk, with the lines before each."""
     try:
         with open(file, "rb") as handle:
             carry, lines = b"", 0
             while chunk := handle.read(CHUNK_BYTES):
                 body = carry + chunk
                 cut = body.rfind(b"\n") + 1
-                for line, text, proc, comm_ptr, sig in iter_op_lines(body[:cut]):
-                    yield lines + line, text, proc, comm_ptr, sig
+                yield body[:cut], lines
                 lines += body.count(b"\n", 0, cut)
                 carry = body[cut:]
-            for line, text, proc, comm_ptr, sig in iter_op_lines(carry):
-                yield lines + line, text, proc, comm_ptr, sig
+            yield carry, lines
     except OSError:
         return

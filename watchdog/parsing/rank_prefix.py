@@ -14,6 +14,7 @@ prefix; callers treat these as hints (``RankLog.how`` says which kind).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import PurePath
 
 # "[rank3]:", "[default3]:", "[trainer3]:" (torchrun's role name), "3: " (srun --label).
@@ -37,23 +38,40 @@ def rank_of_line(line: str) -> tuple[int, str] | None:
     return int(m["n"]), f"[{role}N]: prefix (torchrun --tee, local rank)"
 
 
-_SAMPLE = 1 << 18
+_SAMPLE = SAMPLE = 1 << 18
 
 
-def ranks_in_chunk(chunk: bytes, known: set[bytes] | None = None) -> dict[tuple[int, str], int]:
-    """Lines per (rank, prefix kind) in a chunk; ``chunk`` must start at a line start ("\\n").
+def ranks_in_chunk(
+    chunk: bytes, known: set[bytes] | None = None, stop: int | None = None, counted: bytes | None = None
+) -> dict[tuple[int, str], int]:
+    """Lines per (rank, prefix kind) in chunk[:stop]; ``chunk`` must start at a line start ("\\n").
 
     Prefixes are discovered in the chunk's first and last 256 KiB (plus
     ``known``, the ones seen before) and then counted with ``bytes.count``:
-    a regex match object per line costs 18 s per GB.
+    a regex match object per line costs 18 s per GB.  ``counted``: a text
+    with the same line starts to count them in (``nccl_log.Residual.text``,
+    the chunk less its operation records).
     """
-    found = set(_PREFIX_B.findall(chunk, 0, _SAMPLE)) | set(_PREFIX_B.findall(chunk, max(0, len(chunk) - _SAMPLE)))
+    stop = len(chunk) if stop is None else stop
+    head, tail = chunk[: min(_SAMPLE, stop)], chunk[max(0, stop - _SAMPLE) : stop]
+    return ranks_in_samples(head, tail, counted if counted is not None else lambda: chunk[:stop], known)
+
+
+def ranks_in_samples(
+    head: bytes, tail: bytes, counted: bytes | Callable[[], bytes], known: set[bytes] | None = None
+) -> dict[tuple[int, str], int]:
+    """``ranks_in_chunk`` given its samples (the chunk's first and last 256 KiB) and the text to count in (or
+    what makes it: it is needed only where a prefix is known)."""
+    found = set(_PREFIX_B.findall(head)) | set(_PREFIX_B.findall(tail))
     if known is not None:
         known |= found
         found = known
     counts: dict[tuple[int, str], int] = {}
+    if not found:
+        return counts
+    text = counted() if callable(counted) else counted
     for prefix in found:
-        n = chunk.count(prefix)
+        n = text.count(prefix)
         if n:
             m = _LINE_RE_B.match(prefix)
             _add(counts, m.groups(), n)  # type: ignore[union-attr]

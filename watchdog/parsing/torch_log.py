@@ -121,6 +121,15 @@ class TorchLogParser:
         else:
             stop = body.rfind(b"\n")
             self._carry = body[stop:]
+        return self.scan(body, stop)
+
+    def skip(self, lines: int) -> None:
+        """``lines`` lines went by that hold no marker (``inputs.TextIngest`` knows it from the NCCL parser)."""
+        self.lines_seen += lines
+
+    def scan(self, body: bytes, stop: int | None = None) -> list[Event]:
+        """The lines in body[:stop], each after a "\n" (``NcclLogParser.scanned``'s shape); no carry kept."""
+        stop = len(body) if stop is None else stop
         events: list[Event] = []
         line_no, counted_to = self.lines_seen, 0
         for start, end in _marker_lines(body, stop):
