@@ -288,6 +288,22 @@ class TestNeverStartedOnGpu:
         ]
         assert judged(*dumps).finding.verdict == Verdict.stuck_in_collective
 
+    def test_completed_on_its_peers_is_a_record_behind_not_a_gpu_hang(self) -> None:
+        """A collective completes on no rank alone: the peers' "completed" proves the lead ran it, and its
+        "scheduled" lags (seen on gloo, where a CPU pause was paged as a GPU hang)."""
+        group = {"0": FrProcessGroup(pg_id="0", ranks=[0, 1])}
+        dumps = [
+            FrDump(
+                rank=rank,
+                version="2.10",
+                process_groups=group,
+                cite=Citation(file=f"fr/rank{rank}"),
+                entries=[entry(0, "0", 1, OpState.completed), entry(1, "0", 2, state)],
+            )
+            for rank, state in ((0, OpState.scheduled), (1, OpState.completed))
+        ]
+        assert judged(*dumps).finding.verdict != Verdict.gpu_compute_hang
+
 
 def test_dumps_of_only_some_ranks_blame_no_absent_rank() -> None:
     """Replaying a real 4 x H200 skip (rank 3) with only ranks 0 and 1's dumps: the others are unseen, not guilty."""

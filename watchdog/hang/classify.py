@@ -456,11 +456,10 @@ def _never_started_on_gpu(snapshot: Snapshot, finding: Finding) -> Finding | Non
     states = {r.rank: r.state_at(finding.position - 1) for r in comm.ranks}
     lead = [states.get(r) for r in finding.culprits]
     peers = [s for r, s in states.items() if r not in finding.culprits]
-    if (
-        not peers
-        or any(s != OpState.scheduled for s in lead)
-        or not any(s in (OpState.started, OpState.completed) for s in peers)
-    ):
+    # A peer that *completed* it proves the lead's GPU ran it too (a collective completes on no rank alone): the
+    # lead's "scheduled" is a record behind the fact.  gloo's status lags like that (a sleeping rank read as last
+    # completed #44 while past #46) and a CPU pause was paged as a GPU hang; only a peer still running it counts.
+    if not peers or any(s != OpState.scheduled for s in lead) or not any(s == OpState.started for s in peers):
         return None
     ranks = ", ".join(map(str, finding.culprits))
     return replace(
