@@ -1,7 +1,7 @@
 """Injected by ``ncclwatch torchrun`` into every Python process of the job (via PYTHONPATH).
 
 Python imports ``sitecustomize`` at start-up, so this runs in torchrun and in
-each worker before the user's code.  It acts only in a torchrun worker
+each worker before the user's code.  It acts mostly in a torchrun worker
 (``NCCLWATCH_RUN_DIR`` and ``RANK`` set, and not a process started by a
 worker, see below), and there it:
 
@@ -31,6 +31,20 @@ DataLoader workers, inductor compile workers): a responder there would
 overwrite the rank's dump with an empty one.  So the worker records its pid in
 ``NCCLWATCH_WORKER_PID`` and a process seeing someone else's pid there does
 nothing.
+
+In torchrun itself (``NCCLWATCH_RUN_DIR`` set, no ``RANK``) and in its
+workers it keeps each restart round's keys apart in the store the two share.
+With torchrun's c10d rendezvous the workers' store is one TCPStore server the
+agent keeps for its whole life (``TORCHELASTIC_USE_AGENT_STORE``), and the
+env:// rendezvous hands every round a client of it without a per-round prefix
+(torch 2.11 and 2.13, pytorch/pytorch#167288).  A restarted round's rank then
+finds the dead round's keys: ProcessGroupNCCL's unique id among them, so a
+rank that reads it before its rank 0 rewrites it dials the old round's
+bootstrap root ("socketPollConnect ... Connection refused" for a minute, then
+the round fails).  torchrun records the rendezvous round, which every node
+agrees on, in ``NCCLWATCH_RDZV_ROUND`` (workers inherit its environment), and
+the workers' store is scoped to ``ncclwatch-round-<round>/``.  Without the
+c10d rendezvous nothing changes.
 
 Then it runs the next ``sitecustomize`` on ``sys.path`` (the user's or the
 environment's), as Python would have without us.
@@ -254,6 +268,9 @@ def _setup():
     env = os.environ
     run_dir = env.get("NCCLWATCH_RUN_DIR")
     rank = env.get("RANK")
+    if run_dir and rank is None:  # torchrun's agent
+        sys.meta_path.insert(0, _AfterImport("torch.distributed.elastic.rendezvous.dynamic_rendezvous", _export_round))
+        return
     if not run_dir or rank is None or not rank.isdigit():
         return
     owner = env.get("NCCLWATCH_WORKER_PID")
@@ -262,7 +279,44 @@ def _setup():
     env["NCCLWATCH_WORKER_PID"] = str(os.getpid())
     _allow_watchdog_ptrace(env.get("NCCLWATCH_WRAPPER_PID"))
     sys.meta_path.insert(0, _AfterImport("torch.optim.optimizer", _register_step_hook))
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get(_ROUND_ENV, "").isdigit():
+        sys.meta_path.insert(0, _AfterImport("torch.distributed.rendezvous", _scope_store_to_round))
     _start_fr_responder(run_dir, int(rank))
+
+
+_ROUND_ENV = "NCCLWATCH_RDZV_ROUND"
+
+
+def _export_round(dynamic_rendezvous):
+    """In torchrun: after each rendezvous, put its round where the workers it starts next will find it."""
+    handler = dynamic_rendezvous.DynamicRendezvousHandler
+    join = handler.next_rendezvous
+
+    def next_rendezvous(self, *args, **kwargs):
+        info = join(self, *args, **kwargs)
+        try:
+            os.environ[_ROUND_ENV] = str(int(self._state_holder.state.round))
+        except Exception:  # noqa: BLE001 - another torch's handler: leave the store as torch made it
+            os.environ.pop(_ROUND_ENV, None)
+        return info
+
+    handler.next_rendezvous = next_rendezvous
+
+
+def _scope_store_to_round(rendezvous):
+    """In a worker: the agent's store, as env:// creates it, seen under this round's prefix."""
+    prefix = f"ncclwatch-round-{os.environ[_ROUND_ENV]}"
+    create = rendezvous._create_c10d_store
+
+    def _create_c10d_store(hostname, port, *args, **kwargs):
+        store = create(hostname, port, *args, **kwargs)
+        if str(port) != os.environ.get("MASTER_PORT"):
+            return store  # a store of the job's own on another port: not the agent's
+        from torch.distributed import PrefixStore
+
+        return PrefixStore(prefix, store)
+
+    rendezvous._create_c10d_store = _create_c10d_store
 
 
 def _allow_watchdog_ptrace(wrapper_pid):

@@ -216,18 +216,73 @@ def test_job_without_torch_does_not_import_it(dirs: RunDirs) -> None:
     assert heartbeats(dirs) == []
 
 
-def test_torchrun_itself_and_plain_python_are_left_alone(dirs: RunDirs) -> None:
-    env = worker_env(dirs)
-    del env["RANK"]
-    done = run_python(
-        """
+def test_torchrun_itself_only_waits_for_the_rendezvous_and_plain_python_is_left_alone(dirs: RunDirs) -> None:
+    code = """
         import os, sys
-        print([type(f).__name__ for f in sys.meta_path].count("_AfterImport"), "NCCLWATCH_WORKER_PID" in os.environ)
-    """,
-        env,
-    )
-    assert done.stdout.split() == ["0", "False"]
+        hooks = [f._name for f in sys.meta_path if type(f).__name__ == "_AfterImport"]
+        print(",".join(hooks) or "-", "NCCLWATCH_WORKER_PID" in os.environ)
+    """
+    torchrun = worker_env(dirs)
+    del torchrun["RANK"]
+    assert run_python(code, torchrun).stdout.split() == [
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "False",
+    ]
+    plain = {k: v for k, v in torchrun.items() if k != "NCCLWATCH_RUN_DIR"}
+    assert run_python(code, plain).stdout.split() == ["-", "False"]
     assert list(dirs.fr.iterdir()) == []
+
+
+ROUND_JOB = """
+import os, sys
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+store = dist.distributed_c10d._get_default_store()
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    if dist.get_rank() == 0:
+        store.set("left-by-the-first-round", "stale")
+    dist.barrier()
+    sys.exit(1)  # the round fails: torchrun starts the next one
+seen = store.check(["left-by-the-first-round"])
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}"), "w") as out:
+    out.write(f"{seen} {os.environ.get('NCCLWATCH_RDZV_ROUND')}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("injected", [True, False], ids=["ncclwatch", "plain-torchrun"])
+def test_a_restarted_round_does_not_see_the_dead_round_s_store_keys(
+    dirs: RunDirs, tmp_path: Path, injected: bool
+) -> None:
+    """torchrun's c10d rendezvous keeps one store for the workers of every round, with no per-round prefix: plain
+    torchrun's second round reads the first round's keys (how a restarted NCCL rank gets the dead round's unique
+    id); under ncclwatch each round has its own."""
+    job = tmp_path / "job.py"
+    job.write_text(ROUND_JOB)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = injected_env({"PYTHONPATH": str(REPO)}, dirs) if injected else {"PYTHONPATH": str(REPO)}
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), **env}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
+    done = subprocess.run(
+        [*argv, "--monitor-interval=0.2", str(job), str(out)],
+        env=env,
+        timeout=120,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    seen = {path.name: path.read_text().split() for path in out.iterdir()}
+    if not injected:
+        # The second round either reads the stale key or never gets that far: gloo dials the addresses the first
+        # round's ranks left in the store ("connectFullMesh failed ... Connection refused").
+        assert ["True", "None"] in seen.values() or "Connection refused" in done.stderr, done.stderr[-3000:]
+        return
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(seen) == ["rank0", "rank1"]
+    assert {stale for stale, _ in seen.values()} == {"False"}
+    assert len({round_ for _, round_ in seen.values()} - {"None"}) == 1
 
 
 def test_a_worker_s_child_process_is_left_alone(dirs: RunDirs) -> None:
