@@ -39,6 +39,7 @@ class TestEventBody:
         assert payload["custom_details"] == {
             "verdict": "collective_mismatch",
             "culprit_ranks": [3],
+            "suspect_ranks": [],
             "communicator": "0x7f3a (world, 8 ranks)",
             "operation": "AllReduce sum 4096 x float32",
             "position": 42,

@@ -215,6 +215,7 @@ def _mismatch(
         summary=summary,
         reason=reason,
         culprits=tuple(sorted(r.rank for r in culprits)),
+        suspects=() if culprits else tuple(sorted(r.rank for members in groups.values() for r in members)),
         position=position + 1,
         operation=operation,
         evidence=tuple(evidence),

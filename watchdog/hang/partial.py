@@ -162,6 +162,7 @@ def detail_mismatch(facts: Facts) -> Finding | None:
         summary=f"Ranks issued different collectives at SeqNum {seq}: {described}.{suspects}",
         reason=f"PyTorch (TORCH_DISTRIBUTED_DEBUG=DETAIL) compared the collectives' fingerprints across ranks; {how}.",
         culprits=culprits,
+        suspects=() if culprits else tuple(sorted(placed)),
         position=seq,
         operation=" vs ".join(_side_text(placed, m) for m in sides.values()),
         comm_label="the process group PyTorch checked (DETAIL reports name no group)",

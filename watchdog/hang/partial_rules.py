@@ -279,6 +279,7 @@ def _op_mismatch(group: Group, at_top: list[RankInGroup], top: int) -> Finding |
             else "The minority departs from the others."
         ),
         culprits=culprits,
+        suspects=tuple(sorted(i.rank for i in at_top)) if tie else (),
         position=top,
         operation=" vs ".join(text(k) for k, _ in ordered),
         comm_label=group.label,
@@ -520,6 +521,7 @@ def _orphan_mismatch(label: str, single: list[OrphanOps]) -> Finding | None:
             )
             for o in single
         )[:12],
+        suspects=tuple(sorted(o.rank for o in single if o.rank is not None)) if tie else (),
         **_named(odd),
     )
 

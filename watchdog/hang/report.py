@@ -119,6 +119,11 @@ class Report(BaseModel):
         default_factory=list,
         description="culprits named by process (host:pid, GPU) where their rank is not in the input",
     )
+    suspect_ranks: list[int] = Field(
+        default_factory=list,
+        description="where the verdict cannot pick one side (an even split no evidence decides): the global ranks "
+        "of every side, one of which is wrong; empty whenever culprit_ranks names the culprit",
+    )
     communicator: str | None = None
     position: int | None = Field(None, description="1-based sequence number of the operation in its communicator")
     operation: str | None = None
@@ -275,6 +280,7 @@ def build_report(
         verdict=finding.verdict,
         culprit_ranks=list(finding.culprits),
         culprit_processes=list(finding.culprit_processes),
+        suspect_ranks=[] if finding.culprits else sorted(set(finding.suspects)),
         communicator=finding.comm_label,
         position=finding.position,
         operation=finding.operation,
@@ -315,6 +321,8 @@ def render_text(report: Report, max_evidence: int = 12, columns: int = TERMINAL_
         title += f" — culprit rank {', '.join(_ranks_placed(report, report.culprit_ranks))}"
     elif report.culprit_processes:
         title += f" — culprit process {', '.join(map(str, report.culprit_processes))}"
+    elif report.suspect_ranks:
+        title += f" — suspects rank {', '.join(_ranks_placed(report, report.suspect_ranks))}"
     lines = [f"ncclwatch: {title}", *_wrap(report.summary, columns, "  ")]
     if report.reason:
         lines += _wrap(f"why: {report.reason}", columns, "  ")

@@ -81,3 +81,6 @@ class Finding:
     absent: tuple[int, ...] = ()
     # Culprits known as processes only, where the input gives no rank (report: ``culprit_processes``).
     culprit_processes: tuple[CulpritProcess, ...] = ()
+    # An even split no evidence decides: one of these sides is wrong, but not which (``culprits`` is empty then;
+    # report: ``suspect_ranks``, so a hook or a drain can act on them).
+    suspects: tuple[int, ...] = ()

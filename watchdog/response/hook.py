@@ -8,6 +8,8 @@ the report as in report.json) and in environment variables:
     NCCLWATCH_VERDICT         collective_mismatch, process_dead, ...
     NCCLWATCH_CULPRIT_RANKS   comma-separated global ranks ("" when none is named)
     NCCLWATCH_CULPRIT_HOSTS   comma-separated short hostnames of those ranks
+    NCCLWATCH_SUSPECT_RANKS   comma-separated global ranks of an even split no evidence decides (one side is
+                              wrong; "" when a culprit is named)
     NCCLWATCH_RESPONSE        what ncclwatch does about it: report, kill, restart, drain
     NCCLWATCH_BUNDLE          the bundle's path ("" when it could not be written)
     NCCLWATCH_INCIDENT        the incident's key (the same on every node)
@@ -35,6 +37,7 @@ def hook_environment(
         "NCCLWATCH_VERDICT": report.verdict.value,
         "NCCLWATCH_CULPRIT_RANKS": ",".join(map(str, report.culprit_ranks)),
         "NCCLWATCH_CULPRIT_HOSTS": ",".join(culprit_hosts(report)),
+        "NCCLWATCH_SUSPECT_RANKS": ",".join(map(str, report.suspect_ranks)),
         "NCCLWATCH_RESPONSE": plan.response.value,
         "NCCLWATCH_BUNDLE": str(bundle) if bundle is not None else "",
         "NCCLWATCH_INCIDENT": report.incident_key or report.hang_started_at or "",

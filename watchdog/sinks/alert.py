@@ -42,6 +42,7 @@ class Alert(BaseModel):
     host: str
     verdict: str | None = None
     culprit_ranks: list[int] = []
+    suspect_ranks: list[int] = []  # an even split no evidence decides: one side is wrong (culprit_ranks empty)
     communicator: str | None = None
     operation: str | None = None
     position: int | None = None
@@ -88,7 +89,9 @@ def dedup_key_for(job: str, hang_started_at: str | None, slurm_job_id: str | Non
     return f"ncclwatch-hang-{_slug(job)[:JOB_IN_KEY_MAX]}{slurm}-{digest}"
 
 
-def _headline(verdict: str, culprits: list[int], job: str, host: str) -> str:
+def _headline(verdict: str, culprits: list[int], job: str, host: str, suspects: list[int] | None = None) -> str:
+    if not culprits and suspects:
+        return f"ncclwatch: {verdict} in {job} on {host}, suspects rank {', '.join(map(str, suspects))}"
     if not culprits:
         who = ""
     elif len(culprits) == 1:
@@ -117,11 +120,12 @@ def trigger_from_report(
         operation=report.operation,
         position=report.position,
         # What is done about it comes before the summary, which may be cut to fit.
-        summary=f"{_headline(verdict, report.culprit_ranks, job, host)}"
+        summary=f"{_headline(verdict, report.culprit_ranks, job, host, report.suspect_ranks)}"
         + (f" ({report.response})" if report.response else "")
         + f": {report.summary}",
         reason=report.reason,
         bundle_id=bundle_id,
+        suspect_ranks=list(report.suspect_ranks),
         bundle_url=bundle_url,
         detected_at=report.detected_at,
         slurm_job_id=slurm_job_id,

@@ -42,6 +42,7 @@ def event_for(alert: Alert, routing_key: str, client_url: str | None = None) -> 
         "custom_details": {
             "verdict": alert.verdict,
             "culprit_ranks": alert.culprit_ranks,
+            "suspect_ranks": alert.suspect_ranks,
             "communicator": alert.communicator,
             "operation": alert.operation,
             "position": alert.position,

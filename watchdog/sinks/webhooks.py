@@ -103,7 +103,9 @@ def slack_message(alert: Alert) -> dict[str, Any]:
     """Slack's ``{"text", "blocks"}``: the text is the notification, the blocks the message."""
     if alert.action == "resolve":
         return {"text": _mrkdwn(f"{alert.summary} (incident {alert.dedup_key})")}
-    culprit = ", ".join(map(str, alert.culprit_ranks)) or "none named"
+    culprit = ", ".join(map(str, alert.culprit_ranks)) or (
+        f"none named; suspects {', '.join(map(str, alert.suspect_ranks))}" if alert.suspect_ranks else "none named"
+    )
     operation = alert.operation or "-"
     if alert.position is not None:
         operation += f" (#{alert.position}" + (f" on {alert.communicator})" if alert.communicator else ")")
