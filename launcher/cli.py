@@ -21,7 +21,13 @@ from ncclwatch.watchdog.hang.report import (
     EXIT_UNREADABLE,
 )
 from ncclwatch.watchdog.hang.state import DEFAULT_WINDOW
-from ncclwatch.watchdog.hang.verdicts import CATALOGUE, DRAIN_ON_DEFAULT, RESTART_ON_DEFAULT, Verdict, VerdictEntry
+from ncclwatch.watchdog.hang.verdicts import (
+    CATALOGUE,
+    DRAIN_ON_DEFAULT,
+    RESTART_ON_DEFAULT_NAMES,
+    Verdict,
+    VerdictEntry,
+)
 
 HELP_COLUMNS = 78
 
@@ -208,7 +214,8 @@ def render_inputs(inputs: list, shown: int = 40) -> str:  # list[InputFile]
 AFTER_THE_PAGE = paragraph(
     "after the page (--on-hang): report leaves the job running (the default); kill ends it; restart ends the "
     "workers so that torchrun restarts them from the job's last checkpoint, on every node (needs torchrun's "
-    f"--max-restarts), where a restart can help: --restart-on verdicts (default: {names(RESTART_ON_DEFAULT)}), and "
+    "--max-restarts), where a restart can help: --restart-on verdicts (default: "
+    f"{', '.join(RESTART_ON_DEFAULT_NAMES)}), and "
     "never twice for the same hang (verdict, operation, line, step).  --drain slurm drains a node whose hardware "
     f"the verdict blames (--drain-on, default: {names(DRAIN_ON_DEFAULT)}) and ends the job with exit {EXIT_DRAINED}; "
     "--on-hang-exec CMD runs your command with the verdict."

@@ -21,7 +21,7 @@ from typing import TextIO
 from ncclwatch.launcher.process import JobProcess
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.hang.report import ActionRecord, Report
-from ncclwatch.watchdog.hang.verdicts import Verdict
+from ncclwatch.watchdog.hang.verdicts import BLOCKED, Verdict
 from ncclwatch.watchdog.response.drain import drain_reason, drain_slurm
 from ncclwatch.watchdog.response.hook import run_hook
 from ncclwatch.watchdog.response.policy import HangSignature, Plan, Policy, Response, plan
@@ -33,7 +33,8 @@ def policy_of(settings: Settings, max_restarts: int) -> Policy:
     return Policy(
         on_hang=settings.on_hang,
         max_restarts=max_restarts,
-        restart_on=frozenset(map(Verdict, settings.restart_on)),
+        restart_on=frozenset(Verdict(n) for n in settings.restart_on if not n.endswith(BLOCKED)),
+        restart_blocked=frozenset(Verdict(n.removesuffix(BLOCKED)) for n in settings.restart_on if n.endswith(BLOCKED)),
         drain=settings.drain,
         drain_on=frozenset(map(Verdict, settings.drain_on)),
     )

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -25,7 +25,12 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from ncclwatch.watchdog.hang.verdicts import DRAIN_ON_DEFAULT, HANG_VERDICT_NAMES, RESTART_ON_DEFAULT
+from ncclwatch.watchdog.hang.verdicts import (
+    DRAIN_ON_DEFAULT,
+    HANG_VERDICT_NAMES,
+    RESTART_ON_DEFAULT_NAMES,
+    RESTART_ON_NAMES,
+)
 
 ENV_PREFIX = "NCCLWATCH_"
 DEFAULT_CONFIG_FILE = Path("ncclwatch.toml")
@@ -62,8 +67,9 @@ class Settings(BaseSettings):
         "can help (--restart-on) and the same hang has not come back after one",
     )
     restart_on: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: [v.value for v in RESTART_ON_DEFAULT],
-        description="verdicts --on-hang restart restarts (comma-separated); the others end the job",
+        default_factory=lambda: list(RESTART_ON_DEFAULT_NAMES),
+        description="verdicts --on-hang restart restarts (comma-separated; rank_behind_blocked: rank_behind where "
+        "the culprits are blocked in a read, a sleep or a lock); the others end the job",
     )
     drain: Literal["none", "slurm"] = Field(
         "none",
@@ -152,13 +158,14 @@ class Settings(BaseSettings):
 
     @field_validator("restart_on", "drain_on", mode="before")
     @classmethod
-    def _verdicts(cls, value: object) -> object:
+    def _verdicts(cls, value: object, info: ValidationInfo) -> object:
         names = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        known = RESTART_ON_NAMES if info.field_name == "restart_on" else HANG_VERDICT_NAMES
         if isinstance(names, list):
-            unknown = [n for n in names if n not in HANG_VERDICT_NAMES]
+            unknown = [n for n in names if n not in known]
             if unknown:
                 raise ValueError(
-                    f"unknown verdict(s) {', '.join(map(str, unknown))}; one of {', '.join(sorted(HANG_VERDICT_NAMES))}"
+                    f"unknown verdict(s) {', '.join(map(str, unknown))}; one of {', '.join(sorted(known))}"
                 )
         return names
 

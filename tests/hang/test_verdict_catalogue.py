@@ -13,6 +13,7 @@ from ncclwatch.launcher.cli import ANALYZE_HELP, WRAP_HELP
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.hang.report import Report
 from ncclwatch.watchdog.hang.verdicts import (
+    BLOCKED,
     CATALOGUE,
     CONCLUSIVE,
     DRAIN_ON_DEFAULT,
@@ -42,10 +43,12 @@ def expected_rows() -> dict[str, list[str]]:
     """Each README table's rows, rendered from the catalogue."""
     hangs = [v for v, entry in CATALOGUE.items() if entry.hang]
     restarted_first = [v for v in hangs if CATALOGUE[v].restart] + [v for v in hangs if not CATALOGUE[v].restart]
-    yes_no = lambda v: "yes" if CATALOGUE[v].restart else "no"
+    blocked = lambda v: f"when blocked (`{v}{BLOCKED}`)"
+    yes_no = lambda v: "yes" if CATALOGUE[v].restart else blocked(v) if CATALOGUE[v].restart_when_blocked else "no"
+    why = lambda e: f"{e.restart_why}; {e.restart_when_blocked}" if e.restart_when_blocked else e.restart_why
     return {
         LIVE_TABLE: [f"| `{v}` | {described(v)} |" for v in hangs if CATALOGUE[v].live],
-        RESTART_TABLE: [f"| `{v}` | {yes_no(v)} | {CATALOGUE[v].restart_why} |" for v in restarted_first],
+        RESTART_TABLE: [f"| `{v}` | {yes_no(v)} | {why(CATALOGUE[v])} |" for v in restarted_first],
         EXIT_TABLE: [f"| `{v}` | {described(v)} | {exit_status(v)} |" for v in CATALOGUE if CATALOGUE[v].offline],
     }
 
@@ -90,7 +93,10 @@ def test_the_readme_names_the_drain_defaults() -> None:
 
 def test_the_settings_defaults_are_the_catalogues() -> None:
     fields = Settings.model_fields
-    assert fields["restart_on"].get_default(call_default_factory=True) == [v.value for v in RESTART_ON_DEFAULT]
+    assert fields["restart_on"].get_default(call_default_factory=True) == [
+        *(v.value for v in RESTART_ON_DEFAULT),
+        *(v.value + BLOCKED for v, e in CATALOGUE.items() if e.restart_when_blocked),
+    ]
     assert fields["drain_on"].get_default(call_default_factory=True) == [v.value for v in DRAIN_ON_DEFAULT]
 
 

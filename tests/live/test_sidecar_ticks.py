@@ -488,7 +488,7 @@ def test_one_node_judges_its_own_ranks_and_pages_them(tmp_path: Path) -> None:
 
 def test_a_restart_is_followed_until_the_new_round_trains(tmp_path: Path) -> None:
     """``Responding``: after restart 1 of 3 the old round's silence is not watched; the new round's ranks are, and
-    their first progress resolves the page."""
+    the page is resolved once every one of them has taken a step."""
     rig = Rig(tmp_path)
     rig.sidecar.responding.responder = Restarts()
     healthy_job(rig)
@@ -503,7 +503,10 @@ def test_a_restart_is_followed_until_the_new_round_trains(tmp_path: Path) -> Non
     rig.tick(41)
     assert rig.phase is Phase.watching and rig.alerts.submitted == ["trigger"]
     assert "restart 1 of 3: the new round's ranks are up; watching them" in rig.out.getvalue()
-    rig.emit(*(Heartbeat(pid=200 + r, rank=r, step=1, time=NOW + 42, restart=1) for r in range(3)))
-    rig.tick(42)
+    rig.emit(*(Heartbeat(pid=200 + r, rank=r, step=1, time=NOW + 42, restart=1) for r in range(2)))
+    rig.tick(42)  # rank 2 has not stepped (still setting up NCCL, or failing to): not training yet
+    assert rig.alerts.submitted == ["trigger"] and rig.sidecar.responding.restarting is not None
+    rig.emit(Heartbeat(pid=202, rank=2, step=1, time=NOW + 43, restart=1))
+    rig.tick(43)
     assert rig.alerts.submitted == ["trigger", "resolve"] and rig.sidecar.responding.restarting is None
     assert "training again after restart 1 of 3" in rig.out.getvalue()

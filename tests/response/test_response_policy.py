@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ncclwatch.launcher.command import max_restarts_of
+from ncclwatch.launcher.respond import policy_of
 from ncclwatch.watchdog.config import ConfigError, load_settings
 from ncclwatch.watchdog.hang.report import RankRow, Report
 from ncclwatch.watchdog.hang.verdicts import CATALOGUE, DRAIN_ON_DEFAULT, RESTART_ON_DEFAULT, Verdict
@@ -52,6 +53,27 @@ class TestRestart:
         chosen = plan(report(verdict), policy(), restarts_done=1, restarted=[])
         assert chosen.response is Response.restart and chosen.why == CATALOGUE[verdict].restart_why
         assert chosen.headline() == "restarting (2 of 3)"
+
+    def test_a_rank_behind_blocked_in_the_kernel_restarts_by_default_and_the_loop_guard_ends_a_recurrence(
+        self,
+    ) -> None:
+        """A rank asleep in a read or a lock (a network filesystem, a data loader) is often transient: restarted
+        where the settings keep their default (``rank_behind_blocked``); one running its own code is not."""
+        settings = load_settings({"on_hang": "restart"}, None, {})
+        defaults = policy_of(settings, max_restarts=3)
+        blocked = report(Verdict.rank_behind)
+        blocked.ranks[1].state = "S"
+        chosen = plan(blocked, defaults, restarts_done=0, restarted=[])
+        assert chosen.response is Response.restart and chosen.why.startswith("rank 1 blocked, not running: ")
+        again = plan(blocked, defaults, restarts_done=1, restarted=[chosen.signature])
+        assert again.response is Response.kill and again.why.startswith("recurs after restart")
+        running = report(Verdict.rank_behind)
+        running.ranks[1].state = "R"
+        assert plan(running, defaults, restarts_done=0, restarted=[]).response is Response.kill
+        unknown = report(Verdict.rank_behind)  # offline, or no /proc sample: not known to be blocked
+        assert plan(unknown, defaults, restarts_done=0, restarted=[]).response is Response.kill
+        chosen_by_user = load_settings({"on_hang": "restart", "restart_on": "process_dead"}, None, {})
+        assert plan(blocked, policy_of(chosen_by_user, 3), 0, []).response is Response.kill
 
     @pytest.mark.parametrize("verdict", [v for v, entry in CATALOGUE.items() if entry.hang and not entry.restart])
     def test_a_hang_of_the_programs_own_making_ends_the_job_and_says_why(self, verdict: Verdict) -> None:

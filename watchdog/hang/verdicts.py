@@ -50,6 +50,9 @@ class VerdictEntry:
     restart: bool = False  # restarted by default (--restart-on)
     # Why a restart helps (``restart``) or cannot help (a hang verdict not restarted by default): the response's words.
     restart_why: str = ""
+    # Restarted by default when every culprit is blocked (state S or D: a read, a sleep, a lock) rather than running
+    # its own code: these words say why (``--restart-on <verdict>_blocked``).  Empty: no such default.
+    restart_when_blocked: str = ""
     drain: bool = False  # blames the culprit's node's hardware by default (--drain-on)
     live: bool = True  # the live watchdog can give it
     offline: bool = True  # ``ncclwatch analyze`` can give it (from a bundle or a kept run folder too)
@@ -83,6 +86,8 @@ _ENTRIES = (
         next_step="py-spy stack in the bundle; check why {ranks} skipped the collective (an early exit, a branch on "
         "the rank, a data loader that ran dry)",
         restart_why="a rank held up in its own code is in the program's hands, not the hardware's",
+        restart_when_blocked="a rank blocked in a read, a sleep or a lock (state S or D: a network filesystem, a data "
+        "loader) may get past it in a fresh process; the loop guard ends it if it recurs",
         culprit_does="never entered {op}; its peers wait in it",
     ),
     VerdictEntry(
@@ -236,4 +241,8 @@ HANG_VERDICTS = frozenset(v for v, entry in CATALOGUE.items() if entry.hang)
 HANG_VERDICT_NAMES = frozenset(v.value for v in HANG_VERDICTS)
 CONCLUSIVE = frozenset(v for v, entry in CATALOGUE.items() if entry.conclusive)
 RESTART_ON_DEFAULT = tuple(v for v, entry in CATALOGUE.items() if entry.restart)
+BLOCKED = "_blocked"  # "rank_behind_blocked" in --restart-on: that verdict, where every culprit is blocked
+RESTART_WHEN_BLOCKED = tuple(v for v, entry in CATALOGUE.items() if entry.restart_when_blocked)
+RESTART_ON_NAMES = HANG_VERDICT_NAMES | {v.value + BLOCKED for v in RESTART_WHEN_BLOCKED}
+RESTART_ON_DEFAULT_NAMES = (*(v.value for v in RESTART_ON_DEFAULT), *(v.value + BLOCKED for v in RESTART_WHEN_BLOCKED))
 DRAIN_ON_DEFAULT = tuple(v for v, entry in CATALOGUE.items() if entry.drain)

@@ -228,6 +228,18 @@ class LiveJob:
         """Did a worker of the current attempt make progress (a step, an NCCL operation) after ``since``?"""
         return any((p := self.of(w.pid).last_progress) is not None and p > since for w in self.state.current_workers())
 
+    def trained_since(self, since: float, before: int) -> bool:
+        """Has every worker of the current round trained after ``since``?  A heartbeat step where the workers of
+        round ``before`` beat (a step needs every rank's collectives, so one rank's NCCL set-up is no sign), else
+        any progress of each (a job without heartbeats); and as many workers as round ``before`` had here."""
+        old = [w for w in self.state.workers.values() if w.rank is not None and w.restart == before]
+        current = self.state.current_workers()
+        if not current or len(current) < len(old):
+            return False
+        beats = any(self.of(w.pid).beat_at is not None for w in old)
+        times = [self.of(w.pid).beat_at if beats else self.of(w.pid).last_progress for w in current]
+        return all(t is not None and t > since for t in times)
+
     def last_progress(self) -> float:
         workers = self.state.current_workers()
         times = [p for w in workers if (p := self.of(w.pid).last_progress) is not None]

@@ -42,15 +42,16 @@ class Reported:
     bundle: Path | None = None
     alert: Alert | None = None  # the trigger sent, so that progress can resolve it
 
-    def trigger(self, bundle_base_url: str | None) -> Alert:
-        """The page's alert, linking the bundle: through the bundle API where it is served, else as a file."""
+    def trigger(self, bundle_base_url: str | None, upload_server: str | None = None) -> Alert:
+        """The page's alert, linking the bundle: through the bundle API where it is served, else as a file; and
+        the incident on the cluster's server when bundles are uploaded there (``upload_server``)."""
         bundle = self.bundle
         bundle_id = bundle.name.removesuffix(".tar.gz") if bundle else None
         if bundle_id and bundle_base_url:
             url = f"{bundle_base_url.rstrip('/')}/bundles/{bundle_id}"
         else:
             url = bundle.resolve().as_uri() if bundle else None
-        return trigger_from_report(self.report, bundle_id=bundle_id, bundle_url=url)
+        return trigger_from_report(self.report, bundle_id=bundle_id, bundle_url=url, upload_server=upload_server)
 
 
 class Responder(Protocol):
@@ -69,7 +70,7 @@ class Responder(Protocol):
 
 @dataclass
 class Restarting:
-    """A restart asked for: the paged incident, resolved by the new round's first progress."""
+    """A restart asked for: the paged incident, resolved once every rank of the new round has trained."""
 
     reported: Reported
     at: float  # when the workers were ended
@@ -133,7 +134,8 @@ class Responding:
     def after_restart(self, incident: Incident) -> Incident | None:
         """The incident to watch on with; None while a restart's old round is still the one seen (its workers,
         dying: their silence is ours).  Once torchrun starts the new round, a page still open gives way to a
-        fresh incident, and the new round's first progress resolves that page."""
+        fresh incident, and the page is resolved once every rank of the new round has trained (``trained_since``): a
+        round whose ranks are up but fail to set up NCCL is not "training again"."""
         restart = self.restarting
         if restart is None:
             return incident
@@ -142,7 +144,7 @@ class Responding:
         if incident.phase is Phase.paged:
             incident = WATCHING
             self.say(f"restart {restart.number} of {restart.of}: the new round's ranks are up; watching them")
-        if self.live.moved_since(restart.at):
+        if self.live.trained_since(restart.at, restart.round):
             self.restarting = None
             self.resolve(restart.reported, f"training again after restart {restart.number} of {restart.of}")
             self.say(f"training again after restart {restart.number} of {restart.of}")

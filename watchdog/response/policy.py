@@ -28,6 +28,8 @@ from enum import StrEnum
 from ncclwatch.watchdog.hang.report import STACK_ARROW, Report
 from ncclwatch.watchdog.hang.verdicts import CATALOGUE, Verdict
 
+BLOCKED_STATES = frozenset("SD")  # /proc: sleeping in the kernel (a read, a sleep, a futex), or in disk I/O
+
 
 class Response(StrEnum):
     report = "report"  # leave the job running
@@ -116,6 +118,14 @@ class Policy:
     restart_on: frozenset[Verdict]
     drain: str  # "none", "slurm"
     drain_on: frozenset[Verdict]
+    restart_blocked: frozenset[Verdict] = frozenset()  # restarted where every culprit is blocked (``..._blocked``)
+
+
+def blocked_culprits(report: Report) -> list[int]:
+    """The culprits, if every one of them is blocked in the kernel rather than running its code; else []."""
+    rows = {row.rank: row for row in report.ranks}
+    states = [rows[r].state if r in rows else None for r in report.culprit_ranks]
+    return list(report.culprit_ranks) if states and all(s in BLOCKED_STATES for s in states) else []
 
 
 def plan(report: Report, policy: Policy, restarts_done: int, restarted: Sequence[HangSignature]) -> Plan:
@@ -140,13 +150,18 @@ def plan(report: Report, policy: Policy, restarts_done: int, restarted: Sequence
     if any(signature.same_hang(before) for before in restarted):
         return Plan(Response.kill, f"recurs after restart: not transient ({signature.describe()})", signature=signature)
     entry = CATALOGUE[verdict]
-    if verdict not in policy.restart_on:
+    blocked = verdict not in policy.restart_on and verdict in policy.restart_blocked and blocked_culprits(report)
+    if verdict not in policy.restart_on and not blocked:
         # A verdict restarted by default that the user took out of --restart-on: its words say a restart helps.
         why = entry.restart_why if not entry.restart and entry.hang else f"{verdict.value} is not in --restart-on"
         return Plan(Response.kill, f"a restart cannot help: {why}", signature=signature)
     if restarts_done >= policy.max_restarts:
         return Plan(Response.kill, f"restarts used up ({restarts_done} of {policy.max_restarts})", signature=signature)
-    why = entry.restart_why if entry.restart else f"--restart-on includes {verdict.value}"
+    if blocked:
+        ranks = ", ".join(map(str, blocked))
+        why = f"rank {ranks} blocked, not running: {entry.restart_when_blocked}"
+    else:
+        why = entry.restart_why if entry.restart else f"--restart-on includes {verdict.value}"
     return Plan(
         Response.restart, why, restart_number=restarts_done + 1, max_restarts=policy.max_restarts, signature=signature
     )
