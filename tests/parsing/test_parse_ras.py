@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 from conftest import CAPTURES, DATA
 
+from ncclwatch.watchdog.analyze import analyze_paths
 from ncclwatch.watchdog.events import Citation, RasCommunicator, RasRank, RasReport, Unusable
-from ncclwatch.watchdog.hang.ras import ras_outliers
+from ncclwatch.watchdog.hang.ras import judge_ras, ras_outliers
 from ncclwatch.watchdog.parsing.ras import (
     MALFORMED_JSON_REASON,
     looks_like_ras,
@@ -497,3 +498,76 @@ class TestCaptures:
         text, js = (report_of(events).communicators for events in pair)
         assert len(text) == len(js)
         assert {c.comm_hash for c in text if c.comm_hash} <= {c.comm_hash for c in js}
+
+
+# --------------------------------------------------------------------------
+# A few ranks one collective ahead (issue 31)
+# --------------------------------------------------------------------------
+
+
+class TestFewAhead:
+    """Two of eight ranks launched AllReduce 1235, the other six 1234: the two finished their part of 1234 and went
+    on; the rank the six wait for is among the six (few_ahead_8rank.*, NCCL's own text and JSON formats)."""
+
+    BEHIND = (0, 2, 3, 4, 6, 7)
+
+    @pytest.mark.parametrize("name", ["few_ahead_8rank.txt", "few_ahead_8rank.json"])
+    def test_the_ranks_behind_are_the_suspects_and_the_few_ahead_are_not_blamed(self, name):
+        [c] = only_report(name).communicators
+        judged = judge_ras(c)
+        assert (judged.culprits, judged.suspects, judged.ahead) == ((), self.BEHIND, (1, 5))
+        assert set(ras_outliers(c)) == set(self.BEHIND)
+        assert ras_outliers(c)[0] == (
+            "AllReduce launched up to 1234, one behind rank 1, 5: those finished their part of AllReduce 1234 and "
+            "launched the next; the rank they wait for is among the 6 at 1234"
+        )
+
+    def test_text_whose_groups_do_not_add_up_names_no_one(self):
+        text = (RAS / "few_ahead_8rank.txt").read_text().replace("  6 ranks have", "  5 ranks have")
+        [c] = report_of(parse_ras(text.encode(), "ras.txt")).communicators
+        judged = judge_ras(c)
+        assert (judged.culprits, judged.suspects, judged.ahead) == ((), (), (1, 5))
+
+    def test_one_rank_one_ahead_is_still_the_culprit(self):
+        # tools/capture "extra" on 4 x H200: rank 3 issued one extra all_reduce and is one ahead.
+        [c] = only_report("mismatch_4rank.txt").communicators  # rank 2 two ahead: the skip, still the culprit
+        assert judge_ras(c).culprits == (2,)
+        extra = CAPTURES / "nccl-2.28.9-h200x4" / "extra" / "ras" / "ras.txt"
+        [c] = report_of(parse_ras(extra.read_bytes(), "ras.txt")).communicators
+        assert (judge_ras(c).culprits, judge_ras(c).suspects) == ((3,), ())
+
+    def test_a_two_rank_tie_is_two_suspects_not_two_culprits(self):
+        [c] = only_report("mismatch_2rank_tie.txt").communicators
+        assert (judge_ras(c).culprits, judge_ras(c).suspects) == ((), (0, 1))
+
+    def test_a_missing_rank_is_a_culprit_even_beside_a_tie(self):
+        ranks = [
+            RasRank(rank=0, status="RUNNING", collective_counts={"AllReduce": 5}),
+            RasRank(rank=1, status="MISSING", collective_counts={"AllReduce": 6}),
+        ]
+        assert (judge_ras(comm(ranks=ranks)).culprits, judge_ras(comm(ranks=ranks)).suspects) == ((1,), (0,))
+
+
+class TestRasVerdict:
+    """What ``analyze`` says from a RAS report alone."""
+
+    def test_few_ahead_is_rank_behind_with_the_ranks_behind_as_suspects(self):
+        report = analyze_paths([str(RAS / "few_ahead_8rank.txt")], now=1_800_000_000.0)
+        assert (report.verdict.value, report.culprit_ranks, report.suspect_ranks) == (
+            "rank_behind",
+            [],
+            list(TestFewAhead.BEHIND),
+        )
+        assert "rank 1, 5 launched one collective more than all the others" in report.summary
+
+    def test_a_two_rank_tie_names_suspects_only(self):
+        report = analyze_paths([str(RAS / "mismatch_2rank_tie.txt")], now=1_800_000_000.0)
+        assert (report.verdict.value, report.culprit_ranks, report.suspect_ranks) == (
+            "collective_mismatch",
+            [],
+            [0, 1],
+        )
+
+    def test_one_rank_two_ahead_is_still_the_culprit(self):
+        report = analyze_paths([str(RAS / "mismatch_4rank.txt")], now=1_800_000_000.0)
+        assert (report.culprit_ranks, report.suspect_ranks) == ([2], [])

@@ -17,7 +17,7 @@ from dataclasses import replace
 from ncclwatch.watchdog.events import Citation, RasCommunicator, RasReport
 from ncclwatch.watchdog.hang.detectors import analyze_comm, missing_send_behind_cycle, with_call_sites
 from ncclwatch.watchdog.hang.partial import decide_partial, strong_partial
-from ncclwatch.watchdog.hang.ras import ras_outliers
+from ncclwatch.watchdog.hang.ras import judge_ras
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.hang.types import Fact, Finding
 from ncclwatch.watchdog.hang.verdicts import HANG_VERDICTS, PRIORITY, Verdict
@@ -259,16 +259,40 @@ def _without_sequences(snapshot: Snapshot) -> Finding:
 
 
 def _from_ras(report: RasReport, comm: RasCommunicator) -> Finding | None:
-    outliers = ras_outliers(comm)
-    if not outliers:
+    judged = judge_ras(comm)
+    if not judged.reasons and not judged.ahead:
         return None
-    ranks = tuple(sorted(outliers))
+    culprits = judged.culprits
+    name = comm.comm_hash or comm.label
+    said = "; ".join(f"rank {r}: {why}" for r, why in sorted(judged.reasons.items()))
+    if judged.ahead and not culprits:
+        ahead = ", ".join(map(str, judged.ahead))
+        among = f"rank {', '.join(map(str, judged.suspects))}" if judged.suspects else "the others (RAS names none)"
+        return Finding(
+            verdict=Verdict.rank_behind,
+            summary=f"NCCL RAS reports {comm.status} on communicator {name}: rank {ahead} launched one collective "
+            f"more than all the others; the rank they wait for is among {among}." + (f" {said}" if said else ""),
+            reason="RAS counts each rank's launched collectives: the few one ahead finished their part of the "
+            "collective the others have not and launched the next, so they are not the culprits; RAS does not say "
+            "which of those behind holds the others.",
+            suspects=judged.suspects,
+            comm_key=comm.comm_hash,
+            comm_label=comm.label or comm.comm_hash,
+            source="ras",
+            evidence=tuple(Fact("ras", m, report.cite) for m in comm.messages[:6]),
+            missing=(
+                "which of the ranks behind is stuck: their stacks (py-spy dump), NCCL logs or Flight Recorder dumps",
+            ),
+        )
     return Finding(
         verdict=Verdict.collective_mismatch if comm.status.upper() == "MISMATCH" else Verdict.rank_behind,
-        summary=f"NCCL RAS reports {comm.status} on communicator {comm.comm_hash or comm.label}: "
-        + "; ".join(f"rank {r}: {why}" for r, why in sorted(outliers.items())),
-        reason="RAS counts each rank's launched collectives; these ranks differ from the majority.",
-        culprits=ranks,
+        summary=f"NCCL RAS reports {comm.status} on communicator {name}: {said}",
+        reason="RAS counts each rank's launched collectives; these ranks differ from the majority."
+        if culprits
+        else "RAS counts each rank's launched collectives; the ranks split evenly, so RAS alone cannot tell which "
+        "side is wrong.",
+        culprits=culprits,
+        suspects=() if culprits else judged.suspects,
         comm_key=comm.comm_hash,
         comm_label=comm.label or comm.comm_hash,
         source="ras",

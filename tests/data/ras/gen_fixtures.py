@@ -335,3 +335,39 @@ bad = h.replace('        }\n      ],\n      "missing_ranks"', '        },\n     
 bad = bad.replace('        },\n        {\n          "rank": 2', '        }\n        {\n          "rank": 2')
 w("malformed_commas.json", bad)
 w("malformed_text_prefix.json", header() + job_summary(1, 4, 1, 4, 4) + "\nCommunicators..." + h)
+
+# L. Two ranks of eight one AllReduce ahead of the other six (issue 31): they finished their part of operation 1234
+# and launched the next; the rank the others wait for is among the six. Text: the six are one unnamed group, the two a
+# group of their own whose ranks are listed (rasCountIsOutlier: 2 <= RAS_CLIENT_DETAIL_THRESHOLD and <= 8 * 0.25).
+HL = "c0ffee0ddba11a57"
+t = header() + job_summary(2, 4, 1, 8, 8) + comms_header(0.004)
+t += table([(0, 1, 2, "4", 8, 8, "RUNNING", "MISMATCH")])
+t += ERRORS + WARNINGS
+t += "#%d-%d (%016x) MISMATCH\n" % (0, 0, int(HL, 16))
+t += "  Communicator ranks have different %s operation counts\n" % "AllReduce"
+t += "  %d ranks have launched up to operation %d\n" % (6, 1234)
+t += "  %d ranks have launched up to operation %d\n" % (2, 1235)
+t += "  Rank %d -- %s\n" % (1, gpu_tail(1, 5101, "192.0.2.11"))
+t += "  Rank %d -- %s\n" % (5, gpu_tail(1, 5105, "192.0.2.12"))
+t += "\n"
+w("few_ahead_8rank.txt", t)
+j = j_header("2.28.9", 13000, 13000, "2026-11-26 20:40:00", 1)
+j += j_comm(int(HL, 16), 0x5A5A5A5A00FF00FF, 0x0F0F0F0F12345678, 8, 8, 0, True)
+for r in range(8):
+    ar = 1235 if r in (1, 5) else 1234
+    j += j_rank(
+        r,
+        "192.0.2.11" if r < 4 else "192.0.2.12",
+        5100 + r,
+        r % 4,
+        r % 4,
+        0,
+        0,
+        False,
+        False,
+        False,
+        {"Broadcast": 1, "AllGather": 300, "AllReduce": ar},
+        r == 0,
+    )
+j += j_missing_start() + j_end_comm() + j_footer(0.004, 0)
+w("few_ahead_8rank.json", j)
