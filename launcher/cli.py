@@ -325,6 +325,8 @@ def add_watch_options(parser: argparse.ArgumentParser) -> None:
     add("--listen", metavar="HOST:PORT")
     add("--token-file", metavar="FILE")
     add("--public-url", metavar="URL")
+    add("--upload", metavar="URL")
+    add("--upload-token-file", metavar="FILE")
     add("--metrics-textfile", metavar="FILE.prom")
     add("--perf-interval", type=float, metavar="SECONDS")
     parser.add_argument("--config", metavar="FILE", help="TOML file with any of these settings")

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -143,6 +143,40 @@ class Settings(BaseSettings):
         None, description="also write metrics to this file for node_exporter's textfile collector"
     )
 
+    # One server for the cluster (server/cluster.py): the wrappers upload, ncclwatch serve indexes.
+    upload: str | None = Field(
+        None,
+        description="URL of the cluster's ncclwatch serve to upload each bundle to, e.g. http://ncclwatch:9464; "
+        "through the alert spool, so a server that is down never delays a page and gets the bundle later",
+    )
+    upload_token: SecretStr | None = Field(
+        None, description="the upload token: what the wrapper sends with --upload, what serve accepts (write-only)"
+    )
+    upload_token_file: Path | None = Field(
+        None, description="file of upload tokens, one a line (serve accepts each; the wrapper sends the first)"
+    )
+    upload_spool_days: float = Field(
+        7.0, gt=0, description="days an upload waits in the spool for the server before it is given up (failed/)"
+    )
+    upload_max_mb: float = Field(512.0, gt=0, description="serve: the largest bundle it accepts, in MB")
+    upload_rate: float = Field(60.0, gt=0, description="serve: uploads per minute each upload token may make")
+    retention_days: float = Field(90.0, gt=0, description="serve: uploaded bundles older than this are removed")
+    retention_gb: float = Field(
+        100.0, gt=0, description="serve: the oldest uploaded bundles are removed while all of them exceed this, in GB"
+    )
+    index_db: Path | None = Field(
+        None, description="serve: the SQLite index of uploaded bundles (default: <bundle_dir>/.incidents.sqlite)"
+    )
+    on_repeat: str | None = Field(
+        None,
+        description="serve: N/DAYS: run --on-repeat-exec when a host is named in incidents of N different jobs "
+        "within DAYS days (once per crossing)",
+    )
+    on_repeat_exec: str | None = Field(
+        None,
+        description="serve: shell command for --on-repeat; the host in $NCCLWATCH_HOST, the facts as JSON on stdin",
+    )
+
     # Slow, not hung (slowness/findings.py): reported and exported always, paged only when asked.
     perf_interval: float = Field(
         60.0,
@@ -176,6 +210,43 @@ class Settings(BaseSettings):
             raise ValueError("must end in .prom (node_exporter's textfile collector reads only *.prom files)")
         return value
 
+    @field_validator("on_repeat")
+    @classmethod
+    def _repeat(cls, value: str | None) -> str | None:
+        if value is not None:
+            _threshold(value)
+        return value
+
+    def repeat_threshold(self) -> tuple[int, float] | None:
+        """--on-repeat as (jobs, days); None when unset."""
+        return _threshold(self.on_repeat) if self.on_repeat is not None else None
+
+    @field_validator("upload")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("expected the server's http:// or https:// URL, e.g. http://ncclwatch:9464")
+        return value.rstrip("/") if value is not None else None
+
+    @model_validator(mode="after")
+    def _upload_token_given(self) -> Settings:
+        if self.upload is not None and self.upload_token is None and self.upload_token_file is None:
+            raise ValueError(
+                "upload: --upload needs the upload token (NCCLWATCH_UPLOAD_TOKEN or --upload-token-file), the one "
+                "the server's ncclwatch serve accepts"
+            )
+        return self
+
+    def upload_tokens(self) -> list[str]:
+        """upload_token, then each line of upload_token_file."""
+        tokens = [self.upload_token.get_secret_value()] if self.upload_token is not None else []
+        if self.upload_token_file is not None:
+            try:
+                tokens += self.upload_token_file.read_text().split()
+            except OSError as exc:
+                raise ConfigError(f"--upload-token-file {self.upload_token_file}: cannot read it ({exc})") from None
+        return [t for t in tokens if t]
+
     @field_validator("listen")
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:
@@ -197,7 +268,9 @@ class Settings(BaseSettings):
                 raise ConfigError(f"--token-file {self.token_file}: cannot read a token ({exc})") from None
         return None
 
-    @field_validator("bundle_dir", "run_dir", "token_file", "spool_dir", "metrics_textfile")
+    @field_validator(
+        "bundle_dir", "run_dir", "token_file", "spool_dir", "metrics_textfile", "upload_token_file", "index_db"
+    )
     @classmethod
     def _expand(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None
@@ -216,6 +289,17 @@ class Settings(BaseSettings):
         if toml is not None:
             sources += (TomlConfigSettingsSource(settings_cls, toml_file=toml),)
         return sources
+
+
+def _threshold(text: str) -> tuple[int, float]:
+    count, sep, days = text.partition("/")
+    try:
+        jobs, window = int(count), float(days)
+    except ValueError:
+        jobs, window = 0, 0.0
+    if not sep or jobs < 1 or window <= 0:
+        raise ValueError("expected N/DAYS (incidents of N different jobs within DAYS days), e.g. 3/7")
+    return jobs, window
 
 
 # The TOML path is chosen per load; pydantic-settings asks for sources on the class.
@@ -246,7 +330,10 @@ def load_settings(
 def _explain(exc: ValidationError, toml: Path | None) -> str:
     lines = []
     for error in exc.errors():
-        name = str(error["loc"][0]) if error["loc"] else "?"
+        if not error["loc"]:  # a rule across settings: its message names them
+            lines.append(str(error["msg"]).removeprefix("Value error, "))
+            continue
+        name = str(error["loc"][0])
         option = "--" + name.replace("_", "-")
         where = f"{option} / {ENV_PREFIX}{name.upper()}" + (f" / {name} in {toml}" if toml else "")
         if error["type"] == "extra_forbidden":

@@ -216,7 +216,7 @@ class Sidecar:
         if said_instead is not None:
             self._say(said_instead())
         elif self.dispatcher is not None:  # delivery is retried and spooled by the dispatcher
-            reported.alert = reported.trigger(self.bundle_base_url)
+            reported.alert = reported.trigger(self.bundle_base_url, self.settings.upload)
             self.dispatcher.submit(reported.alert)
         if plan is not None:
             if plan.ends_job and job_wide:

@@ -28,7 +28,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sqlite3
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,9 +41,23 @@ from ncclwatch.watchdog.sinks.delivery import spool_dir_for
 
 if TYPE_CHECKING:
     from ncclwatch.watchdog.config import Settings
+    from ncclwatch.watchdog.server.intake import Intake
+    from ncclwatch.watchdog.server.repeat import Repeat
     from ncclwatch.watchdog.sinks.delivery import Dispatcher
 
+log = logging.getLogger("ncclwatch.server")
 DEFAULT_LISTEN = "127.0.0.1:9464"
+CLUSTER_OPTIONS = (
+    "upload_token_file",
+    "upload_max_mb",
+    "upload_rate",
+    "retention_days",
+    "retention_gb",
+    "index_db",
+    "on_repeat",
+    "on_repeat_exec",
+)
+RETENTION_EVERY_S = 3600.0
 
 SERVE_HELP = f"""\
 Serve the root-cause bundles of a folder (--bundle-dir, where the watchdog
@@ -112,6 +128,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--token-file", metavar="FILE", help=fields["token_file"].description)
     parser.add_argument("--metrics-token", action="store_true", help="/metrics requires the token too (default: open)")
+    cluster = parser.add_argument_group(
+        "one server for the cluster", "wrappers upload with --upload URL; the upload token is NCCLWATCH_UPLOAD_TOKEN"
+    )
+    for flag, kind, metavar in (
+        ("--upload-token-file", str, "FILE"),
+        ("--upload-max-mb", float, "MB"),
+        ("--upload-rate", float, "PER_MINUTE"),
+        ("--retention-days", float, "DAYS"),
+        ("--retention-gb", float, "GB"),
+        ("--index-db", str, "FILE"),
+        ("--on-repeat", str, "N/DAYS"),
+        ("--on-repeat-exec", str, "CMD"),
+    ):
+        field = fields[flag[2:].replace("-", "_")]
+        shown = f" (default: {field.default:g})" if isinstance(field.default, float) else ""
+        cluster.add_argument(flag, type=kind, metavar=metavar, help=f"{field.description}{shown}")
     parser.add_argument("--config", metavar="FILE", help="TOML file with any of these settings")
     parser.add_argument("-v", "--verbose", action="store_true", help="log each request (never its query string)")
     return parser
@@ -122,10 +154,12 @@ def run_serve(argv: Sequence[str]) -> int:
 
     args = build_parser().parse_args(list(argv))
     try:
-        settings = load_settings(
-            {"bundle_dir": args.bundle_dir, "listen": args.listen, "token_file": args.token_file}, args.config
-        )
+        given = ("bundle_dir", "listen", "token_file", *CLUSTER_OPTIONS)
+        settings = load_settings({name: getattr(args, name) for name in given}, args.config)
         token = settings.token()
+        upload_tokens = settings.upload_tokens()
+        if (settings.on_repeat is None) != (settings.on_repeat_exec is None):
+            raise ConfigError("--on-repeat and --on-repeat-exec go together: when, and what to run")
     except ConfigError as exc:
         print(f"ncclwatch serve: {exc}", file=sys.stderr)
         return 2
@@ -137,7 +171,7 @@ def run_serve(argv: Sequence[str]) -> int:
         print(f"ncclwatch serve: {problem}", file=sys.stderr)
         return 2
     listen = settings.listen or DEFAULT_LISTEN
-    return asyncio.run(serve(settings, listen, token, metrics_open=not args.metrics_token))
+    return asyncio.run(serve(settings, listen, token, upload_tokens, metrics_open=not args.metrics_token))
 
 
 def bundle_dir_problem(bundle_dir: Path) -> str | None:
@@ -184,10 +218,13 @@ async def alert_courier(settings: Settings) -> AsyncIterator[Dispatcher | None]:
             await dispatcher.close()
 
 
-async def serve(settings: Settings, listen: str, token: str | None, *, metrics_open: bool) -> int:
+async def serve(
+    settings: Settings, listen: str, token: str | None, upload_tokens: list[str], *, metrics_open: bool
+) -> int:
     from prometheus_client import CollectorRegistry
 
     from ncclwatch.watchdog.server.app import BundleCollector, BundleIndex, make_app, start_server, stop_server
+    from ncclwatch.watchdog.server.cluster import HostIncidentsCollector, install
     from ncclwatch.watchdog.server.sdnotify import systemd_lifecycle
 
     bundle_dir, public_url = settings.bundle_dir, settings.public_url
@@ -199,10 +236,19 @@ async def serve(settings: Settings, listen: str, token: str | None, *, metrics_o
     registry.register(BundleCollector(BundleIndex(bundle_dir)))
     app = make_app(bundle_dir, token=token, registry=registry, metrics_open=metrics_open)
     try:
+        intake, repeat = await asyncio.to_thread(cluster_parts, settings, upload_tokens)
+    except (OSError, sqlite3.Error) as exc:
+        print(f"ncclwatch serve: cannot open the incident index: {exc}", file=sys.stderr)
+        return 2
+    install(app, intake, repeat)
+    registry.register(HostIncidentsCollector(intake.index))
+    try:
         runner, bound = await start_server(app, listen)
     except OSError as exc:
         print(f"ncclwatch serve: cannot listen on {listen}: {exc.strerror or exc}", file=sys.stderr)
+        intake.index.close()
         return 2
+    keeper = asyncio.create_task(retention(settings, intake, repeat), name="ncclwatch-retention")
     print(f"ncclwatch serve: http://{bound}/ (bundles in {bundle_dir})", flush=True)
     if public_url:
         print(f"ncclwatch serve: public URL {public_url}", flush=True)
@@ -223,5 +269,50 @@ async def serve(settings: Settings, listen: str, token: str | None, *, metrics_o
         # Type=notify: READY=1 once bound, watchdog pings while serving, STOPPING=1 on the way out.
         await systemd_lifecycle(stop, status_text=f"serving http://{bound}/")
     print("ncclwatch serve: stopping", file=sys.stderr, flush=True)
+    keeper.cancel()
     await stop_server(runner)
+    await asyncio.gather(keeper, return_exceptions=True)
+    intake.index.close()
     return 0
+
+
+def cluster_parts(settings: Settings, upload_tokens: list[str]) -> tuple[Intake, Repeat | None]:
+    """The index (opened), the intake and --on-repeat; leftovers of uploads cut short are removed.  Blocking."""
+    from ncclwatch.watchdog.server.incidents import IncidentIndex
+    from ncclwatch.watchdog.server.intake import Intake, RateLimit
+    from ncclwatch.watchdog.server.repeat import Repeat
+
+    index = IncidentIndex(settings.index_db or settings.bundle_dir / ".incidents.sqlite")
+    intake = Intake(
+        settings.bundle_dir, index, upload_tokens, int(settings.upload_max_mb * 1e6), RateLimit(settings.upload_rate)
+    )
+    for leftover in intake.incoming().iterdir():
+        leftover.unlink(missing_ok=True)
+    threshold = settings.repeat_threshold()
+    repeat = None
+    if threshold is not None and settings.on_repeat_exec is not None:
+        repeat = Repeat(index, *threshold, command=settings.on_repeat_exec, timeout_s=settings.hook_timeout)
+    return intake, repeat
+
+
+async def retention(settings: Settings, intake: Intake, repeat: Repeat | None) -> None:
+    """At start and every hour: uploaded bundles past --retention-days or over --retention-gb go; hosts re-arm."""
+    from ncclwatch.watchdog.server.intake import prune
+
+    while True:
+        try:
+            removed = await asyncio.to_thread(
+                prune,
+                settings.bundle_dir,
+                intake.index,
+                max_age_s=settings.retention_days * 86400,
+                max_bytes=int(settings.retention_gb * 1e9),
+                now=time.time(),
+            )
+            if removed:
+                log.warning("retention: removed %d bundle(s), the oldest %s", len(removed), removed[0])
+            if repeat is not None:
+                await repeat.recheck()
+        except Exception:  # a full disk or a locked index must not end the server
+            log.exception("retention failed; tried again in %.0f s", RETENTION_EVERY_S)
+        await asyncio.sleep(RETENTION_EVERY_S)

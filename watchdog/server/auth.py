@@ -15,6 +15,9 @@ Failure mode guarded: aiohttp logs a request it cannot parse (a request line
 over 8190 bytes) with the line itself, token included.  ``RedactTokens`` is
 installed on aiohttp's loggers and rewrites ``token=...`` and ``Bearer ...``
 in every record, traceback included, before any handler formats it.
+
+Uploads (``POST /api/upload``) pass to their handler, which takes the upload token only: the read token
+cannot upload, and the upload token reads nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from aiohttp import web
 from ncclwatch.watchdog.server.page import esc, page_html
 
 COOKIE = "ncclwatch_session"
+UPLOAD_PATH = "/api/upload"
 COOKIE_MAX_AGE_S = 12 * 3600
 NO_TOKEN = (
     "ncclwatch serves no bundles without a token: bundles hold stack traces and environments. "
@@ -94,6 +98,8 @@ async def require_token(request: web.Request, handler: Callable[..., Any]) -> we
     """/healthz and open /metrics pass; the page trades ?token= for a cookie; the rest needs the token."""
     auth = request.app[AUTH]
     if request.path == "/healthz" or (request.path == "/metrics" and auth.metrics_open):
+        return await handler(request)
+    if request.path == UPLOAD_PATH and request.method == "POST":  # its own, write-only token (server/intake.py)
         return await handler(request)
     if auth.token is None:
         return refuse(request, NO_TOKEN, form=False)

@@ -50,6 +50,7 @@ class Alert(BaseModel):
     reason: str = ""
     bundle_id: str | None = None
     bundle_url: str | None = None
+    incident_url: str | None = None  # the incident on the cluster's ncclwatch serve (--upload)
     detected_at: str | None = None
     slurm_job_id: str | None = None
     created_at: float
@@ -102,20 +103,29 @@ def _headline(verdict: str, culprits: list[int], job: str, host: str, suspects: 
 
 
 def trigger_from_report(
-    report: Report, *, bundle_id: str | None, bundle_url: str | None, environ: Mapping[str, str] = os.environ
+    report: Report,
+    *,
+    bundle_id: str | None,
+    bundle_url: str | None,
+    upload_server: str | None = None,
+    environ: Mapping[str, str] = os.environ,
 ) -> Alert:
-    """The page for a verdict; labelled with ``SLURM_JOB_ID`` when the job runs under Slurm."""
+    """The page for a verdict; labelled with ``SLURM_JOB_ID`` when the job runs under Slurm; linking the
+    incident on ``upload_server`` (the cluster's ``ncclwatch serve``) when bundles are uploaded there."""
     job = report.job or "unknown-job"  # ``ncclwatch analyze`` reports carry no job
     host = report.host or platform.node()
     slurm_job_id = environ.get("SLURM_JOB_ID") or None
     verdict = str(report.verdict)
+    dedup_key = dedup_key_for(job, report.incident_key or report.hang_started_at, slurm_job_id)
     return Alert(
         action="trigger",
-        dedup_key=dedup_key_for(job, report.incident_key or report.hang_started_at, slurm_job_id),
+        dedup_key=dedup_key,
+        incident_url=f"{upload_server.rstrip('/')}/incidents/{dedup_key}" if upload_server else None,
         job=job,
         host=host,
         verdict=verdict,
         culprit_ranks=list(report.culprit_ranks),
+        suspect_ranks=list(report.suspect_ranks),
         communicator=report.communicator,
         operation=report.operation,
         position=report.position,
@@ -125,7 +135,6 @@ def trigger_from_report(
         + f": {report.summary}",
         reason=report.reason,
         bundle_id=bundle_id,
-        suspect_ranks=list(report.suspect_ranks),
         bundle_url=bundle_url,
         detected_at=report.detected_at,
         slurm_job_id=slurm_job_id,

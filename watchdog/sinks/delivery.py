@@ -59,9 +59,11 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from pydantic import ValidationError
 
+from ncclwatch.watchdog.config import ConfigError
 from ncclwatch.watchdog.sinks import Delivery, Sink
 from ncclwatch.watchdog.sinks.alert import Alert
 from ncclwatch.watchdog.sinks.pagerduty import PagerDutySink
+from ncclwatch.watchdog.sinks.upload import UploadSink
 from ncclwatch.watchdog.sinks.webhooks import SlackSink, WebhookSink
 
 if TYPE_CHECKING:
@@ -477,4 +479,12 @@ def sinks_from_settings(settings: Settings, session: aiohttp.ClientSession) -> l
         sinks.append(SlackSink(session, settings.slack_webhook_url))
     if settings.webhook_url is not None:
         sinks.append(WebhookSink(session, settings.webhook_url, secret=settings.webhook_secret))
+    if settings.upload is not None:
+        try:
+            tokens = settings.upload_tokens()  # the settings checked there is one; its file may be gone since
+        except ConfigError as exc:
+            log.error("bundles are not uploaded to %s: %s", settings.upload, exc)
+            return sinks
+        keep_s = settings.upload_spool_days * 86400
+        sinks.append(UploadSink(session, settings.upload, tokens[0], settings.bundle_dir, keep_s=keep_s))
     return sinks

@@ -57,8 +57,11 @@ def event_for(alert: Alert, routing_key: str, client_url: str | None = None) -> 
     if alert.detected_at:
         payload["timestamp"] = alert.detected_at  # ISO 8601: when we saw it, not when a retry got through
     event = head | {"payload": payload, "client": CLIENT}
-    if alert.bundle_url:
-        event["links"] = [{"href": alert.bundle_url, "text": "root-cause bundle"}]
+    links = [{"href": alert.bundle_url, "text": "root-cause bundle"}] if alert.bundle_url else []
+    if alert.incident_url:
+        links.append({"href": alert.incident_url, "text": "incident on the cluster's ncclwatch server"})
+    if links:
+        event["links"] = links
     if client_url:
         event["client_url"] = client_url
     return event

@@ -136,6 +136,11 @@ def slack_message(alert: Alert) -> dict[str, Any]:
     if alert.bundle_url:
         url = alert.bundle_url.replace("|", "%7C").replace(">", "%3E")  # would end Slack's <url|text>
         blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": f"<{url}|Root-cause bundle>"}})
+    if alert.incident_url:
+        url = alert.incident_url.replace("|", "%7C").replace(">", "%3E")
+        blocks.append(
+            {"type": "section", "text": {"type": "mrkdwn", "text": f"<{url}|Incident on the cluster server>"}}
+        )
     blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": f"incident {alert.dedup_key}"}]})
     return {"text": _mrkdwn(alert.summary), "blocks": blocks}
 
