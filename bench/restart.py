@@ -7,6 +7,9 @@ webhook receiver on loopback counting pages.  Scenarios:
   mismatch    a rank gathers where the others reduce, every round: no restart (the default policy), exit 3
   loop_guard  the same, with --restart-on collective_mismatch: one restart, then "recurs after restart", exit 3
 
+``--nodes N`` runs N wrappers on this machine (c10d rendezvous, ``--nproc`` ranks each, each its own
+``NCCL_HOSTID``), the fault on a rank of each node in turn.
+
 For each run, from the job's own event lines, the wrapper's report and the
 receiver's clock: fault -> page, fault -> workers ended (the watchdog's part),
 fault -> first step of the new round (what the user waits for), and the
@@ -67,7 +70,8 @@ def iso_time(text: str) -> float:
 
 async def one_run(scenario: str, run: int, args: argparse.Namespace, folder: Path) -> dict:  # type: ignore[type-arg]
     fault = "sigstop" if scenario == "transient" else "gather"
-    fault_rank = run % args.nproc  # rank 0 in the first run
+    world = args.nproc * max(args.nodes, 1)
+    fault_rank = (run * max(args.nproc, 1)) % world if args.nodes > 1 else run % args.nproc  # rank 0 first
     fault_step = args.fault_step + 7 * run  # a different step each run
     watch = ["--on-hang", "restart", *(["--restart-on", "collective_mismatch"] if scenario == "loop_guard" else [])]
     events = folder / "events.jsonl"
@@ -86,46 +90,67 @@ async def one_run(scenario: str, run: int, args: argparse.Namespace, folder: Pat
         "--step-time=0",
         f"--fault-rounds={1 if scenario == 'transient' else 9}",
     ]
+    nodes = max(args.nodes, 1)
+    if nodes > 1:
+        layout = [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{29500 + run}"]
+        layout.append(f"--rdzv-id=restart-{scenario}-{run}")
+    else:
+        layout = ["--standalone"]
     async with Pages() as pages:
-        env = dict(os.environ, NCCLWATCH_WEBHOOK_URL=pages.url, PYTHONUNBUFFERED="1")
         began = time.time()
-        wrapper = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "ncclwatch",
-            "--job-name",
-            f"restart-{scenario}",
-            "--bundle-dir",
-            str(folder / "bundles"),
-            *watch,
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={args.nproc}",
-            "--max-restarts=2",
-            "--monitor-interval=0.2",
-            *job,
-            env=env,
-            cwd=folder,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        try:
-            _, stderr = await asyncio.wait_for(wrapper.communicate(), args.timeout)
-        except TimeoutError:
-            wrapper.kill()
-            _, stderr = await wrapper.communicate()
+        wrappers = []
+        for node in range(nodes):
+            env = dict(os.environ, NCCLWATCH_WEBHOOK_URL=pages.url, PYTHONUNBUFFERED="1")
+            if nodes > 1:
+                env["NCCL_HOSTID"] = f"node{node}"  # N "hosts" on one machine: NCCL's socket transport between them
+            node_args = [f"--node-rank={node}"] if nodes > 1 else []
+            wrappers.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "ncclwatch",
+                    "--job-name",
+                    f"restart-{scenario}",
+                    "--bundle-dir",
+                    str(folder / f"bundles{node}"),
+                    *watch,
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    *layout,
+                    *node_args,
+                    f"--nproc-per-node={args.nproc}",
+                    "--max-restarts=2",
+                    "--monitor-interval=0.2",
+                    *job,
+                    env=env,
+                    cwd=folder,
+                    stderr=asyncio.subprocess.PIPE,
+                )
+            )
+
+        async def finish(wrapper: asyncio.subprocess.Process) -> bytes:
+            try:
+                _, err = await asyncio.wait_for(wrapper.communicate(), args.timeout)
+            except TimeoutError:
+                wrapper.kill()
+                _, err = await wrapper.communicate()
+            return err
+
+        stderrs = await asyncio.gather(*(finish(w) for w in wrappers))
         await asyncio.sleep(0.5)
         posts = list(pages.posts)
-    (folder / "wrapper.stderr").write_bytes(stderr)
-    if wrapper.returncode not in (0, 3):
-        print(stderr.decode(errors="replace")[-2000:], file=sys.stderr, flush=True)
+    for node, (wrapper, stderr) in enumerate(zip(wrappers, stderrs)):
+        (folder / f"wrapper{node}.stderr").write_bytes(stderr)
+        if wrapper.returncode not in (0, 3):
+            print(stderr.decode(errors="replace")[-2000:], file=sys.stderr, flush=True)
+    exits = [w.returncode for w in wrappers]
     seen = [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
     faults = [e for e in seen if e["event"] == "fault"]
     first = faults[0]["time"] if faults else None
     new_round = next((e for e in seen if e["event"] == "step" and e["round"] >= 1), None)
     reports = []
-    for bundle in sorted((folder / "bundles").glob("*.tar.gz")):
+    for bundle in sorted(folder.glob("bundles*/*.tar.gz")):
         with tarfile.open(bundle) as tar:
             reports.append(
                 json.loads(tar.extractfile(next(n for n in tar.getnames() if n.endswith("/report.json"))).read())
@@ -139,7 +164,8 @@ async def one_run(scenario: str, run: int, args: argparse.Namespace, folder: Pat
         "run": run,
         "fault_rank": fault_rank,
         "fault_step": fault_step,
-        "exit": wrapper.returncode,
+        "nodes": nodes,
+        "exit": exits[0] if nodes == 1 else exits,
         "wall_s": round(time.time() - began, 1),
         "rounds": sorted({e["round"] for e in seen if e["event"] == "start"}),
         "pages": len(triggers),
@@ -183,7 +209,8 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--work", default=None, help="where each run's folder goes (default: the temp folder)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per node")
+    parser.add_argument("--nodes", type=int, default=1, help="N > 1: N wrappers on this machine (c10d rendezvous)")
     parser.add_argument("--runs", type=int, default=3, help="runs of the transient scenario")
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--width", type=int, default=1024)
