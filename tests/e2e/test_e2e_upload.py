@@ -1,0 +1,141 @@
+"""End to end: real wrappers (gloo jobs that hang) upload their bundles to one real ``ncclwatch serve``.
+
+Two jobs hang on the same host; each wrapper pages (a real webhook receiver on loopback) and uploads its
+bundle through the spool; the server groups each job's bundle into its incident and its hosts view names
+this host in two incidents of two jobs.  Then the server is down while a job hangs: the page goes out at
+once (the upload sink's outage delays no other sink), and the bundle arrives once the server is started,
+from the wrapper's retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from receiver import Receiver
+
+import ncclwatch.launcher.demo_job as demo_job
+
+pytest.importorskip("torch")
+
+READ, UPLOAD = "read-token-e2e", "upload-token-e2e"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+async def start_server(folder: Path, port: int) -> asyncio.subprocess.Process:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NCCLWATCH_")}
+    env |= {"NCCLWATCH_API_TOKEN": READ, "NCCLWATCH_UPLOAD_TOKEN": UPLOAD}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ncclwatch", "serve", "--bundle-dir", str(folder), "--listen", f"127.0.0.1:{port}",
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    line = await asyncio.wait_for(process.stdout.readline(), 30)  # type: ignore[union-attr]
+    assert b"http://" in line, line
+    return process
+
+
+async def stop_server(process: asyncio.subprocess.Process) -> None:
+    process.terminate()
+    assert await asyncio.wait_for(process.wait(), 20) == 0
+
+
+async def start_job(tmp_path: Path, name: str, server: str, hook: str, drain_s: float = 60):  # type: ignore[no-untyped-def]
+    folder = tmp_path / name
+    folder.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NCCLWATCH_")}
+    env |= {"NCCLWATCH_UPLOAD": server, "NCCLWATCH_UPLOAD_TOKEN": UPLOAD, "NCCLWATCH_WEBHOOK_URL": hook}
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ncclwatch", "--bundle-dir", str(folder / "bundles"), "--stall-timeout", "4",
+        "--on-hang", "kill", "--alert-drain-timeout", str(drain_s), "--job-name", name,
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=0.2",
+        demo_job.__file__, "--fault=skip", "--fault-step=6", "--step-time=0.05", "--steps=2000", "--backend=gloo",
+        "--mark-dir", str(folder),
+        env=env, cwd=folder, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+
+
+async def get(base: str, path: str) -> object:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {READ}"}) as session:
+        async with session.get(base + path) as reply:
+            assert reply.status == 200, (path, reply.status, await reply.text())
+            return await reply.json()
+
+
+def triggers(receiver: Receiver) -> list[dict]:  # type: ignore[type-arg]
+    return [s.json() for s in receiver.seen if s.json().get("action") == "trigger"]
+
+
+def test_two_jobs_upload_to_one_server_which_names_the_host_in_both(tmp_path: Path) -> None:
+    async def scenario():  # type: ignore[no-untyped-def]
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        server = await start_server(tmp_path / "server", port)
+        try:
+            async with Receiver() as receiver:
+                jobs = [await start_job(tmp_path, name, base, receiver.url) for name in ("job-a", "job-b")]
+                results = [await asyncio.wait_for(job.communicate(), 240) for job in jobs]
+                codes = [job.returncode for job in jobs]
+                incidents = await get(base, "/api/incidents")
+                hosts = await get(base, "/api/hosts")
+                return codes, [r[1].decode(errors="replace") for r in results], triggers(receiver), incidents, hosts
+        finally:
+            await stop_server(server)
+
+    codes, stderrs, pages, incidents, hosts = asyncio.run(scenario())
+    assert codes == [3, 3], stderrs[0][-3000:] + stderrs[1][-3000:]
+    assert sorted(i["job"] for i in incidents) == ["job-a", "job-b"], (incidents, stderrs[0][-2000:])
+    for incident in incidents:
+        assert len(incident["nodes"]) == 1 and incident["named"], incident
+        page = next(p for p in pages if p["job"] == incident["job"])
+        assert page["dedup_key"] == incident["incident_key"]
+        assert page["incident_url"] == f"{page['incident_url'].split('/incidents/')[0]}/incidents/{page['dedup_key']}"
+    me = platform.node()
+    mine = next(h for h in hosts if h["host"] == me)
+    assert mine["days_7"] == 2 and mine["jobs_7"] == 2 and hosts[0]["host"] == me, hosts
+
+
+def test_server_down_during_the_hang_the_page_goes_out_and_the_bundle_arrives_later(tmp_path: Path) -> None:
+    async def scenario():  # type: ignore[no-untyped-def]
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        async with Receiver() as receiver:
+            job = await start_job(tmp_path, "job-late", base, receiver.url, drain_s=120)
+            waiting = asyncio.create_task(job.communicate())
+            deadline = time.monotonic() + 180
+            while not triggers(receiver):  # the page, while nothing listens on the server's port
+                assert time.monotonic() < deadline and not waiting.done(), "no page"
+                await asyncio.sleep(0.2)
+            paged_at = time.monotonic()
+            assert not list((tmp_path / "server").glob("*.tar.gz"))
+            await asyncio.sleep(3)  # the wrapper's first upload attempts find nothing
+            server = await start_server(tmp_path / "server", port)
+            started_at = time.monotonic()
+            try:
+                _, stderr = await asyncio.wait_for(waiting, 180)
+                incidents = await get(base, "/api/incidents")
+                page = triggers(receiver)[0]
+                incident = await get(base, f"/api/incidents/{page['dedup_key']}") if incidents else None
+            finally:
+                await stop_server(server)
+            return job.returncode, stderr.decode(errors="replace"), paged_at, started_at, incident, page
+
+    code, stderr, paged_at, started_at, incident, page = asyncio.run(scenario())
+    assert code == 3, stderr[-3000:]
+    assert paged_at < started_at  # the page did not wait for the server
+    assert incident is not None, stderr[-3000:]
+    assert [p["bundle_id"] for p in incident["parts"]] == [page["bundle_id"]]
+    assert incident["job"] == "job-late"
+    assert json.loads(json.dumps(page))["incident_url"].endswith(f"/incidents/{page['dedup_key']}")
