@@ -204,16 +204,17 @@ async def incident_page(request: web.Request) -> web.Response:
         body = f"<h1>404: no incident {esc(key)}</h1><p><a href='/incidents'>all incidents</a></p>"
         return html_response(page_html("ncclwatch: 404", body), 404)
     bundles = request.app[BUNDLES]
-    report: dict[str, Any] | None = None
+    shown: tuple[str, dict[str, Any], list[tuple[str, int]]] | None = None
     for part in found["parts"]:  # the first readable report of the incident's parts is shown
         path = bundles.path_of(part["bundle_id"])
         if path is not None:
             try:
-                report, _ = await asyncio.to_thread(bundles.detail, path)
-                break
+                report, files = await asyncio.to_thread(bundles.detail, path)
             except Exception:  # noqa: BLE001 - an unreadable part: the next one, and its download stays
                 continue
-    return html_response(page_html(f"ncclwatch: incident {key}", incident_body(found, report)))
+            shown = (part["bundle_id"], report, files)
+            break
+    return html_response(page_html(f"ncclwatch: incident {key}", incident_body(found, shown)))
 
 
 async def hosts_page(request: web.Request) -> web.Response:

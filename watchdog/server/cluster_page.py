@@ -79,7 +79,9 @@ def incidents_body(rows: list[dict[str, Any]], query: dict[str, str]) -> str:
     return head + form + incidents_table(rows)
 
 
-def incident_body(incident: dict[str, Any], report: dict[str, Any] | None) -> str:
+def incident_body(incident: dict[str, Any], shown: tuple[str, dict[str, Any], list[tuple[str, int]]] | None) -> str:
+    """The incident, its nodes' bundles, and ``shown``: (bundle id, report, files) of the part whose report is
+    shown below them (the first readable one)."""
     job = incident["job"] + (f" (Slurm {incident['slurm_job']})" if incident.get("slurm_job") else "")
     out = [
         f"<h1>{badge(incident.get('verdict'))} {esc(job)}</h1>{NAV}",
@@ -102,9 +104,9 @@ def incident_body(incident: dict[str, Any], report: dict[str, Any] | None) -> st
             f"<td><a href='/bundles/{bundle}'>report</a></td><td><a href='/api/bundles/{bundle}'>download</a></td></tr>"
         )
     out.append("</tbody></table>")
-    if report is not None:
-        out.append("<h2>Report</h2>")
-        out.append(report_body(incident["parts"][0]["bundle_id"], report, []))
+    if shown is not None:
+        out.append(f"<h2>Report</h2><p class='muted'>from {esc(shown[0])}</p>")
+        out.append(report_body(*shown))
     return "\n".join(out)
 
 
