@@ -390,6 +390,7 @@ class WatchdogTimeout(Event):
     timeout_ms: int | None = None
     ran_ms: int | None = None
     pg: str | None = None  # from a "[PG ID n PG GUID g(name) Rank r]" prefix, when the line has one
+    pg_desc: str | None = None  # the prefix's name: "default_pg", "tp"
     cite: Citation
 
 

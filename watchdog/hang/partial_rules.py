@@ -179,14 +179,27 @@ def _op_history(snapshot: Snapshot, orphans: list[OrphanOps]) -> tuple[str, ...]
 # --------------------------------------------------------------------------
 
 
+# SeqNums apart within which a line without a group id is taken as the default group's: a rank behind in one group
+# stops within the few collectives of the step its peers are in.
+JOIN_WINDOW = 8
+
+
 def join_contradicted(groups: list[Group]) -> list[Group]:
-    """Timeouts without a group id joined to the only group the input names where that group's ranks contradict them.
+    """Timeouts without a group id joined to the only group the input names, where they are that group's.
 
     From torch 2.4 a timeout line names no group; its rank's failure line does, and a posted excerpt often
-    lacks it.  ``pg_status`` joins such a line to the only named group when a rank of it waits in the same
-    SeqNum; here also when a rank of it reports that SeqNum as its last completed: its peer finished the
-    call this rank still waits in and went on, the divergence itself (another group's numbers would match
-    only by chance).  Never with two named groups.
+    lacks it (and logs of two torch versions mix the two forms).  ``pg_status`` joins such a line to the only
+    named group when a rank of it waits in the same SeqNum; here also when
+
+    - a rank of it reports that SeqNum as its last completed: its peer finished the call this rank still waits
+      in and went on, the divergence itself (another group's numbers would match only by chance);
+    - that group is the default group (PG ID 0, default_pg) and the line's SeqNum is within ``JOIN_WINDOW`` of
+      the group's: a line without an id is the default group's unless the input shows another, and another
+      group's numbers (a tensor-parallel group's 212 beside the default group's 1001) are rarely that close;
+    - the line times out in the same kind of call as a rank of that group: OpType, NumelIn and Timeout(ms) alike.
+
+    Then SeqNums apart compare: the rank with the lower one is behind.  Never with two named groups, nor when
+    one rank's unnamed lines show two SeqNums (several groups that cannot be told apart).
     """
     named = [g for g in groups if g.key is not None]
     unnamed = next((g for g in groups if g.key is None), None)
@@ -194,10 +207,25 @@ def join_contradicted(groups: list[Group]) -> list[Group]:
         return groups
     (group,) = named
     done = {i.completed for i in group.ranks.values() if i.completed is not None}
-    joining = {r: i for r, i in unnamed.ranks.items() if r not in group.ranks and i.waiting in done}
+    calls = {(i.op, i.numel_in, i.timeout_ms) for i in group.ranks.values() if i.op is not None}
+    seqs = [i.waiting for i in group.ranks.values() if i.waiting is not None]
+    near = lambda seq: group.default and any(abs(seq - other) <= JOIN_WINDOW for other in seqs)  # noqa: E731
+    joining = {
+        r: i
+        for r, i in unnamed.ranks.items()
+        if r not in group.ranks
+        and i.waiting is not None
+        and (i.waiting in done or near(i.waiting) or (i.op, i.numel_in, i.timeout_ms) in calls)
+    }
     if not joining:
         return groups
-    joined = Group(group.key, group.label, ranks={**group.ranks, **joining})
+    joined = Group(
+        group.key,
+        group.label,
+        ranks={**group.ranks, **joining},
+        desc=group.desc,
+        joined=tuple(sorted(joining)),
+    )
     rest = Group(None, unnamed.label, ranks={r: i for r, i in unnamed.ranks.items() if r not in joining})
     return [joined] + ([rest] if rest.ranks else [])
 
@@ -302,12 +330,25 @@ def _behind(group: Group, behind: list[RankInGroup], at_top: list[RankInGroup], 
         f"which rank {peer.rank} completed before entering SeqNum {top}."
         for i, peer in finished[:1]
     )
+    waits = "; ".join(
+        f"rank {i.rank} waits in SeqNum {i.waiting}, {top - i.waiting} before" for i in behind if i.waiting is not None
+    )
+    shown = {i.rank for i in behind + at_top}
+    joined = [r for r in group.joined if r in shown]
+    unnamed = (
+        f" Rank {', '.join(map(str, joined))}'s line names no process group: compared on {group.label}."
+        if joined
+        else ""
+    )
     evidence = [Fact("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in at_top[:6]]
     evidence += [Fact("pytorch", f"rank {i.rank}: {i.position()}", i.cites[0]) for i in behind[:6]]
     return Finding(
         verdict=Verdict.rank_behind,
         summary=f"Rank {names} never entered SeqNum {top} ({op}) on {group.label}; "
-        f"rank {', '.join(str(i.rank) for i in at_top)} wait in it." + (f" {diverged}" if diverged else ""),
+        f"rank {', '.join(str(i.rank) for i in at_top)} wait in it"
+        + (f" ({waits})." if waits and not diverged else ".")
+        + (f" {diverged}" if diverged else "")
+        + unnamed,
         reason="The behind rank's own watchdog line places it before that collective (its last enqueued work is lower, "
         "or its NCCL call for it never returned), so its peers wait for it.",
         culprits=tuple(i.rank for i in behind),

@@ -32,6 +32,7 @@ class RankInGroup:
     op: str | None = None  # OpType of that collective
     numel_in: int | None = None
     numel_out: int | None = None
+    timeout_ms: int | None = None  # the timeout of that collective's group (Timeout(ms)=)
     enqueued: int | None = None  # last enqueued SeqNum
     completed: int | None = None  # last completed SeqNum
     seqs: set[int] = field(default_factory=set)  # every SeqNum it reported waiting in (ambiguity check)
@@ -53,6 +54,13 @@ class Group:
     key: str | None  # GUID or id; None: lines that name no group
     label: str
     ranks: dict[int, RankInGroup] = field(default_factory=dict)
+    desc: str | None = None  # the group's name in the prefix: "default_pg"
+    joined: tuple[int, ...] = ()  # ranks whose lines named no group, joined to this one (``partial_rules``)
+
+    @property
+    def default(self) -> bool:
+        """The default process group: PG ID 0, GUID 0, or named default_pg (the first group a job makes)."""
+        return self.key == "0" or self.desc == "default_pg"
 
     @property
     def ambiguous(self) -> list[int]:
@@ -73,13 +81,14 @@ def build_groups(timeouts: list[WatchdogTimeout], statuses: list[PgStatus]) -> l
     }
 
     def group(key: str | None, desc: str | None) -> Group:
-        if key not in groups:
+        known = groups.get(key)
+        if known is None or (key is not None and desc and known.desc is None):
             label = (
                 "lines without a process-group id"
                 if key is None
                 else f"process group {key}" + (f" ({desc})" if desc else "")
             )
-            groups[key] = Group(key, label)
+            groups[key] = Group(key, label, ranks=known.ranks if known else {}, desc=desc if key else None)
         return groups[key]
 
     for status in statuses:
@@ -109,10 +118,11 @@ def build_groups(timeouts: list[WatchdogTimeout], statuses: list[PgStatus]) -> l
                 paired = only
         if pg is None and paired is not None:
             pg = paired.pg
-        info = group(pg, paired.pg_desc if paired else None).rank(timeout.rank)
+        info = group(pg, timeout.pg_desc or (paired.pg_desc if paired else None)).rank(timeout.rank)
         info.seqs.add(timeout.seq)
         if info.waiting is None or timeout.seq <= info.waiting:
             info.waiting, info.op = timeout.seq, timeout.op
             info.numel_in, info.numel_out = timeout.numel_in, timeout.numel_out
+            info.timeout_ms = timeout.timeout_ms
         info.cites.insert(0, timeout.cite)
     return [groups[k] for k in sorted(groups, key=lambda k: (k is None, str(k)))]

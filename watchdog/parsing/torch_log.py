@@ -212,6 +212,7 @@ class TorchLogParser:
                     timeout_ms=_opt_int(m["tmo"]),
                     ran_ms=_opt_int(m["ran"]),
                     pg=pg,
+                    pg_desc=desc,
                     cite=cite,
                 ),
             )
