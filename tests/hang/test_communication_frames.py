@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 from conftest import FIXTURES, NOW
+from engine import state_of, verdict_of
+from nccl_lines import init, op
 
 from ncclwatch.watchdog.events import Citation, Event, ProcessState, StackDump, Stall, ThreadStack, WorkerSeen
 from ncclwatch.watchdog.hang.classify import judge
@@ -123,3 +125,35 @@ class TestPipelineScheduleStalled:
     def test_both_stages_in_their_own_code_is_still_a_pause(self) -> None:
         decision = judged(*self.workers, sleeping(1000), sleeping(1001), STALL)
         assert (decision.finding.verdict, decision.page) == (Verdict.progress_stalled, False)
+
+
+class TestPipelineTimesDataParallelOnNccl:
+    """2 x 2 on NCCL (H200, torch 2.11): ranks 1 and 2, one pipeline, both ``recv`` first while their data-parallel
+    peers 0 and 3 wait in the all-reduce.  NCCL blocks 1 and 2 inside ``irecv`` (the pair's communicator is split
+    from the parent, which waits for every rank): py-spy's innermost frame is ``irecv``, not ``recv``'s wait."""
+
+    workers = [WorkerSeen(pid=1000 + r, rank=r, world_size=4, host=f"node{r // 2}", at=NOW - 60) for r in range(4)]
+
+    @staticmethod
+    def dump(pid: int, *frames: str) -> StackDump:
+        thread = ThreadStack(name="MainThread", frames=list(frames))
+        return StackDump(pid=pid, threads=[thread], cite=Citation(file="py-spy"))
+
+    def test_both_receivers_are_a_p2p_deadlock_not_ranks_behind(self) -> None:
+        recv = (
+            "irecv (torch/distributed/distributed_c10d.py:2597)",
+            "recv (torch/distributed/distributed_c10d.py:2651)",
+        )
+        recv_frames = (*recv, "Fault.at (shapes_job.py:139)", "main (shapes_job.py:330)")
+        reduce_frames = ("all_reduce (torch/distributed/distributed_c10d.py:3007)", "main (shapes_job.py:212)")
+        dumps = [self.dump(1000 + r, *(recv_frames if r in (1, 2) else reduce_frames)) for r in range(4)]
+        # The sequences: 0 and 3 went on into the next all-reduce, which 1 and 2 never entered.
+        logs = {
+            f"node{r // 2}.{1000 + r}": init(r, 4, f"0x{r}00")
+            + "".join(op(r, "AllReduce", 4096, f"0x{r}00") for _ in range(20 if r in (1, 2) else 21))
+            for r in range(4)
+        }
+        assert (verdict_of(logs).verdict, verdict_of(logs).culprits) == (Verdict.rank_behind, (1, 2))
+        decision = judge(take_snapshot(state_of(logs, extra=[*self.workers, *dumps, STALL]), observed_at=NOW))
+        assert (decision.finding.verdict, decision.finding.culprits) == (Verdict.p2p_deadlock, (1, 2))
+        assert "all wait in recv" in decision.finding.summary

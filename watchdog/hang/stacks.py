@@ -53,9 +53,20 @@ from pathlib import PurePosixPath
 from ncclwatch.watchdog.events import StackDump, ThreadStack
 
 _C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")
-# distributed_c10d's point-to-point calls: the blocking ones name their side, the others return a Work at once
-_P2P_SIDES = {"send": "send", "send_object_list": "send", "recv": "recv", "recv_object_list": "recv"}
-_P2P_ISSUES = frozenset({"isend", "irecv", "batch_isend_irecv"})
+# distributed_c10d's point-to-point calls: the blocking ones name their side.  The others return a Work at once,
+# except that NCCL builds a pair's communicator inside the first isend/irecv between them, and with a bound device
+# (eager init) that is a split of the parent communicator, which waits for every rank of it: a rank seen in irecv
+# at a stall is blocked there, on that side (H200, NCCL 2.28.9, torch 2.11: pipeline x data parallel, ranks 1 and 2
+# recv first while 0 and 3 wait in the data-parallel all-reduce; ``recv`` is ``irecv(...).wait()`` since torch 2.5).
+_P2P_SIDES = {
+    "send": "send",
+    "send_object_list": "send",
+    "isend": "send",
+    "recv": "recv",
+    "recv_object_list": "recv",
+    "irecv": "recv",
+}
+_P2P_ISSUES = frozenset({"batch_isend_irecv"})
 # Waits issued by torch's own layers, (file, function) as py-spy names them (the function's last qualified part):
 # the pipelining schedules' batched sends and recvs; functional collectives (DTensor's redistribute among them)
 # and a pipelined FSDP stage's unshard.
