@@ -28,6 +28,7 @@ from ncclwatch.watchdog.hang.verdicts import (
     Verdict,
     VerdictEntry,
 )
+from ncclwatch.watchdog.provenance import EXIT_MIXED_JOBS
 
 HELP_COLUMNS = 78
 
@@ -89,6 +90,14 @@ exit status:
   {EXIT_UNREADABLE}  no report: no input could be read (missing, a bundle cut short), or
      none holds anything analyze reads (empty, binary or other files).
      One line on stderr says so.
+  {EXIT_MIXED_JOBS}  no report: the inputs hold bundles or run folders of different jobs
+     (torchrun's run id, or its store under static rendezvous, in their
+     journals).  One line on stderr names each job's files, hosts, pids and
+     times; give one job at a time.  Restart rounds of one job are not
+     refused: the newest round is judged, the older rounds' files are set
+     aside, and the report says so.  NCCL logs without a journal are told
+     apart by commId, host and pid: each communicator is judged apart, the
+     most severe verdict given and the jobs found said.
   An input that cannot be read beside readable ones is said on stderr and
   in the inputs list; the others are judged and the status is the verdict's,
   also when the output's reader stops early (| head).
@@ -132,12 +141,17 @@ def run_analyze(argv: list[str]) -> int:
     from ncclwatch.watchdog.analyze import analyze_paths
     from ncclwatch.watchdog.hang.report import render_text
     from ncclwatch.watchdog.inputs import NO_SUCH_FILE, cannot_read
+    from ncclwatch.watchdog.provenance import MixedJobs
 
     args = analyze_parser().parse_args(argv)
     if args.window < 16:
         print("ncclwatch analyze: --window must be at least 16", file=sys.stderr)
         return EXIT_INCONCLUSIVE
-    report = analyze_paths(args.paths, window=args.window)
+    try:
+        report = analyze_paths(args.paths, window=args.window)
+    except MixedJobs as mixed:
+        print(f"ncclwatch analyze: {mixed}", file=sys.stderr)
+        return EXIT_MIXED_JOBS
     unreadable = [item for item in report.inputs if cannot_read(item)]
     for item in unreadable[:UNREADABLE_SAID]:
         said = f"no such file: {item.path}" if item.note == NO_SUCH_FILE else f"{item.path}: {item.note}"
