@@ -230,6 +230,7 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     sidecar = _sidecar(
         settings, dirs, job.pid, job_name, host, write_bundle, alerts.dispatcher, prober, perf, responder
     )
+    sidecar.bundle_for = write_bundle.bundle_for
     ops: list[asyncio.Task] = []  # type: ignore[type-arg]
     runner = await _operations(sidecar, settings, ops)
     watching = asyncio.create_task(sidecar.run())

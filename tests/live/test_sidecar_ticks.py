@@ -486,6 +486,32 @@ def test_one_node_judges_its_own_ranks_and_pages_them(tmp_path: Path) -> None:
     assert asyncio.run(judging.paged_elsewhere(job_wide=False, following=False)) is None
 
 
+def test_the_page_goes_out_before_the_evidence_and_links_the_bundle_about_to_be_written(tmp_path: Path) -> None:
+    """Collecting the evidence takes seconds (stacks, dumps, the bandwidth probe): the alert does not wait for it."""
+    rig = Rig(tmp_path)
+    sent: list = []  # type: ignore[type-arg]
+    rig.sidecar.dispatcher.submit = sent.append  # type: ignore[union-attr]
+    planned = tmp_path / "bundles" / "train-node1-hang.tar.gz"
+    rig.sidecar.bundle_for = lambda report, view: planned
+    seen_by_reporter: list[int] = []
+
+    async def slow_reporter(report, decision, view):  # type: ignore[no-untyped-def]
+        seen_by_reporter.append(len(sent))  # alerts already submitted when the bundle is begun
+        planned.parent.mkdir()
+        planned.write_bytes(b"bundle")
+        return report, planned
+
+    rig.sidecar.reporter = slow_reporter
+    healthy_job(rig)
+    stuck_frames(rig)
+    rig.tick(25.1)
+    rig.tick(25.1 + CONFIRM_S)
+    assert rig.phase is Phase.paged and seen_by_reporter == [1]
+    (alert,) = sent
+    assert alert.action == "trigger" and alert.bundle_url == planned.resolve().as_uri()
+    assert rig.sidecar.reported[0].bundle == planned
+
+
 def test_a_restart_is_followed_until_the_new_round_trains(tmp_path: Path) -> None:
     """``Responding``: after restart 1 of 3 the old round's silence is not watched; the new round's ranks are, and
     the page is resolved once every one of them has taken a step."""

@@ -263,15 +263,18 @@ class BundleWriter:
     ras_withheld: Callable[[], str | None] = lambda: None  # why RAS must not be asked (the prober's rule); None: ask
     notes: Sequence[str] = ()  # said in every report of this run (what the bus-bandwidth probe measures, and when)
 
+    def bundle_for(self, report: Report, view: LiveView) -> Path:
+        """Where this report's bundle will be written (``write_bundle`` renames the staging folder's pack to it)."""
+        name = bundle_name(self.job_name, self.host, view.observed_at, report.verdict.value)
+        return self.settings.bundle_dir / f"{name}.tar.gz"
+
     async def __call__(self, report: Report, decision: Decision, view: LiveView) -> tuple[Report, Path | None]:
         report = report.model_copy(
             update={"notes": [*report.notes, *self.notes], "performance": perf_notes(self.performance())}
         )
         print(terminal_text(report), file=sys.stderr, flush=True)
         settings = self.settings
-        staging = settings.bundle_dir / (
-            "." + bundle_name(self.job_name, self.host, view.observed_at, report.verdict.value)
-        )
+        staging = settings.bundle_dir / ("." + self.bundle_for(report, view).name.removesuffix(".tar.gz"))
         staging.mkdir(parents=True, exist_ok=True)
         alive = view.alive
         targets = tuple(

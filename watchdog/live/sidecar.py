@@ -64,6 +64,8 @@ class Sidecar:
     out: TextIO | None = None
     dispatcher: Dispatcher | None = None  # alerts (PagerDuty, Slack, webhooks); None: none configured
     bundle_base_url: str | None = None  # where the bundle API is reachable, for links in alerts
+    # Where the reporter will write a report's bundle: the page goes out first and links it (None: no link).
+    bundle_for: Callable[[Report, LiveView], Path | None] = lambda report, view: None
     host: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
     clock: Callable[[], float] = time.time
     join_cluster: InitVar[ClusterFactory | None] = None  # several nodes: meet the other sidecars through the store
@@ -204,20 +206,22 @@ class Sidecar:
         if job_wide:  # before the bundle: the members page (and restart or end their ranks) meanwhile
             await judging.publish_verdict(decision, plan)
         said_instead = await judging.paged_elsewhere(job_wide, following)  # None: this node pages
+        response = {"response": plan.headline()} if plan is not None else {}
+        reported = Reported(started_at, decision, report.model_copy(update=response), self.bundle_for(report, view))
+        if said_instead is None and self.dispatcher is not None:  # retried and spooled by the dispatcher
+            # Paged before the evidence is collected (seconds: stacks, dumps, the bandwidth probe): the alert
+            # links the bundle where it is about to be written.
+            reported.alert = reported.trigger(self.bundle_base_url, self.settings.upload)
+            self.dispatcher.submit(reported.alert)
         try:
-            report, bundle = await self.reporter(report, decision, view)
+            report, reported.bundle = await self.reporter(report, decision, view)
         except Exception:  # a broken sink must not end the watch: the job may hang again
             log.exception("reporting the hang failed")
-            return
-        if plan is not None:
-            report = report.model_copy(update={"response": plan.headline()})
-        reported = Reported(started_at=started_at, decision=decision, report=report, bundle=bundle)
+            report, reported.bundle = reported.report, None
+        reported.report = report.model_copy(update=response)
         self.reported.append(reported)
         if said_instead is not None:
             self._say(said_instead())
-        elif self.dispatcher is not None:  # delivery is retried and spooled by the dispatcher
-            reported.alert = reported.trigger(self.bundle_base_url, self.settings.upload)
-            self.dispatcher.submit(reported.alert)
         if plan is not None:
             if plan.ends_job and job_wide:
                 await judging.hand_off()

@@ -31,6 +31,7 @@ from ncclwatch.watchdog.sinks.webhooks import DETAIL_MAX, outcome, retry_after_s
 UPLOAD_PATH = "/api/upload"
 BASE_TIMEOUT_S = 30.0
 SLOWEST_BYTES_PER_S = 1 << 20  # the timeout grows with the bundle: 50 MB at 1 MiB/s is 78 s
+BUNDLE_WRITE_S = 600.0  # a bundle not there this long after its page never will be (evidence budgets are seconds)
 
 
 def incident_url(server: str, dedup_key: str) -> str:
@@ -74,6 +75,11 @@ class UploadSink:
             headers["X-Ncclwatch-Slurm-Job"] = alert.slurm_job_id
         try:
             handle = path.open("rb")
+        except FileNotFoundError as exc:
+            # The page goes out before the evidence is collected (live/sidecar.py): the bundle follows.
+            writing = waited < BUNDLE_WRITE_S
+            detail = "the bundle is still being written" if writing else f"the bundle cannot be read: {exc}"
+            return Delivery(ok=False, retry=writing, detail=detail[:DETAIL_MAX])
         except OSError as exc:
             return Delivery(ok=False, retry=False, detail=f"the bundle cannot be read: {exc}"[:DETAIL_MAX])
         with handle:
