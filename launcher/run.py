@@ -49,6 +49,7 @@ from ncclwatch.watchdog.server.app import make_app, start_server, stop_server
 from ncclwatch.watchdog.server.metrics import HealthCollector, TextfileWriter
 from ncclwatch.watchdog.sinks.delivery import Dispatcher, sinks_from_settings, spool_dir_for
 from ncclwatch.watchdog.sources.files import HeartbeatSource, NcclFileSource
+from ncclwatch.watchdog.sources.kmsg import KmsgSource
 from ncclwatch.watchdog.sources.nvml import NvmlSource
 from ncclwatch.watchdog.sources.workers import WorkerSource
 
@@ -171,6 +172,7 @@ def _sidecar(
         NcclFileSource(dirs.nccl, interval=poll),
         HeartbeatSource(dirs.hb, interval=poll),
         NvmlSource(),
+        KmsgSource(host=host),  # the GPU driver's Xids, where this user may read the kernel log
     ]
     prober = prober or JobProber(dirs.fr, settings.pyspy, ras_port=settings.ras_port)
 

@@ -653,6 +653,44 @@ class NetworkError(Event):
         return self.peer.split("<", 1)[0] if self.peer else None
 
 
+class XidError(Event):
+    """The GPU driver's Xid in the kernel log: ``NVRM: Xid (PCI:0000:3b:00): 79, pid=..., GPU has fallen off the bus.``
+
+    ``bus_id`` as the driver prints it (``0000:3b:00``: domain, bus, device); ``gpu_bus_key`` compares it with
+    NCCL's ``busId 3b000`` and NVML's ``00000000:3B:00.0``.  ``time``: as the log printed it (seconds since boot
+    for dmesg and /dev/kmsg, a date for ``dmesg -T``, syslog and journalctl); ``host``: where the log names it.
+    ``meaning`` and ``hardware`` come from the table of common Xids (``parsing.kernel_log.XID_TABLE``).
+    """
+
+    code: int
+    bus_id: str
+    pid: int | None = None
+    process: str | None = None
+    message: str
+    time: str | None = None
+    host: str | None = None
+    meaning: str | None = None
+    hardware: bool = False  # the Xid points at the GPU or its links, not the program
+    cite: Citation
+
+
+def gpu_bus_key(bus_id: str | None) -> str | None:
+    """One spelling of a GPU's PCI address, ``dddd:bb:dd`` (domain, bus, device), from the driver's
+    ``0000:3b:00``, NVML's ``00000000:3B:00.0`` or NCCL's ``busId 3b000`` (its int64 of the same hex digits)."""
+    if not bus_id:
+        return None
+    text = bus_id.strip().lower().removeprefix("pci:")
+    try:
+        if ":" not in text:
+            value = int(text, 16)
+            return f"{value >> 20:04x}:{(value >> 12) & 0xFF:02x}:{(value >> 4) & 0xFF:02x}"
+        parts = text.split(":")
+        domain, bus, device = ([0, *parts] if len(parts) == 2 else parts)[-3:]
+        return f"{int(str(domain), 16):04x}:{int(bus, 16):02x}:{int(device.split('.')[0], 16):02x}"
+    except ValueError:
+        return None
+
+
 class RankLog(Event):
     """Lines of one rank were found in an input: its log is held (a combined file or one per rank)."""
 

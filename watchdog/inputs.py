@@ -44,6 +44,8 @@ from ncclwatch.watchdog.events import Event, OpBatch, ProcKey, RankLog
 from ncclwatch.watchdog.hang.report import InputFile
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.parsing import EXCLUSIVE, SNIFF_BYTES, NcclLogParser
+from ncclwatch.watchdog.parsing.kernel_log import KernelLogParser, looks_like_kernel_log
+from ncclwatch.watchdog.parsing.line_prefix import LinePrefix, PrefixStripper, detect
 from ncclwatch.watchdog.parsing.nccl_excerpt import OrphanScanner
 from ncclwatch.watchdog.parsing.nccl_log import Residual
 from ncclwatch.watchdog.parsing.rank_prefix import SAMPLE as PREFIX_SAMPLE
@@ -200,7 +202,10 @@ def _ingest(state: JobState, name: str, spool: dict[str, str]) -> tuple[InputFil
                 return InputFile(path=name, kinds=[exclusive.name], note=_compressed(compression)), None
             if b"\x00" in head[:65536]:
                 return InputFile(path=name, kinds=[], note="not a recognised format; ignored"), None
-            ingest = TextIngest(state, name)
+            prefix = detect(head)
+            if prefix is not None and (entry := _prefixed_exclusive(state, name, prefix, head, handle, compression)):
+                return entry, None
+            ingest = TextIngest(state, name, prefix)
             return ingest.run(head, handle, compression), ingest
     except (OSError, EOFError, lzma.LZMAError) as exc:
         problem = (
@@ -209,6 +214,19 @@ def _ingest(state: JobState, name: str, spool: dict[str, str]) -> tuple[InputFil
             else f"cannot decompress: {exc}"
         )
         return InputFile(path=name, kinds=[], note=problem), None
+
+
+def _prefixed_exclusive(
+    state: JobState, name: str, prefix: LinePrefix, head: bytes, handle: BinaryIO, compression: str | None
+) -> InputFile | None:
+    """A whole-file format (a RAS report, a py-spy dump) printed through a launcher: read less its prefixes."""
+    exclusive = next((f for f in EXCLUSIVE if f.looks_like(prefix.remove_lines(head))), None)
+    if exclusive is None:
+        return None
+    for event in exclusive.parse(prefix.remove_lines(head + handle.read()), name):  # type: ignore[misc]
+        state.apply(event)
+    note = f"read through its {prefix.name} prefix" + _suffix(_compressed(compression))
+    return InputFile(path=name, kinds=[exclusive.name], note=note)
 
 
 def cannot_read(item: InputFile) -> bool:
@@ -230,9 +248,12 @@ class TextIngest:
     transports of the inputs found to be NCCL logs, in order, without a second pass.
     """
 
-    def __init__(self, state: JobState, name: str) -> None:
+    def __init__(self, state: JobState, name: str, prefix: LinePrefix | None = None) -> None:
         self.state = state
         self.name = name
+        # A launcher's or scheduler's prefix on every line (``line_prefix``): rewritten before any parser reads.
+        self.stripper = PrefixStripper(prefix) if prefix is not None else None
+        self.kernel: KernelLogParser | None = None  # the driver's Xid lines, where the input is a kernel log
         self.file_rank = rank_of_file(name)
         self.nccl = NcclLogParser(name, watch=_WATCHED)
         self.torch = TorchLogParser(name, self.file_rank)
@@ -248,11 +269,25 @@ class TextIngest:
         self._prefixes_known: set[bytes] = set()
 
     def run(self, head: bytes, handle: BinaryIO, compression: str | None) -> InputFile:
-        self._feed(head)
-        while chunk := handle.read(CHUNK_BYTES):
-            self._feed(chunk)
-        self._feed(b"", final=True)
+        # Decided once from the head: an NCCL debug file pays nothing for the kernel log's reader.
+        self.kernel = KernelLogParser(self.name) if looks_like_kernel_log(head) else None
+        chunk = head
+        while chunk:
+            self._read(chunk)
+            chunk = handle.read(CHUNK_BYTES)
+        self._read(b"", final=True)
         return self._account(compression)
+
+    def _read(self, chunk: bytes, final: bool = False) -> None:
+        if self.kernel is not None:  # the kernel log's own prefixes carry the time and host: it reads the original
+            for event in self.kernel.feed(chunk, final=final):
+                self.state.apply(event)
+        if self.stripper is None:
+            self._feed(chunk, final=final)
+            return
+        text = self.stripper.feed(chunk, final=final)
+        if text or final:
+            self._feed(text, final=final)
 
     def _feed(self, chunk: bytes, final: bool = False) -> None:
         residual = None
@@ -311,11 +346,20 @@ class TextIngest:
             self.state.apply(event)
 
     def _account(self, compression: str | None) -> InputFile:
-        total = max(self.nccl.lines_seen, self.torch.lines_seen)
+        kernel_used = self.kernel.lines_used if self.kernel is not None else 0
+        total = max(self.nccl.lines_seen, self.torch.lines_seen, self.kernel.lines_seen if self.kernel else 0)
         for event in self._rank_logs(total):
             self.state.apply(event)
-        kinds = [k for k, n in (("nccl_log", self.nccl_ops + self.nccl_other), ("torch_log", self.torch_events)) if n]
-        used = self.nccl_ops + self.nccl_other + self.torch.lines_used
+        kinds = [
+            k
+            for k, n in (
+                ("nccl_log", self.nccl_ops + self.nccl_other),
+                ("torch_log", self.torch_events),
+                ("kernel_log", kernel_used),
+            )
+            if n
+        ]
+        used = self.nccl_ops + self.nccl_other + self.torch.lines_used + kernel_used
         if not kinds and not self._ranks_said:
             return InputFile(
                 path=self.name, kinds=[], note="not a recognised format; ignored" + _suffix(_compressed(compression))
@@ -327,6 +371,7 @@ class TextIngest:
                 (self.nccl_ops, "NCCL operations"),
                 (self.nccl_other, "NCCL init/end/warning lines"),
                 (self.torch.lines_used, "PyTorch or network diagnostics"),
+                (kernel_used, "GPU driver Xid lines"),
             )
             if n
         ]
@@ -341,6 +386,12 @@ class TextIngest:
             parts.append(f"{self.nccl.garbled} garbled operation line(s) skipped (interleaved or cut writes)")
         if self._ranks_said:
             parts.append(self._ranks_said)
+        if self.stripper is not None:
+            streams = len(self.stripper.labels)
+            parts.append(
+                f"lines read through their {self.stripper.prefix.name} prefix"
+                + (f" ({streams} stream{'s' if streams != 1 else ''})" if streams else "")
+            )
         if compression:
             parts.append(_compressed(compression) or "")
         return InputFile(path=self.name, kinds=kinds or ["text"], note="; ".join(parts))

@@ -22,6 +22,7 @@ from itertools import compress, count
 from ncclwatch.watchdog.events import P2P_OPS, OpSig, ProcKey
 from ncclwatch.watchdog.evidence.redact import redact_text
 from ncclwatch.watchdog.hang.types import Finding, OpRef
+from ncclwatch.watchdog.parsing.line_prefix import LinePrefix, detect
 from ncclwatch.watchdog.parsing.nccl_log import iter_op_lines, op_records, op_table
 
 CHUNK_BYTES = 8 << 20  # a cited 1 GB log is never read whole
@@ -92,16 +93,20 @@ def _key(proc: ProcKey, comm_ptr: str, sig: OpSig) -> tuple:
 
 
 def _chunks(file: str) -> Iterator[tuple[bytes, int]]:
-    """A file's whole lines, chunk by chunk, with the lines before each."""
+    """A file's whole lines, chunk by chunk, with the lines before each; a launcher's prefix on every line
+    (``line_prefix``, as ``inputs.TextIngest`` read it) rewritten, the line numbers unchanged."""
     try:
         with open(file, "rb") as handle:
             carry, lines = b"", 0
+            prefix: LinePrefix | None = None
             while chunk := handle.read(CHUNK_BYTES):
+                if not lines and not carry:
+                    prefix = detect(chunk)
                 body = carry + chunk
                 cut = body.rfind(b"\n") + 1
-                yield body[:cut], lines
+                yield (prefix.strip(b"\n" + body[:cut])[1:] if prefix else body[:cut]), lines
                 lines += body.count(b"\n", 0, cut)
                 carry = body[cut:]
-            yield carry, lines
+            yield (prefix.strip(b"\n" + carry)[1:] if prefix else carry), lines
     except OSError:
         return

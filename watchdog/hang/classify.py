@@ -42,6 +42,7 @@ from ncclwatch.watchdog.hang.stacks import IN_COMMUNICATION, Whereabouts, short_
 from ncclwatch.watchdog.hang.types import Fact, Finding, RankStatus
 from ncclwatch.watchdog.hang.verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
 from ncclwatch.watchdog.hang.verdicts import HANG_VERDICTS, Verdict
+from ncclwatch.watchdog.hang.xid import with_xids
 
 BUSY_CPU_SHARE = 0.2  # of one core, over the last few seconds
 BUSY_IO_BYTES_PER_S = 64 << 10  # a log line now and then is not a checkpoint
@@ -63,7 +64,7 @@ def judge(snapshot: Snapshot) -> Decision:
     finding = _unblame_absent(decide(snapshot), snapshot)
     special = _stopped(snapshot.workers, finding) or _dead(snapshot, finding)
     if special is not None:
-        return Decision(_with_where(special, where), page=True)
+        return Decision(_with_where(with_xids(special, snapshot), where), page=True)
     stall = snapshot.stall
     if stall is not None and finding.verdict in (Verdict.no_hang, Verdict.inconclusive):
         # A rank is inside communication when its stack says so or its GPU spins in NCCL.
@@ -86,7 +87,7 @@ def judge(snapshot: Snapshot) -> Decision:
             or _lead_from_stacks(finding, where)
         )
     finding = _p2p_wait_from_stacks(finding, where, snapshot) or finding
-    finding = _with_where(finding, where)
+    finding = _with_where(with_xids(finding, snapshot), where)
     busy = _busy(finding.culprits, snapshot, where) if finding.verdict == Verdict.rank_behind else []
     if stall is not None and busy and stall.stalled_for_s < stall.progress_timeout_s:
         return Decision(

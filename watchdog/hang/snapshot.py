@@ -8,7 +8,7 @@ rank's window (bounded), never the whole history.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
@@ -138,6 +138,8 @@ class Snapshot:
     partial: tuple[Event, ...] = ()  # PgStatus, CollectiveFingerprint, NetworkError, RankLog, OrphanOps
     # the process groups a DeviceMesh made (name, dimension, members), from the Flight Recorder dumps: hang/mesh.py
     mesh_groups: tuple[GroupView, ...] = ()
+    # each NCCL process's GPU (PCI address from its Init line's busId): which rank a kernel Xid's GPU is
+    gpu_bus: Mapping[ProcKey, str] = field(default_factory=lambda: MappingProxyType({}))
 
     def rank_of_pid(self) -> dict[int, int]:
         """Global rank of every process known: NCCL's Init lines, then the workers' environment."""
@@ -233,4 +235,5 @@ def take_snapshot(state: JobState, observed_at: float) -> Snapshot:
         stall=state.stall,
         partial=tuple(state.partial),
         mesh_groups=mesh_groups_of_dumps(state.fr_dumps.values()),
+        gpu_bus=MappingProxyType({p: i.bus_id for p, i in state.procs.items() if i.bus_id}),
     )

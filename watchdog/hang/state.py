@@ -64,6 +64,7 @@ from ncclwatch.watchdog.events import (
     WorkerFailure,
     WorkerGone,
     WorkerSeen,
+    XidError,
     group_label,
 )
 
@@ -178,6 +179,7 @@ class NcclProcess:
     proc: ProcKey
     nccl_version: str | None = None
     files: set[str] = field(default_factory=set)
+    bus_id: str | None = None  # its GPU's PCI address, from its Init line (``busId``): where a kernel Xid lands
 
 
 @dataclass
@@ -285,7 +287,9 @@ class JobState:
         self._proc(event.proc, event.cite.file).nccl_version = event.version
 
     def _on_init(self, event: CommInit) -> None:
-        self._proc(event.proc, event.cite.file)
+        info = self._proc(event.proc, event.cite.file)
+        if event.bus_id:
+            info.bus_id = event.bus_id
         slot = (event.proc, event.comm_ptr)
         if event.phase == "complete" and slot in self._live:
             return
@@ -732,6 +736,7 @@ _HANDLERS = {
     NetworkError: JobState._on_partial,
     RankLog: JobState._on_partial,
     OrphanOps: JobState._on_partial,
+    XidError: JobState._on_partial,
     WorkerFailure: lambda s, e: s.failures.append(e),
     RasReport: lambda s, e: s.ras.append(e),
     StackDump: lambda s, e: s.stacks.__setitem__(e.pid, e),

@@ -24,6 +24,7 @@ class Verdict(StrEnum):
     process_dead = "process_dead"
     process_stopped = "process_stopped"
     gpu_compute_hang = "gpu_compute_hang"
+    gpu_xid = "gpu_xid"
     stuck_in_collective = "stuck_in_collective"
     progress_stalled = "progress_stalled"
     network_error = "network_error"
@@ -127,10 +128,29 @@ _ENTRIES = (
         "NVML sample in the bundle",
         restart=True,
         restart_why="a new process clears the GPU's endless kernel",
-        # Not drained: without the GPU's Xid (not collected yet) a kernel that never ends is as often the program's.
+        # Not drained: a kernel that never ends is as often the program's; with a hardware Xid on the rank's GPU the
+        # verdict becomes gpu_xid, which is (``classify._with_xid``).
         # Not conclusive: one NVML sample or dump cannot tell a kernel that never ends from a long one (autotuning,
         # a first step) while the peers already wait; the stall timeout does.
         culprit_does="has its GPU stuck in a non-NCCL kernel while its peers wait in {op}",
+    ),
+    VerdictEntry(
+        verdict=Verdict.gpu_xid,
+        # Not conclusive: the Xid only names whose GPU failed; the hang it strengthens (stuck, behind, stalled) still
+        # waits for the stall timeout, and some hardware Xids (a contained ECC error, a row remap) let a job go on.
+        priority=8,
+        hang=True,
+        meaning="a rank's GPU reported a hardware Xid (the kernel log) while the job hangs",
+        detail="The GPU driver's `NVRM: Xid` lines (a kernel log given to `analyze`, or /dev/kmsg live): an Xid that "
+        "points at the hardware (79 off the bus, 48/94/95 ECC, 74 and 144-150 NVLink, 119/120 GSP) on the GPU of a "
+        "rank that a GPU, stuck, behind, dead or stalled verdict blames (of any rank where it names none), placed by "
+        "the bus id of NCCL's Init lines or NVML. Other verdicts cite the Xid.",
+        next_step="take the node of {ranks} out of service and check its GPU (nvidia-smi -q, the Xid in the "
+        "bundle's kernel log); the Xid table in NVIDIA's Xid catalogue says what to reset or replace",
+        restart=True,
+        restart_why="the restart moves the job off the failed GPU where the scheduler gives it another node",
+        drain=True,
+        # No culprit_does: the headline quotes the summary, which starts with the Xid ("Xid 79 on GPU ...").
     ),
     VerdictEntry(
         verdict=Verdict.stuck_in_collective,

@@ -17,10 +17,16 @@ import re
 from collections.abc import Callable
 from pathlib import PurePath
 
-# "[rank3]:", "[default3]:", "[trainer3]:" (torchrun's role name), "3: " (srun --label).
+# "[rank3]:", "[default3]:", "[trainer3]:" (torchrun's role name), "3: " (srun --label), and the tags
+# ``line_prefix`` writes for srun's and mpirun's labels: "[task3]: ", "[mpirank3]: ".
 _LINE_RE = re.compile(r"^\s*(?:\[(?P<role>rank|default|[A-Za-z_]+)(?P<n>\d+)\]:|(?P<task>\d+): )")
-_LINE_RE_B = re.compile(rb"\n(?:\[(rank|default)(\d+)\]:|(\d+): )")
-_PREFIX_B = re.compile(rb"\n(?:\[(?:rank|default)\d+\]:|\d+: )")
+_LINE_RE_B = re.compile(rb"\n(?:\[(rank|default|task|mpirank)(\d+)\]:|(\d+): )")
+_PREFIX_B = re.compile(rb"\n(?:\[(?:rank|default|task|mpirank)\d+\]:|\d+: )")
+_HOW = {
+    "task": "srun --label prefix",
+    "rank": "[rankN]: prefix",
+    "mpirank": "mpirun --tag-output prefix",
+}
 _FILE_RE = re.compile(r"(?:^|[^a-z0-9])rank[_-]?(\d+)(?:[^0-9]|$)", re.IGNORECASE)
 _TORCHRUN_DIR_RE = re.compile(r"attempt_\d+/(\d+)/(?:stdout|stderr|error)\.(?:log|txt|json)$")
 
@@ -33,8 +39,8 @@ def rank_of_line(line: str) -> tuple[int, str] | None:
     if m["task"] is not None:
         return int(m["task"]), "srun --label prefix"
     role = m["role"]
-    if role == "rank":
-        return int(m["n"]), "[rankN]: prefix"
+    if role in _HOW:
+        return int(m["n"]), _HOW[role]
     return int(m["n"]), f"[{role}N]: prefix (torchrun --tee, local rank)"
 
 
@@ -82,8 +88,8 @@ def _add(counts: dict[tuple[int, str], int], groups: tuple[bytes, bytes, bytes],
     role, number, task = groups
     if task:
         key = (int(task), "srun --label prefix")
-    elif role == b"rank":
-        key = (int(number), "[rankN]: prefix")
+    elif role.decode() in _HOW:
+        key = (int(number), _HOW[role.decode()])
     else:
         key = (int(number), "[defaultN]: prefix (torchrun --tee, local rank)")
     counts[key] = counts.get(key, 0) + n

@@ -42,6 +42,7 @@ from ncclwatch.watchdog.events import (
     WorkerFailure,
 )
 from ncclwatch.watchdog.parsing import net_errors
+from ncclwatch.watchdog.parsing.line_prefix import TAG_RE
 from ncclwatch.watchdog.parsing.rank_prefix import rank_of_line
 
 _TIMEOUT_MARK = b"Watchdog caught collective operation timeout"
@@ -109,7 +110,8 @@ class TorchLogParser:
         self._carry = b"\n"
         self._seen: set[tuple] = set()
         self._root_cause = False
-        self._table: tuple[int, int | None, str | None] | None = None  # rank, local rank, host
+        # Per stream (``line_prefix``'s tag, "" untagged): rank, local rank, host of the table row being read.
+        self._table: dict[str, tuple[int, int | None, str | None]] = {}
 
     def feed(self, data: bytes, final: bool = False) -> list[Event]:
         # As in NcclLogParser: the carry starts with the previous line's "\n",
@@ -137,14 +139,18 @@ class TorchLogParser:
             counted_to = start + 1
             previous = body[body.rfind(b"\n", 0, start) + 1 : start] if start > 0 else b""
             text = body[start + 1 : end].decode(errors="replace").rstrip("\r")
-            produced = self._line(text, line_no, previous.decode(errors="replace"))
+            stream = TAG_RE.match(text)
+            if stream is not None:  # a combined file: this line's stream is its tag, its previous line the stream's
+                text = text[stream.end() :]
+                previous = _previous_in_stream(body, start, stream[0].encode())
+            produced = self._line(text, line_no, previous.decode(errors="replace"), stream[0] if stream else "")
             if produced:
                 self.lines_used += 1
                 events.extend(produced)
         self.lines_seen += body.count(b"\n", 0, stop)
         return events
 
-    def _line(self, text: str, line_no: int, previous: str) -> list[Event]:
+    def _line(self, text: str, line_no: int, previous: str, stream: str = "") -> list[Event]:
         cite = Citation(file=self.name, line=line_no, text=text.strip()[:400])
         prefixed = rank_of_line(text)
         line_rank = prefixed[0] if prefixed and prefixed[1].startswith("[rankN]") else None
@@ -155,11 +161,10 @@ class TorchLogParser:
             return []
         if (m := _TABLE_RANK_RE.match(text)) is not None:
             host = _TABLE_HOST_RE.match(previous)
-            self._table = (int(m["rank"]), _opt_int(m["lrank"]), host["host"] if host else None)
+            self._table[stream] = (int(m["rank"]), _opt_int(m["lrank"]), host["host"] if host else None)
             return []
-        if (m := _TABLE_EXIT_RE.match(text)) is not None and self._table is not None:
-            rank, local_rank, host = self._table
-            self._table = None
+        if (m := _TABLE_EXIT_RE.match(text)) is not None and stream in self._table:
+            rank, local_rank, host = self._table.pop(stream)
             return self._once(
                 ("failure", rank, self._root_cause),
                 WorkerFailure(
@@ -288,6 +293,19 @@ def _marker_lines(body: bytes, stop: int) -> list[tuple[int, int]]:
             hits[start] = end
             pos = body.find(marker, end, stop)
     return sorted(hits.items())
+
+
+def _previous_in_stream(body: bytes, start: int, tag: bytes, within: int = 64) -> bytes:
+    """The line before body[start] of the stream ``tag`` (looked for in the ``within`` lines before), less its tag."""
+    end = start
+    for _ in range(within):
+        if end <= 0:
+            break
+        begin = body.rfind(b"\n", 0, end) + 1
+        if body.startswith(tag, begin):
+            return body[begin + len(tag) : end]
+        end = begin - 1
+    return b""
 
 
 def _opt_int(value: str | None) -> int | None:
