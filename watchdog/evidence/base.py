@@ -39,6 +39,9 @@ class EvidenceRecord(BaseModel):
     duration_s: float
     rank: int | None = None
     note: str | None = None
+    # bundle path -> (the file it was copied from, the byte offset the copy starts at): the report's citations
+    # name the sidecar's files, and the bundle names them by its own paths (``live/bundle.py``)
+    copied: dict[str, tuple[str, int]] = {}
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,8 @@ async def _one_rank(ctx: EvidenceContext, target: RankTarget) -> EvidenceRecord:
         return record("flight_recorder", started, error=f"cannot copy {dump}: {exc.strerror}", rank=target.rank)
     if problem is not None:
         note = f"copied the dump that was already there (written {time.ctime(found[1] / 1e9)})"
-    return record("flight_recorder", started, [rel], problem, target.rank, note)
+    found = record("flight_recorder", started, [rel], problem, target.rank, note)
+    return found.model_copy(update={"copied": {rel: (str(dump), 0)}})
 
 
 def _copy(src: Path, dst: Path) -> None:

@@ -34,10 +34,14 @@ def read_tail(path: Path, nbytes: int) -> tuple[bytes, int]:
     return (data[newline + 1 :] if 0 <= newline < len(data) - 1 else data[1:]), size
 
 
-def _copy_tails(ctx: EvidenceContext, files: list[Path], folder: str) -> tuple[list[str], list[str], int]:
-    """(bundle paths, errors, files cut); same-named files (two torchrun attempts) get a numeric prefix."""
+def _copy_tails(
+    ctx: EvidenceContext, files: list[Path], folder: str
+) -> tuple[list[str], list[str], int, dict[str, tuple[str, int]]]:
+    """(bundle paths, errors, files cut, each copy's source and start offset); same-named files (two torchrun
+    attempts) get a numeric prefix."""
     paths: list[str] = []
     errors: list[str] = []
+    copied: dict[str, tuple[str, int]] = {}
     cut = 0
     for index, path in enumerate(files):
         name = path.name if not any(p.name == path.name for p in files[:index]) else f"{index}.{path.name}"
@@ -47,8 +51,10 @@ def _copy_tails(ctx: EvidenceContext, files: list[Path], folder: str) -> tuple[l
             errors.append(f"{path}: {exc.strerror}")
             continue
         cut += size > len(data)
-        paths.append(write_file(ctx, f"{folder}/{name}", redact_bytes(data)))
-    return paths, errors, cut
+        rel = write_file(ctx, f"{folder}/{name}", redact_bytes(data))
+        paths.append(rel)
+        copied[rel] = (str(path), size - len(data))
+    return paths, errors, cut, copied
 
 
 def _nccl_tails(ctx: EvidenceContext) -> list[EvidenceRecord]:
@@ -57,9 +63,10 @@ def _nccl_tails(ctx: EvidenceContext) -> list[EvidenceRecord]:
     if folder is None or not folder.is_dir():
         return [record("nccl_logs", started, error=f"no NCCL debug folder ({folder})")]
     files = sorted(p for p in folder.iterdir() if p.is_file())
-    paths, errors, cut = _copy_tails(ctx, files, "nccl")
+    paths, errors, cut, copied = _copy_tails(ctx, files, "nccl")
     note = f"{len(paths)} files, {cut} cut to their last {ctx.tail_bytes} bytes"
-    return [record("nccl_logs", started, paths, "; ".join(errors) or None, note=note)]
+    found = record("nccl_logs", started, paths, "; ".join(errors) or None, note=note)
+    return [found.model_copy(update={"copied": copied})]
 
 
 def _worker_tails(ctx: EvidenceContext) -> list[EvidenceRecord]:
@@ -70,9 +77,10 @@ def _worker_tails(ctx: EvidenceContext) -> list[EvidenceRecord]:
         if not files:
             records.append(record("worker_logs", started, error="no worker log files known", rank=target.rank))
             continue
-        paths, errors, cut = _copy_tails(ctx, files, f"logs/rank{target.rank}")
+        paths, errors, cut, copied = _copy_tails(ctx, files, f"logs/rank{target.rank}")
         note = f"{cut} cut to their last {ctx.tail_bytes} bytes" if cut else None
-        records.append(record("worker_logs", started, paths, "; ".join(errors) or None, target.rank, note))
+        found = record("worker_logs", started, paths, "; ".join(errors) or None, target.rank, note)
+        records.append(found.model_copy(update={"copied": copied}))
     return records
 
 

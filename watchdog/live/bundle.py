@@ -33,6 +33,7 @@ from ncclwatch.watchdog.hang.classify import Decision
 from ncclwatch.watchdog.hang.report import (
     TERMINAL_COLUMNS,
     EvidenceFile,
+    EvidenceItem,
     PerfNote,
     RankRow,
     Report,
@@ -192,6 +193,8 @@ async def write_bundle(
         item.model_copy(update={"cite": cited[i][0], "text": cited[i][1]}) if i in cited else item
         for i, item in enumerate(report.evidence)
     ]
+    copies = {source: (rel, start) for r in records for rel, (source, start) in r.copied.items()}
+    evidence = await asyncio.to_thread(_inside_bundle, evidence, copies)
     report = report.model_copy(
         update={
             "evidence": evidence,
@@ -207,6 +210,53 @@ async def write_bundle(
     os.replace(partial, final)
     shutil.rmtree(staging, ignore_errors=True)
     return final, report
+
+
+def _inside_bundle(evidence: list[EvidenceItem], copies: dict[str, tuple[str, int]]) -> list[EvidenceItem]:
+    """Each citation of a file the bundle holds a copy of, by the bundle's own path (``nccl/vm.543:1472``,
+    ``fr/nccl_trace_rank_1 entries[412]``): the sidecar's files are gone with its run folder.
+
+    A log's copy is its tail: a cited line's number counts from the copy's first line, or, where the line is
+    older than the tail, the citation says so with its number in the whole file.
+    """
+    lines_before: dict[str, int | None] = {}  # source -> lines before its copy's start; None: gone since
+    out = []
+    for item in evidence:
+        cite = item.cite or ""
+        source = next((s for s in copies if cite == s or cite.startswith((s + ":", s + " "))), None)
+        if source is None:
+            out.append(item)
+            continue
+        rel, start = copies[source]
+        rest = cite.removeprefix(source)
+        line = re.match(r":(\d+)", rest)
+        if line is not None and start:
+            if source not in lines_before:
+                lines_before[source] = _count_lines(source, start)
+            before = lines_before[source]
+            number = int(line[1]) - before if before is not None else 0
+            if number >= 1:
+                kept = f":{number}"
+            elif before is None:  # the sidecar's file is gone: its line cannot be counted in the tail
+                kept = f" (line {line[1]} of the whole file)"
+            else:
+                kept = f" (line {line[1]} of the whole file, older than the tail kept)"
+            rest = kept + rest[line.end() :]
+        out.append(item.model_copy(update={"cite": rel + rest}))
+    return out
+
+
+def _count_lines(path: str, end: int, chunk: int = 8 << 20) -> int | None:
+    """Newlines in the first ``end`` bytes of ``path`` (a log only grows: they are those before its tail)."""
+    count = 0
+    try:
+        with open(path, "rb") as handle:
+            while end > 0 and (data := handle.read(min(chunk, end))):
+                count += data.count(b"\n")
+                end -= len(data)
+    except OSError:
+        return None
+    return count
 
 
 def _pack(folder: Path, target: Path, top: str) -> None:
