@@ -197,11 +197,31 @@ class WarningCategory(StrEnum):
     other = "other"
 
 
+class TransportMismatch(BaseModel):
+    """NCCL's transport found that a message does not fit the operation its peer posted: the two ranks' operations
+    differ (a collective skipped or added, or another size).  From the WARN lines of NCCL's sources:
+
+    - ``NET/Socket : [peer %s ]message truncated : receiving %d bytes instead of %d`` (2.4+; the peer from 2.10),
+      printed by the receiving rank: the peer sends the first size, the receive posted here holds the second;
+    - ``NET/IB : [req %d/%d tag %x peer %s ]collective mismatch error[,] local size %d remote[ size] %d`` (2.5-2.19),
+      printed by the sending rank: it sends the first size, the peer posted the second.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    transport: Literal["socket", "ib"]
+    peer: str | None = None  # "192.0.2.2<36764>", where the line names it
+    sent_bytes: int  # the sending side's message
+    posted_bytes: int  # the receive the other side posted
+    reporter_sends: bool  # the rank that printed the line is the sender (IB) or the receiver (socket)
+
+
 class NcclWarning(Event):
     proc: ProcKey
     category: WarningCategory
     message: str
     peer: str | None = None  # "10.0.0.2<36012>" when the line names one
+    mismatch: TransportMismatch | None = None  # NCCL's transport caught two ranks' operations differing
     cite: Citation
 
 
@@ -635,10 +655,11 @@ class NetworkError(Event):
     error|status``), ``connection_closed`` (``Connection closed by remote
     peer``, ``Connection reset by peer``), ``remote_error`` (``ncclRemoteError``,
     ``remote process exited or there was a network error``), ``system_error``
-    (``ncclSystemError``), ``socket`` (other socket failures).
+    (``ncclSystemError``), ``socket`` (other socket failures), ``size_mismatch`` (NCCL's transport caught two
+    ranks' operations differing: ``mismatch``).
     """
 
-    kind: Literal["ib_completion", "connection_closed", "remote_error", "system_error", "socket"]
+    kind: Literal["ib_completion", "connection_closed", "remote_error", "system_error", "socket", "size_mismatch"]
     rank: int | None = None  # the reporting rank, when the line or its prefix says
     proc: ProcKey | None = None  # the reporting process, from an NCCL line prefix
     peer: str | None = None  # "10.0.0.2<45678>" or "node-3<12345>"
@@ -646,6 +667,7 @@ class NetworkError(Event):
     status: int | None = None  # ibv_wc_status number
     status_name: str | None = None  # "IBV_WC_RETRY_EXC_ERR"
     meaning: str | None = None
+    mismatch: TransportMismatch | None = None  # kind size_mismatch: the sizes NCCL's transport compared
     cite: Citation
 
     @property

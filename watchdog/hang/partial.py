@@ -47,6 +47,7 @@ from ncclwatch.watchdog.hang.partial_rules import (
     judge_orphans,
     network_finding,
     reporter,
+    transport_mismatch,
 )
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.hang.step_pattern import learn_steps
@@ -72,6 +73,7 @@ def decide_partial(snapshot: Snapshot) -> Finding | None:
         f
         for f in (
             detail_mismatch(facts),
+            transport_mismatch(facts),
             dead_peer(facts),
             *judge_groups(facts),
             network_finding(facts),
@@ -87,9 +89,10 @@ def decide_partial(snapshot: Snapshot) -> Finding | None:
 
 
 def strong_partial(snapshot: Snapshot) -> Finding | None:
-    """Partial evidence that outranks an inconclusive sequence finding: a DETAIL mismatch or a dead peer."""
+    """Partial evidence that outranks an inconclusive sequence finding: a DETAIL mismatch, NCCL's transport
+    catching a mismatch, or a dead peer."""
     facts = Facts.collect(snapshot)
-    found = detail_mismatch(facts) or dead_peer(facts)
+    found = detail_mismatch(facts) or transport_mismatch(facts) or dead_peer(facts)
     return _with_context(found, facts) if found else None
 
 

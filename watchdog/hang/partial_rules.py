@@ -19,6 +19,7 @@ from ncclwatch.watchdog.events import (
     PgStatus,
     ProcKey,
     RankLog,
+    TransportMismatch,
     WatchdogTimeout,
     WorkerFailure,
 )
@@ -44,6 +45,17 @@ P2P_TYPES = frozenset({"SEND", "RECV", "RECVANYSOURCE", "COALESCED"})
 _NOT_DEAD = {-signal.SIGTERM, -signal.SIGINT}  # torchrun's teardown of the healthy ranks
 
 
+@dataclass(frozen=True)
+class MismatchSeen:
+    """One transport WARN about two ranks' operations differing: who printed it, what it compared, where."""
+
+    rank: int | None  # the rank that printed it, where the input says
+    proc: ProcKey | None
+    mismatch: TransportMismatch
+    cite: Citation
+    source: str  # nccl_log (an NCCL debug file) or network (the same WARN on stderr, or in PyTorch's exception)
+
+
 @dataclass
 class Facts:
     timeouts: list[WatchdogTimeout] = field(default_factory=list)
@@ -58,6 +70,7 @@ class Facts:
     has_nccl: bool = False
     groups: list[Group] = field(default_factory=list)
     history: tuple[str, ...] = ()  # the longest operation sequence the NCCL lines or dumps recorded (NCCL op names)
+    mismatches: list[MismatchSeen] = field(default_factory=list)
 
     @classmethod
     def collect(cls, snapshot: Snapshot) -> Facts:
@@ -85,12 +98,19 @@ class Facts:
         facts.has_nccl = any(c.source == "nccl_log" for c in snapshot.comms) or bool(facts.orphans)
         facts.groups = join_contradicted(build_groups(facts.timeouts, facts.statuses))
         facts.history = _op_history(snapshot, facts.orphans)
+        facts.mismatches = _mismatches_seen(snapshot, facts.network)
         return facts
 
     @property
     def empty(self) -> bool:
         return not (
-            self.timeouts or self.statuses or self.fingerprints or self.network or self.orphans or self.rank_logs
+            self.timeouts
+            or self.statuses
+            or self.fingerprints
+            or self.network
+            or self.orphans
+            or self.rank_logs
+            or self.mismatches
         )
 
     def diagnosed_ranks(self) -> set[int]:
@@ -162,6 +182,23 @@ class Facts:
         if self.orphans:
             parts.append(f"{len(self.orphans)} NCCL communicator(s) with operation lines but no Init line")
         return "; ".join(parts) or "no rank could be placed"
+
+
+def _mismatches_seen(snapshot: Snapshot, network: list[NetworkError]) -> list[MismatchSeen]:
+    """Transport mismatch WARNs from the NCCL debug files (rank from their Init lines) and from stderr, each line
+    once (one file read both ways gives it twice)."""
+    seen: dict[tuple[str, int | None], MismatchSeen] = {}
+    by_pid = snapshot.rank_of_pid()  # a file cut before its Init lines: the live journal's workers know the pid
+    for warning in snapshot.warnings:
+        if warning.mismatch is not None:
+            rank = snapshot.global_ranks.get(warning.proc, by_pid.get(warning.proc.pid))
+            found = MismatchSeen(rank, warning.proc, warning.mismatch, warning.cite, "nccl_log")
+            seen.setdefault((warning.cite.file, warning.cite.line), found)
+    for error in network:
+        if error.mismatch is not None:
+            found = MismatchSeen(error.rank, error.proc, error.mismatch, error.cite, "network")
+            seen.setdefault((error.cite.file, error.cite.line), found)
+    return list(seen.values())
 
 
 def _op_history(snapshot: Snapshot, orphans: list[OrphanOps]) -> tuple[str, ...]:
@@ -374,6 +411,78 @@ def _seen(group: Group, infos: list[RankInGroup], text: str, missing: tuple[str,
         )[:8],
         missing=missing,
     )
+
+
+# --------------------------------------------------------------------------
+# NCCL's own mismatch warnings
+# --------------------------------------------------------------------------
+
+
+def transport_mismatch(facts: Facts) -> Finding | None:
+    """NCCL's transport caught two ranks' operations differing (``message truncated``, ``collective mismatch
+    error``): a collective mismatch, with the ranks and sizes of the line.  NCCL fails the communicator with
+    ncclInvalidUsage then, so the job crashes or hangs without Flight Recorder dumps.  One line does not say which
+    side departs (the sender skipped a collective, or the receiver added one): both are suspects.  The peer is a
+    rank only where the job has two ranks (the other one); otherwise it is named by its address.
+    """
+    if not facts.mismatches:
+        return None
+    first = facts.mismatches[0]
+    reporter, peer_rank = first.rank, _peer_rank(first, facts.world)
+    suspects = tuple(sorted({r for r in (reporter, peer_rank) if r is not None}))
+    transport = "socket" if first.mismatch.transport == "socket" else "InfiniBand"
+    return Finding(
+        verdict=Verdict.collective_mismatch,
+        summary=f"NCCL's {transport} transport caught two ranks' operations differing: "
+        f"{describe_mismatch(first, peer_rank)}. NCCL failed the communicator (invalid usage).",
+        reason="NCCL's transport checks each message against the receive its peer posted; a message larger than the "
+        "receive means the two ranks run different operations there (a collective skipped or added, or another "
+        "size). The line does not say which side departs.",
+        suspects=suspects,
+        operation=f"{first.mismatch.sent_bytes} bytes sent vs {first.mismatch.posted_bytes} bytes posted",
+        source=first.source,
+        evidence=tuple(
+            Fact(m.source, describe_mismatch(m, _peer_rank(m, facts.world)), m.cite) for m in facts.mismatches[:8]
+        ),
+        missing=(
+            "which side departs: both ranks' NCCL debug files (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL) or "
+            "Flight Recorder dumps (TORCH_NCCL_DUMP_ON_TIMEOUT=1 dumps on this error too)",
+        ),
+    )
+
+
+def mismatch_facts(snapshot: Snapshot) -> list[Fact]:
+    """The transport mismatch WARNs of a job whose verdict came from its sequences, described with their ranks and
+    sizes (``hang.verdict`` cites them beside the finding)."""
+    if not any(w.mismatch for w in snapshot.warnings) and not any(
+        isinstance(e, NetworkError) and e.mismatch for e in snapshot.partial
+    ):
+        return []
+    facts = Facts.collect(snapshot)
+    return [
+        Fact(m.source, f"NCCL's transport: {describe_mismatch(m, _peer_rank(m, facts.world))}", m.cite)
+        for m in facts.mismatches[:4]
+    ]
+
+
+def _peer_rank(seen: MismatchSeen, world: int | None) -> int | None:
+    return 1 - seen.rank if world == 2 and seen.rank in (0, 1) else None
+
+
+def describe_mismatch(seen: MismatchSeen, peer_rank: int | None = None) -> str:
+    """``rank 0 received 131072 bytes from peer 192.0.2.2<36764> (rank 1) where it had posted 65536``."""
+    m = seen.mismatch
+    who = (
+        f"rank {seen.rank}"
+        if seen.rank is not None
+        else (f"process {seen.proc.host}:{seen.proc.pid}" if seen.proc else "a rank")
+    )
+    peer = f"peer {m.peer}" if m.peer else "its peer"
+    if peer_rank is not None:
+        peer += f" (rank {peer_rank})"
+    if m.reporter_sends:
+        return f"{who} sends {m.sent_bytes} bytes to {peer}, which posted a receive of {m.posted_bytes}"
+    return f"{who} received {m.sent_bytes} bytes from {peer} where it had posted {m.posted_bytes}"
 
 
 # --------------------------------------------------------------------------

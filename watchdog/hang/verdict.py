@@ -17,6 +17,7 @@ from dataclasses import replace
 from ncclwatch.watchdog.events import Citation, RasCommunicator, RasReport
 from ncclwatch.watchdog.hang.detectors import analyze_comm, missing_send_behind_cycle, with_call_sites
 from ncclwatch.watchdog.hang.partial import decide_partial, strong_partial
+from ncclwatch.watchdog.hang.partial_rules import mismatch_facts
 from ncclwatch.watchdog.hang.ras import judge_ras
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.hang.types import Fact, Finding
@@ -214,7 +215,9 @@ def _with_job_evidence(snapshot: Snapshot, finding: Finding) -> Finding:
                 timeout.cite,
             )
         )
-    for warning in [w for w in snapshot.warnings if w.category != "other"][:8]:
+    mismatches = mismatch_facts(snapshot)  # with the ranks and sizes of the line
+    extra += mismatches
+    for warning in [w for w in snapshot.warnings if w.category != "other" and w.mismatch is None][:8]:
         extra.append(Fact("nccl_log", f"NCCL WARN ({warning.category}): {warning.message[:200]}", warning.cite))
     for report in snapshot.ras:
         for comm in report.communicators:

@@ -47,6 +47,7 @@ from ncclwatch.watchdog.events import (
     ProcKey,
     WarningCategory,
 )
+from ncclwatch.watchdog.parsing.net_errors import parse_transport_mismatch
 
 # Optional bracketed prefixes: a timestamp "[2026-04-28 14:14:42] " or a tee
 # prefix "[rank0]:" / "[default0]:".
@@ -877,7 +878,14 @@ def _warning(proc: ProcKey, rest: str, cite: Citation) -> NcclWarning:
     else:
         category = WarningCategory.other
     peer = _PEER_RE.search(rest)
-    return NcclWarning(proc=proc, category=category, message=rest.strip(), peer=peer[1] if peer else None, cite=cite)
+    return NcclWarning(
+        proc=proc,
+        category=category,
+        message=rest.strip(),
+        peer=peer[1] if peer else None,
+        mismatch=parse_transport_mismatch(rest),
+        cite=cite,
+    )
 
 
 def looks_like_nccl_log(head: bytes) -> bool:

@@ -11,6 +11,9 @@ node-3<47514>``).  Format strings, from NCCL's sources:
 - ``NET/IB: Got completion from peer %s with status=%s(%d) opcode=%s(%d) ... hca %s`` (2.23+)
 - ``Net : Connection closed by remote peer %s`` / ``socketProgress: Connection closed by remote peer %s``
 - ``Call to recv from %s failed : Connection reset by peer``, ``socketProgressOpt: Call to recv ... failed``
+- two ranks' operations that differ, caught by the transport (``TransportMismatch``):
+  ``NET/Socket : [peer %s ]message truncated : receiving %d bytes instead of %d`` (2.4+, the peer from 2.10) and
+  ``NET/IB : [req %d/%d tag %x peer %s ]collective mismatch error[,] local size %d remote[ size] %d`` (2.5-2.19)
 
 Failure mode: a status number NCCL does not name (a newer verbs enum) is
 kept as a number with no meaning rather than guessed.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import re
 
-from ncclwatch.watchdog.events import Citation, NetworkError, ProcKey
+from ncclwatch.watchdog.events import Citation, NetworkError, ProcKey, TransportMismatch
 
 # Lines holding any of these are looked at (a bytes.find per marker per chunk).
 MARKERS = (
@@ -31,6 +34,8 @@ MARKERS = (
     b"ncclRemoteError",
     b"ncclSystemError",
     b"socketProgress",
+    b"message truncated : receiving",
+    b"collective mismatch error",
 )
 
 # ibv_wc_status (libibverbs verbs.h); what each means for a training job.
@@ -66,8 +71,32 @@ _IB_RE = re.compile(
 )
 _CLOSED_RE = re.compile(r"Connection closed by remote peer (?P<peer>\S+)")
 _RESET_RE = re.compile(r"(?:recv|send) (?:from|to) (?P<peer>\S+) failed ?: Connection reset by peer")
+_TRUNCATED_RE = re.compile(
+    r"NET/Socket : (?:peer (?P<peer>\S+) )?message truncated : receiving (?P<sent>\d+) bytes instead of (?P<posted>\d+)"
+)
+_IB_MISMATCH_RE = re.compile(
+    r"NET/IB : (?:req \d+/\d+ tag \S+ peer (?P<peer>\S+) )?collective mismatch error,? "
+    r"local size (?P<sent>\d+) remote(?: size)? (?P<posted>\d+)"
+)
 _NCCL_RANK_RE = re.compile(r"\[Rank (\d+)\]|\bRank (\d+)\]|\brank (\d+)\b")
 _PROC_RE = re.compile(r"(?:^|\s|\]:?)([^:\s\[\]]+):(\d+):\d+ \[\d+\] ")
+
+
+def parse_transport_mismatch(text: str) -> TransportMismatch | None:
+    """NCCL's transport WARN about two ranks' operations differing, with its sizes; None for any other text."""
+    if m := _TRUNCATED_RE.search(text):  # printed by the receiver: the peer sends more than was posted here
+        transport, sends = "socket", False
+    elif m := _IB_MISMATCH_RE.search(text):  # printed by the sender: it sends more than the peer posted
+        transport, sends = "ib", True
+    else:
+        return None
+    return TransportMismatch(
+        transport=transport,
+        peer=m["peer"],
+        sent_bytes=int(m["sent"]),
+        posted_bytes=int(m["posted"]),
+        reporter_sends=sends,
+    )
 
 
 def parse_network_line(line: str, name: str, line_no: int, rank: int | None) -> NetworkError | None:
@@ -78,6 +107,10 @@ def parse_network_line(line: str, name: str, line_no: int, rank: int | None) -> 
         rank_m = _NCCL_RANK_RE.search(line)
         rank = next((int(g) for g in rank_m.groups() if g), None) if rank_m else None
     cite = Citation(file=name, line=line_no, text=line.strip()[:400])
+    if (mismatch := parse_transport_mismatch(line)) is not None:
+        return NetworkError(
+            kind="size_mismatch", rank=rank, proc=proc, peer=mismatch.peer, mismatch=mismatch, cite=cite
+        )
     if m := _IB_RE.search(line):
         code_text = m["err"] or m["code"] or m["num"]
         code = int(code_text) if code_text else None
