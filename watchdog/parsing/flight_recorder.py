@@ -430,6 +430,7 @@ def _build_dump(raw: Mapping[Any, Any], name: str, cite: Citation) -> FrDump:
         if desc:
             descs.setdefault(pg_name, desc)
         entries.append(_entry(index, raw_entry, pg_name))
+    entries = _undo_abort_completions(entries)
     groups = _process_groups(raw, entries, uid_to_name, descs)
     rank = _rank_from_name(name)
     if rank is None:
@@ -498,6 +499,47 @@ def _entry(index: int, e: Mapping[Any, Any], pg_name: str) -> FrEntry:
         timeout_ms=_int(e.get("timeout_ms")),
         frames=_frames(e.get("frames")),
     )
+
+
+def _undo_abort_completions(entries: list[FrEntry]) -> list[FrEntry]:
+    """Entries "completed" only because the communicator was aborted get back the state they had before it.
+
+    What "completed" means (torch's ``FlightRecorderDetail.hpp``): the entry's
+    CUDA *end event* has fired, found by ``update_state`` when the watchdog
+    polls or when the dump is written.  It says the stream moved past the
+    kernel, not that the data arrived.  When the watchdog times an op out it
+    aborts the communicator (``ncclCommAbort``); NCCL's kernels then return
+    early, the stream drains and every end event behind them fires, so a dump
+    written after the abort (torch's own on a timeout, ours from a process
+    still alive with TORCH_NCCL_ASYNC_ERROR_HANDLING=0/2) marks a ``recv`` whose
+    peer never sent, and everything queued behind it, "completed".  A pipeline
+    deadlock (both stages ``recv`` first) then reads as "all completed, no hang".
+
+    The trace it leaves: an op found completed at or after its own timeout had
+    run out (``time_discovered_completed_ns >= time_created_ns + timeout_ms``)
+    was ended by the watchdog, since a live one would have been found within
+    the watchdog's poll.  From the first such moment on, per process group, no
+    completion is real: those entries are "started" if they were found started
+    before it, else "scheduled".  Dumps without times or timeouts (gloo, before
+    2.2) are left as they are.
+    """
+    aborted_at: dict[str, int] = {}
+    for entry in entries:
+        done, created, timeout = entry.time_completed_ns, entry.time_created_ns, entry.timeout_ms
+        if entry.state is OpState.completed and None not in (done, created, timeout) and timeout > 0:
+            if done >= created + timeout * 1_000_000:
+                aborted_at[entry.pg_id] = min(done, aborted_at.get(entry.pg_id, done))
+    if not aborted_at:
+        return entries
+    undone = []
+    for entry in entries:
+        moment = aborted_at.get(entry.pg_id)
+        if moment is None or entry.state is not OpState.completed or (entry.time_completed_ns or 0) < moment:
+            undone.append(entry)
+            continue
+        started = entry.time_started_ns is not None and entry.time_started_ns < moment
+        undone.append(entry.model_copy(update={"state": OpState.started if started else OpState.scheduled}))
+    return undone
 
 
 def parse_profiling_name(profiling_name: str) -> tuple[str, int | None, int | None]:

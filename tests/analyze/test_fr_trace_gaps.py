@@ -1,0 +1,78 @@
+"""What PyTorch's own analyzer (fr_trace) said on real dumps that ``analyze`` did not (issue 31).
+
+Real captures (tests/fixtures/flight_recorder/*/README.md): a pipeline whose
+two stages both ``recv`` first, on NCCL (H100) and on gloo, and a dtype
+mismatch on NCCL (H100), each with the live run's bundles and its dumps.
+"""
+
+from __future__ import annotations
+
+import pickle
+import tarfile
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES
+
+from ncclwatch.watchdog.analyze import analyze_paths
+from ncclwatch.watchdog.hang.verdicts import Verdict
+
+FR = FIXTURES / "flight_recorder"
+PIPELINE = FR / "h100-pipeline-both-recv"
+GLOO_PIPELINE = FR / "gloo-pipeline-both-recv"
+DTYPE = FR / "h100-dtype-mismatch"
+
+
+def unpack(archive: Path, into: Path) -> list[Path]:
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+        return sorted(into / name for name in tar.getnames() if not name.endswith("/"))
+
+
+def after_the_abort(dump: Path, out: Path, late_ms: int = 38) -> Path:
+    """The dump as torch writes it once the watchdog has aborted the communicator.
+
+    ``ncclCommAbort`` makes NCCL's kernels return, so every end event still
+    pending fires; ``dump_entries`` -> ``update_state`` then stamps each entry
+    the watchdog never retired with "discovered started/completed" = now.
+    ``now`` is the timed-out op's creation + its timeout + ``late_ms`` (the
+    real run's log: "ran for 20038 milliseconds before timing out").
+    """
+    raw = pickle.loads(dump.read_bytes())
+    pending = [e for e in raw["entries"] if not e["retired"]]
+    now = pending[0]["time_created_ns"] + pending[0]["timeout_ms"] * 1_000_000 + late_ms * 1_000_000
+    for entry in pending:
+        entry["time_discovered_started_ns"] = entry["time_discovered_started_ns"] or now
+        entry["time_discovered_completed_ns"] = now
+        entry["state"] = "completed"
+    out.write_bytes(pickle.dumps(raw, protocol=2))
+    return out
+
+
+class TestPipelineDeadlockFromDumps:
+    def test_torch_timeout_dumps_name_both_stages(self, tmp_path: Path) -> None:
+        dumps = unpack(PIPELINE / "timeout-dumps.tar.gz", tmp_path)
+        report = analyze_paths([str(p) for p in dumps])
+        assert (report.verdict, report.culprit_ranks) == (Verdict.p2p_deadlock, [0, 1])
+
+    def test_recvs_completed_by_the_abort_are_still_a_deadlock(self, tmp_path: Path) -> None:
+        dumps = unpack(PIPELINE / "timeout-dumps.tar.gz", tmp_path / "real")
+        (tmp_path / "aborted").mkdir()
+        aborted = [after_the_abort(p, tmp_path / "aborted" / p.name) for p in dumps]
+        report = analyze_paths([str(p) for p in aborted])
+        assert (report.verdict, report.culprit_ranks) == (Verdict.p2p_deadlock, [0, 1]), report.summary
+        assert "both_recv (pipeline_job.py:159)" in report.summary
+
+    def test_completions_before_the_timeout_stay_completed(self, tmp_path: Path) -> None:
+        # the same dumps stamped 1 s before the timeout ran out: completions (and the job healthy) as said
+        dumps = unpack(PIPELINE / "timeout-dumps.tar.gz", tmp_path / "real")
+        (tmp_path / "early").mkdir()
+        early = [after_the_abort(p, tmp_path / "early" / p.name, late_ms=-1000) for p in dumps]
+        report = analyze_paths([str(p) for p in early])
+        assert report.verdict == Verdict.no_hang
+
+    @pytest.mark.parametrize("fixture", [PIPELINE, GLOO_PIPELINE])
+    def test_the_live_bundles_give_the_live_verdict(self, fixture: Path) -> None:
+        bundles = [str(fixture / "node0-bundle.tar.gz"), str(fixture / "node1-bundle.tar.gz")]
+        report = analyze_paths(bundles)
+        assert (report.verdict, report.culprit_ranks) == (Verdict.p2p_deadlock, [0, 1]), report.summary
