@@ -178,6 +178,9 @@ def nothing_to_judge(inputs: list, paths: Sequence[str]) -> str:  # list[InputFi
     from ncclwatch.watchdog.inputs import cannot_read
 
     read = [item for item in inputs if not cannot_read(item)]
+    if len(read) == 1:  # the one input, by name: "x.log is empty", "x.bin: not a recognised format"
+        said = _unused(read[0].note or "")
+        return f"nothing to judge: {read[0].path}{' is empty' if said == 'empty' else ': ' + said}; {ANALYZE_READS}"
     why = Counter(_unused(item.note or "") for item in read).most_common()
     files = f"{len(read)} file{'s' if len(read) != 1 else ''}"
     return (

@@ -116,8 +116,17 @@ class TestUnreadable:
     def test_empty_standard_input(self) -> None:
         proc = analyze("-", stdin="")
         [line] = stderr_lines(proc)
-        assert "nothing to judge: 1 file read, none usable (1 empty)" in line
+        assert line.startswith("ncclwatch analyze: nothing to judge: <stdin> is empty; "), line
         assert proc.returncode == EXIT_UNREADABLE
+
+    def test_one_empty_or_binary_file_is_named_with_its_reason_in_one_line(self, tmp_path: Path) -> None:
+        (tmp_path / "empty.log").write_bytes(b"")
+        (tmp_path / "garbage.bin").write_bytes(bytes(range(256)) * 64)
+        for name, said in (("empty.log", " is empty;"), ("garbage.bin", ": not a recognised format;")):
+            proc = analyze(tmp_path / name)
+            [line] = stderr_lines(proc)
+            assert line.startswith(f"ncclwatch analyze: nothing to judge: {tmp_path / name}{said}"), line
+            assert NEEDS in line and (proc.returncode, proc.stdout) == (EXIT_UNREADABLE, "")
 
     def test_help_documents_the_status(self) -> None:
         proc = analyze("--help")

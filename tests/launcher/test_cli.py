@@ -133,4 +133,4 @@ class TestBadInput:
         write("notes.txt", "hello\n")
         proc = run("analyze", "--json", str(tmp_path))
         assert (proc.returncode, proc.stdout) == (4, "")
-        assert "nothing to judge: 1 file read, none usable (1 not a recognised format)" in proc.stderr
+        assert f"nothing to judge: {tmp_path / 'notes.txt'}: not a recognised format; " in proc.stderr
