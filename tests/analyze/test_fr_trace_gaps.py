@@ -76,3 +76,24 @@ class TestPipelineDeadlockFromDumps:
         bundles = [str(fixture / "node0-bundle.tar.gz"), str(fixture / "node1-bundle.tar.gz")]
         report = analyze_paths(bundles)
         assert (report.verdict, report.culprit_ranks) == (Verdict.p2p_deadlock, [0, 1]), report.summary
+
+
+class TestDtypeMismatchIsNamed:
+    def test_dumps_alone_name_the_dtypes_and_a_dtype_next_step(self, tmp_path: Path) -> None:
+        report = analyze_paths([str(p) for p in unpack(DTYPE / "dumps.tar.gz", tmp_path)])
+        assert (report.verdict, report.culprit_ranks, report.kind) == (Verdict.collective_mismatch, [1], "dtype")
+        assert report.summary.startswith("rank 1 passes Float where rank 0 passes BFloat16 to AllReduce count=128")
+        assert "rank 1 passes Float where rank 0 passes BFloat16 to AllReduce #187" in report.headline
+        next_step = report.headline.split("Next: ", 1)[1]
+        assert "datatype" in next_step and "branch on the rank" not in next_step
+
+    def test_the_live_bundle_names_nccls_dtypes(self) -> None:
+        report = analyze_paths([str(DTYPE / "bundle.tar.gz")])
+        assert (report.verdict, report.culprit_ranks, report.kind) == (Verdict.collective_mismatch, [1], "dtype")
+        assert "passes float32 where rank 0 passes bfloat16" in report.headline
+
+    def test_a_mismatch_in_count_keeps_its_own_words(self) -> None:
+        # the shared 2-GPU capture: all_reduce of 16777216 elements on rank 0 and 4195328 on rank 1, same dtype
+        report = analyze_paths([str(FIXTURES / "nccl-2.28.9-2gpu" / "mismatch_fr" / "fr")])
+        assert (report.verdict, report.kind) == (Verdict.collective_mismatch, None)
+        assert "branch on the rank" in report.headline

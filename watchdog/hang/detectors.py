@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from ncclwatch.watchdog.events import Citation, OpSig, OpState
+from ncclwatch.watchdog.events import NCCL_DTYPES, Citation, OpSig, OpState
 from ncclwatch.watchdog.hang.snapshot import CommView, PeerView, RankView
 from ncclwatch.watchdog.hang.stacks import call_line, short_frame, split_frame, user_frame
 from ncclwatch.watchdog.hang.step_pattern import Expectation, expected_next
@@ -195,13 +195,26 @@ def _mismatch(
     ]
     culprit_sig = next((s for s in groups if s != good_sig), None)
     operation = (good_sig or culprit_sig or OpSig("?", None, None, None, None)).describe()
-    if culprits:
+    kind = "dtype" if culprits and _dtype_only(culprit_sig, good_sig) else None
+    if kind == "dtype":
+        theirs, expected = _dtype_name(culprit_sig), _dtype_name(good_sig)  # type: ignore[arg-type]
+        summary = (
+            f"{names(culprits)} {'passes' if len(culprits) == 1 else 'pass'} {theirs} where {names(good)} "
+            f"{'passes' if len(good) == 1 else 'pass'} {expected} to {operation.replace(f' {expected}', '')} "
+            f"(collective #{position + 1} on {comm.label})."
+        )
+        reason = (
+            "A dtype mismatch: the same collective with the same count in another datatype (NCCL checks neither, "
+            f"and moves bytes of one type as the other or waits for bytes that never come). Culprit because {how}."
+        )
+        missing: tuple[str, ...] = ()
+    elif culprits:
         summary = (
             f"{names(culprits)} issued {culprit_sig.describe() if culprit_sig else '?'} as collective #{position + 1} "
             f"on {comm.label}, where {names(good)} issued {operation}."
         )
         reason = f"Culprit because {how}.{'' if explained else _skew_note(position, culprits[0], good[0])}"
-        missing: tuple[str, ...] = ()
+        missing = ()
     else:
         sides = "; ".join(f"{names(members)} issued {_describe(keys[sig])}" for sig, members in groups.items())
         suspects = "Both sides are suspects" if len(groups) == 2 else "Every side is a suspect"
@@ -221,7 +234,19 @@ def _mismatch(
         evidence=tuple(evidence),
         missing=missing,
         rows=_rows(comm, lambda r: (status_of.get(r.comm_rank, "?"), _at_text(r, position)), position),
+        kind=kind,
     )
+
+
+def _dtype_only(sig: OpSig | None, other: OpSig | None) -> bool:
+    """Both say a datatype, and it is all that differs."""
+    if sig is None or other is None or sig.dtype is None or other.dtype is None:
+        return False
+    return sig.dtype != other.dtype and sig._replace(dtype=other.dtype) == other
+
+
+def _dtype_name(sig: OpSig) -> str:
+    return NCCL_DTYPES.get(sig.dtype or "", sig.dtype or "?")
 
 
 def _key(rank: RankView, position: int) -> tuple[OpSig | None, str | None]:

@@ -127,6 +127,11 @@ class Report(BaseModel):
     communicator: str | None = None
     position: int | None = Field(None, description="1-based sequence number of the operation in its communicator")
     operation: str | None = None
+    kind: str | None = Field(
+        None,
+        description='a sub-kind of the verdict with its own next step: "dtype" (a collective_mismatch whose ranks '
+        "called the same collective with the same count in different datatypes)",
+    )
     summary: str
     reason: str = ""
     ranks: list[RankRow] = Field(default_factory=list)
@@ -284,6 +289,7 @@ def build_report(
         communicator=finding.comm_label,
         position=finding.position,
         operation=finding.operation,
+        kind=finding.kind,
         summary=finding.summary,
         reason=finding.reason,
         ranks=_rows(finding, snapshot, mesh),
@@ -562,6 +568,8 @@ def headline(report: Report) -> str:
         does = CATALOGUE[report.verdict].culprit_does
         if report.verdict == Verdict.collective_mismatch:
             does = _mismatch_words(_op_at(first, report.position), report.operation, report.position)
+            if report.kind == "dtype":
+                does = _dtype_words(report, _op_at(first, report.position)) or does
         if (peers := _peers(report)) is not None:
             does = does.replace("its peers", peers, 1)
         what = f"{who} {does.format(op=op)}" if does else f"{who}: {report.summary.rstrip('.')}"
@@ -582,7 +590,7 @@ def headline(report: Report) -> str:
         sites = [f"rank {row.rank} from {site}" for row in report.ranks if (site := _user_site(row.call_site))]
         what += f" — {', '.join(sites)}" if sites and report.verdict == Verdict.collective_mismatch else ""
     ranks = f"rank {', '.join(map(str, culprits))}" if culprits else "the lead rank"
-    advice = CATALOGUE[report.verdict].next_step.format(ranks=ranks)
+    advice = CATALOGUE[report.verdict].next_step_for(report.kind).format(ranks=ranks)
     return f"ncclwatch: {title} {what}. Next: {advice}."
 
 
@@ -603,6 +611,23 @@ def _mismatch_words(theirs: str | None, expected: str | None, position: int | No
     if theirs.split(" ")[0] != expected.split(" ")[0]:
         return f"issued {theirs.split(' ')[0]} where its peers issued {{op}}"
     return f"issued {theirs} where its peers issued {expected} (#{position})"
+
+
+def _dtype_words(report: Report, theirs: str | None) -> str | None:
+    """``passes BFloat16 where ranks 0, 2 pass Float to {op}``: the one word that differs between the culprit's
+    operation and its peers' (a dtype mismatch differs in nothing else)."""
+    expected = report.operation
+    if not theirs or not expected or len(theirs.split()) != len(expected.split()):
+        return None
+    differ = [(a, b) for a, b in zip(theirs.split(), expected.split(), strict=True) if a != b]
+    if len(differ) != 1:
+        return None
+    others = [row.rank for row in report.ranks if row.rank not in report.culprit_ranks]
+    if not others:
+        return None
+    peers = f"rank {others[0]} passes" if len(others) == 1 else f"ranks {', '.join(map(str, others))} pass"
+    verb = "passes" if len(report.culprit_ranks) == 1 else "pass"
+    return f"{verb} {differ[0][0]} where {peers} {differ[0][1]} to {{op}}"
 
 
 def _user_site(stack: str | None) -> str | None:

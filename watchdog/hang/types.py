@@ -84,3 +84,6 @@ class Finding:
     # An even split no evidence decides: one of these sides is wrong, but not which (``culprits`` is empty then;
     # report: ``suspect_ranks``, so a hook or a drain can act on them).
     suspects: tuple[int, ...] = ()
+    # A sub-kind of the verdict with words of its own (``verdicts.VerdictEntry.kinds``): "dtype", a
+    # collective_mismatch whose sides called the same collective with the same count in different datatypes.
+    kind: str | None = None

@@ -60,6 +60,12 @@ class VerdictEntry:
     # What the culprit does, in the headline after "rank N (host, pid)"; "{op}" stands for the operation and its
     # position.  Empty: the headline quotes the finding's summary.
     culprit_does: str = ""
+    # Sub-kinds whose next step differs from the verdict's (Finding.kind -> the headline's "Next:"), same
+    # placeholders: (kind, next step).
+    kinds: tuple[tuple[str, str], ...] = ()
+
+    def next_step_for(self, kind: str | None) -> str:
+        return dict(self.kinds).get(kind or "", self.next_step)
 
 
 _ENTRIES = (
@@ -75,6 +81,13 @@ _ENTRIES = (
         "nothing decides, both sides are named as suspects and no culprit.",
         next_step="compare the two call sites (stacks in the bundle); look for a branch on the rank or on data that "
         "differs between ranks before that line",
+        kinds=(
+            (
+                "dtype",
+                "find where the tensor of {ranks} gets its datatype before that call (a .float() or .to(), an autocast "
+                "region, a mixed-precision setting or a checkpoint loaded in another dtype on some ranks)",
+            ),
+        ),
         restart_why="a collective mismatch comes from the program (a branch on the rank) and recurs",
     ),
     VerdictEntry(
