@@ -97,3 +97,29 @@ class TestDtypeMismatchIsNamed:
         report = analyze_paths([str(FIXTURES / "nccl-2.28.9-2gpu" / "mismatch_fr" / "fr")])
         assert (report.verdict, report.kind) == (Verdict.collective_mismatch, None)
         assert "branch on the rank" in report.headline
+
+
+class TestCallSitesFromDumpsAlone:
+    """The real H200 captures (tools/capture's train.py): the frames Flight Recorder recorded say where."""
+
+    @pytest.mark.parametrize(("capture", "behind"), [("nccl-2.28.9-h200x2", 1), ("nccl-2.28.9-h200x4", 3)])
+    def test_rank_behind_says_where_the_others_wait_and_where_it_last_was(self, capture: str, behind: int) -> None:
+        report = analyze_paths([str(FIXTURES / "captures" / capture / "python_stuck" / "fr")])
+        assert (report.verdict, report.culprit_ranks) == (Verdict.rank_behind, [behind])
+        rows = {row.rank: row for row in report.ranks}
+        # its last two all_reduces are DDP's buckets, issued from C++ (no frames): the last with a stack is the
+        # broadcast at train.py:162; the others wait in the all_reduce of train.py:158
+        assert rows[behind].call_site and rows[behind].call_site.endswith(
+            "main (/work/main/tools/capture/train.py:162)"
+        )
+        assert rows[0].call_site and rows[0].call_site.endswith("main (/work/main/tools/capture/train.py:158)")
+        assert "its last recorded call site is train.py:162 in main()" in report.headline
+        assert any("#79, called from main (train.py:162)" in e.fact for e in report.evidence)
+
+    def test_a_gpu_hang_names_the_call_site_of_the_collective_it_is_stuck_in(self) -> None:
+        report = analyze_paths([str(FIXTURES / "captures" / "nccl-2.28.9-h200x4" / "spin_kernel" / "fr")])
+        assert (report.verdict, report.culprit_ranks) == (Verdict.gpu_compute_hang, [3])
+        assert {row.call_site.rsplit(" <- ", 1)[1] for row in report.ranks if row.call_site} == {
+            "main (/work/main/tools/capture/train.py:158)"
+        }
+        assert "AllReduce #82 — issued from train.py:158 in main()" in report.headline

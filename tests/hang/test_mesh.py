@@ -193,7 +193,7 @@ class TestRealDumps:
         assert report.headline is not None
         assert report.headline.startswith(
             "ncclwatch: RANK BEHIND rank 3 (dp 1, tp 1) never entered AllGather #13; "
-            "its dp group's peers (rank 1) wait in it."
+            "its dp group's peers (rank 1) wait in it — its last recorded call site is make_tp_dumps.py:106 in main()"
         ), report.headline
 
     def test_the_skipping_rank_is_placed_in_the_headline_and_the_text(self) -> None:

@@ -55,14 +55,19 @@ def _op_evidence(comm: CommView, rank: RankView, position: int, fact: str) -> Fa
 
 
 def _rows(
-    comm: CommView, status: Callable[[RankView], tuple[str, str]], position: int | None = None
+    comm: CommView,
+    status: Callable[[RankView], tuple[str, str]],
+    position: int | None = None,
+    site_at: Callable[[RankView], int] | None = None,
 ) -> tuple[RankStatus, ...]:
-    """Each rank's row; with ``position``, the user's line that issued its operation there (Flight Recorder)."""
+    """Each rank's row; with ``position`` (or ``site_at``, a position per rank), the user's line that issued its
+    operation there (Flight Recorder)."""
     rows = []
     for rank in comm.ranks:
         last = rank.at(rank.total - 1)
         text, detail = status(rank)
-        op = rank.details.get(position) if position is not None else None
+        at = site_at(rank) if site_at is not None else position
+        op = rank.details.get(at) if at is not None else None
         rows.append(
             RankStatus(
                 rank=rank.rank,
@@ -344,6 +349,16 @@ def _called_from(rank: RankView, position: int) -> str:
     return f", called from {short_frame(mine)}" if mine else ""
 
 
+def _last_with_frames(rank: RankView, position: int) -> int | None:
+    """The latest position at or before ``position`` whose op Flight Recorder recorded a user frame for (a
+    collective issued from C++, as DDP's bucket all_reduce from the autograd thread, records none)."""
+    for at in range(position, rank.base - 1, -1):
+        op = rank.details.get(at)
+        if op is not None and user_frame(op.frames):
+            return at
+    return None
+
+
 def _at_text(rank: RankView, position: int) -> str:
     sig = rank.at(position)
     return f"#{position + 1}: {sig.describe()}" if sig else f"did not reach #{position + 1}"
@@ -370,10 +385,22 @@ def _behind(comm: CommView, ranks: list[RankView]) -> Finding | None:
         reason += f" {names(ended)} shut the communicator down ({ended[0].end}) first."
     if others_behind:
         reason += f" {names(others_behind)} are also behind, probably waiting on the culprit elsewhere."
-    evidence = [_op_evidence(comm, ahead, low, f"{names([ahead])} issued {operation} as collective #{low + 1}")]
+    evidence = [
+        _op_evidence(
+            comm,
+            ahead,
+            low,
+            f"{names([ahead])} issued {operation} as collective #{low + 1}{_called_from(ahead, low)}",
+        )
+    ]
     for r in culprits:
         last = r.at(low - 1)
         fact = f"{r.name}'s last collective is #{low}" + (f" ({last.describe()})" if last else "")
+        where = _last_with_frames(r, low - 1)
+        if where is not None and where != low - 1:
+            fact += f"; its last with a Python stack, #{where + 1}{_called_from(r, where)}"
+        elif where is not None:
+            fact += _called_from(r, where)
         evidence.append(
             _op_evidence(comm, r, low - 1, fact) if low else Fact(comm.source, f"{r.name} issued no collective")
         )
@@ -390,6 +417,9 @@ def _behind(comm: CommView, ranks: list[RankView]) -> Finding | None:
         rows=_rows(
             comm,
             lambda r: ("behind" if r.total == low else "waiting" if r.total == top else "behind", f"issued {r.total}"),
+            # Flight Recorder's frames: where the others entered the collective they wait in, and where each rank
+            # behind issued its last one (it never reached the next)
+            site_at=lambda r: low if r.total > low else _last_with_frames(r, r.total - 1),
         ),
     )
 
@@ -814,7 +844,8 @@ def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding
         missing=()
         if lead
         else ("which rank is late: 'started' states need TORCH_NCCL_ENABLE_TIMING=1; or add NVML samples / stacks",),
-        rows=_rows(comm, lambda r: (str(states[r.comm_rank] or "?"), f"completed {r.completed}")),
+        # the call site of the collective each rank is in (Flight Recorder's frames)
+        rows=_rows(comm, lambda r: (str(states[r.comm_rank] or "?"), f"completed {r.completed}"), position),
     )
 
 

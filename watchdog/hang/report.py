@@ -579,7 +579,9 @@ def headline(report: Report) -> str:
             {site for row in report.ranks if row.rank not in culprits and (site := _user_site(row.call_site))}
         )
         if called:
-            what += f" — issued from {called}" + (f" (py-spy: now at {mine})" if mine and mine != called else "")
+            # a rank behind never issued the operation: its call site is that of the last one it issued
+            issued = "its last recorded call site is" if report.verdict == Verdict.rank_behind else "issued from"
+            what += f" — {issued} {called}" + (f" (py-spy: now at {mine})" if mine and mine != called else "")
         elif mine:
             what += f" — {'it is' if len(culprits) == 1 else f'rank {culprits[0]} is'} at {mine}"
         what += f"; its peers issued theirs from {' and '.join(peers)}" if peers else ""
