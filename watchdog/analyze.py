@@ -45,6 +45,13 @@ from ncclwatch.watchdog.slowness.engine import perf_health
 
 def analyze_paths(paths: Iterable[str], window: int = DEFAULT_WINDOW, now: float | None = None) -> Report:
     """The verdict on ``paths``; raises ``provenance.MixedJobs`` when they hold files of two different jobs."""
+    return analyze_with_dumps(paths, window, now)[0]
+
+
+def analyze_with_dumps(
+    paths: Iterable[str], window: int = DEFAULT_WINDOW, now: float | None = None
+) -> tuple[Report, list[FrDump]]:
+    """``analyze_paths``, with the Flight Recorder dumps it judged (``--entries`` prints them: ``fr_entries``)."""
     state = JobState(window=window)
     inputs = []
     stdin_spool: dict[str, str] = {}  # "-" is spooled once so that it can be rescanned
@@ -72,7 +79,7 @@ def analyze_paths(paths: Iterable[str], window: int = DEFAULT_WINDOW, now: float
         report = build_report(finding, snapshot, inputs, resolve_citations(finding))
         performance = performance_notes(state.fr_dumps.values(), scanner.facts(), state.global_ranks())
         report = report.model_copy(update={"performance": performance})
-        return _inside_bundles(report, bundles)
+        return _inside_bundles(report, bundles), list(state.fr_dumps.values())
 
 
 def _one_run(
@@ -84,11 +91,11 @@ def _one_run(
     # A folder holding a sidecar's journal is a kept run folder: one run of one node, like a bundle.
     run_folders = {str(Path(name).parent) for name, who in zip(names, identities) if who.journal}
     containers = [_container(name, bundles, run_folders) for name in names]
+    loose = [i for i, (_, problem) in enumerate(listed) if not problem and not containers[i] and identities[i].bare]
+    if len(loose) > 1 or len(run_folders) > 1:  # a loose Flight Recorder dump names no process: its times do
+        for index in loose:
+            identities[index] = identify(names[index], stdin_spool, dumps=True)
     runs = group_runs(identities, [_shown_name(c, bundles) if c else None for c in containers], names)
-    if len(runs) > 1:  # a loose Flight Recorder dump names no process: its entries' times place it
-        for index, (name, problem) in enumerate(listed):
-            if not problem and containers[index] is None and identities[index].bare:
-                identities[index] = identify(name, stdin_spool, dumps=True)
     choice = choose(runs, identities)
     return choice.set_aside, choice.note
 

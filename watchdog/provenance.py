@@ -10,7 +10,9 @@ per rank), and after a restart from new processes: a restart round is another
   sidecar saw them).  Every file in it is of that run of that node;
 - an NCCL debug file: its ``host:pid`` prefixes and the ``commId`` of its
   communicators (random per communicator: ranks that share one are one run);
-- a Flight Recorder dump: when its entries were created (it names no process).
+- a Flight Recorder dump: when it enqueued each collective (it names no
+  process): the ranks of one run enqueue a collective within a step of each
+  other, two runs seconds apart at least (``SAME_RUN_NS``).
 
 Inputs that share a container, a ``commId`` or a process are one run; runs
 of one job and round whose times overlap are one run (the nodes of a
@@ -22,7 +24,8 @@ judged run: their communicators are their own, so the engine judges each apart
 (``JobState.jobs``: "logs of 2 jobs found ... the verdict is the most
 severe").  Inputs that carry nothing of their own (py-spy and NVML dumps,
 PyTorch's messages) go with the judged run; a Flight Recorder dump goes with
-the run whose time it falls in.
+the run whose time it falls in.  Loose dumps of several runs would be read as
+one (every run names its default group ``0``): the newest run's are judged.
 
 Failure modes: an input that cannot be read has no identity (the ingest says
 why); nothing here raises on bad input.
@@ -36,13 +39,16 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ncclwatch.watchdog.events import CommInit, FrDump, OpBatch, ProcKey, WorkerSeen
+from ncclwatch.watchdog.events import CommInit, OpBatch, ProcKey, WorkerSeen
 from ncclwatch.watchdog.inputs import STDIN, open_input
 from ncclwatch.watchdog.parsing import SNIFF_BYTES, NcclLogParser
-from ncclwatch.watchdog.parsing.flight_recorder import looks_like_flight_recorder, parse_flight_recorder
+from ncclwatch.watchdog.parsing.flight_recorder import collective_times, looks_like_flight_recorder
 from ncclwatch.watchdog.parsing.journal import looks_like_journal, parse_journal
 
 STATIC_RUN_ID = "none"  # torchrun's run id under static rendezvous: the same for every job
+# Two dumps are of one run when some collective of theirs was enqueued this close on both: the ranks of a run
+# issue each collective within a step of each other, and a restart or another launch is seconds later at least.
+SAME_RUN_NS = 5_000_000_000
 
 
 @dataclass
@@ -57,6 +63,7 @@ class Identity:
     last: float | None = None
     modified: float | None = None  # the file's mtime: when nothing inside says a time
     journal: bool = False  # a sidecar's journal: its folder is one run of one node
+    marks: dict[tuple[str, int], int] = field(default_factory=dict)  # a dump's (group, collective) -> enqueued, ns
 
     def add(self, other: Identity) -> None:
         self.jobs |= other.jobs
@@ -99,7 +106,7 @@ def identify(name: str, stdin_spool: dict[str, str], dumps: bool = False) -> Ide
                 _from_journal(found, head + handle.read(), name)
             elif looks_like_flight_recorder(head):
                 if dumps:
-                    _from_dump(found, head + handle.read(), name)
+                    _from_dump(found, head + handle.read())
             elif b" NCCL " in head:
                 _from_nccl(found, head, name)
     except (OSError, EOFError, lzma.LZMAError):
@@ -140,12 +147,10 @@ def _from_nccl(found: Identity, head: bytes, name: str) -> None:
             found.procs.add(event.proc)
 
 
-def _from_dump(found: Identity, data: bytes, name: str) -> None:
-    for event in parse_flight_recorder(data, name):
-        if isinstance(event, FrDump):
-            for entry in event.entries:
-                if entry.time_created_ns:
-                    found.seen(entry.time_created_ns / 1e9)
+def _from_dump(found: Identity, data: bytes) -> None:
+    found.marks = collective_times(data)
+    for created in (min(found.marks.values(), default=None), max(found.marks.values(), default=None)):
+        found.seen(created / 1e9 if created is not None else None)
 
 
 @dataclass
@@ -155,6 +160,7 @@ class Run:
     members: list[int]
     identity: Identity
     where: str  # the bundle, run folder or first file it came from
+    dumps_only: bool = False  # loose Flight Recorder dumps, told apart by their collectives' times alone
 
     def describe(self) -> str:
         who = self.identity
@@ -184,7 +190,7 @@ def _more(items: Sequence[object], shown: int) -> str:
 
 
 def _utc(moment: float) -> str:
-    return dt.datetime.fromtimestamp(moment, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return dt.datetime.fromtimestamp(moment, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def group_runs(identities: Sequence[Identity], containers: Sequence[str | None], names: Sequence[str]) -> list[Run]:
@@ -217,7 +223,34 @@ def group_runs(identities: Sequence[Identity], containers: Sequence[str | None],
         for index in members:
             together.add(identities[index])
         runs.append(Run(members, together, containers[members[0]] or _files([names[i] for i in members])))
+    dumps = [i for i, who in enumerate(identities) if containers[i] is None and who.bare and who.marks]
+    for members in _dump_runs(dumps, identities):
+        together = Identity()
+        for index in members:
+            together.add(identities[index])
+        runs.append(Run(members, together, _files([names[i] for i in members]), dumps_only=True))
     return _join_nodes(runs)
+
+
+def _dump_runs(dumps: list[int], identities: Sequence[Identity]) -> list[list[int]]:
+    """Loose Flight Recorder dumps by run: a dump joins the first run with a collective it enqueued within
+    ``SAME_RUN_NS`` of when that run did; one that shares no collective with a run is not told apart from it."""
+    runs: list[tuple[list[int], dict[tuple[str, int], int]]] = []
+    for index in dumps:
+        marks = identities[index].marks
+        home = next((run for run in runs if _same_dumps(marks, run[1])), None)
+        if home is None:
+            runs.append(([index], dict(marks)))
+        else:
+            home[0].append(index)
+            for key, created in marks.items():
+                home[1].setdefault(key, created)
+    return [members for members, _ in runs]
+
+
+def _same_dumps(marks: dict[tuple[str, int], int], run: dict[tuple[str, int], int]) -> bool:
+    common = marks.keys() & run.keys()
+    return not common or min(abs(marks[key] - run[key]) for key in common) < SAME_RUN_NS
 
 
 def _files(names: list[str]) -> str:
@@ -278,7 +311,7 @@ def choose(runs: Sequence[Run], identities: Sequence[Identity]) -> Choice:
     everything = set(range(len(identities)))
     named = [run for run in runs if run.identity.jobs]
     if len(named) <= 1:
-        return Choice({}, None)
+        return _newest_dumps([run for run in runs if run.dumps_only])
     jobs = [frozenset(run.identity.jobs) for run in named]
     if not frozenset.intersection(*jobs):
         raise MixedJobs(named)
@@ -293,6 +326,26 @@ def choose(runs: Sequence[Run], identities: Sequence[Identity]) -> Choice:
     note = (
         f"the inputs hold {len(named)} restart rounds of one job: judged the newest, {newest.describe()}; "
         f"set aside {len(set_aside)} input(s) of " + "; ".join(run.describe() for run in others)
+    )
+    return Choice(set_aside, note)
+
+
+def _newest_dumps(runs: list[Run]) -> Choice:
+    """Loose Flight Recorder dumps of several runs: process groups are named alike in every run (``0``), so
+    they would be read as one; the newest run's dumps are judged, the others set aside."""
+    if len(runs) <= 1:
+        return Choice({}, None)
+    newest = max(runs, key=_recency)
+    others = [run for run in runs if run is not newest]
+    set_aside = {
+        index: f"set aside: a Flight Recorder dump of an older run, {run.describe()}"
+        for run in others
+        for index in run.members
+    }
+    note = (
+        f"the Flight Recorder dumps are of {len(runs)} runs (the same collectives enqueued "
+        f"{SAME_RUN_NS / 1e9:g} s or more apart): judged the newest, {newest.describe()}; set aside "
+        + "; ".join(run.describe() for run in others)
     )
     return Choice(set_aside, note)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tarfile
+from pathlib import Path
 
 import pytest
 from conftest import shared
@@ -47,7 +49,10 @@ def test_the_command_line_refuses_two_jobs_in_one_line_with_its_own_status() -> 
     assert proc.stdout == ""
     [line] = proc.stderr.splitlines()
     assert line.startswith("ncclwatch analyze: inputs of 2 different jobs, not judged together: ")
-    assert f"  {EXIT_MIXED_JOBS}  no report: the inputs hold files of different jobs" in analyze("--help").stdout
+    assert (
+        f"  {EXIT_MIXED_JOBS}  no report: the inputs hold bundles or run folders of different jobs"
+        in analyze("--help").stdout
+    )
 
 
 DEMO_JOBS = sorted(shared("bundles", "demo-cpu-two-jobs").glob("*.tar.gz"))
@@ -74,3 +79,26 @@ def test_restart_rounds_of_one_job_judge_the_newest_round_and_say_so() -> None:
     assert aside and all((i.note or "").startswith("set aside: of an older run") for i in aside)
     judged = [i for i in both.inputs if not i.path.startswith(older)]
     assert {i.path for i in judged} == {i.path for i in alone.inputs}
+
+
+def _dumps(bundle: Path, into: Path) -> Path:
+    """A bundle's Flight Recorder dumps as loose files (what a job's dump folder holds)."""
+    folder = into / bundle.name.removesuffix(".tar.gz")
+    folder.mkdir(parents=True)
+    with tarfile.open(bundle) as tar:
+        for member in tar:
+            if "/fr/" in member.name and member.isfile():
+                (folder / Path(member.name).name).write_bytes(tar.extractfile(member).read())  # type: ignore[union-attr]
+    return folder
+
+
+def test_loose_dumps_of_two_runs_are_told_apart_by_their_collectives_times(tmp_path: Path) -> None:
+    older, newer = (_dumps(bundle, tmp_path) for bundle in DEMO_JOBS)  # 13 s apart, same ranks, same groups
+    alone = analyze_paths([str(newer)])
+    both = analyze_paths([str(tmp_path)])
+    assert (both.verdict, both.culprit_ranks, both.position) == (alone.verdict, alone.culprit_ranks, alone.position)
+    assert [e.cite for e in both.evidence] == [e.cite for e in alone.evidence]
+    [said] = [n for n in both.notes if n.startswith("the Flight Recorder dumps are of 2 runs")]
+    assert f"judged the newest, {newer}/ (3 files)" in said and f"set aside {older}/ (3 files)" in said
+    aside = [i for i in both.inputs if i.path.startswith(str(older))]
+    assert len(aside) == 3 and all((i.note or "").startswith("set aside: a Flight Recorder dump") for i in aside)
