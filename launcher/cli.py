@@ -107,6 +107,7 @@ examples:
   ncclwatch analyze ./nccl-logs/ ./fr-dumps/ --json | jq .culprit_ranks
   ncclwatch analyze slurm-1234.out rank*.err.gz
   xclip -o | ncclwatch analyze -                 # an excerpt from an issue thread
+  ncclwatch analyze bundle.tar.gz --rank 3 --pg default_pg --stack   # rank 3's newest entries, full frames
 """
 
 
@@ -127,7 +128,47 @@ def analyze_parser() -> argparse.ArgumentParser:
             f"operations kept per rank and communicator; older ones are folded into a digest (default {DEFAULT_WINDOW})"
         ),
     )
+    entries = analyze.add_argument_group(
+        "Flight Recorder entries",
+        "After the verdict, print the entries of the dumps given, one row each: rank, position (collective or p2p "
+        "number), process group, op, state (as the verdict read it), input sizes, dtype, the user's call site. "
+        "--rank, --pg and --stack imply --entries; the verdict is always judged on every input.",
+    )
+    entries.add_argument("--entries", action="store_true", help="print the matched entries after the verdict")
+    entries.add_argument(
+        "--rank",
+        action="append",
+        type=_rank_list,
+        default=[],
+        metavar="N[,N...]",
+        help="only these global ranks' dumps (repeat, or a comma list: --rank 1,3)",
+    )
+    entries.add_argument(
+        "--pg",
+        action="append",
+        default=[],
+        metavar="NAME_OR_ID",
+        help="only this process group, by id (0) or description (default_pg, mesh_tp); repeatable",
+    )
+    entries.add_argument(
+        "--last",
+        type=int,
+        default=20,
+        metavar="N",
+        help="the newest N entries of each rank and process group (default 20; 0: all)",
+    )
+    entries.add_argument("--stack", action="store_true", help="every frame Flight Recorder recorded, under each row")
     return analyze
+
+
+def _rank_list(text: str) -> list[int]:
+    try:
+        ranks = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rank or a comma list of ranks: {text!r}") from None
+    if not ranks or any(r < 0 for r in ranks):
+        raise argparse.ArgumentTypeError(f"ranks are whole numbers from 0: {text!r}")
+    return ranks
 
 
 UNREADABLE_SAID = 10  # inputs that could not be read, each a line on stderr; past this, a count
@@ -138,17 +179,26 @@ ANALYZE_READS = (
 
 
 def run_analyze(argv: list[str]) -> int:
-    from ncclwatch.watchdog.analyze import analyze_paths
+    from ncclwatch.watchdog import fr_entries
+    from ncclwatch.watchdog.analyze import analyze_with_dumps
     from ncclwatch.watchdog.hang.report import render_text
     from ncclwatch.watchdog.inputs import NO_SUCH_FILE, cannot_read
     from ncclwatch.watchdog.provenance import MixedJobs
 
-    args = analyze_parser().parse_args(argv)
+    parser = analyze_parser()
+    args = parser.parse_args(argv)
     if args.window < 16:
         print("ncclwatch analyze: --window must be at least 16", file=sys.stderr)
         return EXIT_INCONCLUSIVE
+    chosen = fr_entries.EntryFilter(
+        pgs=tuple(args.pg), ranks=tuple(r for group in args.rank for r in group), last=max(args.last, 0)
+    )
+    show_entries = args.entries or args.stack or bool(chosen.pgs or chosen.ranks)
+    if show_entries and args.json:
+        parser.error("--json prints the report alone; --entries, --rank, --pg and --stack print Flight Recorder "
+                     "entries as text: give one or the other")  # fmt: skip
     try:
-        report = analyze_paths(args.paths, window=args.window)
+        report, dumps = analyze_with_dumps(args.paths, window=args.window)
     except MixedJobs as mixed:
         print(f"ncclwatch analyze: {mixed}", file=sys.stderr)
         return EXIT_MIXED_JOBS
@@ -166,6 +216,11 @@ def run_analyze(argv: list[str]) -> int:
         print_out(report.model_dump_json(indent=2))
     else:
         print_out(render_text(report) + "\n" + render_inputs(report.inputs))
+    if show_entries:
+        rows, said = fr_entries.select(dumps, chosen)
+        for line in said:
+            print(f"ncclwatch analyze: {line}", file=sys.stderr)
+        print_out("\nFlight Recorder entries:\n" + fr_entries.render(rows, stack=args.stack))
     return report.exit_code
 
 
