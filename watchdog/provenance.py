@@ -36,12 +36,13 @@ from __future__ import annotations
 import datetime as dt
 import lzma
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ncclwatch.watchdog.events import CommInit, OpBatch, ProcKey, WorkerSeen
+from ncclwatch.watchdog.events import ProcKey, WorkerSeen
 from ncclwatch.watchdog.inputs import STDIN, open_input
-from ncclwatch.watchdog.parsing import SNIFF_BYTES, NcclLogParser
+from ncclwatch.watchdog.parsing import SNIFF_BYTES
 from ncclwatch.watchdog.parsing.flight_recorder import collective_times, looks_like_flight_recorder
 from ncclwatch.watchdog.parsing.journal import looks_like_journal, parse_journal
 
@@ -108,7 +109,7 @@ def identify(name: str, stdin_spool: dict[str, str], dumps: bool = False) -> Ide
                 if dumps:
                     _from_dump(found, head + handle.read())
             elif b" NCCL " in head:
-                _from_nccl(found, head, name)
+                _from_nccl(found, head)
     except (OSError, EOFError, lzma.LZMAError):
         pass  # the ingest says why it cannot be read
     return found
@@ -137,14 +138,33 @@ def _from_journal(found: Identity, data: bytes, name: str) -> None:
             found.seen(moment)
 
 
-def _from_nccl(found: Identity, head: bytes, name: str) -> None:
-    for event in NcclLogParser(name).feed(head, final=True):
-        if isinstance(event, CommInit):
-            found.procs.add(event.proc)
-            if event.comm_id:
-                found.comm_ids.add(event.comm_id)
-        elif isinstance(event, OpBatch):
-            found.procs.add(event.proc)
+# NCCL's line prefix ``host:pid:tid [cudaDev] NCCL``, wherever a launcher's own prefix put it in the line; the
+# host tried only where a name starts, at most 253 characters (a 1 MiB run of name characters is one try, not 1 M)
+_NCCL_PROC = re.compile(rb"(?<![\w.-])([\w.-]{1,253}):(\d+):\d+ \[\d+\] NCCL ")
+_COMM_ID = re.compile(rb"commId (0x[0-9a-fA-F]+)")
+
+
+def _from_nccl(found: Identity, head: bytes) -> None:
+    """The processes and communicators of the Init lines in ``head`` (where a process's NCCL lines begin), or the
+    first NCCL line's process in an excerpt without them: a few regular expressions, not the parser, since every
+    NCCL log of a large job is read this way before it is ingested."""
+    for line in _init_lines(head):
+        proc, comm = _NCCL_PROC.search(line), _COMM_ID.search(line)
+        if proc is not None:
+            found.procs.add(ProcKey(proc[1].decode(errors="replace"), int(proc[2])))
+        if comm is not None:
+            found.comm_ids.add(comm[1].decode())
+    if not found.procs and (first := _NCCL_PROC.search(head)) is not None:
+        found.procs.add(ProcKey(first[1].decode(errors="replace"), int(first[2])))
+
+
+def _init_lines(head: bytes) -> Iterator[bytes]:
+    """Each line that names a commId."""
+    at = head.find(b"commId 0x")
+    while at != -1:
+        end = head.find(b"\n", at)
+        yield head[head.rfind(b"\n", 0, at) + 1 : end if end != -1 else None]
+        at = head.find(b"commId 0x", end) if end != -1 else -1
 
 
 def _from_dump(found: Identity, data: bytes) -> None:
