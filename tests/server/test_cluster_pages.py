@@ -98,6 +98,7 @@ class TestHosts:
         assert gpu7["roles"] == {"culprit": 3}  # key-a named it in two nodes' bundles: one incident
         assert (hosts[1]["days_7"], hosts[1]["days_30"]) == (0, 1)
         assert [h["host"] for h in history.get("/api/hosts?host=gpu2", token=TOKEN).json()] == ["gpu2"]
+        assert [h["host"] for h in history.get("/api/hosts?limit=1", token=TOKEN).json()] == ["gpu7"]
 
     def test_the_pages_link_hosts_and_incidents(self, history):
         page = history.get("/hosts", token=TOKEN).text

@@ -107,6 +107,21 @@ NCCLWATCH_WEBHOOK_URL set (as for the jobs), serve delivers the alerts the
 node's jobs left undelivered in <bundle-dir>/.spool (NCCLWATCH_SPOOL_DIR),
 looking every NCCLWATCH_ALERT_RETRY_INTERVAL seconds (default 10).
 
+one server for the cluster: with NCCLWATCH_UPLOAD_TOKEN (or --upload-token-file)
+it also takes the bundles every wrapper uploads (ncclwatch --upload URL, the
+same token), checks and stores them, and indexes them in SQLite:
+
+  POST /api/upload           a bundle, with the upload token (write-only)
+  /incidents[/<key>]         incidents across jobs (?job= ?host= ?verdict= ?since=
+                             ?until=), each with its nodes' bundles and the report
+  /hosts[/<host>]            per host named as culprit, lost node or slow link:
+                             incidents over 7 and 30 days, repeat hosts first
+  /api/incidents, /api/hosts the same as JSON; /metrics adds
+                             ncclwatch_host_incidents_total{{host,verdict}}
+
+  ncclwatch serve --bundle-dir /srv/ncclwatch --listen 0.0.0.0:9464 \\
+      --on-repeat 3/7 --on-repeat-exec 'scontrol update NodeName="$NCCLWATCH_HOST" State=DRAIN Reason=ncclwatch'
+
 A missing --bundle-dir is created (the agent may start before any bundle).
 
 exit status: 0 after SIGTERM or Ctrl-C; 2 for a bad setting, a --bundle-dir that

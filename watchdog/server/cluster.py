@@ -7,7 +7,8 @@ Routes, added to ``app.make_app``'s (``install``):
   /api/incidents               JSON, newest first; ?job= ?host= ?verdict= ?since= ?until= (ISO 8601) ?limit=
   /api/incidents/{key}         one incident: its parts (each node's bundle) and the hosts it names
   /api/hosts                   per host named in the last 30 days: incidents over 7 and 30 days by verdict and
-                               role (culprit, lost_node, slow_link), jobs; repeat hosts first; ?host=
+                               role (culprit, lost_node, slow_link), jobs; repeat hosts first; ?host=, ?limit=
+                               (default the first 200)
   /incidents, /incidents/{key}, /hosts, /hosts/{host}   the same as pages (``cluster_page.py``)
   /metrics                     also ``ncclwatch_host_incidents_total{host,verdict}``
 
@@ -31,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily
 from ncclwatch.watchdog.server.app import BUNDLES, html_response
 from ncclwatch.watchdog.server.auth import UPLOAD_PATH
 from ncclwatch.watchdog.server.cluster_page import host_body, hosts_body, incident_body, incidents_body
-from ncclwatch.watchdog.server.incidents import HOST_RE, IncidentIndex, epoch
+from ncclwatch.watchdog.server.incidents import HOST_RE, HOSTS_SHOWN, IncidentIndex, epoch
 from ncclwatch.watchdog.server.intake import KEY_RE, SLURM_RE, Intake, Refused, which_token
 from ncclwatch.watchdog.server.page import esc, page_html
 from ncclwatch.watchdog.server.repeat import Repeat
@@ -186,9 +187,17 @@ async def incident_json(request: web.Request) -> web.Response:
     return web.json_response(found)
 
 
+def _hosts_limit(request: web.Request) -> int:
+    given = request.query.get("limit", "")
+    if given and not given.isdigit():
+        raise web.HTTPBadRequest(text=f"limit: expected a number, got {given!r}")
+    return int(given) if given else HOSTS_SHOWN
+
+
 async def hosts_json(request: web.Request) -> web.Response:
     host = request.query.get("host") or None
-    return web.json_response(await asyncio.to_thread(request.app[INTAKE].index.hosts, None, host))
+    index = request.app[INTAKE].index
+    return web.json_response(await asyncio.to_thread(index.hosts, None, host, _hosts_limit(request)))
 
 
 async def incidents_page(request: web.Request) -> web.Response:
@@ -218,7 +227,7 @@ async def incident_page(request: web.Request) -> web.Response:
 
 
 async def hosts_page(request: web.Request) -> web.Response:
-    rows = await asyncio.to_thread(request.app[INTAKE].index.hosts)
+    rows = await asyncio.to_thread(request.app[INTAKE].index.hosts, None, None, _hosts_limit(request))
     return html_response(page_html("ncclwatch hosts", hosts_body(rows)))
 
 

@@ -116,7 +116,8 @@ def _by_verdict(counts: dict[str, int]) -> str:
 
 def hosts_body(rows: list[dict[str, Any]]) -> str:
     out = [
-        f"<h1>Hosts <span class='muted'>({len(rows)} named in 30 days)</span></h1>{NAV}",
+        f"<h1>Hosts <span class='muted'>({len(rows)} named in 30 days, repeat hosts first; ?limit= for more)</span>"
+        f"</h1>{NAV}",
         "<p class='muted'>Each host named by an incident (its culprit, a lost node, a slow link), repeat hosts "
         "first.</p>",
     ]

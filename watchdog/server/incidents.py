@@ -41,6 +41,7 @@ _LOST_HOSTS_RE = re.compile(r"\d+ \(([^)]+)\)")
 ROLES = ("culprit", "lost_node", "slow_link")
 DAY_S = 86400.0
 LIST_MAX = 500
+HOSTS_SHOWN = 200  # the hosts view's default: the repeat hosts are first, the tail is hosts named once
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS incidents (
@@ -53,10 +54,21 @@ SCHEMA = (
         host TEXT, verdict TEXT, size BIGINT NOT NULL, sha256 TEXT NOT NULL, received_at DOUBLE PRECISION NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS parts_incident ON parts (incident_key)",
     "CREATE INDEX IF NOT EXISTS parts_received ON parts (received_at)",
+    # The incident's job, time and verdict are repeated here (kept equal by ``record``) so that the hosts view
+    # is one aggregation over one table: the join cost 100 ms at 10,000 incidents.
     """CREATE TABLE IF NOT EXISTS named (
         incident_key TEXT NOT NULL REFERENCES incidents (incident_key), host TEXT NOT NULL, role TEXT NOT NULL,
-        bundle_id TEXT NOT NULL, PRIMARY KEY (incident_key, host, role, bundle_id))""",
-    "CREATE INDEX IF NOT EXISTS named_host ON named (host)",
+        bundle_id TEXT NOT NULL, job TEXT NOT NULL, at DOUBLE PRECISION NOT NULL, verdict TEXT,
+        PRIMARY KEY (incident_key, host, role, bundle_id))""",
+    "CREATE INDEX IF NOT EXISTS named_host ON named (host, at)",
+    "CREATE INDEX IF NOT EXISTS named_at ON named (at)",
+    # One row per (host, incident), whatever number of its nodes' bundles named the host: what the hosts view
+    # counts, without COUNT(DISTINCT) over ``named`` (37 -> 12 ms at 10,000 incidents).
+    """CREATE TABLE IF NOT EXISTS host_incidents (
+        host TEXT NOT NULL, incident_key TEXT NOT NULL, job TEXT NOT NULL, at DOUBLE PRECISION NOT NULL,
+        verdict TEXT NOT NULL, culprit INTEGER NOT NULL, lost_node INTEGER NOT NULL, slow_link INTEGER NOT NULL,
+        PRIMARY KEY (host, incident_key))""",
+    "CREATE INDEX IF NOT EXISTS host_incidents_at ON host_incidents (at, host)",
     """CREATE TABLE IF NOT EXISTS host_totals (
         host TEXT NOT NULL, verdict TEXT NOT NULL, total BIGINT NOT NULL, PRIMARY KEY (host, verdict))""",
     """CREATE TABLE IF NOT EXISTS repeat_state (host TEXT PRIMARY KEY, above INTEGER NOT NULL)""",
@@ -181,11 +193,19 @@ class IncidentIndex:
                     "SELECT 1 FROM named WHERE incident_key = ? AND host = ?", (part.incident_key, host)
                 ).fetchone()
                 self._db.execute(
-                    "INSERT INTO named (incident_key, host, role, bundle_id) VALUES (?, ?, ?, ?)",
-                    (part.incident_key, host, role, part.bundle_id),
+                    "INSERT INTO named (incident_key, host, role, bundle_id, job, at, verdict) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (part.incident_key, host, role, part.bundle_id, "", at, incident_verdict),
                 )
                 if first:
                     self._count(host, incident_verdict or "unknown")
+            self._db.execute(  # the incident's job, time and verdict, as they now stand, on every naming of it
+                "UPDATE named SET job = (SELECT job || COALESCE(' (Slurm ' || slurm_job || ')', '') FROM incidents "
+                "WHERE incident_key = ?), at = (SELECT at FROM incidents WHERE incident_key = ?), "
+                "verdict = (SELECT verdict FROM incidents WHERE incident_key = ?) WHERE incident_key = ?",
+                (part.incident_key,) * 4,
+            )
+            self._summarize(part.incident_key)
         return Recorded(part.incident_key, known is None, replaced is not None, frozenset(h for h, _ in hosts))
 
     def _count(self, host: str, verdict: str) -> None:
@@ -193,6 +213,18 @@ class IncidentIndex:
         self._db.execute("DELETE FROM host_totals WHERE host = ? AND verdict = ?", (host, verdict))
         self._db.execute("INSERT INTO host_totals (host, verdict, total) VALUES (?, ?, ?)", (host, verdict, total))
         self.totals[(host, verdict)] = total
+
+    def _summarize(self, incident_key: str) -> None:
+        """The incident's rows of ``host_incidents`` from its rows of ``named``."""
+        self._db.execute("DELETE FROM host_incidents WHERE incident_key = ?", (incident_key,))
+        self._db.execute(
+            "INSERT INTO host_incidents (host, incident_key, job, at, verdict, culprit, lost_node, slow_link) "
+            "SELECT host, incident_key, MAX(job), MAX(at), COALESCE(MAX(verdict), 'unknown'), "
+            "MAX(CASE WHEN role = 'culprit' THEN 1 ELSE 0 END), MAX(CASE WHEN role = 'lost_node' THEN 1 ELSE 0 END), "
+            "MAX(CASE WHEN role = 'slow_link' THEN 1 ELSE 0 END) FROM named WHERE incident_key = ? "
+            "GROUP BY host, incident_key",
+            (incident_key,),
+        )
 
     def _forget_part(self, bundle_id: str) -> None:
         self._db.execute("DELETE FROM named WHERE bundle_id = ?", (bundle_id,))
@@ -203,6 +235,8 @@ class IncidentIndex:
         with self._lock, self._transaction():
             row = self._db.execute("SELECT incident_key FROM parts WHERE bundle_id = ?", (bundle_id,)).fetchone()
             self._forget_part(bundle_id)
+            if row is not None:
+                self._summarize(row[0])
             if (
                 row is not None
                 and not self._db.execute("SELECT 1 FROM parts WHERE incident_key = ?", (row[0],)).fetchone()
@@ -295,63 +329,58 @@ class IncidentIndex:
             )
         return rows[0]
 
-    def hosts(self, now: float | None = None, host: str | None = None) -> list[dict[str, Any]]:
+    def hosts(
+        self, now: float | None = None, host: str | None = None, limit: int = HOSTS_SHOWN
+    ) -> list[dict[str, Any]]:
         """Per host named in the last 30 days: incidents over 7 and 30 days, by verdict and by role, jobs; repeat
-        hosts first (most incidents in 7 days, then 30)."""
+        hosts first (most incidents in 7 days, then 30).  An incident counts once per host, however many of its
+        nodes' bundles named the host."""
         now = self.clock() if now is None else now
         week, month = now - 7 * DAY_S, now - 30 * DAY_S
-        sql = (
-            "SELECT n.host, i.verdict, n.role, i.incident_key, i.job, i.slurm_job, i.at "
-            "FROM named n JOIN incidents i ON i.incident_key = n.incident_key WHERE i.at >= ?"
-            + (" AND n.host = ?" if host is not None else "")
-        )
+        only, extra = (" AND host = ?", [host]) if host is not None else ("", [])
         found: dict[str, dict[str, Any]] = {}
         with self._lock:
-            rows = self._db.execute(sql, (month, host) if host is not None else (month,)).fetchall()
+            by_verdict = self._db.execute(
+                "SELECT host, verdict, COUNT(*), SUM(CASE WHEN at >= ? THEN 1 ELSE 0 END), MAX(at), SUM(culprit), "
+                "SUM(lost_node), SUM(slow_link) FROM host_incidents WHERE at >= ?" + only + " GROUP BY host, verdict",
+                [week, month, *extra],
+            ).fetchall()
+            jobs = self._db.execute(
+                "SELECT host, COUNT(DISTINCT job), COUNT(DISTINCT CASE WHEN at >= ? THEN job END) FROM host_incidents "
+                "WHERE at >= ?" + only + " GROUP BY host",
+                [week, month, *extra],
+            ).fetchall()
             actions = self._rows(
                 "SELECT host, at, incidents, jobs, command, exit_status, output FROM repeat_actions"
                 + (" WHERE host = ?" if host is not None else "")
                 + " ORDER BY at",
-                [host] if host is not None else [],
+                extra,
             )
-        seen: set[tuple[str, str]] = set()
-        roles: set[tuple[str, str, str]] = set()
-        for name, verdict, role, key, job, slurm, at in rows:
+        for name, verdict, days_30, days_7, last, *by_role in by_verdict:
             entry = found.setdefault(name, _host_entry(name))
-            recent = at >= week
-            if (name, key, role) not in roles:  # one count per incident, whichever nodes' bundles named it
-                roles.add((name, key, role))
-                entry["roles"][role] = entry["roles"].get(role, 0) + 1
-            if (name, key) in seen:
-                continue
-            seen.add((name, key))
-            verdict = verdict or "unknown"
-            entry["days_30"] += 1
-            entry["by_verdict_30"][verdict] = entry["by_verdict_30"].get(verdict, 0) + 1
-            entry["jobs_30"].add(job_identity(job, slurm))
-            entry["last_at"] = max(entry["last_at"] or 0.0, at)
-            if recent:
-                entry["days_7"] += 1
-                entry["by_verdict_7"][verdict] = entry["by_verdict_7"].get(verdict, 0) + 1
-                entry["jobs_7"].add(job_identity(job, slurm))
+            entry["days_30"] += days_30
+            entry["by_verdict_30"][verdict] = days_30
+            if days_7:
+                entry["days_7"] += days_7
+                entry["by_verdict_7"][verdict] = days_7
+            entry["last_at"] = max(entry["last_at"] or 0.0, last)
+            for role, count in zip(ROLES, by_role):
+                if count:
+                    entry["roles"][role] = entry["roles"].get(role, 0) + count
+        for name, jobs_30, jobs_7 in jobs:
+            found[name]["jobs_30"], found[name]["jobs_7"] = jobs_30, jobs_7
         for action in actions:
             found.setdefault(action["host"], _host_entry(action["host"]))["actions"].append(action)
-        result = sorted(found.values(), key=lambda e: (-e["days_7"], -e["days_30"], -(e["last_at"] or 0), e["host"]))
-        for entry in result:
-            entry["jobs_7"], entry["jobs_30"] = len(entry["jobs_7"]), len(entry["jobs_30"])
-        return result
+        ranked = sorted(found.values(), key=lambda e: (-e["days_7"], -e["days_30"], -(e["last_at"] or 0), e["host"]))
+        return ranked[: max(1, limit)]
 
     # -- repetition -----------------------------------------------------------------------------------------------
 
     def jobs_naming(self, host: str, since: float) -> list[str]:
         """The distinct jobs whose incidents since ``since`` name ``host``."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT DISTINCT i.job, i.slurm_job FROM named n JOIN incidents i ON i.incident_key = n.incident_key "
-                "WHERE n.host = ? AND i.at >= ?",
-                (host, since),
-            ).fetchall()
-        return sorted(job_identity(job, slurm) for job, slurm in rows)
+            rows = self._db.execute("SELECT DISTINCT job FROM host_incidents WHERE host = ? AND at >= ?", (host, since))
+            return sorted(job for (job,) in rows)
 
     def crossed(self, host: str, above: bool) -> bool:
         """Record whether ``host`` is at or over the threshold; True when it has just crossed it (was under)."""
@@ -379,10 +408,6 @@ class IncidentIndex:
             )
 
 
-def job_identity(job: str, slurm_job: str | None) -> str:
-    return f"{job} (Slurm {slurm_job})" if slurm_job else job
-
-
 def _host_entry(host: str) -> dict[str, Any]:
     return {
         "host": host,
@@ -391,8 +416,8 @@ def _host_entry(host: str) -> dict[str, Any]:
         "by_verdict_7": {},
         "by_verdict_30": {},
         "roles": {},
-        "jobs_7": set(),
-        "jobs_30": set(),
+        "jobs_7": 0,
+        "jobs_30": 0,
         "last_at": None,
         "actions": [],
     }
