@@ -72,8 +72,8 @@ from multiprocessing.connection import Connection
 
 import psutil
 
-from ncclwatch.watchdog.cluster.judge import focus, incident_key, job_state, with_lost_nodes
-from ncclwatch.watchdog.cluster.payload import TAIL_SHARED, pack, unpack
+from ncclwatch.watchdog.cluster.judge import JobEvidence, focus, incident_key, with_lost_nodes
+from ncclwatch.watchdog.cluster.payload import TAIL_SHARED, pack, paused_gc, unpack
 from ncclwatch.watchdog.cluster.peers import EVIDENCE_WAIT_S, FULL_NODES, FULL_WAIT_S, Cluster, Membership
 from ncclwatch.watchdog.cluster.store import StoreClient, StoreError
 from ncclwatch.watchdog.cluster.view import HOT_S, PUBLISH_S, NodeSummary
@@ -93,8 +93,6 @@ from ncclwatch.watchdog.events import (
     ThreadStack,
     WorkerSeen,
 )
-from ncclwatch.watchdog.hang.classify import judge
-from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
 
 HOST = "127.0.0.1"
@@ -689,19 +687,20 @@ async def lead_incident(leader: Cluster, local: JobState, stall: Stall, out: dic
     with step(out, "open_incident"):
         await leader.open_incident(stall.at)
     answering = leader.answering()
-    with step(out, "gather_compact"):
-        remote = await leader.gather("compact", answering, since=stall.at, wait_s=EVIDENCE_WAIT_S)
-    out["compact_read_bytes"] = client.evidence_read
-    with step(out, "judge_compact"):
-        decision = judge(take_snapshot(job_state(local, remote, stall), observed_at=stall.at))
-    nodes_of = {e.rank: node for node, events in remote.items() for e in events if isinstance(e, WorkerSeen)}
-    if want := focus(decision, nodes_of, set(leader.lost()), FULL_NODES):
-        with step(out, "ask_full"):
-            await leader.open_incident(stall.at, want)
-        with step(out, "gather_full"):
-            remote |= await leader.gather("full", set(want), since=stall.at, wait_s=FULL_WAIT_S)
-        with step(out, "judge_full"):
-            decision = judge(take_snapshot(job_state(local, remote, stall), observed_at=stall.at))
+    evidence = JobEvidence(local, stall)
+    with paused_gc():
+        with step(out, "gather_compact"):
+            remote = await leader.gather("compact", answering, stall.at, EVIDENCE_WAIT_S, fold=evidence.add)
+        out["compact_read_bytes"] = client.evidence_read
+        with step(out, "judge_compact"):
+            decision = evidence.judge()
+        if want := focus(decision, evidence.nodes_of, set(leader.lost()), FULL_NODES):
+            with step(out, "ask_full"):
+                await leader.open_incident(stall.at, want, since=evidence.state().fewest_issued())
+            with step(out, "gather_full"):
+                remote |= await leader.gather("full", set(want), stall.at, FULL_WAIT_S, fold=evidence.add)
+            with step(out, "judge_full"):
+                decision = evidence.judge()
     decision = with_lost_nodes(decision, leader.lost(), remote)
     with step(out, "publish_verdict"):
         await leader.publish_verdict(incident_key(leader.membership, decision), decision)

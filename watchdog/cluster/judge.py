@@ -16,11 +16,22 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ncclwatch.watchdog.cluster.payload import paused_gc
 from ncclwatch.watchdog.cluster.peers import Membership
 from ncclwatch.watchdog.cluster.view import LOST_AFTER_S, Contact
-from ncclwatch.watchdog.events import Event, Stall
-from ncclwatch.watchdog.hang.classify import Decision
-from ncclwatch.watchdog.hang.state import JobState
+from ncclwatch.watchdog.events import (
+    Event,
+    FrDump,
+    ProcessState,
+    SequenceTail,
+    StackDump,
+    Stall,
+    WorkerGone,
+    WorkerSeen,
+)
+from ncclwatch.watchdog.hang.classify import Decision, judge
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.state import JobState, Worker
 from ncclwatch.watchdog.hang.types import Fact
 from ncclwatch.watchdog.hang.verdicts import PRIORITY, Verdict
 
@@ -33,6 +44,125 @@ def job_state(local: JobState, remote: dict[int, list[Event]], stall: Stall) -> 
     merged.merge(local)
     merged.stall = stall
     return merged
+
+
+Slot = tuple[object, ...]  # a place in ``JobState`` that one node's events fill: a pid, a rank of a communicator, ...
+# Events whose place is a node's own (its workers, stacks, dumps, tails): its full evidence replaces them in place.
+_PLACED = (WorkerSeen, WorkerGone, ProcessState, StackDump, FrDump, SequenceTail)
+
+
+class JobEvidence:
+    """The leader's state of the whole job at one stall, built as the evidence comes: ``job_state``'s result
+    without rebuilding it.
+
+    Each node's compact evidence is folded in as ``Cluster.gather`` finds it (``add``), while the slower
+    nodes are waited for; this node's own state is unioned once, at the first ``judge``.  A node's full
+    evidence then replaces its compact evidence in place (its workers, stacks, dumps and tails: the places no
+    other node fills), and only the second judge runs again: at 1,024 nodes the state was built twice from
+    every node's events.  Where in-place replacement could differ from ``job_state`` on the same evidence
+    (another node or this one fills one of its places, it created a communicator, its other events changed,
+    a node new since the first judge) the state is built again from all of it; the result is the same."""
+
+    def __init__(self, local: JobState, stall: Stall) -> None:
+        self.local, self.stall = local, stall
+        self.remote: dict[int, list[Event]] = {}
+        self.nodes_of: dict[int, int] = {}  # rank -> node, from the workers each node shares
+        self._state = JobState(window=local.window)
+        self._owner: dict[Slot, int] = {}  # slot -> the node whose events filled it first
+        self._shared: set[Slot] = set()  # slots two sources fill
+        self._created: dict[str, int] = {}  # communicator -> the node whose events created it
+        self._merged = False  # this node's state is unioned in
+        self._rebuild = False
+
+    def add(self, node: int, events: list[Event]) -> None:
+        """A node's evidence: folded now when it is new, replaced in place when the node shared before."""
+        with paused_gc():
+            previous = self.remote.get(node)
+            self.remote[node] = events
+            self.nodes_of.update((e.rank, node) for e in events if isinstance(e, WorkerSeen))
+            if previous is None and not self._merged:
+                self._fold(node, events)
+            elif previous is None or not self._replaceable(node, previous, events):
+                self._rebuild = True
+            else:
+                self._replace(previous, events)
+
+    def state(self) -> JobState:
+        if self._rebuild:
+            self._state, self._rebuild, self._merged = job_state(self.local, self.remote, self.stall), False, True
+        elif not self._merged:
+            self._state.merge(self.local)
+            self._state.stall, self._merged = self.stall, True
+            self._shared |= _slots(self.local) & self._owner.keys()
+        return self._state
+
+    def judge(self) -> Decision:
+        with paused_gc():
+            return judge(take_snapshot(self.state(), observed_at=self.stall.at))
+
+    def _fold(self, node: int, events: list[Event]) -> None:
+        before = set(self._state.comms)
+        for event in events:
+            self._state.apply(event)
+        for key in self._state.comms.keys() - before:
+            self._created[key] = node
+        for slot in _event_slots(events):
+            owner = self._owner.setdefault(slot, node)
+            if owner != node:
+                self._shared.add(slot)
+
+    def _replaceable(self, node: int, previous: list[Event], events: list[Event]) -> bool:
+        slots = _event_slots(events)
+        return (
+            slots == _event_slots(previous)
+            and not slots & self._shared
+            and not any(self._created.get(slot[1]) == node for slot in slots if slot[0] == "comm")
+            and [e for e in previous if not isinstance(e, _PLACED)] == [e for e in events if not isinstance(e, _PLACED)]
+            and all(e.rank is not None for e in events if isinstance(e, FrDump))
+            and [e.cite for e in previous if isinstance(e, FrDump)] == [e.cite for e in events if isinstance(e, FrDump)]
+        )
+
+    def _replace(self, previous: list[Event], events: list[Event]) -> None:
+        """The places of ``previous`` (one node's, no one else's) refilled from ``events``, each where it was."""
+        state = self._state
+        for event in previous:
+            if isinstance(event, (WorkerSeen, WorkerGone, ProcessState)):
+                state.workers[event.pid] = Worker(pid=event.pid)
+        scratch = JobState(window=state.window)  # a shared tail never replaces a rank's: built aside, put in place
+        for event in events:
+            if isinstance(event, SequenceTail):
+                scratch.apply(event)
+                state.comms[event.comm_key].ranks[event.comm_rank] = scratch.comms[event.comm_key].ranks[
+                    event.comm_rank
+                ]
+            elif isinstance(event, _PLACED):
+                state.apply(event)
+
+
+def _event_slots(events: list[Event]) -> set[Slot]:
+    slots: set[Slot] = set()
+    for event in events:
+        if isinstance(event, (WorkerSeen, WorkerGone, ProcessState)):
+            slots.add(("pid", event.pid))
+        elif isinstance(event, StackDump):
+            slots.add(("stack", event.pid))
+        elif isinstance(event, SequenceTail):
+            slots.add(("comm", event.comm_key, event.comm_rank))
+        elif isinstance(event, FrDump):
+            slots.add(("file", event.cite.file))
+            for pg_id in {entry.pg_id for entry in event.entries}:
+                group = event.process_groups.get(pg_id)
+                members = group.ranks if group and group.ranks else []
+                rank = members.index(event.rank) if event.rank in members else event.rank
+                slots.add(("comm", f"fr:{pg_id}", rank))
+    return slots
+
+
+def _slots(state: JobState) -> set[Slot]:
+    """The places a node's own state fills (its workers, stacks, dumps, and every rank of its communicators)."""
+    slots: set[Slot] = {("pid", pid) for pid in state.workers} | {("stack", pid) for pid in state.stacks}
+    slots |= {("file", file) for file in state.fr_dumps}
+    return slots | {("comm", key, rank) for key, comm in state.comms.items() for rank in comm.ranks}
 
 
 def focus(decision: Decision, nodes_of: dict[int, int], lost: set[int], limit: int) -> list[int]:

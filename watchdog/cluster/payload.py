@@ -19,9 +19,11 @@ payload that does not parse is None.
 
 from __future__ import annotations
 
+import gc
 import json
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -172,3 +174,18 @@ def unpack(raw: bytes, name: str) -> Payload | None:
         return Payload(int(meta["node"]), meta["kind"], float(meta["stall_at"]), parse_journal(data, name))
     except (ValueError, KeyError, TypeError, zlib.error):
         return None
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection inside (CPU-bound, synchronous code only).  Decoding and folding thousands of
+    nodes' evidence allocates millions of objects that all stay alive, and each collection the allocations trigger
+    walks every one of them: at 1,024 nodes on the 2-core VM the leader's parse and judge took 2-3x as long with
+    collections as without.  What is garbage is collected after, at the next collection."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

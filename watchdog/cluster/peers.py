@@ -39,7 +39,7 @@ from typing import TypeVar
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ncclwatch.watchdog.cluster.lifeline import ask
-from ncclwatch.watchdog.cluster.payload import Kind, pack, unpack
+from ncclwatch.watchdog.cluster.payload import Kind, pack, paused_gc, unpack
 from ncclwatch.watchdog.cluster.perf_records import PerfRecord
 from ncclwatch.watchdog.cluster.store import StoreClient, StoreError
 from ncclwatch.watchdog.cluster.view import (
@@ -313,14 +313,26 @@ class Cluster:
         since = incident.since if kind == "full" and incident is not None else {}
         await self.client.set(self.key(kind, self.me), pack(self.me, kind, stall_at, events, since))
 
-    async def gather(self, kind: Kind, wanted: set[int], since: float, wait_s: float) -> dict[int, list[Event]]:
-        """``kind`` evidence of each wanted node from a probe at or after ``since``; waits up to ``wait_s``."""
+    async def gather(
+        self,
+        kind: Kind,
+        wanted: set[int],
+        since: float,
+        wait_s: float,
+        fold: Callable[[int, list[Event]], None] | None = None,
+    ) -> dict[int, list[Event]]:
+        """``kind`` evidence of each wanted node from a probe at or after ``since``; waits up to ``wait_s``.  Each
+        node's events go to ``fold`` as they come (``judge.JobEvidence.add``), while the others are waited for."""
 
         def parse(node: int, raw: bytes) -> tuple[float, list[Event]] | None:
             payload = unpack(raw, f"node {node} (via the store)")
             return (payload.stall_at, payload.events) if payload is not None else None
 
-        found = await self._gather(kind, wanted, since, wait_s, parse)
+        def found_one(node: int, events: list[Event]) -> None:
+            if fold is not None:
+                fold(node, events)
+
+        found = await self._gather(kind, wanted, since, wait_s, parse, found_one)
         self._evidence_keys |= {self.key(kind, n) for n in found}
         return found
 
@@ -483,17 +495,21 @@ class Cluster:
         since: float,
         wait_s: float,
         parse: Callable[[int, bytes], tuple[float, T] | None],
+        found_one: Callable[[int, T], None] = lambda node, value: None,
     ) -> dict[int, T]:
-        """``what`` of each wanted node, versioned at or after ``since``: one MULTI_GET a poll, up to ``wait_s``."""
+        """``what`` of each wanted node, versioned at or after ``since``: one MULTI_GET a poll, up to ``wait_s``;
+        ``found_one`` sees each as it is found."""
         deadline = self.clock() + wait_s
         found: dict[int, T] = {}
         while True:
             pending = sorted(wanted - set(found))
             values = await self.client.multi_get([self.key(what, n) for n in pending])
-            for node, raw in zip(pending, values):
-                parsed = parse(node, raw) if raw is not None else None
-                if parsed is not None and parsed[0] >= since:
-                    found[node] = parsed[1]
+            with paused_gc():  # one poll's values decoded at once, between two awaits
+                for node, raw in zip(pending, values):
+                    parsed = parse(node, raw) if raw is not None else None
+                    if parsed is not None and parsed[0] >= since:
+                        found[node] = parsed[1]
+                        found_one(node, parsed[1])
             if set(found) >= wanted or self.clock() >= deadline:
                 return found
             await asyncio.sleep(GATHER_POLL_S)

@@ -34,10 +34,17 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
-from ncclwatch.watchdog.cluster.judge import STORE_GONE, degraded, focus, job_state, unread_verdict, with_lost_nodes
+from ncclwatch.watchdog.cluster.judge import (
+    STORE_GONE,
+    JobEvidence,
+    degraded,
+    focus,
+    unread_verdict,
+    with_lost_nodes,
+)
 from ncclwatch.watchdog.cluster.judge import incident_key as job_incident_key
 from ncclwatch.watchdog.cluster.lifeline import LINGER_S, STORE_GONE_LINGER_S, Lifeline
-from ncclwatch.watchdog.cluster.payload import TAIL_SHARED_MAX
+from ncclwatch.watchdog.cluster.payload import TAIL_SHARED_MAX, paused_gc
 from ncclwatch.watchdog.cluster.peers import (
     EVIDENCE_WAIT_S,
     FULL_NODES,
@@ -50,7 +57,7 @@ from ncclwatch.watchdog.cluster.peers import (
 )
 from ncclwatch.watchdog.cluster.store import StoreError
 from ncclwatch.watchdog.cluster.view import HOT_S, PUBLISH_S, Contact, NodeSummary
-from ncclwatch.watchdog.events import STOPPED_STATES, Event, SourceDown, SourceUp, Stall, WorkerSeen
+from ncclwatch.watchdog.events import STOPPED_STATES, Event, SourceDown, SourceUp, Stall
 from ncclwatch.watchdog.hang.classify import Decision, judge
 from ncclwatch.watchdog.hang.report import Report
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
@@ -409,15 +416,18 @@ class ClusterJudging:
         opened = incident.opened_at if incident.opened_at is not None else stall.at
         await cluster.open_incident(opened)
         answering = cluster.answering()
-        remote = await cluster.gather("compact", answering, since=started, wait_s=EVIDENCE_WAIT_S)
-        self.job_state = job_state(self.live.state, remote, stall)
-        decision = judge_at(self.job_state, stall.at)
-        nodes_of = {e.rank: node for node, events in remote.items() for e in events if isinstance(e, WorkerSeen)}
-        if want := focus(decision, nodes_of, set(cluster.lost()), FULL_NODES):
-            await cluster.open_incident(opened, want, since=self.job_state.fewest_issued())
-            remote |= await cluster.gather("full", set(want), since=started, wait_s=FULL_WAIT_S)
-            self.job_state = job_state(self.live.state, remote, stall)
-            decision = judge_at(self.job_state, stall.at)
+        evidence = JobEvidence(self.live.state, stall)  # folded as it comes; full evidence replaces in place
+        # No collection until the verdict: the one the evidence's millions of objects would trigger between two
+        # steps (0.3-1 s at 1,024 nodes) comes after it.
+        with paused_gc():
+            remote = await cluster.gather("compact", answering, started, EVIDENCE_WAIT_S, fold=evidence.add)
+            decision = evidence.judge()
+            self.job_state = evidence.state()
+            if want := focus(decision, evidence.nodes_of, set(cluster.lost()), FULL_NODES):
+                await cluster.open_incident(opened, want, since=self.job_state.fewest_issued())
+                remote |= await cluster.gather("full", set(want), started, FULL_WAIT_S, fold=evidence.add)
+                decision = evidence.judge()
+                self.job_state = evidence.state()
         decision = with_lost_nodes(decision, cluster.lost(), remote)
         if pending := sorted(answering - set(remote)):
             # Their sidecar still publishes but has not probed yet (a longer learned timeout): look again.

@@ -47,14 +47,19 @@ def looks_like_journal(head: bytes) -> bool:
     return head.startswith(HEADER)
 
 
+# ``journal_line`` writes the kind first: ``{"event":"<kind>",<fields>}``.  Such a line is validated as JSON by
+# pydantic with the kind cut out (``{<fields>}``), a third of the time of ``json.loads`` then ``model_validate``
+# (the leader parses 8,000 nodes' compact evidence at a hang); any other spelling takes the general path.
+_KIND_PREFIX = b'{"event":"'
+
+
 def parse_journal(data: bytes, name: str) -> list[Event]:
     events: list[Event] = []
     for number, line in enumerate(data.splitlines(), 1):
         if number == 1 or not line.strip():
             continue
         try:
-            doc = json.loads(line)
-            events.append(JOURNALED[doc.pop("event")].model_validate(doc))
+            events.append(_fast(line) or _general(line))
         except (ValueError, KeyError, TypeError, ValidationError) as exc:
             events.append(
                 Unusable(
@@ -62,3 +67,23 @@ def parse_journal(data: bytes, name: str) -> list[Event]:
                 )
             )
     return events
+
+
+def _fast(line: bytes) -> Event | None:
+    """The event of a line as ``journal_line`` writes it; None for any other line, or one JSON mode refuses (the
+    general path then reads it, or says why not)."""
+    if not line.startswith(_KIND_PREFIX):
+        return None
+    end = line.find(b'",', len(_KIND_PREFIX))
+    model = JOURNALED.get(line[len(_KIND_PREFIX) : end].decode(errors="replace")) if end > 0 else None
+    if model is None:
+        return None
+    try:
+        return model.model_validate_json(b"{" + line[end + 2 :])
+    except ValidationError:
+        return None
+
+
+def _general(line: bytes) -> Event:
+    doc = json.loads(line)
+    return JOURNALED[doc.pop("event")].model_validate(doc)

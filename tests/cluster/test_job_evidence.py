@@ -1,0 +1,180 @@
+"""The leader's incremental state (``JobEvidence``) judges as ``job_state`` rebuilt from every node's evidence, and as
+the single-process engine fed every node's events, for several faults at 64 nodes of 8 ranks (bench/cluster.py's
+evidence, one rank changed)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from conftest import REPO
+
+from ncclwatch.watchdog.cluster.judge import JobEvidence, focus, job_state
+from ncclwatch.watchdog.cluster.payload import pack, unpack
+from ncclwatch.watchdog.cluster.peers import FULL_NODES
+from ncclwatch.watchdog.events import Event, FrDump, FrEntry, OpState, SequenceTail, Stall, WorkerGone, WorkerSeen
+from ncclwatch.watchdog.hang.classify import Decision, judge
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.state import JobState
+
+NODES, RANKS = 64, 8
+Fault = Callable[[list[Event], int], list[Event]]  # one node's events, the rank at fault -> its events
+
+
+@pytest.fixture(scope="module")
+def bench(request: pytest.FixtureRequest):  # noqa: ANN201
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import cluster
+
+    request.addfinalizer(monkeypatch.undo)
+    return cluster
+
+
+def behind(events: list[Event], rank: int) -> list[Event]:
+    return events  # bench/cluster.py's own fault: the job's last rank issued one collective fewer
+
+
+def mismatch(events: list[Event], rank: int) -> list[Event]:
+    """Its newest collective has half the size on this rank, in its dump and its NCCL tail."""
+
+    def changed(event: Event) -> Event:
+        if isinstance(event, FrDump) and event.rank == rank:
+            last = event.entries[-1].model_copy(update={"input_sizes": [[1 << 19]]})
+            return event.model_copy(update={"entries": [*event.entries[:-1], last]})
+        if isinstance(event, SequenceTail) and event.global_rank == rank:
+            return event.model_copy(update={"sigs": [*event.sigs[:-1], event.sigs[-1]._replace(count=1 << 19)]})
+        return event
+
+    return [changed(e) for e in events]
+
+
+def dead(events: list[Event], rank: int) -> list[Event]:
+    """Its process exited while the others wait in the collective."""
+    seen = next(e for e in events if isinstance(e, WorkerSeen) and e.rank == rank)
+    return [*events, WorkerGone(pid=seen.pid, rank=rank, at=seen.at + 590)]
+
+
+def p2p(events: list[Event], rank: int) -> list[Event]:
+    """This rank and the next each wait in a recv from the other, after every collective completed."""
+
+    def changed(event: Event) -> Event:
+        if not isinstance(event, FrDump) or event.rank not in (rank, rank + 1):
+            return event
+        entries = [e.model_copy(update={"state": OpState.completed}) for e in event.entries]
+        peer = rank + 1 if event.rank == rank else rank
+        recv = FrEntry(
+            index=len(entries),
+            pg_id="0",
+            p2p_seq_id=1,
+            profiling_name=f"nccl:recv {event.rank}<-{peer}",
+            op="Recv",
+            is_p2p=True,
+            peer=peer,
+            input_sizes=[[1 << 20]],
+            input_dtypes=["BFloat16"],
+            state=OpState.started,
+        )
+        return event.model_copy(update={"entries": [*entries, recv]})
+
+    return [changed(e) for e in events]
+
+
+def evidence(bench, fault: Fault, culprit: int) -> tuple[Stall, dict[int, list[Event]]]:  # noqa: ANN001
+    stall = bench.stall_at(1_000_000.0)
+    nodes = {n: bench.node_evidence(n, RANKS, NODES, stall) for n in range(NODES)}
+    if fault is not behind:  # the bench's own fault healed: the job's last rank issued as many as the others
+        last = NODES * RANKS - 1
+
+        def healed(event: Event) -> Event:
+            if isinstance(event, FrDump) and event.rank == last:
+                return event.model_copy(update={"entries": bench.ring(bench.ISSUED)})
+            if isinstance(event, SequenceTail) and event.global_rank == last:
+                return event.model_copy(update={"base": event.base + 1})
+            return event
+
+        nodes[NODES - 1] = [healed(e) for e in nodes[NODES - 1]]
+    node = culprit // RANKS
+    nodes[node] = fault(nodes[node], culprit)
+    return stall, nodes
+
+
+def shared(events: list[Event], kind: str, stall: Stall, node: int) -> list[Event]:
+    """As the leader reads them: packed for the store by the node, unpacked."""
+    payload = unpack(pack(node, kind, stall.at, events), f"node {node}")  # type: ignore[arg-type]
+    assert payload is not None
+    return payload.events
+
+
+def both_paths(stall: Stall, nodes: dict[int, list[Event]]) -> tuple[Decision, Decision, JobEvidence, JobState]:
+    """The leader's two judgements, incremental and rebuilt, as live/judging.py's ``_judge_job`` runs them."""
+    local = JobState()
+    for event in nodes[0]:
+        local.apply(event)
+    compact = {n: shared(events, "compact", stall, n) for n, events in nodes.items() if n != 0}
+    incremental = JobEvidence(local, stall)
+    for node, events in compact.items():
+        incremental.add(node, events)
+    rebuilt = dict(compact)
+    first = judge(take_snapshot(job_state(local, rebuilt, stall), observed_at=stall.at))
+    assert incremental.judge() == first
+    for node in focus(first, incremental.nodes_of, set(), FULL_NODES):
+        full = shared(nodes[node], "full", stall, node)
+        incremental.add(node, full)
+        rebuilt[node] = full
+    state = job_state(local, rebuilt, stall)
+    return incremental.judge(), judge(take_snapshot(state, observed_at=stall.at)), incremental, state
+
+
+@pytest.mark.parametrize(
+    ("fault", "culprit", "verdict"),
+    [
+        (behind, NODES * RANKS - 1, "rank_behind"),
+        (mismatch, 300, "collective_mismatch"),
+        (dead, 77, "process_dead"),
+        (p2p, 130, "p2p_deadlock"),
+    ],
+)
+def test_the_incremental_state_judges_as_the_state_rebuilt_and_the_single_engine(
+    bench,  # noqa: ANN001
+    fault: Fault,
+    culprit: int,
+    verdict: str,
+) -> None:
+    stall, nodes = evidence(bench, fault, culprit)
+    incremental, rebuilt, folded, state = both_paths(stall, nodes)
+    assert incremental == rebuilt
+    assert take_snapshot(folded.state(), observed_at=stall.at) == take_snapshot(state, observed_at=stall.at)
+    single = JobState()  # one process seeing every node's events, as ``ncclwatch analyze`` would
+    for events in nodes.values():
+        for event in events:
+            single.apply(event)
+    alone = judge(take_snapshot(single, observed_at=stall.at))
+    assert incremental.finding.verdict.value == alone.finding.verdict.value == verdict
+    assert incremental.finding.culprits == alone.finding.culprits
+
+
+def test_a_node_asked_that_created_a_communicator_is_rebuilt_the_same(bench) -> None:  # noqa: ANN001
+    """Node 1's compact evidence created the job's communicators (the first folded): its full evidence would make
+    them with other member lists, so the state is rebuilt, and still equals ``job_state``'s."""
+    stall, nodes = evidence(bench, mismatch, RANKS + 3)  # a rank of node 1
+    incremental, rebuilt, folded, state = both_paths(stall, nodes)
+    assert incremental == rebuilt and incremental.finding.culprits == (RANKS + 3,)
+    assert take_snapshot(folded.state(), observed_at=stall.at) == take_snapshot(state, observed_at=stall.at)
+
+
+def test_a_node_new_after_the_first_judgement_rebuilds(bench) -> None:  # noqa: ANN001
+    """A node whose evidence comes after the leader's own state was unioned in is folded before it, as in
+    ``job_state``."""
+    stall, nodes = evidence(bench, behind, NODES * RANKS - 1)
+    local = JobState()
+    for event in nodes[0]:
+        local.apply(event)
+    compact = {n: shared(events, "compact", stall, n) for n, events in nodes.items() if n != 0}
+    incremental = JobEvidence(local, stall)
+    for node in list(compact)[:-1]:
+        incremental.add(node, compact[node])
+    incremental.judge()
+    incremental.add(NODES - 1, compact[NODES - 1])
+    expected = take_snapshot(job_state(local, compact, stall), observed_at=stall.at)
+    assert take_snapshot(incremental.state(), observed_at=stall.at) == expected
