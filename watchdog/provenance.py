@@ -19,7 +19,8 @@ of one job and round whose times overlap are one run (the nodes of a
 multi-node job).  ``choose`` then decides: runs of two different jobs are
 refused (``MixedJobs``: no one verdict can be right); several runs of one job
 (restart rounds) are judged by the newest alone, and the others are set
-aside, said in the report.  NCCL logs that no journal names stay with the
+aside, said in the report; so are a kept run folder's NCCL files whose
+processes its journal names as workers of an earlier round.  NCCL logs that no journal names stay with the
 judged run: their communicators are their own, so the engine judges each apart
 (``JobState.jobs``: "logs of 2 jobs found ... the verdict is the most
 severe").  Inputs that carry nothing of their own (py-spy and NVML dumps,
@@ -65,12 +66,14 @@ class Identity:
     modified: float | None = None  # the file's mtime: when nothing inside says a time
     journal: bool = False  # a sidecar's journal: its folder is one run of one node
     marks: dict[tuple[str, int], int] = field(default_factory=dict)  # a dump's (group, collective) -> enqueued, ns
+    earlier: dict[ProcKey, int] = field(default_factory=dict)  # a journal's workers of its earlier rounds -> round
 
     def add(self, other: Identity) -> None:
         self.jobs |= other.jobs
         self.rounds |= other.rounds
         self.procs |= other.procs
         self.comm_ids |= other.comm_ids
+        self.earlier |= other.earlier
         for moment in (other.first, other.last):
             self.seen(moment)
         if other.modified is not None:
@@ -124,7 +127,9 @@ def _from_journal(found: Identity, data: bytes, name: str) -> None:
         return
     latest = max(w.restart_count for w in workers)
     for worker in workers:
-        if worker.restart_count == latest:
+        if worker.restart_count < latest:
+            found.earlier[ProcKey(worker.host, worker.pid)] = worker.restart_count
+        else:
             found.procs.add(ProcKey(worker.host, worker.pid))
             if worker.run_id and worker.run_id != STATIC_RUN_ID:
                 found.jobs.add(worker.run_id)
@@ -325,20 +330,22 @@ class Choice:
 
 def choose(runs: Sequence[Run], identities: Sequence[Identity]) -> Choice:
     """Runs a journal names: of different jobs, ``MixedJobs``; of one job, the newest (its latest restart round,
-    then the latest time) is judged and the others set aside.  Everything else is judged with it: NCCL logs
-    that no journal names keep their own communicators (the engine judges each apart and says how many jobs
-    it found), and a Flight Recorder dump goes with the run whose time it falls in."""
-    everything = set(range(len(identities)))
+    then the latest time) is judged and the others set aside, and so are the files of a run folder's earlier
+    rounds.  Everything else is judged with it: NCCL logs that no journal names keep their own communicators
+    (the engine judges each apart and says how many jobs it found), and a Flight Recorder dump goes with the
+    run whose time it falls in."""
+    rounds = _earlier_rounds(runs, identities)
     named = [run for run in runs if run.identity.jobs]
     if len(named) <= 1:
-        return _newest_dumps([run for run in runs if run.dumps_only])
+        dumps = _newest_dumps([run for run in runs if run.dumps_only])
+        return Choice(rounds.set_aside | dumps.set_aside, "; ".join(filter(None, (rounds.note, dumps.note))) or None)
     jobs = [frozenset(run.identity.jobs) for run in named]
     if not frozenset.intersection(*jobs):
         raise MixedJobs(named)
     newest = max(named, key=_recency)
     others = [run for run in named if run is not newest]
     set_aside = {index: f"set aside: of an older run, {run.describe()}" for run in others for index in run.members}
-    for index in sorted(everything - set_aside.keys() - set(newest.members)):
+    for index in sorted(set(range(len(identities))) - set_aside.keys() - set(newest.members)):
         span = identities[index].span() if identities[index].first is not None else None
         elsewhere = next((run for run in others if _overlaps(span, run.identity.span())), None)
         if elsewhere is not None and not _overlaps(span, newest.identity.span()):
@@ -347,7 +354,26 @@ def choose(runs: Sequence[Run], identities: Sequence[Identity]) -> Choice:
         f"the inputs hold {len(named)} restart rounds of one job: judged the newest, {newest.describe()}; "
         f"set aside {len(set_aside)} input(s) of " + "; ".join(run.describe() for run in others)
     )
-    return Choice(set_aside, note)
+    return Choice(rounds.set_aside | set_aside, "; ".join(filter(None, (rounds.note, note))))
+
+
+def _earlier_rounds(runs: Sequence[Run], identities: Sequence[Identity]) -> Choice:
+    """A run folder's journal runs on across restarts, and its NCCL files of every round lie side by side
+    (``nccl/<host>.<pid>``): the files whose processes are all workers of an earlier round are set aside."""
+    set_aside: dict[int, str] = {}
+    said = []
+    for run in runs:
+        earlier = run.identity.earlier
+        old = [i for i in run.members if identities[i].procs and identities[i].procs <= earlier.keys()]
+        for index in old:
+            number = max(earlier[proc] for proc in identities[index].procs)
+            set_aside[index] = (
+                f"set aside: of restart round {number}, its processes the journal's workers of that round; "
+                f"round {max(run.identity.rounds)} is judged"
+            )
+        if old:
+            said.append(f"{run.where}: {len(old)} file(s) of earlier restart rounds set aside")
+    return Choice(set_aside, "; ".join(said) or None)
 
 
 def _newest_dumps(runs: list[Run]) -> Choice:

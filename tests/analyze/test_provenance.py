@@ -7,6 +7,7 @@ communicator, the most severe verdict said (``tests/launcher/test_cli.py``).
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -16,6 +17,8 @@ import pytest
 from conftest import shared
 
 from ncclwatch.watchdog.analyze import analyze_paths
+from ncclwatch.watchdog.events import WorkerSeen
+from ncclwatch.watchdog.parsing.journal import HEADER, journal_line
 from ncclwatch.watchdog.provenance import EXIT_MIXED_JOBS, MixedJobs
 
 FSDP2_SKIP = shared(
@@ -102,3 +105,32 @@ def test_loose_dumps_of_two_runs_are_told_apart_by_their_collectives_times(tmp_p
     assert f"judged the newest, {newer}/ (3 files)" in said and f"set aside {older}/ (3 files)" in said
     aside = [i for i in both.inputs if i.path.startswith(str(older))]
     assert len(aside) == 3 and all((i.note or "").startswith("set aside: a Flight Recorder dump") for i in aside)
+
+
+def test_a_run_folders_nccl_files_of_an_earlier_restart_round_are_set_aside(tmp_path: Path) -> None:
+    """A kept run folder after a restart: one journal across both rounds, each round's NCCL files side by side.
+    Round 0's and round 1's files here are two real runs' on 2 x H200; the journal is the sidecar's own writer's."""
+    two_gpu = shared("nccl-2.28.9-2gpu")
+    workers = [(714, 0, 0), (715, 1, 0), (866, 0, 1), (867, 1, 1)]  # pid, rank, restart round
+    seen = [
+        WorkerSeen(pid=pid, rank=rank, world_size=2, restart_count=round_, host="vm", at=1_795_000_000 + 60 * round_)
+        for pid, rank, round_ in workers
+    ]
+    lines = [HEADER.decode(), *(journal_line(event) for event in seen)]
+
+    def run_folder(name: str, scenarios: tuple[str, ...]) -> Path:
+        folder = tmp_path / name
+        (folder / "nccl").mkdir(parents=True)
+        (folder / "journal.jsonl").write_text("\n".join(lines) + "\n")
+        for scenario in scenarios:
+            for log in (two_gpu / scenario / "nccl").iterdir():
+                shutil.copy(log, folder / "nccl" / log.name)
+        return folder
+
+    newest = analyze_paths([str(run_folder("round1", ("cpu_stuck",)))])
+    both = analyze_paths([str(run_folder("both", ("mismatch", "cpu_stuck")))])
+    assert (both.verdict, both.culprit_ranks, both.position) == (newest.verdict, newest.culprit_ranks, newest.position)
+    aside = {Path(i.path).name: i.note for i in both.inputs if i.note and i.note.startswith("set aside")}
+    assert set(aside) == {"nccl.vm.714.log", "nccl.vm.715.log"}
+    assert all("of restart round 0" in note and "round 1 is judged" in note for note in aside.values())
+    assert any("2 file(s) of earlier restart rounds set aside" in n for n in both.notes), both.notes
