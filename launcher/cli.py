@@ -95,9 +95,11 @@ exit status:
      journals).  One line on stderr names each job's files, hosts, pids and
      times; give one job at a time.  Restart rounds of one job are not
      refused: the newest round is judged, the older rounds' files are set
-     aside, and the report says so.  NCCL logs without a journal are told
-     apart by commId, host and pid: each communicator is judged apart, the
-     most severe verdict given and the jobs found said.
+     aside, and the report says so; loose Flight Recorder dumps of two runs
+     (told apart by when they enqueued the same collectives) likewise.  NCCL
+     logs without a journal are told apart by commId, host and pid: each
+     communicator is judged apart, the most severe verdict given and the jobs
+     found said.
   An input that cannot be read beside readable ones is said on stderr and
   in the inputs list; the others are judged and the status is the verdict's,
   also when the output's reader stops early (| head).
