@@ -123,3 +123,24 @@ class TestCallSitesFromDumpsAlone:
             "main (/work/main/tools/capture/train.py:158)"
         }
         assert "AllReduce #82 — issued from train.py:158 in main()" in report.headline
+
+
+class TestGlooDumpsHoldNoSendOrRecv:
+    def test_a_gloo_pipeline_deadlock_from_its_dumps_is_no_no_hang(self, tmp_path: Path) -> None:
+        # gloo records the 30 all_reduces, all completed, and none of the 240 p2p ops nor the two hung recvs
+        report = analyze_paths([str(p) for p in unpack(GLOO_PIPELINE / "dumps.tar.gz", tmp_path)])
+        assert report.verdict == Verdict.inconclusive, report.summary
+        assert "ranks 0, 1 issued 240 operations their dumps do not hold" in report.summary
+        assert any("py-spy stacks" in m for m in report.missing)
+
+    def test_gloo_dumps_of_collectives_only_still_say_nothing_is_pending(self, tmp_path: Path) -> None:
+        # the same dumps, their group's count at their newest collective: nothing issued went unrecorded
+        (tmp_path / "collectives_only").mkdir()
+        for dump in unpack(GLOO_PIPELINE / "dumps.tar.gz", tmp_path / "real"):
+            raw = pickle.loads(dump.read_bytes())
+            newest = max(e["collective_seq_id"] for e in raw["entries"])
+            for status in raw["pg_status"].values():
+                status["last_enqueued_collective"] = status["last_completed_collective"] = newest
+            (tmp_path / "collectives_only" / dump.name).write_bytes(pickle.dumps(raw, protocol=2))
+        report = analyze_paths([str(tmp_path / "collectives_only")])
+        assert report.verdict == Verdict.no_hang, report.summary

@@ -802,6 +802,18 @@ def check_completion(comm: CommView) -> Finding:
 
 def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding:
     pending = [r for r in ranks if r.completed is not None and r.completed < r.total]
+    if not pending and (unseen := [r for r in ranks if r.unrecorded]):
+        return _comm_finding(
+            comm,
+            Verdict.inconclusive,
+            summary=f"Flight Recorder shows all {total} collectives on {comm.label} completed on every rank, but "
+            f"{names(unseen)} issued {max(r.unrecorded for r in unseen)} operations "
+            f"{'its dump does' if len(unseen) == 1 else 'their dumps do'} not hold: gloo's "
+            "Flight Recorder records no send or recv, and a rank waiting in one looks idle here.",
+            reason="Nothing recorded is pending; the operations not recorded cannot be judged.",
+            missing=("which send or recv each rank waits in: py-spy stacks (the live watchdog's bundle has them)",),
+            rows=_rows(comm, lambda r: ("?", f"all recorded completed; {r.unrecorded} not recorded")),
+        )
     if not pending:
         return _comm_finding(
             comm,

@@ -57,6 +57,7 @@ class RankView:
     completed: int | None
     end: Literal["destroy", "abort"] | None
     end_cite: Citation | None
+    unrecorded: int = 0  # operations its group issued that its Flight Recorder dump does not hold (gloo's p2p)
 
     @property
     def total(self) -> int:
@@ -176,6 +177,7 @@ def _rank(seq: RankSeq, global_rank: int | None) -> RankView:
         completed=seq.completed,
         end=seq.end,
         end_cite=seq.end_cite,
+        unrecorded=seq.unrecorded,
     )
 
 

@@ -130,6 +130,7 @@ class RankSeq:
     completed: int | None = None  # collectives known completed (Flight Recorder)
     end: Literal["destroy", "abort"] | None = None
     end_cite: Citation | None = None
+    unrecorded: int = 0  # operations the group issued that its Flight Recorder did not record (``_unrecorded``)
 
     @property
     def total(self) -> int:
@@ -385,6 +386,7 @@ class JobState:
                 comm.cites.append(dump.cite)
             seq = RankSeq(comm_rank=comm_rank, proc=None, file=dump.cite.file, global_rank=dump.rank)
             _fold_fr_entries(seq, entries, _collectives_completed(pg, entries))
+            seq.unrecorded = _unrecorded(pg, entries)
             comm.ranks[comm_rank] = seq
             comm.nranks = max(comm.nranks, comm_rank + 1)
 
@@ -646,6 +648,23 @@ def _collectives_completed(pg: FrProcessGroup | None, entries: list[FrEntry]) ->
     if pg.last_enqueued is not None and pg.last_completed > pg.last_enqueued:
         return None  # more completed than enqueued: not collective numbers
     return pg.last_completed
+
+
+def _unrecorded(pg: FrProcessGroup | None, entries: list[FrEntry]) -> int:
+    """How many operations a gloo group issued that its dump does not hold.
+
+    gloo's Flight Recorder (torch 2.13) records collectives only, never a send
+    or recv, while the group's ``last_enqueued_collective`` counts every op
+    (it is the newest entry's ``op_id``): a 2-stage pipeline's dump had 30
+    all_reduces, collective_seq_id 30, and last_enqueued 270.  The gap is what
+    the dump cannot show: a rank waiting in a ``recv`` looks idle in it.
+    """
+    if pg is None or pg.last_enqueued is None or not entries:
+        return 0
+    if not all(e.profiling_name.startswith("gloo:") for e in entries):
+        return 0
+    newest = max((e.collective_seq_id or 0 for e in entries), default=0)
+    return max(pg.last_enqueued - newest, 0)
 
 
 def _fold_fr_entries(seq: RankSeq, entries: list[FrEntry], last_completed: int | None) -> None:
