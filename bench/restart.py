@@ -125,25 +125,23 @@ async def one_run(scenario: str, run: int, args: argparse.Namespace, folder: Pat
                     *job,
                     env=env,
                     cwd=folder,
-                    stderr=asyncio.subprocess.PIPE,
+                    stderr=(folder / f"wrapper{node}.stderr").open("wb"),  # a file: kept when the run is killed
                 )
             )
 
-        async def finish(wrapper: asyncio.subprocess.Process) -> bytes:
+        async def finish(wrapper: asyncio.subprocess.Process) -> None:
             try:
-                _, err = await asyncio.wait_for(wrapper.communicate(), args.timeout)
+                await asyncio.wait_for(wrapper.wait(), args.timeout)
             except TimeoutError:
                 wrapper.kill()
-                _, err = await wrapper.communicate()
-            return err
+                await wrapper.wait()
 
-        stderrs = await asyncio.gather(*(finish(w) for w in wrappers))
+        await asyncio.gather(*(finish(w) for w in wrappers))
         await asyncio.sleep(0.5)
         posts = list(pages.posts)
-    for node, (wrapper, stderr) in enumerate(zip(wrappers, stderrs)):
-        (folder / f"wrapper{node}.stderr").write_bytes(stderr)
+    for node, wrapper in enumerate(wrappers):
         if wrapper.returncode not in (0, 3):
-            print(stderr.decode(errors="replace")[-2000:], file=sys.stderr, flush=True)
+            print((folder / f"wrapper{node}.stderr").read_text(errors="replace")[-2000:], file=sys.stderr, flush=True)
     exits = [w.returncode for w in wrappers]
     seen = [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
     faults = [e for e in seen if e["event"] == "fault"]
