@@ -688,7 +688,7 @@ async def lead_incident(leader: Cluster, local: JobState, stall: Stall, out: dic
         await leader.open_incident(stall.at)
     answering = leader.answering()
     evidence = JobEvidence(local, stall)
-    with paused_gc():
+    with paused_gc(freeze=True):
         with step(out, "gather_compact"):
             remote = await leader.gather("compact", answering, stall.at, EVIDENCE_WAIT_S, fold=evidence.add)
         out["compact_read_bytes"] = client.evidence_read

@@ -69,6 +69,24 @@ class TestStoreClient:
         assert torch_store.get("from-us") == b"\x00binary\xff" * 100
         assert counts == (5, 7) and torch_store.add("counter", 0) == 7
 
+    def test_many_keys_go_with_one_write_and_the_connection_stays_in_step(self, torch_store) -> None:  # type: ignore[no-untyped-def]
+        for n in range(300):
+            torch_store.set(f"evidence/{n}", b"x")
+
+        async def talk() -> tuple[int, int, bytes | None, int]:
+            client = StoreClient("127.0.0.1", torch_store.port)
+            await client.set("kept", b"k")
+            deleted = await client.delete_many([f"evidence/{n}" for n in range(300)] + ["never-set"])
+            requests = client.requests
+            kept = await client.get("kept")  # the next answer is this request's, not a delete's
+            left = await client.num_keys()
+            await client.close()
+            return deleted, requests, kept, left
+
+        deleted, requests, kept, left = asyncio.run(talk())
+        assert deleted == 300 and requests == 2 and kept == b"k"
+        assert not any(torch_store.check([f"evidence/{n}"]) for n in range(0, 300, 37)) and left >= 1
+
     def test_unreachable_store_is_an_error_not_an_empty_store(self) -> None:
         from support import free_port
 

@@ -378,10 +378,10 @@ class Cluster:
         )
         await self.client.set(self.key("verdict"), shared.model_dump_json().encode())
         self._verdicts_read.add(key)
-        await self._delete(self._evidence_keys)  # judged: the members need the verdict only
-        self._evidence_keys = set()
         judged = incident.model_copy(update={"verdict": key, "judging": False})
         await self._publish(self.view.model_copy(update={"incident": judged, "seq": self.view.seq + 1}))
+        await self._delete(self._evidence_keys)  # judged (and announced): the members need the verdict only
+        self._evidence_keys = set()
 
     async def read_verdict(self) -> LeaderVerdict | None:
         """The leader's verdict, once per incident key, when the view announces one this node has not read."""
@@ -431,8 +431,7 @@ class Cluster:
             await self._publish(self.view.model_copy(update={"incident": None, "seq": self.view.seq + 1}))
 
     async def _delete(self, keys: set[str]) -> None:
-        for key in sorted(keys):
-            await self.client.delete(key)
+        await self.client.delete_many(sorted(keys))
 
     # -- without the store --------------------------------------------------
 

@@ -174,6 +174,14 @@ class StoreClient:
         data = await self._fixed(bytes([DELETE_KEY]) + _key(key), 8)
         return struct.unpack("<q", data)[0] > 0
 
+    async def delete_many(self, keys: list[str]) -> int:
+        """Delete every key with one write, the answers read after (in order, as the server serves a connection):
+        an incident's evidence keys are one a node, 4,096 round trips one by one.  How many existed."""
+        if not keys:
+            return 0
+        data = await self._fixed(b"".join(bytes([DELETE_KEY]) + _key(k) for k in keys), 8 * len(keys))
+        return sum(count > 0 for (count,) in struct.iter_unpack("<q", data))
+
     async def num_keys(self) -> int:
         return struct.unpack("<q", await self._fixed(bytes([GETNUMKEYS]), 8))[0]
 

@@ -417,9 +417,8 @@ class ClusterJudging:
         await cluster.open_incident(opened)
         answering = cluster.answering()
         evidence = JobEvidence(self.live.state, stall)  # folded as it comes; full evidence replaces in place
-        # No collection until the verdict: the one the evidence's millions of objects would trigger between two
-        # steps (0.3-1 s at 1,024 nodes) comes after it.
-        with paused_gc():
+        # No collection until the verdict, nor after over the evidence's millions of objects (``paused_gc``).
+        with paused_gc(freeze=True):
             remote = await cluster.gather("compact", answering, started, EVIDENCE_WAIT_S, fold=evidence.add)
             decision = evidence.judge()
             self.job_state = evidence.state()
