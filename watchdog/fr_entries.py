@@ -83,6 +83,8 @@ def select(dumps: Iterable[FrDump], chosen: EntryFilter) -> tuple[list[Row], lis
             kept.setdefault(entry.pg_id, []).append(Row(dump.rank, entry, state, group_label(entry.pg_id, desc)))
         for group_rows in kept.values():
             rows.extend(group_rows[-chosen.last :] if chosen.last else group_rows)
+    if not dumps:
+        return [], ["no Flight Recorder dump among the inputs: --entries, --rank and --pg print dumps' entries"]
     ranks = {d.rank for d in dumps}
     if missing := [r for r in chosen.ranks if r not in ranks]:
         held = ", ".join(str(r) for r in sorted(r for r in ranks if r is not None)) or "none"

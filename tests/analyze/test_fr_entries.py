@@ -76,3 +76,8 @@ def test_a_rank_that_is_no_rank_is_refused(bad: str, capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         run_analyze([DTYPE_BUNDLE, "--rank", bad])
     assert "ranks" in capsys.readouterr().err
+
+
+def test_inputs_without_dumps_say_so(capsys: pytest.CaptureFixture[str]) -> None:
+    run_analyze([str(FIXTURES / "nccl-2.28.9-2gpu" / "mismatch" / "nccl"), "--entries"])
+    assert "no Flight Recorder dump among the inputs" in capsys.readouterr().err
