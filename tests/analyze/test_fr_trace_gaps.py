@@ -144,3 +144,13 @@ class TestGlooDumpsHoldNoSendOrRecv:
             (tmp_path / "collectives_only" / dump.name).write_bytes(pickle.dumps(raw, protocol=2))
         report = analyze_paths([str(tmp_path / "collectives_only")])
         assert report.verdict == Verdict.no_hang, report.summary
+
+
+def test_dumps_of_a_running_job_taken_rank_by_rank_are_no_rank_behind() -> None:
+    # H200 x4, healthy: rank 1's dump holds collectives #35-#44, every one completed, that the others' (older)
+    # dumps do not: they took part, since a collective completes on no rank alone
+    report = analyze_paths([str(FIXTURES / "captures" / "nccl-2.28.9-h200x4" / "none" / "fr")])
+    assert report.verdict == Verdict.no_hang, report.summary
+    assert "The dump of rank 1 is the newest; the others' were taken earlier (they hold 34 collectives)" in (
+        report.summary
+    )

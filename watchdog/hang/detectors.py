@@ -372,6 +372,11 @@ def _behind(comm: CommView, ranks: list[RankView]) -> Finding | None:
         return None
     culprits = [r for r in ranks if r.total == low]
     ahead = max(ranks, key=lambda r: r.total)
+    if all(r.state_at(low) is OpState.completed for r in ranks if r.total > low):
+        # A collective completes on no rank alone: the ranks "behind" took part in it, their dumps were taken
+        # earlier (a running job's dumps, rank by rank: the H200 x4 healthy capture had rank 1 ten collectives
+        # ahead, every one completed).  What is still pending, if anything, decides.
+        return None
     missing = ahead.at(low)
     operation = missing.describe() if missing else "?"
     others_behind = [r for r in ranks if low < r.total < top]
@@ -819,7 +824,7 @@ def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding
             comm,
             Verdict.no_hang,
             summary=f"Flight Recorder shows all {total} collectives on {comm.label} completed on every rank: "
-            "nothing is pending.",
+            "nothing is pending." + (_older_dumps(ranks, total) if any(r.total < total for r in ranks) else ""),
             rows=_rows(comm, lambda r: ("ok", "all completed")),
         )
     position = min(r.completed or 0 for r in pending)
@@ -858,6 +863,17 @@ def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding
         else ("which rank is late: 'started' states need TORCH_NCCL_ENABLE_TIMING=1; or add NVML samples / stacks",),
         # the call site of the collective each rank is in (Flight Recorder's frames)
         rows=_rows(comm, lambda r: (str(states[r.comm_rank] or "?"), f"completed {r.completed}"), position),
+    )
+
+
+def _older_dumps(ranks: list[RankView], total: int) -> str:
+    """Dumps of a running job taken at different moments: the newest holds collectives the others' do not yet."""
+    newest = [r for r in ranks if r.total == total]
+    low, high = min(r.total for r in ranks), max(r.total for r in ranks if r.total < total)
+    held = str(low) if low == high else f"{low}-{high}"
+    return (
+        f" The dump of {names(newest)} is the newest; the others' were taken earlier (they hold {held} "
+        "collectives), and a collective completes on no rank alone."
     )
 
 
