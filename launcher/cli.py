@@ -132,9 +132,11 @@ def analyze_parser() -> argparse.ArgumentParser:
     )
     entries = analyze.add_argument_group(
         "Flight Recorder entries",
-        "After the verdict, print the entries of the dumps given, one row each: rank, position (collective or p2p "
-        "number), process group, op, state (as the verdict read it), input sizes, dtype, the user's call site. "
-        "--rank, --pg and --stack imply --entries; the verdict is always judged on every input.",
+        # the parser's formatter keeps descriptions as written: lines broken by hand
+        "After the verdict, print the entries of the dumps given, one row each: rank,\n"
+        "position (collective or p2p number), process group, op, state (as the\n"
+        "verdict read it), input sizes, dtype, the user's call site.  --rank, --pg\n"
+        "and --stack imply --entries; the verdict is always judged on every input.",
     )
     entries.add_argument("--entries", action="store_true", help="print the matched entries after the verdict")
     entries.add_argument(

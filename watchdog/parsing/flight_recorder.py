@@ -521,7 +521,9 @@ def _undo_abort_completions(entries: list[FrEntry]) -> list[FrEntry]:
     the watchdog's poll.  From the first such moment on, per process group, no
     completion is real: those entries are "started" if they were found started
     before it, else "scheduled".  Dumps without times or timeouts (gloo, before
-    2.2) are left as they are.
+    2.2) are left as they are.  Trap: with TORCH_NCCL_ASYNC_ERROR_HANDLING=0
+    nothing is aborted, and an op that did finish after its timeout reads as
+    pending from there on; torch reported that timeout itself.
     """
     aborted_at: dict[str, int] = {}
     for entry in entries:
