@@ -43,8 +43,13 @@ rank that reads it before its rank 0 rewrites it dials the old round's
 bootstrap root ("socketPollConnect ... Connection refused" for a minute, then
 the round fails).  torchrun records the rendezvous round, which every node
 agrees on, in ``NCCLWATCH_RDZV_ROUND`` (workers inherit its environment), and
-the workers' store is scoped to ``ncclwatch-round-<round>/``.  Without the
-c10d rendezvous nothing changes.
+the workers' store is scoped to ``ncclwatch-round-<round>/``.  One key no
+prefix scopes: ProcessGroupNCCL raises its Flight Recorder dump signal
+(``exception_dump``) on the store under all prefixes, so a rank of the dead
+round whose watchdog saw its peer die leaves it set, and the new round's
+ranks act on it as they start (dump, abort: 2 wrappers on the H200, the new
+round's NCCL init refused for a minute).  Each worker deletes it before its
+process group exists.  Without the c10d rendezvous nothing changes.
 
 Then it runs the next ``sitecustomize`` on ``sys.path`` (the user's or the
 environment's), as Python would have without us.
@@ -285,6 +290,7 @@ def _setup():
 
 
 _ROUND_ENV = "NCCLWATCH_RDZV_ROUND"
+_NCCL_DUMP_SIGNAL = "exception_dump"  # ProcessGroupNCCL's kStoreDumpKey, set on the store under every prefix
 
 
 def _export_round(dynamic_rendezvous):
@@ -312,6 +318,10 @@ def _scope_store_to_round(rendezvous):
         store = create(hostname, port, *args, **kwargs)
         if str(port) != os.environ.get("MASTER_PORT"):
             return store  # a store of the job's own on another port: not the agent's
+        try:
+            store.delete_key(_NCCL_DUMP_SIGNAL)  # a dead round's; this round's can only come after its PG exists
+        except Exception:  # noqa: BLE001, S110 - an older store without delete_key: as torch left it
+            pass
         from torch.distributed import PrefixStore
 
         return PrefixStore(prefix, store)

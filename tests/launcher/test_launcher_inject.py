@@ -239,14 +239,17 @@ import torch.distributed as dist
 
 dist.init_process_group("gloo")
 store = dist.distributed_c10d._get_default_store()
+under_every_prefix = store._underlying_non_prefix_store  # where ProcessGroupNCCL raises its dump signal
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
     if dist.get_rank() == 0:
         store.set("left-by-the-first-round", "stale")
+        under_every_prefix.set("exception_dump", "1")  # a watchdog saw its peer die
     dist.barrier()
     sys.exit(1)  # the round fails: torchrun starts the next one
 seen = store.check(["left-by-the-first-round"])
+signal = under_every_prefix.check(["exception_dump"])
 with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}"), "w") as out:
-    out.write(f"{seen} {os.environ.get('NCCLWATCH_RDZV_ROUND')}")
+    out.write(f"{seen} {os.environ.get('NCCLWATCH_RDZV_ROUND')} {signal}")
 dist.destroy_process_group()
 """
 
@@ -277,12 +280,13 @@ def test_a_restarted_round_does_not_see_the_dead_round_s_store_keys(
     if not injected:
         # The second round either reads the stale key or never gets that far: gloo dials the addresses the first
         # round's ranks left in the store ("connectFullMesh failed ... Connection refused").
-        assert ["True", "None"] in seen.values() or "Connection refused" in done.stderr, done.stderr[-3000:]
+        assert ["True", "None", "True"] in seen.values() or "Connection refused" in done.stderr, done.stderr[-3000:]
         return
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(seen) == ["rank0", "rank1"]
-    assert {stale for stale, _ in seen.values()} == {"False"}
-    assert len({round_ for _, round_ in seen.values()} - {"None"}) == 1
+    assert {stale for stale, _, _ in seen.values()} == {"False"}
+    assert {signal for _, _, signal in seen.values()} == {"False"}
+    assert len({round_ for _, round_, _ in seen.values()} - {"None"}) == 1
 
 
 def test_a_worker_s_child_process_is_left_alone(dirs: RunDirs) -> None:
