@@ -12,7 +12,19 @@ from conftest import REPO
 from ncclwatch.watchdog.cluster.judge import JobEvidence, focus, job_state
 from ncclwatch.watchdog.cluster.payload import pack, unpack
 from ncclwatch.watchdog.cluster.peers import FULL_NODES
-from ncclwatch.watchdog.events import Event, FrDump, FrEntry, OpState, SequenceTail, Stall, WorkerGone, WorkerSeen
+from ncclwatch.watchdog.events import (
+    Citation,
+    Event,
+    FrDump,
+    FrEntry,
+    OpState,
+    SequenceTail,
+    StackDump,
+    Stall,
+    ThreadStack,
+    WorkerGone,
+    WorkerSeen,
+)
 from ncclwatch.watchdog.hang.classify import Decision, judge
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
@@ -178,3 +190,27 @@ def test_a_node_new_after_the_first_judgement_rebuilds(bench) -> None:  # noqa: 
     incremental.add(NODES - 1, compact[NODES - 1])
     expected = take_snapshot(job_state(local, compact, stall), observed_at=stall.at)
     assert take_snapshot(incremental.state(), observed_at=stall.at) == expected
+
+
+def test_what_this_node_saw_after_the_first_judgement_is_in_the_second(bench) -> None:  # noqa: ANN001
+    """The leader's own sources go on while it waits for full evidence: a new stack of one of its ranks (here: in
+    its own code, not the collective) is judged as ``job_state`` would judge it then."""
+    stall, nodes = evidence(bench, behind, NODES * RANKS - 1)
+    local = JobState()
+    for event in nodes[0]:
+        local.apply(event)
+    compact = {n: shared(events, "compact", stall, n) for n, events in nodes.items() if n != 0}
+    incremental = JobEvidence(local, stall)
+    for node, events in compact.items():
+        incremental.add(node, events)
+    incremental.judge()
+    local.apply(
+        StackDump(
+            pid=10_003,
+            threads=[ThreadStack(name="MainThread", frames=["load (/opt/train/data.py:7)"])],
+            cite=Citation(file="py-spy"),
+        )
+    )
+    expected = take_snapshot(job_state(local, compact, stall), observed_at=stall.at)
+    assert take_snapshot(incremental.state(), observed_at=stall.at) == expected
+    assert expected.stacks[10_003].threads[0].frames == ["load (/opt/train/data.py:7)"]

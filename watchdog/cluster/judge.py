@@ -72,6 +72,7 @@ class JobEvidence:
         self._shared: set[Slot] = set()  # slots two sources fill
         self._created: dict[str, int] = {}  # communicator -> the node whose events created it
         self._merged = False  # this node's state is unioned in
+        self._local_mark: tuple = ()  # what this node's state held then (``_mark``)
         self._rebuild = False
 
     def add(self, node: int, events: list[Event]) -> None:
@@ -88,11 +89,17 @@ class JobEvidence:
                 self._replace(previous, events)
 
     def state(self) -> JobState:
+        """``job_state`` of this node's state and every node's evidence so far.  Where this node's own state gained
+        a worker, a stack, a sequence, ... since it was unioned in (its sources go on while the leader waits for
+        full evidence), the state is built again, as ``job_state`` would from it now."""
+        if self._merged and _mark(self.local) != self._local_mark:
+            self._rebuild = True
         if self._rebuild:
             self._state, self._rebuild, self._merged = job_state(self.local, self.remote, self.stall), False, True
+            self._local_mark = _mark(self.local)
         elif not self._merged:
             self._state.merge(self.local)
-            self._state.stall, self._merged = self.stall, True
+            self._state.stall, self._merged, self._local_mark = self.stall, True, _mark(self.local)
             self._shared |= _slots(self.local) & self._owner.keys()
         return self._state
 
@@ -156,6 +163,21 @@ def _event_slots(events: list[Event]) -> set[Slot]:
                 rank = members.index(event.rank) if event.rank in members else event.rank
                 slots.add(("comm", f"fr:{pg_id}", rank))
     return slots
+
+
+def _mark(state: JobState) -> tuple:
+    """What ``JobState.merge`` takes from a node's state, by identity and count: another mark, another union.  (What
+    changes inside an object it takes, as a sequence's newest operations, shows in the union through that object.)"""
+    return (
+        tuple((key, id(comm), tuple(map(id, comm.ranks.values()))) for key, comm in state.comms.items()),
+        tuple(map(id, state.procs.values())),
+        tuple(map(id, state.stacks.values())),
+        tuple(map(id, state.workers.values())),
+        *map(len, (state.warnings, state.peer_closed, state.timeouts, state.failures, state.partial, state.notes)),
+        tuple(map(id, state.ras)),  # these two are trimmed to the latest few: their length may stay
+        tuple(map(id, state.gpus)),
+        id(state.stall),
+    )
 
 
 def _slots(state: JobState) -> set[Slot]:

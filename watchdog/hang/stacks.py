@@ -138,6 +138,7 @@ def short_frame(frame: str) -> str:
     return f"{name} ({base}:{line})" if line else f"{name} ({base})"
 
 
+@lru_cache(maxsize=16384)  # the same few frames at every rank of a job, each judgement (8,192 ranks: 25 % of it)
 def is_user_frame(frame: str) -> bool:
     """Not torch, an installed package, the standard library, ncclwatch, a frozen/exec'd module, code torch
     generated, or native code."""
