@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ncclwatch.watchdog.events import Event, XidError
+from ncclwatch.watchdog.events import Event, SourceDown, XidError
 from ncclwatch.watchdog.sources.kmsg import KmsgSource
 
 # /dev/kmsg records: "<priority>,<sequence>,<usec since boot>,<flags>;<text>", continuation lines start with " ".
@@ -39,14 +39,16 @@ def test_reads_from_the_end_each_xid_once_with_this_nodes_name(tmp_path: Path) -
     assert [e.code for e in events if isinstance(e, XidError)] == [79, 48]
 
 
-def test_without_permission_or_device_it_stays_silent(tmp_path: Path) -> None:
+def test_without_permission_or_device_it_says_so_once_and_stops(tmp_path: Path) -> None:
     events: list[Event] = []
     source = KmsgSource(str(tmp_path / "absent"))
     source.poll(events.append)
     source.poll(events.append)
-    assert events == []
+    assert [(type(e), e.source) for e in events] == [(SourceDown, "kmsg")]  # type: ignore[union-attr]
+    assert "Xid lines are not seen live" in events[0].reason  # type: ignore[union-attr]
     unreadable = tmp_path / "kmsg"
     unreadable.write_text(NEW)
     os.chmod(unreadable, 0)
+    events.clear()
     KmsgSource(str(unreadable)).poll(events.append)  # as root the file opens: it is then read from its end
-    assert events == []
+    assert events == [] if os.geteuid() == 0 else [type(e) for e in events] == [SourceDown]

@@ -61,7 +61,7 @@ log = logging.getLogger("ncclwatch")
 
 JOB_LABEL = "job_name"
 # The sidecar's sources (launcher/run.py _sidecar); Health names only those that are down.
-SOURCES: tuple[str, ...] = ("workers", "nccl_log", "heartbeat", "nvml")
+SOURCES: tuple[str, ...] = ("workers", "nccl_log", "heartbeat", "nvml", "kmsg")
 
 
 class HealthCollector(Collector):

@@ -8,7 +8,8 @@ past boot's faults; ``EAGAIN`` means nothing new, ``EPIPE`` that records were ov
 is how the tests feed it.
 
 Failure modes, by design: without permission (``dmesg_restrict``, a container without ``/dev/kmsg``) the source
-stops silently: the verdicts then lack the Xid, as they did before, and nothing else changes.  An Xid the driver
+says so once (``SourceDown``: ``ncclwatch_source_up{source="kmsg"} 0``) and stops: the verdicts then lack the Xid,
+as they did before, and nothing else changes.  An Xid the driver
 repeats (code, GPU, pid) is emitted once.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 
+from ncclwatch.watchdog.events import SourceDown
 from ncclwatch.watchdog.parsing.kernel_log import MARKER, parse_xid_line
 from ncclwatch.watchdog.sources import Emit, PollingSource
 
@@ -40,7 +42,7 @@ class KmsgSource(PollingSource):
     def poll(self, emit: Emit) -> None:
         if self._off:
             return
-        if self._fd is None and not self._open():
+        if self._fd is None and not self._open(emit):
             return
         for _ in range(_READS_PER_POLL):
             try:
@@ -56,12 +58,14 @@ class KmsgSource(PollingSource):
                 return  # a plain file's end; /dev/kmsg says EAGAIN instead
             self._lines(data, emit)
 
-    def _open(self) -> bool:
+    def _open(self, emit: Emit) -> bool:
         try:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
             os.lseek(self._fd, 0, os.SEEK_END)
-        except OSError:
+        except OSError as exc:
             self._close()
+            reason = f"cannot read {self.path} ({exc.strerror}): the GPU driver's Xid lines are not seen live"
+            emit(SourceDown(source=self.name, reason=reason))
             return False
         return True
 
