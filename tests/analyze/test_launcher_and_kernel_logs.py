@@ -132,3 +132,27 @@ def test_drain_acts_on_the_gpu_xid_verdict_and_names_the_node(tmp_path: Path) ->
     chosen = plan(report, Policy("kill", 0, frozenset(RESTART_ON_DEFAULT), "slurm", frozenset(DRAIN_ON_DEFAULT)), 0, [])
     assert chosen.response is Response.drain and chosen.drain_hosts == ("vm",)
     assert chosen.why == "gpu_xid blames the hardware of vm"
+
+
+def test_an_xid_the_live_sidecar_read_is_journaled_so_the_bundle_replays_gpu_xid(tmp_path: Path) -> None:
+    """/dev/kmsg is read live only: the Xid must travel in the journal (and to the leader), or offline loses it."""
+    from ncclwatch.watchdog.events import Stall, XidError
+    from ncclwatch.watchdog.hang.state import JobState
+    from ncclwatch.watchdog.live.journal import Journal
+    from ncclwatch.watchdog.sources.kmsg import KmsgSource
+
+    kmsg = tmp_path / "kmsg"
+    kmsg.write_text("")
+    source = KmsgSource(str(kmsg), host="vm")
+    source.poll(lambda event: None)
+    kmsg.write_text("4,1234,1234567912,-;NVRM: Xid (PCI:0000:70:00): 79, pid=867, name=python, GPU has fallen off\n")
+    seen: list = []  # type: ignore[type-arg]
+    source.poll(seen.append)
+    state = JobState()
+    for event in seen:
+        state.apply(event)
+    assert [type(e) for e in seen] == [XidError]
+    journal = tmp_path / "journal.jsonl"
+    Journal(journal).record(state, Stall(at=1.0, stalled_for_s=12.0, stall_timeout_s=5.0, progress_timeout_s=1800))
+    report = analyze_paths([str(RANK0), str(RANK1), str(journal)])
+    assert report.verdict.value == "gpu_xid" and report.culprit_ranks == [1]

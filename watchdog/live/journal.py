@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from ncclwatch.watchdog.events import Event, GpuSnapshot, Stall, WorkerGone
+from ncclwatch.watchdog.events import Event, GpuSnapshot, Stall, WorkerGone, XidError
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.parsing.journal import HEADER, journal_line
 
@@ -51,7 +51,8 @@ class Journal:
 
 
 def live_inputs(state: JobState) -> list[Event]:
-    """The live-only inputs of the current attempt, as events: workers, /proc samples, stacks, the GPU sample."""
+    """The live-only inputs of the current attempt, as events: workers, /proc samples, stacks, the GPU sample, and
+    the GPU driver's Xids this node's kernel log showed (``sources/kmsg.py``: nothing offline reads them again)."""
     events: list[Event] = []
     for worker in state.current_workers():
         if worker.seen is not None:  # always, for a current worker (it has a rank): the event as the source made it
@@ -62,4 +63,5 @@ def live_inputs(state: JobState) -> list[Event]:
         if worker.pid in state.stacks:
             events.append(state.stacks[worker.pid])
     events.extend(g for g in state.gpus[-1:] if isinstance(g, GpuSnapshot))
+    events.extend(e for e in state.partial if isinstance(e, XidError))
     return events

@@ -26,13 +26,14 @@ from ncclwatch.watchdog.events import (
     Unusable,
     WorkerGone,
     WorkerSeen,
+    XidError,
 )
 
 HEADER = b'{"ncclwatch_journal": 1}'
 # FrDump and SequenceTail travel between nodes' sidecars; on disk the dumps and NCCL logs are files of their own.
 JOURNALED: dict[str, type[Event]] = {
     cls.__name__: cls
-    for cls in (WorkerSeen, WorkerGone, ProcessState, StackDump, GpuSnapshot, Stall, FrDump, SequenceTail)
+    for cls in (WorkerSeen, WorkerGone, ProcessState, StackDump, GpuSnapshot, XidError, Stall, FrDump, SequenceTail)
 }
 
 
