@@ -4,7 +4,9 @@ Two jobs hang on the same host; each wrapper pages (a real webhook receiver on l
 bundle through the spool; the server groups each job's bundle into its incident and its hosts view names
 this host in two incidents of two jobs.  Then the server is down while a job hangs: the page goes out at
 once (the upload sink's outage delays no other sink), and the bundle arrives once the server is started,
-from the wrapper's retries.
+from the wrapper's retries.  And a job of two nodes (two wrappers, each in a UTS namespace of its own that
+names its host, sharing one spool): the leader pages once, and both nodes' bundles reach the server as two
+parts of one incident.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -139,3 +143,67 @@ def test_server_down_during_the_hang_the_page_goes_out_and_the_bundle_arrives_la
     assert [p["bundle_id"] for p in incident["parts"]] == [page["bundle_id"]]
     assert incident["job"] == "job-late"
     assert json.loads(json.dumps(page))["incident_url"].endswith(f"/incidents/{page['dedup_key']}")
+
+
+def own_host(name: str) -> list[str]:
+    """The command prefix that runs a wrapper in a UTS namespace of its own, whose host is ``name``: two nodes
+    of one job on one machine, each with its own host name (as two real nodes have)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    for extra in ([], ["--map-root-user"]):  # root, or an unprivileged user namespace
+        prefix = [unshare, "--uts", *extra, "sh", "-c", 'hostname "$0" && exec "$@"', name]
+        if subprocess.run([*prefix, "true"], capture_output=True).returncode == 0:
+            return prefix
+    pytest.skip("cannot give a process a host name of its own here (unshare --uts)")
+
+
+async def start_node(tmp_path: Path, node: int, server: str, hook: str, store: int) -> asyncio.subprocess.Process:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NCCLWATCH_")}
+    env |= {"NCCLWATCH_UPLOAD": server, "NCCLWATCH_UPLOAD_TOKEN": UPLOAD, "NCCLWATCH_WEBHOOK_URL": hook}
+    env |= {"NCCLWATCH_SPOOL_DIR": str(tmp_path / "spool"), "GLOO_SOCKET_IFNAME": "lo"}  # spool on shared storage
+    return await asyncio.create_subprocess_exec(
+        *own_host(f"node{node}"), sys.executable, "-m", "ncclwatch", "--job-name", "twonodes",
+        "--bundle-dir", str(tmp_path / f"bundles{node}"), "--run-dir", str(tmp_path / f"run{node}"),
+        "--on-hang", "kill", "--alert-drain-timeout", "60",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2",
+        "--master-addr=127.0.0.1", f"--master-port={store}", "--monitor-interval=0.2", demo_job.__file__,
+        "--fault=skip", "--fault-rank=3", "--fault-step=12", "--step-time=0.05", "--steps=40", "--backend=gloo",
+        env=env, cwd=tmp_path, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+
+
+def test_every_node_of_a_job_uploads_its_part_of_one_incident_which_pages_once(tmp_path: Path) -> None:
+    async def scenario():  # type: ignore[no-untyped-def]
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        server = await start_server(tmp_path / "server", port)
+        try:
+            async with Receiver() as receiver:
+                store = free_port()
+                nodes = [await start_node(tmp_path, n, base, receiver.url, store) for n in (0, 1)]
+                try:
+                    ends = [await asyncio.wait_for(node.communicate(), 240) for node in nodes]
+                finally:
+                    for node in nodes:
+                        if node.returncode is None:
+                            os.killpg(node.pid, 9)
+                incidents = await get(base, "/api/incidents")
+                incident = await get(base, f"/api/incidents/{incidents[0]['incident_key']}") if incidents else None
+                hosts = await get(base, "/api/hosts")
+                stderrs = [end[1].decode(errors="replace") for end in ends]
+                return [n.returncode for n in nodes], stderrs, triggers(receiver), incidents, incident, hosts
+        finally:
+            await stop_server(server)
+
+    codes, stderrs, pages, incidents, incident, hosts = asyncio.run(scenario())
+    said = stderrs[0][-3000:] + stderrs[1][-3000:]
+    assert len(pages) == 1, (pages, said)  # one page, by the leader
+    [page] = pages
+    assert (page["verdict"], page["culprit_ranks"], page["host"]) == ("collective_mismatch", [3], "node0"), said
+    assert [i["incident_key"] for i in incidents] == [page["dedup_key"]], (incidents, said)
+    assert incident is not None and sorted(p["host"] for p in incident["parts"]) == ["node0", "node1"], (incident, said)
+    assert page["bundle_id"] in {p["bundle_id"] for p in incident["parts"]}
+    assert {"host": "node1", "role": "culprit"} in incident["named"], incident
+    assert [(h["host"], h["days_7"]) for h in hosts] == [("node1", 1)], hosts  # the incident counts once
+    assert codes == [3, 3], said

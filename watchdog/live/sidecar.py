@@ -213,6 +213,10 @@ class Sidecar:
             # links the bundle where it is about to be written.
             reported.alert = reported.trigger(self.bundle_base_url, self.settings.upload)
             self.dispatcher.submit(reported.alert)
+        elif self.dispatcher is not None and self.settings.upload:
+            # Another node pages; this node's bundle still goes to the cluster's server, a part of the same
+            # incident (the upload sink alone; nothing to resolve here: the pager resolves).
+            self.dispatcher.submit(reported.trigger(self.bundle_base_url, self.settings.upload), each_node_only=True)
         try:
             report, reported.bundle = await self.reporter(report, decision, view)
         except Exception:  # a broken sink must not end the watch: the job may hang again

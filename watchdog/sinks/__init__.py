@@ -1,6 +1,7 @@
 """Where alerts go: the sink contract shared by PagerDuty, Slack and the generic webhook.
 
-A sink has a ``name`` (also its spool folder) and ``async send(alert) -> Delivery``.
+A sink has a ``name`` (also its spool folder) and ``async send(alert) -> Delivery``; one whose class sets
+``each_node = True`` (the upload) is delivered by every node for itself, not only by the node that pages.
 It never raises: every outcome is a ``Delivery``, and the dispatcher
 (``delivery.Dispatcher``) alone decides what happens next::
 

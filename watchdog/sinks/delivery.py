@@ -16,7 +16,12 @@ Spool layout (``spool_dir``)::
 
 ``<key>`` is the alert's ``dedup_key`` (``sha256_<32 hex>`` of it when it is
 not ``[A-Za-z0-9_-]``).  A (sink, action, key) seen in any of the three is
-submitted at most once: a second trigger for the same hang is ignored.
+submitted at most once: a second trigger for the same hang is ignored.  For a
+sink that every node delivers to for itself (``each_node``: the upload of the
+node's own bundle), the key is ``<dedup_key>.<host>``: the nodes of one job
+share the dedup key and may share the spool, and each node's upload is its own.
+``submit(alert, each_node_only=True)`` spools to those sinks alone: a node that
+does not page still uploads its bundle.
 
 Several processes share one spool (the jobs' wrappers of a node and its
 agent, ``ncclwatch serve``): a file is sent only under an exclusive
@@ -93,10 +98,14 @@ def _pair(name: str) -> tuple[str, str]:
     return sink, ident
 
 
-def ident_of(alert: Alert) -> str:
-    key = alert.dedup_key
-    safe = key if _KEY.fullmatch(key) else "sha256_" + hashlib.sha256(key.encode()).hexdigest()[:32]
-    return f"{alert.action}.{safe}"
+def _safe(part: str) -> str:
+    return part if _KEY.fullmatch(part) else "sha256_" + hashlib.sha256(part.encode()).hexdigest()[:32]
+
+
+def ident_of(alert: Alert, each_node: bool = False) -> str:
+    """``<action>.<key>``; for a sink every node delivers to for itself, ``<action>.<key>.<host>``."""
+    ident = f"{alert.action}.{_safe(alert.dedup_key)}"
+    return f"{ident}.{_safe(alert.host)}" if each_node else ident
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -134,6 +143,7 @@ class Dispatcher:
         if bad or len(set(names)) != len(names):
             raise ValueError(f"sink names must be unique, [a-z0-9_-], not sent/failed: {names}")
         self._sinks = {sink.name: sink for sink in sinks}
+        self._each_node = {sink.name for sink in sinks if getattr(sink, "each_node", False)}
         self._spool = Path(spool_dir)
         self._backoff = tuple(backoff_s) or BACKOFF_S
         self._clock = clock
@@ -164,10 +174,12 @@ class Dispatcher:
         """Alerts queued here and not yet delivered or refused."""
         return sum(map(len, self._queues.values()))
 
-    def submit(self, alert: Alert) -> None:
-        """Spool ``alert`` for every sink and wake their tasks; a repeat (same key, action) is ignored."""
+    def submit(self, alert: Alert, *, each_node_only: bool = False) -> None:
+        """Spool ``alert`` for every sink and wake their tasks; a repeat (same key, action) is ignored.
+        ``each_node_only``: for the sinks every node delivers to for itself alone (its bundle's upload), where
+        another node pages."""
         self._load()
-        for name in self._sinks:
+        for name in self._each_node if each_node_only else self._sinks:
             try:
                 self._enqueue(name, alert)
             except Exception:  # the caller is the hang reporter; it must carry on, and so must other sinks
@@ -214,7 +226,7 @@ class Dispatcher:
         return not any(self._queues.values())
 
     def _enqueue(self, name: str, alert: Alert) -> None:
-        ident = ident_of(alert)
+        ident = ident_of(alert, name in self._each_node)
         if (name, ident) in self._seen:
             log.info("%s: %s already queued or sent; repeat ignored", name, ident)
             return

@@ -1,10 +1,12 @@
 """The upload sink: each node's bundle to the cluster's ``ncclwatch serve`` (``--upload URL``).
 
 One more sink behind the dispatcher, so an upload is spooled, retried and deduplicated like a page, and a
-server that is down or slow never delays one: each sink has its own queue.  What the spool holds is the
-alert, which names the bundle (``bundle_id``), never the bundle's bytes: the file is read from
-``bundle_dir`` when it is sent, so a bundle amended after the page (what was done about the hang) goes up
-as amended.
+server that is down or slow never delays one: each sink has its own queue.  Unlike a page it is each node's
+(``each_node``): the node that pages submits its alert to every sink, every other node of the job submits
+its own (same dedup key, its own host and bundle) to this sink alone, and the spool keys an upload by the
+host too.  What the spool holds is the alert, which names the bundle (``bundle_id``), never the bundle's
+bytes: the file is read from ``bundle_dir`` when it is sent, so a bundle amended after the page (what was
+done about the hang) goes up as amended.
 
 ``POST <url>/api/upload`` with the upload token, ``X-Ncclwatch-Incident: <dedup key>`` (every node of the
 job sends the same, so the server groups their bundles into one incident) and ``X-Ncclwatch-Slurm-Job``
@@ -40,6 +42,8 @@ def incident_url(server: str, dedup_key: str) -> str:
 
 
 class UploadSink:
+    each_node = True  # every node uploads its own bundle, the node that pages and the others (Dispatcher.submit)
+
     def __init__(
         self,
         session: aiohttp.ClientSession,
