@@ -17,6 +17,12 @@ one script outside Slurm count as one job.
 ``host_totals`` is a counter, never decremented: retention removes bundles and their rows, not what the
 metric has counted.
 
+The hosts view reads ``host_summary``: one row per host, its counts over 7 and 30 days as of ``computed_at``,
+rewritten in the transaction that records or removes a part naming the host, and valid until ``valid_until``
+(when the first incident it counts leaves its 7- or 30-day window).  A read recomputes only the rows no longer
+valid at its ``now`` (a few; a read of an earlier time recomputes the rows computed after it), then reads
+the first rows in the view's order through an index: no aggregation over 10,000 incidents per request.
+
 Failure modes: a report whose fields do not fit is read through ``view.report_view`` by the caller, so
 ``record`` gets JSON types; host names that are not host names (``HOST_RE``) are not indexed, so nothing a
 bundle says reaches a command line or a label unchecked.
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 import re
 import sqlite3
 import threading
@@ -42,6 +49,8 @@ ROLES = ("culprit", "lost_node", "slow_link")
 DAY_S = 86400.0
 LIST_MAX = 500
 HOSTS_SHOWN = 200  # the hosts view's default: the repeat hosts are first, the tail is hosts named once
+FOREVER = 1e300  # host_summary.valid_until of a host that nothing counts for: no window ever changes it
+_SUMMARY = "host, days_7, days_30, jobs_7, jobs_30, last_at, by_verdict_7, by_verdict_30, roles"
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS incidents (
@@ -69,6 +78,13 @@ SCHEMA = (
         verdict TEXT NOT NULL, culprit INTEGER NOT NULL, lost_node INTEGER NOT NULL, slow_link INTEGER NOT NULL,
         PRIMARY KEY (host, incident_key))""",
     "CREATE INDEX IF NOT EXISTS host_incidents_at ON host_incidents (at, host)",
+    # Per host, the hosts view's row as of computed_at (``_refresh_hosts``); the verdicts and roles as JSON text.
+    """CREATE TABLE IF NOT EXISTS host_summary (
+        host TEXT PRIMARY KEY, days_7 INTEGER NOT NULL, days_30 INTEGER NOT NULL, jobs_7 INTEGER NOT NULL,
+        jobs_30 INTEGER NOT NULL, last_at DOUBLE PRECISION, by_verdict_7 TEXT NOT NULL, by_verdict_30 TEXT NOT NULL,
+        roles TEXT NOT NULL, computed_at DOUBLE PRECISION NOT NULL, valid_until DOUBLE PRECISION NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS host_summary_rank ON host_summary (days_7 DESC, days_30 DESC, last_at DESC, host)",
+    "CREATE INDEX IF NOT EXISTS host_summary_valid ON host_summary (valid_until)",
     """CREATE TABLE IF NOT EXISTS host_totals (
         host TEXT NOT NULL, verdict TEXT NOT NULL, total BIGINT NOT NULL, PRIMARY KEY (host, verdict))""",
     """CREATE TABLE IF NOT EXISTS repeat_state (host TEXT PRIMARY KEY, above INTEGER NOT NULL)""",
@@ -145,6 +161,12 @@ class IncidentIndex:
             for statement in SCHEMA:
                 self._db.execute(statement)
             self.totals = {(h, v): n for h, v, n in self._db.execute("SELECT host, verdict, total FROM host_totals")}
+            missing = self._db.execute(  # an index written before host_summary existed
+                "SELECT DISTINCT host FROM host_incidents WHERE host NOT IN (SELECT host FROM host_summary)"
+            ).fetchall()
+            if missing:
+                with self._transaction():
+                    self._refresh_hosts({h for (h,) in missing}, self.clock())
 
     def close(self) -> None:
         with self._lock:
@@ -188,6 +210,7 @@ class IncidentIndex:
                 (part.bundle_id, part.incident_key, report.get("host"), verdict, part.size, part.sha256, now),
             )
             incident_verdict = verdict if known is None else (known[0] or verdict)
+            affected = self._hosts_of(part.incident_key) | {h for h, _ in hosts}
             for host, role in sorted(hosts):
                 first = not self._db.execute(
                     "SELECT 1 FROM named WHERE incident_key = ? AND host = ?", (part.incident_key, host)
@@ -206,6 +229,7 @@ class IncidentIndex:
                 (part.incident_key,) * 4,
             )
             self._summarize(part.incident_key)
+            self._refresh_hosts(affected, now)
         return Recorded(part.incident_key, known is None, replaced is not None, frozenset(h for h, _ in hosts))
 
     def _count(self, host: str, verdict: str) -> None:
@@ -226,6 +250,56 @@ class IncidentIndex:
             (incident_key,),
         )
 
+    def _hosts_of(self, incident_key: str) -> set[str]:
+        rows = self._db.execute("SELECT host FROM host_incidents WHERE incident_key = ?", (incident_key,))
+        return {host for (host,) in rows}
+
+    def _refresh_hosts(self, hosts: Iterable[str], now: float) -> None:
+        """Each host's ``host_summary`` row from its ``host_incidents`` as of ``now`` (gone with its last row)."""
+        week, month = now - 7 * DAY_S, now - 30 * DAY_S
+        for host in sorted(set(hosts)):
+            rows = self._db.execute(
+                "SELECT verdict, at, job, culprit, lost_node, slow_link FROM host_incidents WHERE host = ?", (host,)
+            ).fetchall()
+            self._db.execute("DELETE FROM host_summary WHERE host = ?", (host,))
+            if not rows:
+                continue
+            entry = _host_entry(host)
+            jobs_7, jobs_30 = set(), set()
+            valid_until = float("inf")
+            for verdict, at, job, *by_role in rows:
+                if at < month:
+                    continue  # out of both windows for good: time only moves on
+                entry["days_30"] += 1
+                entry["by_verdict_30"][verdict] = entry["by_verdict_30"].get(verdict, 0) + 1
+                jobs_30.add(job)
+                entry["last_at"] = max(entry["last_at"] or at, at)
+                for role, flag in zip(ROLES, by_role):
+                    if flag:
+                        entry["roles"][role] = entry["roles"].get(role, 0) + 1
+                if at >= week:
+                    entry["days_7"] += 1
+                    entry["by_verdict_7"][verdict] = entry["by_verdict_7"].get(verdict, 0) + 1
+                    jobs_7.add(job)
+                valid_until = min(valid_until, at + (7 if at >= week else 30) * DAY_S)
+            self._db.execute(
+                "INSERT INTO host_summary (host, days_7, days_30, jobs_7, jobs_30, last_at, by_verdict_7, "
+                "by_verdict_30, roles, computed_at, valid_until) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    host,
+                    entry["days_7"],
+                    entry["days_30"],
+                    len(jobs_7),
+                    len(jobs_30),
+                    entry["last_at"],
+                    json.dumps(entry["by_verdict_7"], sort_keys=True),
+                    json.dumps(entry["by_verdict_30"], sort_keys=True),
+                    json.dumps(entry["roles"], sort_keys=True),
+                    now,
+                    min(valid_until, FOREVER),
+                ),
+            )
+
     def _forget_part(self, bundle_id: str) -> None:
         self._db.execute("DELETE FROM named WHERE bundle_id = ?", (bundle_id,))
         self._db.execute("DELETE FROM parts WHERE bundle_id = ?", (bundle_id,))
@@ -236,7 +310,9 @@ class IncidentIndex:
             row = self._db.execute("SELECT incident_key FROM parts WHERE bundle_id = ?", (bundle_id,)).fetchone()
             self._forget_part(bundle_id)
             if row is not None:
+                affected = self._hosts_of(row[0])
                 self._summarize(row[0])
+                self._refresh_hosts(affected, self.clock())
             if (
                 row is not None
                 and not self._db.execute("SELECT 1 FROM parts WHERE incident_key = ?", (row[0],)).fetchone()
@@ -334,45 +410,45 @@ class IncidentIndex:
     ) -> list[dict[str, Any]]:
         """Per host named in the last 30 days: incidents over 7 and 30 days, by verdict and by role, jobs; repeat
         hosts first (most incidents in 7 days, then 30).  An incident counts once per host, however many of its
-        nodes' bundles named the host."""
+        nodes' bundles named the host.  Hosts with ``--on-repeat`` actions are there too."""
         now = self.clock() if now is None else now
-        week, month = now - 7 * DAY_S, now - 30 * DAY_S
+        limit = max(1, limit)
         only, extra = (" AND host = ?", [host]) if host is not None else ("", [])
-        found: dict[str, dict[str, Any]] = {}
         with self._lock:
-            by_verdict = self._db.execute(
-                "SELECT host, verdict, COUNT(*), SUM(CASE WHEN at >= ? THEN 1 ELSE 0 END), MAX(at), SUM(culprit), "
-                "SUM(lost_node), SUM(slow_link) FROM host_incidents WHERE at >= ?" + only + " GROUP BY host, verdict",
-                [week, month, *extra],
+            stale = self._db.execute(
+                "SELECT host FROM host_summary WHERE (valid_until <= ? OR computed_at > ?)" + only, [now, now, *extra]
             ).fetchall()
-            jobs = self._db.execute(
-                "SELECT host, COUNT(DISTINCT job), COUNT(DISTINCT CASE WHEN at >= ? THEN job END) FROM host_incidents "
-                "WHERE at >= ?" + only + " GROUP BY host",
-                [week, month, *extra],
-            ).fetchall()
+            if stale:  # an incident left a window since (or the view is of an earlier time)
+                with self._transaction():
+                    self._refresh_hosts({h for (h,) in stale}, now)
+            found = {
+                row["host"]: row
+                for row in self._rows(
+                    f"SELECT {_SUMMARY} FROM host_summary WHERE days_30 > 0{only} "
+                    "ORDER BY days_7 DESC, days_30 DESC, last_at DESC, host LIMIT ?",
+                    [*extra, limit],
+                )
+            }
             actions = self._rows(
                 "SELECT host, at, incidents, jobs, command, exit_status, output FROM repeat_actions"
                 + (" WHERE host = ?" if host is not None else "")
                 + " ORDER BY at",
                 extra,
             )
-        for name, verdict, days_30, days_7, last, *by_role in by_verdict:
-            entry = found.setdefault(name, _host_entry(name))
-            entry["days_30"] += days_30
-            entry["by_verdict_30"][verdict] = days_30
-            if days_7:
-                entry["days_7"] += days_7
-                entry["by_verdict_7"][verdict] = days_7
-            entry["last_at"] = max(entry["last_at"] or 0.0, last)
-            for role, count in zip(ROLES, by_role):
-                if count:
-                    entry["roles"][role] = entry["roles"].get(role, 0) + count
-        for name, jobs_30, jobs_7 in jobs:
-            found[name]["jobs_30"], found[name]["jobs_7"] = jobs_30, jobs_7
+            acted = sorted({a["host"] for a in actions} - found.keys())
+            for name in acted:  # a host acted on, ranked below the first ``limit``, or no longer named
+                rows = self._rows(f"SELECT {_SUMMARY} FROM host_summary WHERE days_30 > 0 AND host = ?", [name])
+                found[name] = rows[0] if rows else None
+        entries: dict[str, dict[str, Any]] = {}
+        for name, row in found.items():
+            entry = entries[name] = _host_entry(name)
+            if row is not None:
+                entry.update({k: row[k] for k in ("days_7", "days_30", "jobs_7", "jobs_30", "last_at")})
+                entry.update({k: json.loads(row[k]) for k in ("by_verdict_7", "by_verdict_30", "roles")})
         for action in actions:
-            found.setdefault(action["host"], _host_entry(action["host"]))["actions"].append(action)
-        ranked = sorted(found.values(), key=lambda e: (-e["days_7"], -e["days_30"], -(e["last_at"] or 0), e["host"]))
-        return ranked[: max(1, limit)]
+            entries[action["host"]]["actions"].append(action)
+        ranked = sorted(entries.values(), key=lambda e: (-e["days_7"], -e["days_30"], -(e["last_at"] or 0), e["host"]))
+        return ranked[:limit]
 
     # -- repetition -----------------------------------------------------------------------------------------------
 
