@@ -86,7 +86,7 @@ def judge(snapshot: Snapshot) -> Decision:
             or _never_started_on_gpu(snapshot, finding)
             or _lead_from_stacks(finding, where)
         )
-    finding = _p2p_wait_from_stacks(finding, where, snapshot) or finding
+    finding = _ran_ahead(snapshot, finding) or _p2p_wait_from_stacks(finding, where, snapshot) or finding
     finding = _with_where(with_xids(finding, snapshot), where)
     busy = _busy(finding.culprits, snapshot, where) if finding.verdict == Verdict.rank_behind else []
     if stall is not None and busy and stall.stalled_for_s < stall.progress_timeout_s:
@@ -444,6 +444,65 @@ def _pending_in_flight_recorder(snapshot: Snapshot) -> set[int]:
         for rank in comm.ranks
         if rank.completed is not None and rank.completed < rank.total
     }
+
+
+def _ran_ahead(snapshot: Snapshot, finding: Finding) -> Finding | None:
+    """The ranks "behind" wait on their GPUs in their last collective, which the ranks ahead issued too but whose
+    GPU never started it, held in an operation the others never reached: the ranks ahead departed from the order
+    (a collective skipped, or issued out of order), and with NCCL their hosts ran on.
+
+    H200, NCCL 2.28.9: a pipeline stage that skipped the loss all_reduce at step 200 issued nine more, which line up
+    with its peer's pending one position for position, while its GPU sat in the next step's p2p group, which waits
+    for that peer (paged ``rank_behind [0]``, the peer); FSDP2 x TP with rank 3 skipping: ranks 0-2 started in
+    default-pg #201, rank 3 scheduled there and held in mesh_dp #1609 (``rank_behind [0, 1, 2]``).  A rank whose GPU
+    runs no NCCL operation is left to ``_never_started_on_gpu`` (a compute kernel that never ends)."""
+    if finding.verdict != Verdict.rank_behind or not finding.culprits or finding.position is None:
+        return None
+    comm = next((c for c in snapshot.comms if c.key == finding.comm_key and c.source == "flight_recorder"), None)
+    if comm is None or finding.position < 2:
+        return None
+    last = finding.position - 2  # 0-based: the behind ranks' last collective, where they wait
+    states = {r.rank: r.state_at(last) for r in comm.ranks}
+    ahead = sorted(r for r in states if r not in finding.culprits)
+    if not ahead or any(states[r] != OpState.started for r in finding.culprits):
+        return None
+    if any(states[r] != OpState.scheduled for r in ahead) or not all(_held_in_nccl(snapshot, r) for r in ahead):
+        return None
+    names, waiting = ", ".join(map(str, ahead)), ", ".join(map(str, finding.culprits))
+    sig = next((r.at(last) for r in comm.ranks if r.rank in finding.culprits and r.at(last) is not None), None)
+    operation = sig.describe() if sig is not None else finding.operation
+    status = {r: ("behind", f"never started #{last + 1} on its GPU") for r in ahead}
+    status |= {r: ("waiting", f"waits in #{last + 1}") for r in finding.culprits}
+    wait = "waits" if len(finding.culprits) == 1 else "wait"
+    return replace(
+        finding,
+        culprits=tuple(ahead),
+        position=last + 1,
+        operation=operation,
+        rows=_with_rows(finding, snapshot, status),
+        summary=f"Rank {names} never started collective #{last + 1} ({operation or 'the collective'}) on its GPU, "
+        f"which rank {waiting} {wait} in: it ran ahead, its GPU held by operations it issued after that its peers "
+        "never reached.",
+        reason="Flight Recorder: the ranks that issued fewer collectives are not behind in their code, they wait in "
+        f"#{last + 1} (started); rank {names} issued it too, but its GPU never started it (scheduled) and waits in a "
+        "later operation instead. It departed from the order its peers issue in: a collective skipped before "
+        f"#{last + 1}, or issued out of order (with NCCL a call returns at enqueue, so its later ones line up with "
+        f"the peers' pending one). Engine: {finding.summary}",
+    )
+
+
+def _held_in_nccl(snapshot: Snapshot, rank: int) -> bool:
+    """Does ``rank``'s GPU sit in an NCCL operation (a collective or p2p Flight Recorder saw start, not complete)?"""
+    for comm in snapshot.comms:
+        for view in comm.ranks:
+            if view.rank != rank or comm.source != "flight_recorder":
+                continue
+            if any(op.state == OpState.started for op in view.details.values()):
+                return True
+            peers = (*view.sent.values(), *view.received.values())
+            if any(state == OpState.started for peer in peers for state in peer.states.values()):
+                return True
+    return False
 
 
 def _never_started_on_gpu(snapshot: Snapshot, finding: Finding) -> Finding | None:
