@@ -276,6 +276,7 @@ class FrEntry(Event):
     pg_id: str
     collective_seq_id: int | None = None
     p2p_seq_id: int | None = None
+    op_id: int | None = None  # the group's count of every op it issued, p2p included (gloo's status counts these)
     profiling_name: str  # as dumped, e.g. "nccl:send 0->1"
     op: str  # NCCL spelling: "AllReduce", "Send", "Coalesced", ...
     is_p2p: bool

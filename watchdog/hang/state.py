@@ -385,8 +385,8 @@ class JobState:
                 comm.cited.add(dump.cite)
                 comm.cites.append(dump.cite)
             seq = RankSeq(comm_rank=comm_rank, proc=None, file=dump.cite.file, global_rank=dump.rank)
-            _fold_fr_entries(seq, entries, _collectives_completed(pg, entries))
             seq.unrecorded = _unrecorded(pg, entries)
+            _fold_fr_entries(seq, entries, _collectives_completed(pg, entries), by_op_id=seq.unrecorded > 0)
             comm.ranks[comm_rank] = seq
             comm.nranks = max(comm.nranks, comm_rank + 1)
 
@@ -667,17 +667,24 @@ def _unrecorded(pg: FrProcessGroup | None, entries: list[FrEntry]) -> int:
     return max(pg.last_enqueued - newest, 0)
 
 
-def _fold_fr_entries(seq: RankSeq, entries: list[FrEntry], last_completed: int | None) -> None:
+def _fold_fr_entries(
+    seq: RankSeq, entries: list[FrEntry], last_completed: int | None, *, by_op_id: bool = False
+) -> None:
     """Collectives by ``collective_seq_id``, p2p per peer; coalesced markers give p2p their state.
 
     Gloo's entries stay ``scheduled`` forever (torch 2.13) while the group's
-    ``last_completed_collective`` advances: a collective at or below it completed.
+    ``last_completed_collective`` advances: a collective at or below it completed.  Where the group also issued
+    sends and recvs its dump does not hold (``by_op_id``), that status counts them too: it is in ``op_id``
+    numbers, not ``collective_seq_id`` (a 2-stage gloo pipeline whose rank 1 waited in all_reduce #31, op id 278,
+    said last completed 270: read as collective #270, #31 was "completed" on it alone and a missing send's hang
+    read as all completed).
     """
     seq.digest = None  # the ring buffer forgot what came before its first entry
     states, grouped = _effective_states(entries)
     if last_completed is not None:
+        number = (lambda e: e.op_id) if by_op_id else (lambda e: e.collective_seq_id)
         states = [
-            OpState.completed if not e.is_p2p and e.collective_seq_id and e.collective_seq_id <= last_completed else st
+            OpState.completed if not e.is_p2p and (n := number(e)) and n <= last_completed else st
             for e, st in zip(entries, states, strict=True)
         ]
     completed = 0

@@ -483,6 +483,7 @@ def _entry(index: int, e: Mapping[Any, Any], pg_name: str) -> FrEntry:
         pg_id=pg_name,
         collective_seq_id=_int(seq),
         p2p_seq_id=_int(e.get("p2p_seq_id")),
+        op_id=_int(e.get("op_id")),
         profiling_name=profiling_name,
         op=op,
         is_p2p=is_p2p,
