@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 from ncclwatch.watchdog.events import STOPPED_STATES, OpState, Stall
 from ncclwatch.watchdog.hang.detectors import P2P_DEADLOCK_FIX
-from ncclwatch.watchdog.hang.snapshot import Snapshot, WorkerView
+from ncclwatch.watchdog.hang.snapshot import CommView, Snapshot, WorkerView
 from ncclwatch.watchdog.hang.stacks import IN_COMMUNICATION, Whereabouts, short_frame, whereabouts
 from ncclwatch.watchdog.hang.types import Fact, Finding, RankStatus
 from ncclwatch.watchdog.hang.verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
@@ -458,7 +458,7 @@ def _ran_ahead(snapshot: Snapshot, finding: Finding) -> Finding | None:
     runs no NCCL operation is left to ``_never_started_on_gpu`` (a compute kernel that never ends)."""
     if finding.verdict != Verdict.rank_behind or not finding.culprits or finding.position is None:
         return None
-    comm = next((c for c in snapshot.comms if c.key == finding.comm_key and c.source == "flight_recorder"), None)
+    comm = _fr_comm(snapshot, finding)
     if comm is None or finding.position < 2:
         return None
     last = finding.position - 2  # 0-based: the behind ranks' last collective, where they wait
@@ -469,7 +469,8 @@ def _ran_ahead(snapshot: Snapshot, finding: Finding) -> Finding | None:
     if any(states[r] != OpState.scheduled for r in ahead) or not all(_held_in_nccl(snapshot, r) for r in ahead):
         return None
     names, waiting = ", ".join(map(str, ahead)), ", ".join(map(str, finding.culprits))
-    sig = next((r.at(last) for r in comm.ranks if r.rank in finding.culprits and r.at(last) is not None), None)
+    sigs = (r.at(last) for r in comm.ranks if r.rank in finding.culprits)
+    sig = next((s for s in sigs if s is not None), None)
     operation = sig.describe() if sig is not None else finding.operation
     status = {r: ("behind", f"never started #{last + 1} on its GPU") for r in ahead}
     status |= {r: ("waiting", f"waits in #{last + 1}") for r in finding.culprits}
@@ -491,17 +492,19 @@ def _ran_ahead(snapshot: Snapshot, finding: Finding) -> Finding | None:
     )
 
 
+def _fr_comm(snapshot: Snapshot, finding: Finding) -> CommView | None:
+    """The finding's communicator as Flight Recorder shows it (its ops' states), if that is where it comes from."""
+    return next((c for c in snapshot.comms if c.key == finding.comm_key and c.source == "flight_recorder"), None)
+
+
 def _held_in_nccl(snapshot: Snapshot, rank: int) -> bool:
     """Does ``rank``'s GPU sit in an NCCL operation (a collective or p2p Flight Recorder saw start, not complete)?"""
-    for comm in snapshot.comms:
-        for view in comm.ranks:
-            if view.rank != rank or comm.source != "flight_recorder":
-                continue
-            if any(op.state == OpState.started for op in view.details.values()):
-                return True
-            peers = (*view.sent.values(), *view.received.values())
-            if any(state == OpState.started for peer in peers for state in peer.states.values()):
-                return True
+    views = (v for c in snapshot.comms if c.source == "flight_recorder" for v in c.ranks if v.rank == rank)
+    for view in views:
+        peers = (*view.sent.values(), *view.received.values())
+        states = [*(op.state for op in view.details.values()), *(s for p in peers for s in p.states.values())]
+        if OpState.started in states:
+            return True
     return False
 
 
@@ -510,7 +513,7 @@ def _never_started_on_gpu(snapshot: Snapshot, finding: Finding) -> Finding | Non
     (Flight Recorder with timing): the kernel before it on the stream does not finish."""
     if not finding.culprits or finding.position is None:
         return None
-    comm = next((c for c in snapshot.comms if c.key == finding.comm_key and c.source == "flight_recorder"), None)
+    comm = _fr_comm(snapshot, finding)
     if comm is None:
         return None
     states = {r.rank: r.state_at(finding.position - 1) for r in comm.ranks}
