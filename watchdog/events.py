@@ -530,6 +530,7 @@ class Heartbeat(Event):
 
 
 STOPPED_STATES = frozenset({"T", "t"})  # /proc state letters of a stopped process: SIGSTOP (T) and ptrace stop (t)
+BLOCKED_STATES = frozenset({"S", "D"})  # /proc: asleep in the kernel (a read, a sleep, a futex) or in disk I/O
 
 
 class ProcessState(Event):

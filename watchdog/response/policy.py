@@ -25,10 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from ncclwatch.watchdog.events import BLOCKED_STATES
 from ncclwatch.watchdog.hang.report import STACK_ARROW, Report
 from ncclwatch.watchdog.hang.verdicts import CATALOGUE, Verdict
-
-BLOCKED_STATES = frozenset("SD")  # /proc: sleeping in the kernel (a read, a sleep, a futex), or in disk I/O
 
 
 class Response(StrEnum):
