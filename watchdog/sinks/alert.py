@@ -102,6 +102,11 @@ def _headline(verdict: str, culprits: list[int], job: str, host: str, suspects: 
     return f"ncclwatch: {who}{verdict} in {job} on {host}"
 
 
+def incident_url(server: str, dedup_key: str) -> str:
+    """The incident's page on the cluster's ``ncclwatch serve`` (``--upload``): where the page links to."""
+    return f"{server.rstrip('/')}/incidents/{dedup_key}"
+
+
 def trigger_from_report(
     report: Report,
     *,
@@ -120,7 +125,7 @@ def trigger_from_report(
     return Alert(
         action="trigger",
         dedup_key=dedup_key,
-        incident_url=f"{upload_server.rstrip('/')}/incidents/{dedup_key}" if upload_server else None,
+        incident_url=incident_url(upload_server, dedup_key) if upload_server else None,
         job=job,
         host=host,
         verdict=verdict,

@@ -36,11 +36,6 @@ SLOWEST_BYTES_PER_S = 1 << 20  # the timeout grows with the bundle: 50 MB at 1 M
 BUNDLE_WRITE_S = 600.0  # a bundle not there this long after its page never will be (evidence budgets are seconds)
 
 
-def incident_url(server: str, dedup_key: str) -> str:
-    """The incident's page on the server: where the page links to."""
-    return f"{server.rstrip('/')}/incidents/{dedup_key}"
-
-
 class UploadSink:
     each_node = True  # every node uploads its own bundle, the node that pages and the others (Dispatcher.submit)
 
