@@ -38,11 +38,12 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from ncclwatch.watchdog.bundles_in import unpack_bundle
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -213,13 +214,11 @@ def gather(case: Case, work: Path) -> tuple[Path, list[Path]]:
     bundles = [REPO / b for b in case.bundles]
     if case.nested[0]:
         outer = work / "outer"
-        with tarfile.open(RESULTS / case.nested[0]) as tar:
-            tar.extractall(outer, filter="data")
+        unpack_bundle(str(RESULTS / case.nested[0]), outer)
         bundles += sorted(outer.glob(case.nested[1]))
     sources = [REPO / d for d in case.dumps]
     for index, archive in enumerate([*bundles, *(s for s in sources if s.name.endswith(".tar.gz"))]):
-        with tarfile.open(archive) as tar:
-            tar.extractall(loose / str(index), filter="data")
+        unpack_bundle(str(archive), loose / str(index))
     files = [f for s in sources if s.is_dir() for f in s.iterdir()]
     files += [s for s in sources if s.is_file() and not s.name.endswith(".tar.gz")]
     files += [f for f in loose.rglob("*") if f.is_file() and (f.parent.name == "fr" or not case.bundles)]

@@ -8,13 +8,13 @@ mismatch on NCCL (H100), each with the live run's bundles and its dumps.
 from __future__ import annotations
 
 import pickle
-import tarfile
 from pathlib import Path
 
 import pytest
 from conftest import FIXTURES
 
 from ncclwatch.watchdog.analyze import analyze_paths
+from ncclwatch.watchdog.bundles_in import unpack_bundle
 from ncclwatch.watchdog.hang.verdicts import Verdict
 
 FR = FIXTURES / "flight_recorder"
@@ -24,9 +24,10 @@ DTYPE = FR / "h100-dtype-mismatch"
 
 
 def unpack(archive: Path, into: Path) -> list[Path]:
-    with tarfile.open(archive) as tar:
-        tar.extractall(into, filter="data")
-        return sorted(into / name for name in tar.getnames() if not name.endswith("/"))
+    """The archive's files, unpacked as analyze unpacks a bundle (tar's extraction filters need Python 3.11.4+)."""
+    unpacked = unpack_bundle(str(archive), into / archive.name.removesuffix(".tar.gz"))
+    assert unpacked.folder is not None and not unpacked.notes, unpacked.notes
+    return sorted(path for path in unpacked.folder.rglob("*") if path.is_file())
 
 
 def after_the_abort(dump: Path, out: Path, late_ms: int = 38) -> Path:
