@@ -214,3 +214,36 @@ def test_what_this_node_saw_after_the_first_judgement_is_in_the_second(bench) ->
     expected = take_snapshot(job_state(local, compact, stall), observed_at=stall.at)
     assert take_snapshot(incremental.state(), observed_at=stall.at) == expected
     assert expected.stacks[10_003].threads[0].frames == ["load (/opt/train/data.py:7)"]
+
+
+def test_the_second_judgement_reads_again_only_the_asked_nodes_ranks(bench) -> None:  # noqa: ANN001
+    """The asked node's full evidence says its rank caught up (its compact evidence was older): the verdict that named
+    that rank flips, as ``job_state`` rebuilt judges it; the node's ranks are read again, every other node's keep the
+    views of the first judgement."""
+    stall, nodes = evidence(bench, behind, NODES * RANKS - 1)
+    _, healed = evidence(bench, lambda events, rank: events, 0)  # the job's last rank issued as many as the others
+    local = JobState()
+    for event in nodes[0]:
+        local.apply(event)
+    compact = {n: shared(events, "compact", stall, n) for n, events in nodes.items() if n != 0}
+    folded = JobEvidence(local, stall)
+    for node, events in compact.items():
+        folded.add(node, events)
+    first = folded.snapshot()
+    assert judge(first).finding.culprits == (NODES * RANKS - 1,)
+    assert focus(judge(first), folded.nodes_of, set(), FULL_NODES) == [NODES - 1]
+
+    full = shared(healed[NODES - 1], "full", stall, NODES - 1)
+    folded.add(NODES - 1, full)
+    second = folded.snapshot()
+    rebuilt = take_snapshot(job_state(local, {**compact, NODES - 1: full}, stall), observed_at=stall.at)
+    assert second == rebuilt
+    assert judge(second) == judge(rebuilt)
+    assert judge(second).finding.culprits != (NODES * RANKS - 1,)
+
+    def views(snapshot):  # noqa: ANN001, ANN202
+        return {(comm.key, view.comm_rank): view for comm in snapshot.comms for view in comm.ranks}
+
+    asked = range((NODES - 1) * RANKS, NODES * RANKS)
+    reused = {slot: view is views(first)[slot] for slot, view in views(second).items()}
+    assert {slot for slot, same in reused.items() if not same} == {(key, r) for key, _ in reused for r in asked}

@@ -30,7 +30,7 @@ from ncclwatch.watchdog.events import (
     WorkerSeen,
 )
 from ncclwatch.watchdog.hang.classify import Decision, judge
-from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.snapshot import RankViews, Snapshot, take_snapshot
 from ncclwatch.watchdog.hang.state import JobState, Worker
 from ncclwatch.watchdog.hang.types import Fact
 from ncclwatch.watchdog.hang.verdicts import PRIORITY, Verdict
@@ -74,6 +74,7 @@ class JobEvidence:
         self._merged = False  # this node's state is unioned in
         self._local_mark: tuple = ()  # what this node's state held then (``_mark``)
         self._rebuild = False
+        self._views = RankViews()  # the second judgement reads again only the ranks whose evidence changed
 
     def add(self, node: int, events: list[Event]) -> None:
         """A node's evidence: folded now when it is new, replaced in place when the node shared before."""
@@ -103,9 +104,13 @@ class JobEvidence:
             self._shared |= _slots(self.local) & self._owner.keys()
         return self._state
 
+    def snapshot(self) -> Snapshot:
+        """``take_snapshot`` of ``state()``; a rank whose evidence did not change since the last keeps its view."""
+        return take_snapshot(self.state(), observed_at=self.stall.at, views=self._views)
+
     def judge(self) -> Decision:
         with paused_gc():
-            return judge(take_snapshot(self.state(), observed_at=self.stall.at))
+            return judge(self.snapshot())
 
     def _fold(self, node: int, events: list[Event]) -> None:
         before = set(self._state.comms)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import Literal
 
 from ncclwatch.watchdog.events import NCCL_DTYPES, Citation, OpSig, OpState
@@ -63,24 +64,32 @@ def _rows(
     """Each rank's row; with ``position`` (or ``site_at``, a position per rank), the user's line that issued its
     operation there (Flight Recorder)."""
     rows = []
+    # The ranks of a job mostly share their last operation and its call site: each is described once (a row for
+    # each of 32,768 ranks at 4,096 nodes).
+    described: dict[OpSig, str] = {}
+    sites: dict[tuple[str, ...], str | None] = {}
     for rank in comm.ranks:
-        last = rank.at(rank.total - 1)
+        last = rank.window[-1] if rank.window else None
+        if last is not None and last not in described:
+            described[last] = last.describe()
         text, detail = status(rank)
         at = site_at(rank) if site_at is not None else position
         op = rank.details.get(at) if at is not None else None
+        if op is not None and op.frames not in sites:
+            sites[op.frames] = call_line(op.frames)
         rows.append(
             RankStatus(
                 rank=rank.rank,
                 host=rank.proc.host if rank.proc else None,
                 pid=rank.proc.pid if rank.proc else None,
                 issued=rank.total,
-                last_op=last.describe() if last else None,
+                last_op=described[last] if last is not None else None,
                 status=text,
                 detail=detail,
-                call_site=call_line(op.frames) if op is not None else None,
+                call_site=sites[op.frames] if op is not None else None,
             )
         )
-    return tuple(sorted(rows, key=lambda r: r.rank))
+    return tuple(sorted(rows, key=attrgetter("rank")))
 
 
 def _comm_finding(comm: CommView, verdict: Verdict, **fields: object) -> Finding:
@@ -122,15 +131,21 @@ def _first_divergence(ranks: list[RankView]) -> tuple[int, dict[OpSig | None, li
         for r in ranks:
             by_digest.setdefault(digests[r.comm_rank], []).append(r)
         return start, {r.at(start): members for members in by_digest.values() for r in members[:1]}
+    # Ranks in step (some behind, none apart) hold from ``start`` a prefix of the longest's operations: one comparison
+    # a rank, not one a rank and position (32,768 ranks at 4,096 nodes).
+    longest = max(ranks, key=attrgetter("total"))
+    ahead = longest.window[start - longest.base :]
+    if all(r.window[start - r.base :] == ahead[: max(r.total - start, 0)] for r in ranks):
+        return None
     apart: int | None = None  # the first of a run of completed differences, until the ranks agree again
-    for position in range(start, max(r.total for r in ranks)):
-        present = [(r, r.at(position)) for r in ranks if r.total > position]
-        if len(present) < 2:
+    for position in range(start, longest.total):
+        here = [r for r in ranks if r.total > position]
+        if len(here) < 2:
             break
-        first = present[0][1]
-        if all(sig == first for _, sig in present[1:]):
+        sigs = [r.window[position - r.base] for r in here]  # every base <= start <= position
+        if sigs.count(sigs[0]) == len(sigs):
             apart = None  # in step again, unshifted: each completed difference before was one call recorded apart
-        elif not _one_call_completed(present, position):
+        elif not _one_call_completed(list(zip(here, sigs)), position):
             return _split_at(ranks, position if apart is None else apart)
         elif apart is None:
             apart = position

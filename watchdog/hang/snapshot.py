@@ -7,7 +7,7 @@ rank's window (bounded), never the whole history.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
@@ -58,10 +58,12 @@ class RankView:
     end: Literal["destroy", "abort"] | None
     end_cite: Citation | None
     unrecorded: int = 0  # operations its group issued that its Flight Recorder dump does not hold (gloo's p2p)
+    # base + len(window).  Detectors read it per rank and position (millions of reads at 32,768 ranks): an
+    # attribute, not a property.
+    total: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def total(self) -> int:
-        return self.base + len(self.window)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total", self.base + len(self.window))
 
     @property
     def rank(self) -> int:
@@ -155,13 +157,29 @@ class Snapshot:
         return None
 
 
-def _peer(log: PeerLog) -> PeerView:
-    return PeerView(
-        log.count, log.base, tuple(log.sigs), MappingProxyType(dict(log.states)), MappingProxyType(dict(log.alone))
+_NO_PEERS: Mapping[int, PeerView] = MappingProxyType({})
+
+
+def _peers(logs: dict[int, PeerLog], own: Callable[[dict], dict]) -> Mapping[int, PeerView]:
+    if not logs:
+        return _NO_PEERS
+    return MappingProxyType(
+        {
+            peer: PeerView(
+                log.count,
+                log.base,
+                tuple(log.sigs),
+                MappingProxyType(own(log.states)),
+                MappingProxyType(own(log.alone)),
+            )
+            for peer, log in logs.items()
+        }
     )
 
 
 def _rank(seq: RankSeq, global_rank: int | None) -> RankView:
+    # A settled sequence never changes: its view reads its maps in place.  One that grows (an NCCL log's) is copied.
+    own: Callable[[dict], dict] = _itself if seq.settled else dict
     return RankView(
         comm_rank=seq.comm_rank,
         global_rank=global_rank,
@@ -171,9 +189,9 @@ def _rank(seq: RankSeq, global_rank: int | None) -> RankView:
         base=seq.base,
         window=tuple(seq.coll),
         digest=seq.digest,
-        sent=MappingProxyType({p: _peer(log) for p, log in seq.sent.items()}),
-        received=MappingProxyType({p: _peer(log) for p, log in seq.received.items()}),
-        details=MappingProxyType(dict(seq.details)),
+        sent=_peers(seq.sent, own),
+        received=_peers(seq.received, own),
+        details=MappingProxyType(own(seq.details)),
         completed=seq.completed,
         end=seq.end,
         end_cite=seq.end_cite,
@@ -181,14 +199,45 @@ def _rank(seq: RankSeq, global_rank: int | None) -> RankView:
     )
 
 
-def _comm(comm: Communicator, global_ranks: Mapping[ProcKey, int]) -> CommView:
+class RankViews:
+    """The views of settled sequences (``RankSeq.settled``: a dump's, a shared tail's, never changed after) that one
+    snapshot made, reused by the next snapshot of the same state where the sequence is still there.
+
+    At a hang the cluster's leader judges every node's compact evidence, then again once the full evidence of one or
+    two nodes replaced theirs: the other nodes' ranks are unchanged, and copying each one's sequence into its view
+    was about a third of a judgement of 32,768 ranks.  A sequence that grows in place (an NCCL log's) is read again."""
+
+    def __init__(self) -> None:
+        # id(seq) -> (seq, its view): the sequence is held, so that its id names no other while kept
+        self._made: dict[int, tuple[RankSeq, RankView]] = {}
+        self._last: dict[int, tuple[RankSeq, RankView]] = {}
+
+    def view(self, seq: RankSeq, global_rank: int | None) -> RankView:
+        if not seq.settled:
+            return _rank(seq, global_rank)
+        kept = self._last.get(id(seq))
+        # a shared tail without its global rank takes it from the job's largest communicator, which may have come since
+        view = kept[1] if kept is not None and kept[1].global_rank == global_rank else _rank(seq, global_rank)
+        self._made[id(seq)] = (seq, view)
+        return view
+
+    def next_snapshot(self) -> None:
+        """What this snapshot made is what the next may reuse; nothing older (a replaced sequence is let go)."""
+        self._last, self._made = self._made, {}
+
+
+def _itself(mapping: dict) -> dict:
+    return mapping
+
+
+def _comm(comm: Communicator, global_ranks: Mapping[ProcKey, int], views: RankViews | None) -> CommView:
     ranks = []
     for rank in sorted(comm.ranks):
         seq = comm.ranks[rank]
         global_rank = seq.global_rank
         if global_rank is None and seq.proc is not None:
             global_rank = global_ranks.get(seq.proc)
-        ranks.append(_rank(seq, global_rank))
+        ranks.append(views.view(seq, global_rank) if views is not None else _rank(seq, global_rank))
     return CommView(
         key=comm.key,
         source=comm.source,
@@ -218,11 +267,15 @@ def worker_view(worker: Worker, probes: Sequence[tuple[float, float]] = ()) -> W
     )
 
 
-def take_snapshot(state: JobState, observed_at: float) -> Snapshot:
+def take_snapshot(state: JobState, observed_at: float, views: RankViews | None = None) -> Snapshot:
+    """``views``: the rank views of the previous snapshot of this state, reused where their sequence is unchanged."""
     global_ranks = state.global_ranks()
+    comms = tuple(_comm(c, global_ranks, views) for c in state.comms.values())
+    if views is not None:
+        views.next_snapshot()
     return Snapshot(
         observed_at=observed_at,
-        comms=tuple(_comm(c, global_ranks) for c in state.comms.values()),
+        comms=comms,
         global_ranks=MappingProxyType(global_ranks),
         nccl_versions=MappingProxyType({p: i.nccl_version for p, i in state.procs.items() if i.nccl_version}),
         warnings=tuple(state.warnings),

@@ -92,6 +92,20 @@ def sig_hash(sig: OpSig) -> int:
     return value
 
 
+_SIGS: dict[OpSig, OpSig] = {}
+
+
+def interned(sig: OpSig) -> OpSig:
+    """One object for equal signatures: detectors compare every rank's operation at each position (32,768 ranks at
+    4,096 nodes), and equal objects compare at once by identity.  A dump's and a shared tail's come through here."""
+    kept = _SIGS.get(sig)
+    if kept is None:
+        if len(_SIGS) > 100_000:  # as ``_SIG_HASHES``: sizes that never repeat must not grow memory
+            _SIGS.clear()
+        kept = _SIGS[sig] = sig
+    return kept
+
+
 def fold(digest: int, sigs: list[OpSig] | tuple[OpSig, ...]) -> int:
     """Chain ``sigs`` into ``digest``: order-sensitive, computed in C by crc32."""
     hashes = _SIG_HASHES
@@ -131,6 +145,9 @@ class RankSeq:
     end: Literal["destroy", "abort"] | None = None
     end_cite: Citation | None = None
     unrecorded: int = 0  # operations the group issued that its Flight Recorder did not record (``_unrecorded``)
+    # Made whole from one Flight Recorder dump or one shared tail, and never changed after: a newer dump or tail makes
+    # a new sequence.  Only an NCCL log's sequences grow in place.  (A snapshot reuses the view of a settled one.)
+    settled: bool = False
 
     @property
     def total(self) -> int:
@@ -384,7 +401,7 @@ class JobState:
             if dump.cite not in comm.cited:  # the live watchdog re-reads the same file
                 comm.cited.add(dump.cite)
                 comm.cites.append(dump.cite)
-            seq = RankSeq(comm_rank=comm_rank, proc=None, file=dump.cite.file, global_rank=dump.rank)
+            seq = RankSeq(comm_rank=comm_rank, proc=None, file=dump.cite.file, global_rank=dump.rank, settled=True)
             seq.unrecorded = _unrecorded(pg, entries)
             _fold_fr_entries(seq, entries, _collectives_completed(pg, entries), by_op_id=seq.unrecorded > 0)
             comm.ranks[comm_rank] = seq
@@ -433,11 +450,12 @@ class JobState:
             proc=ProcKey(event.host, event.pid),
             file=f"{event.host}:{event.pid}{SHARED_TAIL}",
             global_rank=event.global_rank,
-            coll=list(event.sigs),
+            coll=list(map(interned, event.sigs)),
             base=event.base,
             digest=None,
             sent=_peer_logs(event.sent),
             received=_peer_logs(event.received),
+            settled=True,
         )
 
     def sequence_tails(self, length: int) -> list[SequenceTail]:
@@ -629,7 +647,7 @@ def _fr_sig(entry: FrEntry) -> OpSig:
                 n *= dim
             numel += n
     dtype = dtypes[0] if dtypes else None
-    return OpSig(entry.op, numel, dtype, None, entry.peer if entry.is_p2p else None)
+    return interned(OpSig(entry.op, numel, dtype, None, entry.peer if entry.is_p2p else None))
 
 
 def _collectives_completed(pg: FrProcessGroup | None, entries: list[FrEntry]) -> int | None:
@@ -692,7 +710,7 @@ def _fold_fr_entries(
         if entry.op == "Coalesced":
             continue
         sig = _fr_sig(entry)
-        op = Op(sig, entry.index, state, entry.time_created_ns, tuple(str(f) for f in entry.frames))
+        op = Op(sig, entry.index, state, entry.time_created_ns, tuple(map(str, entry.frames)))
         if entry.is_p2p:
             logs = seq.sent if entry.op == "Send" else seq.received
             # Counts start at the ring buffer's first entry, so they are
