@@ -37,11 +37,13 @@ JOURNALED: dict[str, type[Event]] = {
 }
 
 
-def journal_line(event: Event) -> str:
+def journal_line(event: Event, defaults: bool = True) -> str:
+    """``defaults=False``: without the fields at their defaults (nulls, empty lists), which read back the same."""
     kind = type(event).__name__
     if kind not in JOURNALED:
         raise TypeError(f"{kind} is not journaled")
-    return json.dumps({"event": kind, **event.model_dump(mode="json")}, separators=(",", ":"))
+    fields = event.model_dump(mode="json", exclude_defaults=not defaults)
+    return json.dumps({"event": kind, **fields}, separators=(",", ":"))
 
 
 def looks_like_journal(head: bytes) -> bool:
