@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    round_ = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # The restart round every node agrees on: torchrun's rendezvous round as ncclwatch records it (a node's
+    # TORCHELASTIC_RESTART_COUNT counts only the restarts its own workers failed into).
+    round_ = int(os.environ.get("NCCLWATCH_RDZV_ROUND") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     cuda = args.device == "cuda"
     device = torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
@@ -70,17 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("NCCL_HOSTID", f"host{rank}")  # two ranks on one GPU: NCCL wants two "hosts"
     backend = "nccl" if cuda else "gloo"
     timeout = datetime.timedelta(minutes=30)
-    # torchrun keeps its store across restarts; a new round reading the dead round's keys would hang: a prefix per
-    # round.
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout=timeout)
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore(f"checkpoint-job-round{round_}", store),
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
-        device_id=device if cuda else None,
-    )
+    # env://, as most jobs do: ncclwatch gives each restart round its own view of torchrun's store.  (A per-round
+    # prefix of the job's own from TORCHELASTIC_RESTART_COUNT breaks on several nodes: only the node whose
+    # worker failed counts the restart, so the nodes of one round read different prefixes.)
+    dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
 
     torch.manual_seed(0)
     vocab, seq = 512, 64

@@ -43,13 +43,21 @@ rank that reads it before its rank 0 rewrites it dials the old round's
 bootstrap root ("socketPollConnect ... Connection refused" for a minute, then
 the round fails).  torchrun records the rendezvous round, which every node
 agrees on, in ``NCCLWATCH_RDZV_ROUND`` (workers inherit its environment), and
-the workers' store is scoped to ``ncclwatch-round-<round>/``.  One key no
-prefix scopes: ProcessGroupNCCL raises its Flight Recorder dump signal
-(``exception_dump``) on the store under all prefixes, so a rank of the dead
-round whose watchdog saw its peer die leaves it set, and the new round's
-ranks act on it as they start (dump, abort: 2 wrappers on the H200, the new
-round's NCCL init refused for a minute).  Each worker deletes it before its
-process group exists.  Without the c10d rendezvous nothing changes.
+the workers' env:// store is scoped to ``ncclwatch-round-<round>/``.  The
+static rendezvous (``--master-addr``/``--master-port``) keeps its store too;
+there the round is torchrun's restart count.
+
+One key no prefix scopes: ProcessGroupNCCL raises its Flight Recorder dump
+signal (``exception_dump``) on the store under all prefixes, whatever store
+the job built.  With several nodes a rank of the dead round outlives its dead
+peer long enough to raise it (its watchdog sees the peer's socket close), and
+every rank of the next round acts on it once its process group exists: dump,
+then abort (2 wrappers on an H200: the new round's NCCL init refused for a
+minute, or a healthy new round killed minutes later).  So torchrun deletes it
+as each later round forms: every node's agent has stopped its workers before
+it joins, so no rank of the old round is left to raise it again, and none of
+the new round has started.  The static rendezvous has no such moment: there
+each worker deletes it as it opens the store through env://.
 
 Then it runs the next ``sitecustomize`` on ``sys.path`` (the user's or the
 environment's), as Python would have without us.
@@ -284,13 +292,13 @@ def _setup():
     env["NCCLWATCH_WORKER_PID"] = str(os.getpid())
     _allow_watchdog_ptrace(env.get("NCCLWATCH_WRAPPER_PID"))
     sys.meta_path.insert(0, _AfterImport("torch.optim.optimizer", _register_step_hook))
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get(_ROUND_ENV, "").isdigit():
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and _round(env).isdigit():
         sys.meta_path.insert(0, _AfterImport("torch.distributed.rendezvous", _scope_store_to_round))
     _start_fr_responder(run_dir, int(rank))
 
 
 _ROUND_ENV = "NCCLWATCH_RDZV_ROUND"
-_NCCL_DUMP_SIGNAL = "exception_dump"  # ProcessGroupNCCL's kStoreDumpKey, set on the store under every prefix
+_NCCL_DUMP_SIGNAL = "exception_dump"  # ProcessGroupNCCL's kStoreDumpKey, raised on the store under every prefix
 
 
 def _export_round(dynamic_rendezvous):
@@ -301,17 +309,54 @@ def _export_round(dynamic_rendezvous):
     def next_rendezvous(self, *args, **kwargs):
         info = join(self, *args, **kwargs)
         try:
-            os.environ[_ROUND_ENV] = str(int(self._state_holder.state.round))
+            round_ = int(self._state_holder.state.round)
         except Exception:  # noqa: BLE001 - another torch's handler: leave the store as torch made it
             os.environ.pop(_ROUND_ENV, None)
+            return info
+        os.environ[_ROUND_ENV] = str(round_)
+        if round_ > 0:
+            _clear_dump_signal(self, info)
         return info
 
     handler.next_rendezvous = next_rendezvous
 
 
+def _clear_dump_signal(handler, info):
+    """Delete the dead round's ``exception_dump`` from the store torchrun keeps for its workers.
+
+    Only where that store outlives the rounds (the agent's shared one): else
+    the workers' rank 0 starts a new one, which holds nothing yet and is not
+    up for us to reach.
+    """
+    try:
+        if not handler.use_agent_store:
+            return
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        where = info.bootstrap_store_info
+        store = TCPStore(
+            where.master_addr,
+            where.master_port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=10),
+        )
+        store.delete_key(_NCCL_DUMP_SIGNAL)
+    except Exception:  # noqa: BLE001, S110 - an older torch (no shared store): as torch left it
+        pass
+
+
+def _round(env):
+    """The restart round of this worker: the c10d rendezvous's, else (static rendezvous, where no node joins
+    late and every node's workers fail into each restart) torchrun's restart count."""
+    return env.get(_ROUND_ENV) or env.get("TORCHELASTIC_RESTART_COUNT", "")
+
+
 def _scope_store_to_round(rendezvous):
     """In a worker: the agent's store, as env:// creates it, seen under this round's prefix."""
-    prefix = f"ncclwatch-round-{os.environ[_ROUND_ENV]}"
+    prefix = f"ncclwatch-round-{_round(os.environ)}"
     create = rendezvous._create_c10d_store
 
     def _create_c10d_store(hostname, port, *args, **kwargs):
@@ -319,7 +364,9 @@ def _scope_store_to_round(rendezvous):
         if str(port) != os.environ.get("MASTER_PORT"):
             return store  # a store of the job's own on another port: not the agent's
         try:
-            store.delete_key(_NCCL_DUMP_SIGNAL)  # a dead round's; this round's can only come after its PG exists
+            # The agent cleared it as this round formed (c10d rendezvous); the static rendezvous has no moment
+            # when every node's old workers are gone, so this is as late as it gets there.
+            store.delete_key(_NCCL_DUMP_SIGNAL)
         except Exception:  # noqa: BLE001, S110 - an older store without delete_key: as torch left it
             pass
         from torch.distributed import PrefixStore

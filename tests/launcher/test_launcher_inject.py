@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import REPO, wait_for
+from support import free_port
 
 from ncclwatch.launcher.env import RunDirs, inject_dir, injected_env
 from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
@@ -234,10 +235,10 @@ def test_torchrun_itself_only_waits_for_the_rendezvous_and_plain_python_is_left_
 
 
 ROUND_JOB = """
-import os, sys
+import datetime, os, sys
 import torch.distributed as dist
 
-dist.init_process_group("gloo")
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))  # a stale peer address fails, not waits
 store = dist.distributed_c10d._get_default_store()
 under_every_prefix = store._underlying_non_prefix_store  # where ProcessGroupNCCL raises its dump signal
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
@@ -268,25 +269,76 @@ def test_a_restarted_round_does_not_see_the_dead_round_s_store_keys(
     env = injected_env({"PYTHONPATH": str(REPO)}, dirs) if injected else {"PYTHONPATH": str(REPO)}
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), **env}
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
-    done = subprocess.run(
+    torchrun = subprocess.Popen(
         [*argv, "--monitor-interval=0.2", str(job), str(out)],
         env=env,
-        timeout=120,
-        capture_output=True,
+        stderr=subprocess.PIPE,
         text=True,
-        check=False,
+        start_new_session=True,
     )
+    try:
+        stderr = torchrun.communicate(timeout=90)[1]
+    except subprocess.TimeoutExpired:
+        os.killpg(torchrun.pid, signal.SIGKILL)
+        stderr = torchrun.communicate()[1] + "\n(the second round hung)"
     seen = {path.name: path.read_text().split() for path in out.iterdir()}
     if not injected:
-        # The second round either reads the stale key or never gets that far: gloo dials the addresses the first
-        # round's ranks left in the store ("connectFullMesh failed ... Connection refused").
-        assert ["True", "None", "True"] in seen.values() or "Connection refused" in done.stderr, done.stderr[-3000:]
+        # The second round reads the stale key, or never gets that far: gloo dials the addresses the first round's
+        # ranks left in the store ("connectFullMesh failed ... Connection refused"), or hangs on one that another
+        # process took since.
+        assert ["True", "None", "True"] in seen.values() or "Connection refused" in stderr or "hung" in stderr
         return
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert torchrun.returncode == 0, stderr[-3000:]
     assert sorted(seen) == ["rank0", "rank1"]
     assert {stale for stale, _, _ in seen.values()} == {"False"}
     assert {signal for _, _, signal in seen.values()} == {"False"}
     assert len({round_ for _, round_, _ in seen.values()} - {"None"}) == 1
+
+
+OWN_STORE_JOB = """
+import datetime, os, sys, time
+import torch.distributed as dist
+
+# The job's own client of torchrun's store (no env://), under a prefix of its own per restart.
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+raw = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
+                    timeout=datetime.timedelta(seconds=60))
+round_ = os.environ["NCCLWATCH_RDZV_ROUND"]
+dist.init_process_group("gloo", store=dist.PrefixStore(f"job-{round_}", raw), rank=rank, world_size=world)
+if round_ == "0":
+    dist.barrier()
+    if rank == 1:
+        sys.exit(1)  # this node's round fails: its torchrun restarts, the other node's follows
+    time.sleep(1)
+    raw.set("exception_dump", "1")  # what ProcessGroupNCCL's watchdog does once it sees its peer gone
+    time.sleep(120)  # outlives its peer until its own torchrun stops it
+with open(os.path.join(sys.argv[1], f"rank{rank}"), "w") as out:
+    out.write(f"{round_} {raw.check(['exception_dump'])}")
+dist.destroy_process_group()
+"""
+
+
+def test_a_dead_round_s_dump_signal_is_gone_before_the_next_round_starts_on_every_node(tmp_path: Path) -> None:
+    """Two torchruns (c10d rendezvous, one rank each): the surviving rank of the failed round raises the dump
+    signal after its peer is gone, as NCCL's watchdog does; every rank of the next round must start without it,
+    whatever store the job built (on two H200 wrappers it made the new round abort)."""
+    job = tmp_path / "job.py"
+    job.write_text(OWN_STORE_JOB)
+    out = tmp_path / "out"
+    out.mkdir()
+    nodes, port = [], free_port()
+    for node in range(2):
+        dirs = RunDirs.create(tmp_path / f"node{node}")
+        env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/")}
+        env.update(injected_env({"PYTHONPATH": str(REPO)}, dirs))
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=signal"]
+        argv += [f"--node-rank={node}", "--max-restarts=1", "--monitor-interval=0.2", str(job), str(out)]
+        nodes.append(subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True))
+    errors = [node.communicate(timeout=150)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(e[-3000:] for e in errors)
+    seen = {path.name: path.read_text() for path in out.iterdir()}
+    assert seen == {"rank0": "1 False", "rank1": "1 False"}
 
 
 def test_a_worker_s_child_process_is_left_alone(dirs: RunDirs) -> None:
