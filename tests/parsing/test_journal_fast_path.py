@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ncclwatch.watchdog.events import (
     Citation,
     FrDump,
@@ -88,3 +90,36 @@ def test_lines_without_their_defaults_read_back_the_same_events() -> None:
     assert all(journal._fast(line) is not None for line in lines)
     assert parse_journal(b"\n".join([HEADER, *lines]), "j") == EVENTS
     assert b"null" not in lines[3] and b"[]" not in lines[3]  # the dump's entry: most of its fields at their defaults
+
+
+def test_lines_of_one_kind_read_together_give_each_line_s_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lines of one kind go to pydantic as one array (``journal._together``): the same events in the same order as one
+    line at a time, kinds interleaved; no line was read alone."""
+    lines = [journal_line(e, defaults=False).encode() for e in EVENTS for _ in range(3)]
+    alone = journal._one
+    monkeypatch.setattr(journal, "_one", lambda *a: pytest.fail("a line read alone"))
+    events = parse_journal(b"\n".join([HEADER, *lines[::-1]]), "j")
+    assert events == [e for e in EVENTS for _ in range(3)][::-1]
+    assert events == [alone(line, i, "j") for i, line in enumerate(lines[::-1], 1)]
+
+
+def test_a_malformed_line_costs_its_own_event_only() -> None:
+    """One bad line among others of its kind: the array does not validate, each line is read alone, the bad one is an
+    ``Unusable`` naming its line and the others of its kind are read."""
+    good = journal_line(EVENTS[1]).encode()
+    truncated = good[: len(good) // 2]
+    wrong_type = good.replace(b'"cpu_seconds":1.25', b'"cpu_seconds":"lots"')
+    data = b"\n".join([HEADER, good, truncated, good, wrong_type, good])
+    events = parse_journal(data, "j")
+    assert [type(e) for e in events] == [ProcessState, Unusable, ProcessState, Unusable, ProcessState]
+    assert [e.cite.line for e in events if isinstance(e, Unusable)] == [3, 5]
+
+
+def test_a_line_that_is_not_one_object_does_not_read_as_two() -> None:
+    """Joined into one array, ``{"event":"ProcessState",<fields>},{<fields>}`` would read as two samples; read alone
+    it is not JSON, and its line is said unusable."""
+    good = journal_line(EVENTS[1]).encode()
+    fields = good[good.index(b'"pid"') :]
+    two_in_one = good[:-1] + b"},{" + fields
+    events = parse_journal(b"\n".join([HEADER, two_in_one, good]), "j")
+    assert [type(e) for e in events] == [Unusable, ProcessState]

@@ -81,7 +81,7 @@ class JobEvidence:
         with paused_gc():
             previous = self.remote.get(node)
             self.remote[node] = events
-            self.nodes_of.update((e.rank, node) for e in events if isinstance(e, WorkerSeen))
+            self.nodes_of.update((e.rank, node) for e in events if type(e) is WorkerSeen)  # as ``_BY_PID``
             if previous is None and not self._merged:
                 self._fold(node, events)
             elif previous is None or not self._replaceable(node, previous, events):
@@ -151,21 +151,28 @@ class JobEvidence:
                 state.apply(event)
 
 
+# The journal's kinds by exact type: they are never subclassed, and ``type(e) in`` is a set lookup where
+# ``isinstance`` on a pydantic model runs its metaclass's check (0.1 us each, a third of this walk over 4,095 nodes').
+_BY_PID = frozenset({WorkerSeen, WorkerGone, ProcessState})
+
+
 def _event_slots(events: list[Event]) -> set[Slot]:
     slots: set[Slot] = set()
     for event in events:
-        if isinstance(event, (WorkerSeen, WorkerGone, ProcessState)):
-            slots.add(("pid", event.pid))
-        elif isinstance(event, StackDump):
-            slots.add(("stack", event.pid))
-        elif isinstance(event, SequenceTail):
-            slots.add(("comm", event.comm_key, event.comm_rank))
-        elif isinstance(event, FrDump):
-            slots.add(("file", event.cite.file))
-            for pg_id in {entry.pg_id for entry in event.entries}:
-                group = event.process_groups.get(pg_id)
+        kind = type(event)
+        if kind in _BY_PID:
+            slots.add(("pid", event.pid))  # type: ignore[attr-defined]
+        elif kind is StackDump:
+            slots.add(("stack", event.pid))  # type: ignore[attr-defined]
+        elif kind is SequenceTail:
+            slots.add(("comm", event.comm_key, event.comm_rank))  # type: ignore[attr-defined]
+        elif kind is FrDump:
+            dump: FrDump = event  # type: ignore[assignment]
+            slots.add(("file", dump.cite.file))
+            for pg_id in {entry.pg_id for entry in dump.entries}:
+                group = dump.process_groups.get(pg_id)
                 members = group.ranks if group and group.ranks else []
-                rank = members.index(event.rank) if event.rank in members else event.rank
+                rank = members.index(dump.rank) if dump.rank in members else dump.rank
                 slots.add(("comm", f"fr:{pg_id}", rank))
     return slots
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from ncclwatch.watchdog.events import (
     Citation,
@@ -54,35 +54,73 @@ def looks_like_journal(head: bytes) -> bool:
 # pydantic with the kind cut out (``{<fields>}``), a third of the time of ``json.loads`` then ``model_validate``
 # (the leader parses 8,000 nodes' compact evidence at a hang); any other spelling takes the general path.
 _KIND_PREFIX = b'{"event":"'
+# The lines of one kind go to pydantic together, as one JSON array: one call a kind instead of one a line (a node's
+# compact evidence is 57 lines of 6 kinds; the leader reads 4,095 nodes' at 4,096 nodes): 3-5 % less time a node (64
+# nodes' compact evidence, one core; building the models is the rest).
+_LISTS: dict[type[Event], TypeAdapter[list[Event]]] = {
+    model: TypeAdapter(list[model])  # type: ignore[valid-type]
+    for model in JOURNALED.values()
+}
 
 
 def parse_journal(data: bytes, name: str) -> list[Event]:
-    events: list[Event] = []
-    for number, line in enumerate(data.splitlines(), 1):
-        if number == 1 or not line.strip():
+    lines = data.splitlines()
+    events: list[Event | None] = [None] * len(lines)
+    kinds: dict[type[Event], tuple[list[int], list[bytes]]] = {}  # model -> its lines' indices, their fields
+    for i, line in enumerate(lines):
+        if i == 0 or not line.strip():
             continue
-        try:
-            events.append(_fast(line) or _general(line))
-        except (ValueError, KeyError, TypeError, ValidationError) as exc:
-            events.append(
-                Unusable(
-                    reason=f"journal line not understood ({type(exc).__name__})", cite=Citation(file=name, line=number)
-                )
-            )
-    return events
+        cut = _cut(line)
+        if cut is None:
+            events[i] = _one(line, i, name)
+        else:
+            numbers, fields = kinds.setdefault(cut[0], ([], []))
+            numbers.append(i)
+            fields.append(cut[1])
+    for model, (numbers, fields) in kinds.items():
+        for i, event in zip(numbers, _together(model, fields) or [_one(lines[i], i, name) for i in numbers]):
+            events[i] = event
+    return [e for e in events if e is not None]
+
+
+def _cut(line: bytes) -> tuple[type[Event], bytes] | None:
+    """A line as ``journal_line`` writes it: its kind's model and its fields (``<fields>}``); None for any other."""
+    if not line.startswith(_KIND_PREFIX):
+        return None
+    end = line.find(b'",', len(_KIND_PREFIX))
+    model = JOURNALED.get(line[len(_KIND_PREFIX) : end].decode(errors="replace")) if end > 0 else None
+    return (model, line[end + 2 :]) if model is not None else None
+
+
+def _together(model: type[Event], fields: list[bytes]) -> list[Event] | None:
+    """The events of lines of one kind, validated as one array; None where any line does not validate (each is then
+    read alone, and a malformed one costs its own event only).  The count guards against a line that is not one
+    object (``1},{"pid":2``): joined, it would read as two."""
+    try:
+        events = _LISTS[model].validate_json(b"[{" + b",{".join(fields) + b"]")
+    except ValidationError:
+        return None
+    return events if len(events) == len(fields) else None
+
+
+def _one(line: bytes, i: int, name: str) -> Event:
+    """Line ``i`` (from 0) alone: its event, or an ``Unusable`` naming it."""
+    try:
+        return _fast(line) or _general(line)
+    except (ValueError, KeyError, TypeError, ValidationError) as exc:
+        return Unusable(
+            reason=f"journal line not understood ({type(exc).__name__})", cite=Citation(file=name, line=i + 1)
+        )
 
 
 def _fast(line: bytes) -> Event | None:
     """The event of a line as ``journal_line`` writes it; None for any other line, or one JSON mode refuses (the
     general path then reads it, or says why not)."""
-    if not line.startswith(_KIND_PREFIX):
-        return None
-    end = line.find(b'",', len(_KIND_PREFIX))
-    model = JOURNALED.get(line[len(_KIND_PREFIX) : end].decode(errors="replace")) if end > 0 else None
-    if model is None:
+    cut = _cut(line)
+    if cut is None:
         return None
     try:
-        return model.model_validate_json(b"{" + line[end + 2 :])
+        return cut[0].model_validate_json(b"{" + cut[1])
     except ValidationError:
         return None
 
