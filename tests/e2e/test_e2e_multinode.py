@@ -197,3 +197,14 @@ def test_healthy_and_paused_jobs_page_nothing(tmp_path: Path, fault: str) -> Non
     codes, stderr, triggers = asyncio.run(two_nodes(tmp_path, fault, 3, "--pause-s=12"))
     assert triggers == [], stderr[0][-3000:]
     assert codes == [0, 0], stderr
+
+
+def test_a_mismatch_between_nodes_at_step_1_is_paged_before_any_rhythm(tmp_path: Path) -> None:
+    """Three nodes of one rank, rank 1 skips the all_reduce of step 1: each node alone sees its rank waiting in a
+    collective, which proves nothing, and no step rhythm is learned yet (the warm-up timeout is 300 s, longer than
+    this test waits).  The leader's peek judges every node's evidence and finds the mismatch (2 H200 wrappers of
+    one rank: the page came only once the job was killed)."""
+    codes, stderr, triggers = asyncio.run(run_nodes(tmp_path, "skip", 1, "--fault-step=1", nnodes=3, per_node=1))
+    assert len(triggers) == 1, (triggers, stderr[0][-3000:], stderr[1][-3000:])
+    assert (triggers[0]["verdict"], triggers[0]["culprit_ranks"]) == ("collective_mismatch", [1]), stderr[0][-3000:]
+    assert codes == [3, 3, 3], stderr

@@ -227,6 +227,26 @@ class TestEvenSplitFromNcclLogs:
         assert any("TORCH_FR_BUFFER_SIZE" in m for m in finding.missing)
         assert finding.summary.endswith("Both sides are suspects.")
 
+    def test_a_datatype_changed_before_any_step_repeats_is_named(self) -> None:
+        # The fault suite's dtype case at step 1 of 2 ranks on the H200: rank 0 passes the loss all_reduce a bf16
+        # tensor; step 0 issued it on both ranks in fp32, and no rank ever issued it in bf16.
+        sequences = job(2)
+        sequences[0][-1] = ("AllReduce", 1, BF16, "inject (/job/train.py:260)")
+        finding = verdict_of(logs_of(sequences))
+        assert (finding.verdict, finding.culprits, finding.kind) == (Verdict.collective_mismatch, (0,), "dtype")
+        assert finding.summary.startswith("rank 0 passes bfloat16 where rank 1 passes float32 to AllReduce")
+        assert "every rank issued AllReduce count=1 float32 sum before it where no rank ever passed bfloat16" in (
+            finding.reason
+        )
+
+    def test_a_datatype_both_sides_issued_before_names_no_one(self) -> None:
+        sequences = job(2)
+        for ops in sequences:
+            ops.insert(0, ("AllReduce", 1, BF16, None))  # the same all_reduce in bf16 is part of the job
+        sequences[0][-1] = ("AllReduce", 1, BF16, None)
+        finding = verdict_of(logs_of(sequences))
+        assert (finding.verdict, finding.culprits) == (Verdict.collective_mismatch, ())
+
     def test_two_operations_issued_in_either_order_by_earlier_steps_name_no_one(self) -> None:
         # Both ranks run the same code, whose two streams issue an all_gather and a reduce_scatter in either
         # order; this time the ranks disagree: neither is wrong by the step.

@@ -194,12 +194,21 @@ def _mismatch(
         explained = explained and by_step == good_sig
         if explained:
             how += f": {_step_line(step, keys, groups, good_sig)}"
-    else:
+    elif explained:
         good_sig = by_step
         how = (
             "the ranks split evenly and the step this communicator repeats decides: "
             f"{_step_line(step, keys, groups, good_sig)}"
         )
+    else:
+        good_sig = _dtype_precedent(ranks, position, groups)
+        explained = good_sig is not None
+        if explained:
+            changed = _dtype_name(next(s for s in groups if s != good_sig))  # type: ignore[arg-type]
+            how = (
+                f"the ranks split evenly, and every rank issued {good_sig.describe()} before it "  # type: ignore[union-attr]
+                f"where no rank ever passed {changed}"
+            )
     decided = len(sizes) == 1 or sizes[0] > sizes[1] or explained
     culprits = [r for s, members in groups.items() if s != good_sig for r in members] if decided else []
     good = groups[good_sig] if decided else []
@@ -256,6 +265,24 @@ def _mismatch(
         rows=_rows(comm, lambda r: (status_of.get(r.comm_rank, "?"), _at_text(r, position)), position),
         kind=kind,
     )
+
+
+def _dtype_precedent(ranks: list[RankView], position: int, groups: dict[OpSig | None, list[RankView]]) -> OpSig | None:
+    """Two sides of an even split that differ only in datatype, where every rank issued one side's exact collective
+    earlier and no rank ever issued the other's: that one is right, the side that changed its datatype is wrong.
+
+    Decides before any step repeats (a dtype bug at step 1 of a 2-rank job: step 0 issued the collective on both
+    ranks in the right datatype); an operation seen before in both datatypes decides nothing."""
+    if len(groups) != 2:
+        return None
+    one, other = groups
+    if not _dtype_only(one, other):
+        return None
+    earlier = [set(r.window[: max(0, position - r.base)]) for r in ranks]
+    for right, changed in ((one, other), (other, one)):
+        if all(right in issued for issued in earlier) and not any(changed in issued for issued in earlier):
+            return right
+    return None
 
 
 def _dtype_only(sig: OpSig | None, other: OpSig | None) -> bool:

@@ -76,6 +76,7 @@ ClusterFactory = Callable[[Membership, str], Cluster]  # (membership, host) -> t
 CLUSTER = "cluster"  # the source the store's reachability is reported under (``SourceDown``, ``LiveJob.down``)
 
 
+PEEK_WAIT_S = 3.0  # a leader's peek waits this long for the other nodes' compact evidence of the same silence
 STREAMED_QUIET_S = 1.0  # the streamed state is judged once the job has been silent this long, when events came
 # torchrun ends the other workers when one fails (its monitor looks every 0.1 s, then SIGTERM): a rank gone this long
 # while its peers live is a hang (it exited 0 early, or its peers outlive it), not a job being torn down.
@@ -193,6 +194,7 @@ class Judging(Protocol):
     def phase_changed(self) -> None: ...  # the incident moved: tell the other nodes now, not at the next round
     def peer_suspects(self) -> bool: ...  # another node probes a stall and waits for this node's evidence
     async def judge(self, stall: Stall, probed: list[Event]) -> Decision: ...
+    async def peek(self, stall: Stall, probed: list[Event]) -> Decision: ...  # a quiet look: only proof counts
     def job_wide(self) -> bool: ...  # a page's verdict stands for the whole job
     def follows(self) -> bool: ...  # a page's verdict is the leader's, and the leader pages it
     def report_state(self) -> JobState: ...
@@ -236,6 +238,9 @@ class NodeJudging:
         return False
 
     async def judge(self, stall: Stall, probed: list[Event]) -> Decision:
+        return judge_at(self.live.state, stall.at)
+
+    async def peek(self, stall: Stall, probed: list[Event]) -> Decision:
         return judge_at(self.live.state, stall.at)
 
     def job_wide(self) -> bool:
@@ -398,7 +403,7 @@ class ClusterJudging:
             return judge_at(self.live.state, stall.at)
         if CLUSTER in self.live.down:
             return await self._judge_without_store(cluster, stall, self.live.down[CLUSTER])
-        self._shared = live_inputs(self.live.state) + self.live.state.sequence_tails(TAIL_SHARED_MAX) + probed + [stall]
+        self._shared = self._compact(probed, stall)
         try:
             if cluster.leads():
                 return await self._judge_job(cluster, stall)
@@ -408,6 +413,34 @@ class ClusterJudging:
             return await self._judge_without_store(cluster, stall, str(exc))
         alone = judge_at(self.live.state, stall.at)
         return replace(alone, page=False, held=f"node {cluster.leader()} judges the whole job; waiting for its verdict")
+
+    def _compact(self, probed: list[Event], stall: Stall) -> list[Event]:
+        """This node's compact evidence: its inputs, each rank's recent operations, the look's events."""
+        return live_inputs(self.live.state) + self.live.state.sequence_tails(TAIL_SHARED_MAX) + probed + [stall]
+
+    async def peek(self, stall: Stall, probed: list[Event]) -> Decision:
+        """A quiet look across nodes, before the stall timeout: every node shares its compact evidence, and the
+        leader judges the job from what came within ``PEEK_WAIT_S``; only a proven decision opens the incident.
+
+        A mismatch between ranks of two nodes is visible to neither alone (one rank per node: each sees its rank
+        waiting in a collective, which proves nothing), and the warm-up timeout is minutes.  No incident is opened:
+        the other nodes' sidecars go on watching, and the evidence is gathered from this silence only."""
+        cluster = self.cluster
+        alone = judge_at(self.live.state, stall.at)
+        if cluster is None or CLUSTER in self.live.down:
+            return alone
+        try:
+            if not cluster.leads():
+                await cluster.share("compact", self._compact(probed, stall), stall.at)
+                return alone
+            evidence = JobEvidence(self.live.state, stall)
+            with paused_gc(freeze=False):
+                silence = stall.at - stall.stalled_for_s
+                await cluster.gather("compact", cluster.answering(), silence, PEEK_WAIT_S, fold=evidence.add)
+                return evidence.judge()
+        except StoreError as exc:
+            self.watch.emit(SourceDown(source=CLUSTER, reason=str(exc)))
+            return alone
 
     async def _judge_job(self, cluster: Cluster, stall: Stall) -> Decision:
         """The leader: every node's compact evidence, then the full evidence of the nodes that decide."""

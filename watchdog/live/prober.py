@@ -47,7 +47,7 @@ from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.live.incident import Probe
 from ncclwatch.watchdog.live.job import MIN_PROGRESS, LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import Journal
-from ncclwatch.watchdog.live.judging import Judging, Proof, judge_at
+from ncclwatch.watchdog.live.judging import Judging, Proof
 from ncclwatch.watchdog.parsing.pyspy import parse_pyspy
 from ncclwatch.watchdog.parsing.ras import parse_ras
 from ncclwatch.watchdog.probes.flight_recorder import prime, read_dump, request_dumps, written_since
@@ -396,7 +396,7 @@ class Probing:
         ``Judging`` does (the whole job with several nodes); and whether the decision proves the hang."""
         look = await self.look(view, probe.confirming, opened_at, peek=probe.peek)
         decision = (
-            judge_at(self.live.state, look.stall.at) if probe.peek else await judging.judge(look.stall, look.events)
+            await judging.peek(look.stall, look.events) if probe.peek else await judging.judge(look.stall, look.events)
         )
         proven = proof.proves(decision, look.stall.at)
         f = decision.finding
