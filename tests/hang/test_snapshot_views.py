@@ -3,6 +3,9 @@ changed (a Flight Recorder dump's, a shared tail's) and reads every other again:
 
 from __future__ import annotations
 
+from dataclasses import FrozenInstanceError, fields
+
+import pytest
 from conftest import NOW
 from nccl_lines import init, op, steps
 
@@ -107,3 +110,22 @@ def test_a_settled_rank_whose_global_rank_changed_is_read_again() -> None:
     second = take_snapshot(state, observed_at=NOW, views=kept)
     assert second == take_snapshot(state, observed_at=NOW)
     assert views(second, "nccl:pair")[1].global_rank == 5
+
+
+def test_a_view_is_the_one_its_dataclass_makes() -> None:
+    """``snapshot._rank`` fills a view's fields at once, not through ``RankView.__init__``: every field is there, the
+    view equals (and reads as) the one ``RankView(...)`` makes from the same values, and it stays frozen."""
+    parser = NcclLogParser("r0.log")
+    state = JobState()
+    for event in parser.feed((init(0, 2, "0xc0") + steps(0, "0xc0", 3)).encode(), final=False):
+        state.apply(event)
+    state.apply(dump(1, 4))
+    state.apply(tail("nccl:0xt", 2, 1))
+    made = [view for comm in take_snapshot(state, observed_at=NOW).comms for view in comm.ranks]
+    assert len(made) == 3
+    for view in made:
+        assert vars(view).keys() == {f.name for f in fields(RankView)}
+        again = RankView(**{f.name: getattr(view, f.name) for f in fields(RankView) if f.init})
+        assert view == again and vars(view) == vars(again)
+        with pytest.raises(FrozenInstanceError):
+            view.base = 0  # type: ignore[misc]
