@@ -36,6 +36,9 @@ from ncclwatch.watchdog.events import (
     WorkerGone,
     WorkerSeen,
 )
+from ncclwatch.watchdog.hang.classify import Decision
+from ncclwatch.watchdog.hang.state import JobState
+from ncclwatch.watchdog.hang.types import Finding
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live.incident import Phase
 from ncclwatch.watchdog.live.job import PEEK_WARMUP_S, LiveJob
@@ -313,3 +316,20 @@ def test_a_member_nodes_proof_opens_its_incident_and_leaves_the_page_to_the_lead
     assert "node 0 judges the whole job; waiting for its verdict" in rig.out.getvalue()
     reader = StoreClient("127.0.0.1", store.port, timeout_s=5)  # the leader's side (the rig's client has its loop)
     assert asyncio.run(reader.get(cluster.key("compact", 1))) is not None  # this node's evidence, for the leader
+
+
+def test_a_rank_stopped_on_another_node_is_proven_by_that_node_s_samples(tmp_path: Path) -> None:
+    """The leader judges a stopped rank that runs on another node: this node's state has no /proc samples of it (the
+    second look decided, 3 s later on two wrappers), the job's state, with that node's shared samples, settles it."""
+    live = LiveJob(SETTINGS, started_at=NOW)
+    live.apply(WorkerSeen(pid=100, rank=0, host="node0", at=NOW), NOW)
+    job = JobState()
+    job.apply(WorkerSeen(pid=100, rank=0, host="node0", at=NOW))
+    job.apply(WorkerSeen(pid=200, rank=1, host="node1", at=NOW))
+    stopped = Decision(Finding(Verdict.process_stopped, "rank 1 is stopped", culprits=(1,)), page=True)
+    proof = Proof(live)
+    job.apply(ProcessState(pid=200, rank=1, state="T", cpu_seconds=1.0, at=NOW + 1))
+    assert not proof.proves(stopped, NOW + 1 + STOPPED_SETTLED_S / 2, job)  # not stopped long enough yet
+    job.apply(ProcessState(pid=200, rank=1, state="T", cpu_seconds=1.0, at=NOW + 1 + STOPPED_SETTLED_S))
+    assert proof.proves(stopped, NOW + 1 + STOPPED_SETTLED_S, job)
+    assert not proof.proves(stopped, NOW + 1 + STOPPED_SETTLED_S)  # this node's own state alone: no samples of it

@@ -94,8 +94,9 @@ class Proof:
     """Which decisions prove a hang by themselves, and whether the streamed state already holds one.
 
     A decision proves a hang when it pages, its verdict is conclusive in the catalogue (``CONCLUSIVE``) and a
-    dead or stopped culprit is settled: gone for DEAD_SETTLED_S, stopped for STOPPED_SETTLED_S (on this node's
-    clock; a culprit on another node is left to the second look).  ``streamed`` judges what the sources streamed
+    dead or stopped culprit is settled: gone for DEAD_SETTLED_S, stopped for STOPPED_SETTLED_S (by the /proc samples
+    of the node that runs it, shared with the leader; a culprit no state holds samples of is left to the second
+    look).  ``streamed`` judges what the sources streamed
     (NCCL logs, the workers' /proc states) without any probe, once the job has been silent STREAMED_QUIET_S and
     only when an event that could change a verdict came since (``LiveJob.revision``) or a culprit settles.
     """
@@ -106,10 +107,12 @@ class Proof:
         self._again_at: float | None = None  # a dead or stopped culprit settles then: judge again
         self.slowest_s = 0.0  # the longest streamed judging so far (-v says when it grows past 50 ms)
 
-    def proves(self, decision: Decision, at: float) -> bool:
+    def proves(self, decision: Decision, at: float, state: JobState | None = None) -> bool:
+        """``state``: the one the decision was judged on, when it is not this node's alone (the leader's, with every
+        node's evidence: a stopped rank on another node is settled by that node's /proc samples)."""
         if not decision.page or decision.finding.verdict not in CONCLUSIVE or not self._this_round(decision):
             return False
-        return self._settled_at(decision, at) <= at
+        return self._settled_at(decision, at, state or self.live.state) <= at
 
     def streamed(self, view: LiveView) -> bool:
         if view.stalled_for < STREAMED_QUIET_S or view.stalled_for >= view.stall_timeout:
@@ -124,7 +127,7 @@ class Proof:
         self._took(time.perf_counter() - began)
         if not decision.page or decision.finding.verdict not in CONCLUSIVE or not self._this_round(decision):
             return False
-        settled = self._settled_at(decision, at)
+        settled = self._settled_at(decision, at, self.live.state)
         if settled > at:
             self._again_at = settled if settled < math.inf else None
             return False
@@ -157,12 +160,12 @@ class Proof:
         pids = {w.pid for w in state.current_workers()}
         return all(seq.proc is not None and seq.proc.pid in pids for seq in comm.ranks.values())
 
-    def _settled_at(self, decision: Decision, at: float) -> float:
+    def _settled_at(self, decision: Decision, at: float, state: JobState) -> float:
         """When the decision's dead or stopped culprits have been so long enough (``at`` for any other verdict)."""
         verdict = decision.finding.verdict
         if verdict not in (Verdict.process_dead, Verdict.process_stopped):
             return at
-        workers = {w.rank: w for w in self.live.state.current_workers()}
+        workers = {w.rank: w for w in state.current_workers()}
         times = []
         for rank in decision.finding.culprits:
             worker = workers.get(rank)
@@ -437,7 +440,9 @@ class ClusterJudging:
             with paused_gc(freeze=False):
                 silence = stall.at - stall.stalled_for_s
                 await cluster.gather("compact", cluster.answering(), silence, PEEK_WAIT_S, fold=evidence.add)
-                return evidence.judge()
+                decision = evidence.judge()
+                self.job_state = evidence.state()
+                return decision
         except StoreError as exc:
             self.watch.emit(SourceDown(source=CLUSTER, reason=str(exc)))
             return alone

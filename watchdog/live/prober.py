@@ -398,7 +398,7 @@ class Probing:
         decision = (
             await judging.peek(look.stall, look.events) if probe.peek else await judging.judge(look.stall, look.events)
         )
-        proven = proof.proves(decision, look.stall.at)
+        proven = proof.proves(decision, look.stall.at, judging.report_state())
         f = decision.finding
         log.info("%s: %s %s page=%s proven=%s held=%s", "peek" if probe.peek else "probe", f.verdict, f.culprits,
                  decision.page, proven, decision.held)  # fmt: skip
