@@ -378,6 +378,15 @@ class TestPeekEdges:
         again, actions = on_tick(peeked, NOW + PEEK_EVERY_S, NOW - 3, PEEK_EVERY_S + 3, 300.0, 3.0)
         assert actions == [self.PEEK] and again.next_probe == NOW + 2 * PEEK_EVERY_S
 
+    def test_a_peek_whose_proof_only_needs_time_peeks_again_when_it_has_had_it(self) -> None:
+        # A rank stopped 1 s ago (on another node: the leader's peek): proof once it has been stopped 2 s.
+        peeked = self.peeked()
+        waiting, actions = on_probe(peeked, NOW + 0.2, MISMATCH, moved=False, stalled_for=3.2, settles_at=NOW + 1.2)
+        assert actions == [] and waiting.phase is Phase.watching and waiting.next_probe == NOW + 1.2
+        assert on_tick(waiting, NOW + 1.1, NOW - 3, 4.1, 300.0, 3.0) == (waiting, [])
+        _, actions = on_tick(waiting, NOW + 1.2, NOW - 3, 4.2, 300.0, 3.0)
+        assert actions == [self.PEEK]
+
     def test_progress_after_a_peek_starts_the_silence_over(self) -> None:
         peeked = self.peeked()
         assert on_tick(peeked, NOW + 1, NOW + 0.5, 0.5, 300.0, 3.0) == (WATCHING, [])

@@ -136,10 +136,19 @@ def on_tick(
 
 
 def on_probe(
-    incident: Incident, now: float, decision: Decision, moved: bool, stalled_for: float, proven: bool = False
+    incident: Incident,
+    now: float,
+    decision: Decision,
+    moved: bool,
+    stalled_for: float,
+    proven: bool = False,
+    settles_at: float | None = None,
 ) -> tuple[Incident, list[Action]]:
-    """``proven``: ``decision`` pages, and its evidence proves the hang by itself (``judging.Proof.proves``)."""
+    """``proven``: ``decision`` pages, and its evidence proves the hang by itself (``judging.Proof.proves``);
+    ``settles_at``: when it will, where only time is missing (a rank stopped or gone not long enough yet)."""
     if incident.phase is Phase.watching:  # a peek: proof opens the incident and looks again at once, fully
+        if not moved and not proven and settles_at is not None and incident.started_at is not None:
+            return replace(incident, next_probe=min(incident.next_probe, settles_at)), []  # peek again then
         if moved or not proven or incident.started_at is None:
             return incident, []
         opened = replace(incident, phase=Phase.suspect, opened_at=now, next_probe=now + REPROBE_S, proof_only=True)

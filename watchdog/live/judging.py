@@ -114,6 +114,14 @@ class Proof:
             return False
         return self._settled_at(decision, at, state or self.live.state) <= at
 
+    def settles_at(self, decision: Decision, at: float, state: JobState | None = None) -> float | None:
+        """When a decision that does not prove the hang yet will: its dead or stopped culprit not so long enough
+        at ``at``.  None where it never will by waiting (not conclusive, or no /proc samples of the culprit)."""
+        if not decision.page or decision.finding.verdict not in CONCLUSIVE or not self._this_round(decision):
+            return None
+        settled = self._settled_at(decision, at, state or self.live.state)
+        return settled if at < settled < math.inf else None
+
     def streamed(self, view: LiveView) -> bool:
         if view.stalled_for < STREAMED_QUIET_S or view.stalled_for >= view.stall_timeout:
             return False
@@ -354,8 +362,12 @@ class ClusterJudging:
         return self.cluster is not None and self.cluster.peer_suspects()
 
     def _hot(self) -> bool:
-        """Exchange every HOT_S while a stall is judged (``Cluster.hurry``): requests and verdicts travel fast."""
-        return self.cluster is not None and self.cluster.hurry()
+        """Exchange every HOT_S while a stall is judged (``Cluster.hurry``) or this node suspects one: requests and
+        verdicts travel fast.  A member that suspects a stall is the one the leader will ask for its full evidence;
+        at PUBLISH_S it would see the request only after the leader's wait for it ran out (two wrappers, a rank
+        stopped on the member: 2.5 s of a 7.4 s page)."""
+        suspects = self.watch.incident.phase in (Phase.suspect, Phase.confirming)
+        return self.cluster is not None and (suspects or self.cluster.hurry())
 
     async def _follow(self, cluster: Cluster) -> None:
         """Send the full evidence the leader asks for; page the leader's verdict; close the leader's incident."""

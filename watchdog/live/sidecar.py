@@ -190,8 +190,9 @@ class Sidecar:
         look, decision, proven = await self.probing.decide(
             view, probe, self.incident.opened_at, self.judging, self.proof
         )
+        settles = None if proven else self.proof.settles_at(decision, look.stall.at, self.judging.report_state())
         self.incident, actions = machine.on_probe(
-            self.incident, look.stall.at, decision, look.moved, look.view.stalled_for, proven
+            self.incident, look.stall.at, decision, look.moved, look.view.stalled_for, proven, settles
         )
         await self.perform(actions, look.view)
 
