@@ -110,17 +110,14 @@ class Proof:
     def proves(self, decision: Decision, at: float, state: JobState | None = None) -> bool:
         """``state``: the one the decision was judged on, when it is not this node's alone (the leader's, with every
         node's evidence: a stopped rank on another node is settled by that node's /proc samples)."""
-        if not decision.page or decision.finding.verdict not in CONCLUSIVE or not self._this_round(decision):
-            return False
-        return self._settled_at(decision, at, state or self.live.state) <= at
+        proven_at = self._proven_at(decision, at, state or self.live.state)
+        return proven_at is not None and proven_at <= at
 
     def settles_at(self, decision: Decision, at: float, state: JobState | None = None) -> float | None:
         """When a decision that does not prove the hang yet will: its dead or stopped culprit not so long enough
         at ``at``.  None where it never will by waiting (not conclusive, or no /proc samples of the culprit)."""
-        if not decision.page or decision.finding.verdict not in CONCLUSIVE or not self._this_round(decision):
-            return None
-        settled = self._settled_at(decision, at, state or self.live.state)
-        return settled if at < settled < math.inf else None
+        proven_at = self._proven_at(decision, at, state or self.live.state)
+        return proven_at if proven_at is not None and at < proven_at < math.inf else None
 
     def streamed(self, view: LiveView) -> bool:
         if view.stalled_for < STREAMED_QUIET_S or view.stalled_for >= view.stall_timeout:
@@ -133,9 +130,9 @@ class Proof:
         snapshot = take_snapshot(self.live.state, observed_at=at)
         decision = judge(replace(snapshot, stall=None))  # an earlier probe's stall clock says nothing of this one
         self._took(time.perf_counter() - began)
-        if not decision.page or decision.finding.verdict not in CONCLUSIVE or not self._this_round(decision):
+        settled = self._proven_at(decision, at, self.live.state)
+        if settled is None:
             return False
-        settled = self._settled_at(decision, at, self.live.state)
         if settled > at:
             self._again_at = settled if settled < math.inf else None
             return False
@@ -167,6 +164,12 @@ class Proof:
             return all(self.live.dumped_in.get((comm.key, seq.rank)) == current for seq in comm.ranks.values())
         pids = {w.pid for w in state.current_workers()}
         return all(seq.proc is not None and seq.proc.pid in pids for seq in comm.ranks.values())
+
+    def _proven_at(self, decision: Decision, at: float, state: JobState) -> float | None:
+        """When ``decision`` proves the hang (``math.inf``: not by waiting); None where it never does by itself."""
+        if not decision.page or decision.finding.verdict not in CONCLUSIVE or not self._this_round(decision):
+            return None
+        return self._settled_at(decision, at, state)
 
     def _settled_at(self, decision: Decision, at: float, state: JobState) -> float:
         """When the decision's dead or stopped culprits have been so long enough (``at`` for any other verdict)."""
@@ -441,13 +444,12 @@ class ClusterJudging:
         waiting in a collective, which proves nothing), and the warm-up timeout is minutes.  No incident is opened:
         the other nodes' sidecars go on watching, and the evidence is gathered from this silence only."""
         cluster = self.cluster
-        alone = judge_at(self.live.state, stall.at)
         if cluster is None or CLUSTER in self.live.down:
-            return alone
+            return judge_at(self.live.state, stall.at)
         try:
             if not cluster.leads():
                 await cluster.share("compact", self._compact(probed, stall), stall.at)
-                return alone
+                return judge_at(self.live.state, stall.at)
             evidence = JobEvidence(self.live.state, stall)
             with paused_gc(freeze=False):
                 silence = stall.at - stall.stalled_for_s
@@ -457,7 +459,7 @@ class ClusterJudging:
                 return decision
         except StoreError as exc:
             self.watch.emit(SourceDown(source=CLUSTER, reason=str(exc)))
-            return alone
+            return judge_at(self.live.state, stall.at)
 
     async def _judge_job(self, cluster: Cluster, stall: Stall) -> Decision:
         """The leader: every node's compact evidence, then the full evidence of the nodes that decide."""
