@@ -119,15 +119,28 @@ def shared(events: list[Event], kind: str, stall: Stall, node: int) -> list[Even
     return payload.events
 
 
-def both_paths(stall: Stall, nodes: dict[int, list[Event]]) -> tuple[Decision, Decision, JobEvidence, JobState]:
-    """The leader's two judgements, incremental and rebuilt, as live/judging.py's ``_judge_job`` runs them."""
+def leader_and_compact(
+    stall: Stall, nodes: dict[int, list[Event]], without: tuple[int, ...] = ()
+) -> tuple[JobState, dict[int, list[Event]]]:
+    """Node 0's own state (the leader's), and every other node's compact evidence as the leader reads it."""
     local = JobState()
     for event in nodes[0]:
         local.apply(event)
-    compact = {n: shared(events, "compact", stall, n) for n, events in nodes.items() if n != 0}
-    incremental = JobEvidence(local, stall)
+    return local, {n: shared(events, "compact", stall, n) for n, events in nodes.items() if n not in (0, *without)}
+
+
+def folded_in(local: JobState, stall: Stall, compact: dict[int, list[Event]]) -> JobEvidence:
+    """The leader's state with every node's compact evidence folded in, in the order it came."""
+    evidence = JobEvidence(local, stall)
     for node, events in compact.items():
-        incremental.add(node, events)
+        evidence.add(node, events)
+    return evidence
+
+
+def both_paths(stall: Stall, nodes: dict[int, list[Event]]) -> tuple[Decision, Decision, JobEvidence, JobState]:
+    """The leader's two judgements, incremental and rebuilt, as live/judging.py's ``_judge_job`` runs them."""
+    local, compact = leader_and_compact(stall, nodes)
+    incremental = folded_in(local, stall, compact)
     rebuilt = dict(compact)
     first = judge(take_snapshot(job_state(local, rebuilt, stall), observed_at=stall.at))
     assert incremental.judge() == first
@@ -180,10 +193,7 @@ def test_a_node_new_after_the_first_judgement_rebuilds(bench) -> None:  # noqa: 
     """A node whose evidence comes after the leader's own state was unioned in is folded before it, as in
     ``job_state``."""
     stall, nodes = evidence(bench, behind, NODES * RANKS - 1)
-    local = JobState()
-    for event in nodes[0]:
-        local.apply(event)
-    compact = {n: shared(events, "compact", stall, n) for n, events in nodes.items() if n != 0}
+    local, compact = leader_and_compact(stall, nodes)
     incremental = JobEvidence(local, stall)
     for node in list(compact)[:-1]:
         incremental.add(node, compact[node])
@@ -197,13 +207,8 @@ def test_what_this_node_saw_after_the_first_judgement_is_in_the_second(bench) ->
     """The leader's own sources go on while it waits for full evidence: a new stack of one of its ranks (here: in
     its own code, not the collective) is judged as ``job_state`` would judge it then."""
     stall, nodes = evidence(bench, behind, NODES * RANKS - 1)
-    local = JobState()
-    for event in nodes[0]:
-        local.apply(event)
-    compact = {n: shared(events, "compact", stall, n) for n, events in nodes.items() if n != 0}
-    incremental = JobEvidence(local, stall)
-    for node, events in compact.items():
-        incremental.add(node, events)
+    local, compact = leader_and_compact(stall, nodes)
+    incremental = folded_in(local, stall, compact)
     incremental.judge()
     local.apply(
         StackDump(
@@ -223,13 +228,8 @@ def test_the_second_judgement_reads_again_only_the_asked_nodes_ranks(bench) -> N
     views of the first judgement."""
     stall, nodes = evidence(bench, behind, NODES * RANKS - 1)
     _, healed = evidence(bench, lambda events, rank: events, 0)  # the job's last rank issued as many as the others
-    local = JobState()
-    for event in nodes[0]:
-        local.apply(event)
-    compact = {n: shared(events, "compact", stall, n) for n, events in nodes.items() if n != 0}
-    folded = JobEvidence(local, stall)
-    for node, events in compact.items():
-        folded.add(node, events)
+    local, compact = leader_and_compact(stall, nodes)
+    folded = folded_in(local, stall, compact)
     first = folded.snapshot()
     assert judge(first).finding.culprits == (NODES * RANKS - 1,)
     assert focus(judge(first), folded.nodes_of, set(), FULL_NODES) == [NODES - 1]
@@ -261,14 +261,9 @@ def test_a_malformed_line_of_one_node_is_set_aside_and_said_the_others_judged(be
     lines[cut] = lines[cut][: len(lines[cut]) // 2]
     payload = unpack(meta + b"\n" + zlib.compress(b"\n".join(lines)), "node 5")
     assert payload is not None
-    local = JobState()
-    for event in nodes[0]:
-        local.apply(event)
-    compact = {n: shared(events, "compact", stall, n) for n, events in nodes.items() if n not in (0, 5)}
+    local, compact = leader_and_compact(stall, nodes, without=(5,))
     compact[5] = payload.events
-    folded = JobEvidence(local, stall)
-    for node, events in compact.items():
-        folded.add(node, events)
+    folded = folded_in(local, stall, compact)
     decision = folded.judge()
     assert decision == judge(take_snapshot(job_state(local, compact, stall), observed_at=stall.at))
     assert decision.finding.verdict.value == "rank_behind" and decision.finding.culprits == (NODES * RANKS - 1,)
