@@ -16,15 +16,17 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
 import pytest
 from receiver import Receiver
+from support import free_port
 
 import ncclwatch.launcher.demo_job as demo_job
 
@@ -33,13 +35,9 @@ pytest.importorskip("torch")
 READ, UPLOAD = "read-token-e2e", "upload-token-e2e"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-async def start_server(folder: Path, port: int) -> asyncio.subprocess.Process:
+@asynccontextmanager
+async def serving(folder: Path, port: int) -> AsyncIterator[str]:
+    """A real ``ncclwatch serve`` on 127.0.0.1:``port`` for the block (its base URL); it must stop with exit 0."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NCCLWATCH_")}
     env |= {"NCCLWATCH_API_TOKEN": READ, "NCCLWATCH_UPLOAD_TOKEN": UPLOAD}
     process = await asyncio.create_subprocess_exec(
@@ -48,12 +46,11 @@ async def start_server(folder: Path, port: int) -> asyncio.subprocess.Process:
     )  # fmt: skip
     line = await asyncio.wait_for(process.stdout.readline(), 30)  # type: ignore[union-attr]
     assert b"http://" in line, line
-    return process
-
-
-async def stop_server(process: asyncio.subprocess.Process) -> None:
-    process.terminate()
-    assert await asyncio.wait_for(process.wait(), 20) == 0
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        assert await asyncio.wait_for(process.wait(), 20) == 0
 
 
 async def start_job(tmp_path: Path, name: str, server: str, hook: str, drain_s: float = 60):  # type: ignore[no-untyped-def]
@@ -84,19 +81,13 @@ def triggers(receiver: Receiver) -> list[dict]:  # type: ignore[type-arg]
 
 def test_two_jobs_upload_to_one_server_which_names_the_host_in_both(tmp_path: Path) -> None:
     async def scenario():  # type: ignore[no-untyped-def]
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        server = await start_server(tmp_path / "server", port)
-        try:
-            async with Receiver() as receiver:
-                jobs = [await start_job(tmp_path, name, base, receiver.url) for name in ("job-a", "job-b")]
-                results = [await asyncio.wait_for(job.communicate(), 240) for job in jobs]
-                codes = [job.returncode for job in jobs]
-                incidents = await get(base, "/api/incidents")
-                hosts = await get(base, "/api/hosts")
-                return codes, [r[1].decode(errors="replace") for r in results], triggers(receiver), incidents, hosts
-        finally:
-            await stop_server(server)
+        async with serving(tmp_path / "server", free_port()) as base, Receiver() as receiver:
+            jobs = [await start_job(tmp_path, name, base, receiver.url) for name in ("job-a", "job-b")]
+            results = [await asyncio.wait_for(job.communicate(), 240) for job in jobs]
+            codes = [job.returncode for job in jobs]
+            incidents = await get(base, "/api/incidents")
+            hosts = await get(base, "/api/hosts")
+            return codes, [r[1].decode(errors="replace") for r in results], triggers(receiver), incidents, hosts
 
     codes, stderrs, pages, incidents, hosts = asyncio.run(scenario())
     assert codes == [3, 3], stderrs[0][-3000:] + stderrs[1][-3000:]
@@ -125,15 +116,12 @@ def test_server_down_during_the_hang_the_page_goes_out_and_the_bundle_arrives_la
             paged_at = time.monotonic()
             assert not list((tmp_path / "server").glob("*.tar.gz"))
             await asyncio.sleep(3)  # the wrapper's first upload attempts find nothing
-            server = await start_server(tmp_path / "server", port)
-            started_at = time.monotonic()
-            try:
+            async with serving(tmp_path / "server", port):
+                started_at = time.monotonic()
                 _, stderr = await asyncio.wait_for(waiting, 180)
                 incidents = await get(base, "/api/incidents")
                 page = triggers(receiver)[0]
                 incident = await get(base, f"/api/incidents/{page['dedup_key']}") if incidents else None
-            finally:
-                await stop_server(server)
             return job.returncode, stderr.decode(errors="replace"), paged_at, started_at, incident, page
 
     code, stderr, paged_at, started_at, incident, page = asyncio.run(scenario())
@@ -175,26 +163,20 @@ async def start_node(tmp_path: Path, node: int, server: str, hook: str, store: i
 
 def test_every_node_of_a_job_uploads_its_part_of_one_incident_which_pages_once(tmp_path: Path) -> None:
     async def scenario():  # type: ignore[no-untyped-def]
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        server = await start_server(tmp_path / "server", port)
-        try:
-            async with Receiver() as receiver:
-                store = free_port()
-                nodes = [await start_node(tmp_path, n, base, receiver.url, store) for n in (0, 1)]
-                try:
-                    ends = [await asyncio.wait_for(node.communicate(), 240) for node in nodes]
-                finally:
-                    for node in nodes:
-                        if node.returncode is None:
-                            os.killpg(node.pid, 9)
-                incidents = await get(base, "/api/incidents")
-                incident = await get(base, f"/api/incidents/{incidents[0]['incident_key']}") if incidents else None
-                hosts = await get(base, "/api/hosts")
-                stderrs = [end[1].decode(errors="replace") for end in ends]
-                return [n.returncode for n in nodes], stderrs, triggers(receiver), incidents, incident, hosts
-        finally:
-            await stop_server(server)
+        async with serving(tmp_path / "server", free_port()) as base, Receiver() as receiver:
+            store = free_port()
+            nodes = [await start_node(tmp_path, n, base, receiver.url, store) for n in (0, 1)]
+            try:
+                ends = [await asyncio.wait_for(node.communicate(), 240) for node in nodes]
+            finally:
+                for node in nodes:
+                    if node.returncode is None:
+                        os.killpg(node.pid, 9)
+            incidents = await get(base, "/api/incidents")
+            incident = await get(base, f"/api/incidents/{incidents[0]['incident_key']}") if incidents else None
+            hosts = await get(base, "/api/hosts")
+            stderrs = [end[1].decode(errors="replace") for end in ends]
+            return [n.returncode for n in nodes], stderrs, triggers(receiver), incidents, incident, hosts
 
     codes, stderrs, pages, incidents, incident, hosts = asyncio.run(scenario())
     said = stderrs[0][-3000:] + stderrs[1][-3000:]
