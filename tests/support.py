@@ -3,6 +3,7 @@
 - ``sleepers(n)``: Python processes parked in ``sleeping_here()`` -> ``time.sleep``,
   optionally SIGSTOPped; killed on exit whatever their state.
 - ``make_port``: one port of a fake /sys/class/infiniband tree (no IB here).
+- ``torch_store_server``: a real torch TCPStore server on a loopback ephemeral port.
 - ``RasServer``: NCCL's side of the RAS protocol on a loopback ephemeral port,
   answering with a canned report; the first ``silent`` connections are accepted
   and never answered, as a SIGSTOPped rank's socket is.
@@ -122,6 +123,22 @@ class RasServer:
             await asyncio.wait_for(reader.read(1), 0.2)
         self.half_closed.append(reader.at_eof())
         writer.close()
+
+
+def torch_store_server(use_libuv: bool = True):  # type: ignore[no-untyped-def]
+    """A real torch TCPStore server on 127.0.0.1, port chosen by the kernel.
+
+    The server connects to itself as it starts; 30 s (not torch's usual 5 s in our tests) because a
+    CI machine running the suite beside other jobs once took longer than 5 s to accept that
+    connection, failing a test before it began.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=use_libuv, timeout=timedelta(seconds=30)
+    )
 
 
 def free_port() -> int:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
 
 import pytest
 from conftest import NOW
+from support import torch_store_server
 
 from ncclwatch.watchdog.cluster.judge import degraded, focus, incident_key, job_state, with_lost_nodes
 from ncclwatch.watchdog.cluster.lifeline import Lifeline, ask
@@ -47,9 +47,7 @@ dist = pytest.importorskip("torch.distributed")
 @pytest.fixture(params=[True, False], ids=["libuv", "classic"])
 def torch_store(request):  # type: ignore[no-untyped-def]
     """A real torch TCPStore server, both of its backends."""
-    return dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=request.param, timeout=timedelta(seconds=5)
-    )
+    return torch_store_server(use_libuv=request.param)
 
 
 class TestStoreClient:

@@ -9,11 +9,11 @@ straggler or the slow link on node1 with its host and links.
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
 from functools import partial
 
 import pytest
 from conftest import NOW
+from support import torch_store_server
 
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership, NodeSummary
 from ncclwatch.watchdog.cluster.perf_records import ENTRIES_SHARED, PerfRecord, perf_record
@@ -138,8 +138,8 @@ class TestMerge:
 
 @pytest.fixture
 def torch_store():  # type: ignore[no-untyped-def]
-    dist = pytest.importorskip("torch.distributed")
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    pytest.importorskip("torch.distributed")
+    return torch_store_server()
 
 
 class ScriptedDumps:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import timedelta
 
 import pytest
+from support import torch_store_server
 
 from ncclwatch.watchdog.cluster.judge import degraded, unread_verdict
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership
@@ -28,9 +28,7 @@ KEY = "job/0|p2p_deadlock:0,1"
 
 @pytest.fixture
 def store():  # type: ignore[no-untyped-def]
-    return dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True, timeout=timedelta(seconds=5)
-    )
+    return torch_store_server()
 
 
 def node(port: int, me: int) -> Cluster:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import nccl_lines as L
 import pytest
 from conftest import NOW
+from support import torch_store_server
 from test_sidecar_ticks import COMM, IN_ALL_REDUCE, IN_TRAIN, SETTINGS, Rig, healthy_job
 
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership
@@ -300,8 +300,8 @@ def test_the_streamed_state_is_judged_only_when_something_came(tmp_path: Path) -
 def test_a_member_nodes_proof_opens_its_incident_and_leaves_the_page_to_the_leader(tmp_path: Path) -> None:
     """Several nodes: the peek judges this node's ranks; its proof opens the incident (the leader sees the node
     probing and judges the job), the full look shares this node's evidence, and nothing is paged from here."""
-    dist = pytest.importorskip("torch.distributed")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    pytest.importorskip("torch.distributed")
+    store = torch_store_server()
     rig = Rig(tmp_path)
     starting_job(rig)
     membership = Membership("127.0.0.1", store.port, "job", 0, 1, 2)  # node 1 of 2
