@@ -16,6 +16,7 @@ from pathlib import Path
 import nccl_lines as L
 import pytest
 from conftest import NOW, Clock
+from support import free_port
 
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.events import (
@@ -459,6 +460,34 @@ def test_a_peer_node_probing_a_stall_makes_this_node_look_at_the_floor(tmp_path:
     rig.sidecar.live.down["cluster"] = "test: judge alone"  # no store here: this node judges its own ranks
     rig.tick(7)
     assert rig.phase is not Phase.watching and rig.prober.calls  # probed at the 5 s floor, not 300 s
+
+
+@pytest.mark.parametrize(
+    ("serves", "job_failed", "paged", "lingers"),
+    [
+        (True, False, True, "store gone"),  # its own response ended the job, and the store with it
+        (True, True, False, "store gone"),  # its job failed: the store went with it
+        (True, False, False, "usual"),  # a clean end: every node's job ends cleanly
+        (False, False, True, "usual"),  # a member: the store lives on elsewhere
+    ],
+)
+def test_the_node_serving_the_store_answers_longer_when_its_job_ended_on_a_hang(
+    tmp_path: Path, serves: bool, job_failed: bool, paged: bool, lingers: str
+) -> None:
+    """Its end takes the store from every node; a member that had not read the verdict asks its lifeline whether it
+    is lost once the member's own torchrun ends, seconds later (H200: node_lost paged after 3 s of lingering)."""
+    from ncclwatch.watchdog.cluster.lifeline import LINGER_S, STORE_GONE_LINGER_S
+    from ncclwatch.watchdog.cluster.peers import Cluster, Membership
+    from ncclwatch.watchdog.live.judging import ClusterJudging
+
+    rig = Rig(tmp_path)
+    cluster = Cluster(
+        Membership("127.0.0.1", free_port(), "job", 0, 0, 2), "node0", clock=rig.clock, serves_store=serves
+    )
+    rig.sidecar.judging = judging = ClusterJudging(rig.sidecar, join=lambda membership, host: cluster)
+    judging.cluster = cluster
+    assert asyncio.run(judging.farewell(job_failed=job_failed, paged=lambda: paged)) is None
+    assert judging.linger_s() == {"store gone": STORE_GONE_LINGER_S, "usual": LINGER_S}[lingers]
 
 
 # -- the sidecar's parts, alone --------------------------------------------------

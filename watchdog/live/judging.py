@@ -309,6 +309,7 @@ class ClusterJudging:
         self._shared: list[Event] = []  # what this node shared at its latest probe (its full evidence on request)
         self._store_node_lost: Contact | None = None  # found lost through its lifeline, the store being gone
         self._lifeline: Lifeline | None = None
+        self._took_store = False  # this node served the store and its job ended by a hang or a failure
         self._wake = asyncio.Event()  # the incident's phase changed: exchange now, not at the next round
 
     # -- the exchange, every round ------------------------------------------
@@ -353,10 +354,17 @@ class ClusterJudging:
 
     async def close(self) -> None:
         if self._lifeline is not None:
-            # A node whose job failed a moment after this one's must still find it alive (``lifeline``);
-            # without the store, the nodes elect who pages by who answers: longer.
-            await asyncio.sleep(STORE_GONE_LINGER_S if CLUSTER in self.live.down else LINGER_S)
+            await asyncio.sleep(self.linger_s())
             await self._lifeline.close()
+
+    def linger_s(self) -> float:
+        """How long the lifeline answers after the job ended here.  A node whose job failed a moment after this
+        one's must still find it alive.  Without the store, the nodes elect who pages by who answers: longer.  And
+        where this node served the store and its job ended on a hang (its own response, or a failure), every other
+        node loses the store now; a member that had not read the verdict yet asks this lifeline, seconds later
+        (its torchrun ends once its ranks fail), whether this node is lost (H200, pipeline x DP on two wrappers:
+        the member paged node_lost after 3 s of lingering here)."""
+        return STORE_GONE_LINGER_S if CLUSTER in self.live.down or self._took_store else LINGER_S
 
     def phase_changed(self) -> None:
         self._wake.set()
@@ -583,6 +591,7 @@ class ClusterJudging:
         if cluster is None:
             return None
         self.watch.drain()
+        self._took_store = cluster.serves_store and (job_failed or paged())
         reason = await exchange_or_degrade(cluster, self._summary())
         if reason is None or not job_failed or paged() or cluster.unread_verdict():
             return None  # an unread verdict: the leader paged the hang and ended its job, the store with it
