@@ -118,8 +118,18 @@ class TestDerivation:
         groups = [g for g in mesh_of_shape({"dp": 2, "tp": 2}) if {0, 2} & set(g.ranks)]
         mesh = derive_mesh(groups)
         assert mesh.dims == ("dp", "tp")
-        assert mesh.of(3) == {"tp": 1} and mesh.label(3) == "dp ?, tp 1"  # its dp group [1, 3] is in no dump
-        assert mesh.label(2) == "dp 1, tp 0"
+        # rank 3's dp group [1, 3] is in no dump: its dp is the in-order layout's, which every placed rank agrees with
+        assert mesh.of(3) == {"dp": 1, "tp": 1} and mesh.label(3) == "dp 1, tp 1"
+        assert [mesh.label(rank) for rank in range(4)] == ["dp 0, tp 0", "dp 0, tp 1", "dp 1, tp 0", "dp 1, tp 1"]
+
+    def test_the_layout_fills_a_coordinate_only_where_the_mesh_is_laid_out_from_rank_0(self) -> None:
+        # The H200's pipeline x DP on two wrappers: rank 1's dp group [0, 1] came in no dump; pp [1, 3] did
+        groups = [g for g in mesh_of_shape({"pp": 2, "dp": 2}) if g.ranks != (0, 1)]
+        assert derive_mesh(groups).label(1) == "pp 0, dp 1"
+        # A mesh over ranks 4-7 of the job: its coordinates are not 4-7's place in a layout from 0; left unknown
+        shifted = [GroupView(pg=g.pg, desc=g.desc, ranks=tuple(r + 4 for r in g.ranks)) for g in groups]
+        mesh = derive_mesh(shifted)
+        assert mesh.dims == ("pp", "dp") and mesh.label(5) == "pp 0, dp ?" and mesh.label(7) == "pp 1, dp 1"
 
     def test_a_partial_gloo_view_never_guesses(self) -> None:
         groups = mesh_of_shape({"dp": 2, "tp": 2})

@@ -10,7 +10,11 @@ Where a dump lists a group's ranks (NCCL's ``pg_config``), every member is place
 not.  gloo's dumps (torch 2.13) list none: a group's members are then the ranks whose own dump names it, and a
 rank's index among them is its coordinate only when no member below it can be missing, that is when every rank
 below it is seen in some group of that dimension.  A rank not placed in a dimension has no coordinate there
-(never a guess).
+(never a guess), with one exception that is arithmetic, not a guess: where the dimensions' order is known from
+their strides, each dimension's size from a group listed whole, and every coordinate placed agrees with the
+in-order layout of those sizes (rank = coordinates in mixed radix, outermost first), a rank placed in some
+dimension gets its other coordinates from that layout (on the H200, pipeline x DP on two wrappers: "rank 1
+(dp ?, pp 0)" where rank 1's dp group was in no dump that came).
 
 Not dimensions: ``mesh_default`` (a 1-D mesh over the whole world on gloo with CUDA present gets a group of
 its own; otherwise such a mesh is the default group and says nothing), a flattened dimension (``dp_cp``, named
@@ -20,6 +24,7 @@ a dimension name): its groups do not say one coordinate.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -136,6 +141,8 @@ def derive_mesh(groups: Iterable[GroupView]) -> Mesh:
                 if complete or rank < gap:
                     coords.setdefault(rank, {})[dim] = index
     dims, order = _order(listed)
+    if order == "stride":
+        _fill_from_layout(dims, listed, coords)
     return Mesh(
         dims=dims,
         coords=MappingProxyType({rank: MappingProxyType(c) for rank, c in coords.items()}),
@@ -167,6 +174,35 @@ def _order(
     if listed and len(strides) == len(listed) and len(set(strides.values())) == len(strides):
         return tuple(sorted(listed, key=lambda d: -strides[d])), "stride"
     return tuple(sorted(listed)), "name"
+
+
+def _fill_from_layout(
+    dims: tuple[str, ...],
+    listed: Mapping[str, Mapping[str, tuple[tuple[int, ...], bool]]],
+    coords: dict[int, dict[str, int]],
+) -> None:
+    """The coordinates missing from placed ranks, from the in-order layout, where every placed one agrees with it."""
+    sizes = []
+    for dim in dims:
+        whole = {len(members) for members, complete in listed[dim].values() if complete}
+        if len(whole) != 1:
+            return  # no group of it listed whole, or groups of different sizes: not one mesh's dimension
+        sizes.append(whole.pop())
+
+    def layout(rank: int) -> dict[str, int]:
+        at = {}
+        for dim, size in zip(reversed(dims), reversed(sizes), strict=True):
+            rank, at[dim] = divmod(rank, size)
+        return at
+
+    laid = {rank: layout(rank) for rank in coords}
+    if any(rank >= math.prod(sizes) for rank in coords) or any(
+        laid[rank][dim] != value for rank, known in coords.items() for dim, value in known.items()
+    ):
+        return
+    for rank, known in coords.items():
+        for dim in dims:
+            known.setdefault(dim, laid[rank][dim])
 
 
 def _flattened(dim: str, others: set[str]) -> bool:
