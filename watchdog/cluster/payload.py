@@ -27,7 +27,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
-from ncclwatch.watchdog.events import Event, FrDump, FrEntry, FrProcessGroup, ProcessState, SequenceTail, StackDump
+from ncclwatch.watchdog.events import (
+    Event,
+    FrDump,
+    FrEntry,
+    FrProcessGroup,
+    OpState,
+    ProcessState,
+    SequenceTail,
+    StackDump,
+)
 from ncclwatch.watchdog.hang.state import pending_alone
 from ncclwatch.watchdog.parsing.journal import HEADER, JOURNALED, journal_line, parse_journal
 
@@ -45,6 +54,14 @@ TAIL_BEFORE_SINCE = 16
 TAIL_SHARED_MAX = 2048
 # Compact, per rank: where it is and what it is doing, no history.
 FR_ENTRIES_COMPACT = 4
+# Either kind reaches further back, per group, to where the rank stands: its oldest collective not completed and
+# the two before it, within FR_REACH_* entries (the entries stay one contiguous run: the job's sequences are built
+# from them).  A rank whose host ran ahead (NCCL returns at enqueue) has its newest entries past the position where
+# ranks diverged: on the H200's mismatch_fr capture rank 1 had queued four more past #82, where its AllReduce's
+# count differs from rank 0's, and the newest four alone read as rank_behind [0].
+FR_BEFORE_PENDING = 2
+FR_REACH_COMPACT = 16
+FR_REACH_SHARED = 64
 FR_FRAMES_COMPACT = 1
 STACK_FRAMES_COMPACT = 8
 TAIL_COMPACT = 8
@@ -58,6 +75,7 @@ MAX_DECODED = 64 << 20
 @dataclass(frozen=True)
 class Limits:
     fr_entries: int
+    fr_reach: int  # back to the oldest pending collective, within this many
     fr_frames: int
     stack_frames: int
     tail: int
@@ -65,8 +83,10 @@ class Limits:
 
 
 LIMITS: dict[Kind, Limits] = {
-    "full": Limits(FR_ENTRIES_SHARED, FR_FRAMES_SHARED, STACK_FRAMES_SHARED, TAIL_SHARED, None),
-    "compact": Limits(FR_ENTRIES_COMPACT, FR_FRAMES_COMPACT, STACK_FRAMES_COMPACT, TAIL_COMPACT, SAMPLES_COMPACT),
+    "full": Limits(FR_ENTRIES_SHARED, FR_REACH_SHARED, FR_FRAMES_SHARED, STACK_FRAMES_SHARED, TAIL_SHARED, None),
+    "compact": Limits(
+        FR_ENTRIES_COMPACT, FR_REACH_COMPACT, FR_FRAMES_COMPACT, STACK_FRAMES_COMPACT, TAIL_COMPACT, SAMPLES_COMPACT
+    ),
 }
 
 
@@ -145,12 +165,26 @@ def _newest_entries(entries: list[FrEntry], limits: Limits) -> list[FrEntry]:
         by_pg.setdefault(entry.pg_id, []).append(entry)
     kept: list[FrEntry] = []
     for group in by_pg.values():
-        newest = group[-limits.fr_entries :]
-        cut = len(newest) - limits.fr_frames
-        kept += [e if i >= cut else e.model_copy(update={"frames": []}) for i, e in enumerate(newest)]
-        shown = {e.index for e in newest}
-        kept += [e for e in pending_alone(group) if e.index not in shown][:PENDING_P2P_SHARED]
+        pending = next((i for i, e in enumerate(group) if not e.is_p2p and e.state is not OpState.completed), None)
+        first = _first_kept(len(group), pending, limits)
+        alone = pending_alone(group)[:PENDING_P2P_SHARED]
+        # Recorded stacks stay with the newest few and with the ops that say where the rank waits.
+        framed = {e.index for e in [*group[-limits.fr_frames :], *alone]}
+        if pending is not None:
+            framed.add(group[pending].index)
+        kept += [e if e.index in framed else e.model_copy(update={"frames": []}) for e in group[first:]]
+        shown = {e.index for e in group[first:]}
+        kept += [e for e in alone if e.index not in shown]
     return sorted(kept, key=lambda e: e.index)
+
+
+def _first_kept(length: int, pending: int | None, limits: Limits) -> int:
+    """The newest ``fr_entries``, or back to FR_BEFORE_PENDING before the oldest pending collective (``pending``)
+    where that is further, within ``fr_reach``."""
+    first = length - limits.fr_entries
+    if pending is not None:
+        first = min(first, pending - FR_BEFORE_PENDING)
+    return max(first, length - limits.fr_reach, 0)
 
 
 def encode(events: Iterable[Event]) -> bytes:

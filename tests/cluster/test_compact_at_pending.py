@@ -1,0 +1,54 @@
+"""Compact evidence keeps where each rank stands, not only its newest entries (``payload._at_oldest_pending``).
+
+A real capture: the H200's ``mismatch_fr`` (2 ranks, rank 1 skipped step 15's collectives; its AllReduce #82 has
+another count than rank 0's).  Each rank's dump as another node shares it at the leader's peek, judged as the
+leader judges the job.
+"""
+
+from __future__ import annotations
+
+from conftest import FIXTURES
+
+from ncclwatch.watchdog.cluster.payload import FR_ENTRIES_COMPACT, pack, unpack
+from ncclwatch.watchdog.events import FrDump
+from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.state import JobState
+from ncclwatch.watchdog.hang.types import Finding
+from ncclwatch.watchdog.hang.verdicts import Verdict
+from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
+
+DUMPS = FIXTURES / "nccl-2.28.9-2gpu" / "mismatch_fr" / "fr"
+
+
+def judged(kind: str | None) -> Finding:
+    state = JobState()
+    for node, path in enumerate(sorted(DUMPS.glob("nccl_trace_rank_*"))):
+        events = parse_flight_recorder(path.read_bytes(), path.name)
+        if kind is not None:  # through the store: packed by its node, unpacked by the leader
+            payload = unpack(pack(node, kind, 0.0, events), f"node {node}")  # type: ignore[arg-type]
+            assert payload is not None
+            events = payload.events
+        for event in events:
+            state.apply(event)
+    return judge(take_snapshot(state, 1e12)).finding
+
+
+def test_the_divergence_behind_a_rank_that_ran_ahead_travels_in_compact_evidence() -> None:
+    whole = judged(None)
+    assert (whole.verdict, whole.culprits, whole.position) == (Verdict.collective_mismatch, (1,), 82)
+    compact = judged("compact")
+    # The newest four entries alone start at #84 on rank 0 and #86 on rank 1: "rank 0 never entered #85"
+    assert compact.verdict is Verdict.collective_mismatch and compact.position == 82, compact.summary
+    full = judged("full")
+    assert (full.verdict, full.culprits) == (whole.verdict, whole.culprits)
+
+
+def test_compact_stays_small_where_the_oldest_pending_is_among_the_newest() -> None:
+    events = parse_flight_recorder((DUMPS / "nccl_trace_rank_0").read_bytes(), "rank0")
+    payload = unpack(pack(0, "compact", 0.0, events), "node 0")
+    assert payload is not None
+    (dump,) = [e for e in payload.events if isinstance(e, FrDump)]
+    positions = [(e.collective_seq_id, e.op) for e in dump.entries]
+    # #83 is rank 0's oldest pending: #81 and #82 before it, then up to six in all, merged with the newest four
+    assert positions[0] == (81, "AllReduce") and len(dump.entries) <= FR_ENTRIES_COMPACT + 3
