@@ -507,7 +507,7 @@ class WorkerSeen(Event):
     rank: int
     local_rank: int | None = None
     world_size: int | None = None
-    restart_count: int = 0
+    restart_count: int = 0  # the worker's round: the c10d rendezvous's where known (``sources.workers``)
     host: str
     at: float
     # torchrun's view of the job across nodes (the worker's environment); None on older launchers

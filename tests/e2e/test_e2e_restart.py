@@ -165,3 +165,28 @@ def test_two_nodes_restart_together_with_one_page(tmp_path: Path) -> None:
     for n in range(2):  # each node ended its own ranks, the member on the leader's word
         (report,) = reports(tmp_path / f"bundles-{n}")
         assert [(a["kind"], a["ok"]) for a in report["actions"]] == [("restart", True)], (n, report["actions"])
+
+
+def test_two_nodes_on_the_c10d_rendezvous_restart_and_the_leader_sees_its_new_round_train(tmp_path: Path) -> None:
+    """c10d: the page is resolved by the new round's training on the leader's node, not by the job's end.
+
+    On an H200 the leader's torchrun sometimes restarted its healthy workers because node 1 came back to the
+    rendezvous, which torchrun does not count as a restart: the leader then watched for a round its workers never
+    reported (resolved only at the job's end).  On this CPU that path was not taken in the runs tried (the leader's
+    workers end first); ``test_workers_source`` holds the round itself.
+    """
+    port = free_port()
+    rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=ckpt"]
+    nodes = [
+        (
+            ["--on-hang", "restart", "--run-dir", str(tmp_path / f"run{n}")],
+            ["--nnodes=2", "--nproc-per-node=2", *rendezvous],
+        )
+        for n in range(2)
+    ]
+    codes, stderr, posts = asyncio.run(watched(tmp_path, nodes, job_args(tmp_path, "sigstop", 3)))
+    assert codes == [0, 0], "\n".join(s[-2500:] for s in stderr)
+    triggers = [p for p in posts if p["action"] == "trigger"]
+    resolves = [p["reason"] for p in posts if p["action"] == "resolve"]
+    assert len(triggers) == 1 and triggers[0]["culprit_ranks"] == [3], triggers
+    assert resolves == ["training again after restart 1 of 2"], "\n".join(s[-2500:] for s in stderr)

@@ -28,11 +28,13 @@ LAUNCHER = textwrap.dedent(
         "time.sleep(60)"
     children = []
     for line in sys.stdin:
-        restart, world = line.split()
+        restart, world, *rdzv_round = line.split()
         for rank in range(int(world)):
             env = dict(
                 os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, TORCHELASTIC_RESTART_COUNT=restart
             )
+            if rdzv_round:  # as ncclwatch's torchrun exports the c10d rendezvous's round
+                env["NCCLWATCH_RDZV_ROUND"] = rdzv_round[0]
             children.append(subprocess.Popen([sys.executable, "-c", WORKER, str(rank)], env=env))
         print("started", flush=True)
     """
@@ -53,8 +55,8 @@ def launcher():
     process.wait()
 
 
-def start(launcher, restart: int, world: int) -> None:  # type: ignore[no-untyped-def]
-    launcher.stdin.write(f"{restart} {world}\n")
+def start(launcher, restart: int, world: int, rdzv_round: int | None = None) -> None:  # type: ignore[no-untyped-def]
+    launcher.stdin.write(f"{restart} {world}{'' if rdzv_round is None else f' {rdzv_round}'}\n")
     launcher.stdin.flush()
     assert launcher.stdout.readline().strip() == "started"
     time.sleep(0.5)  # let worker 0 start its data-loader child
@@ -102,3 +104,14 @@ def test_restart_brings_new_pids_with_a_higher_count(launcher) -> None:  # type:
     events = poll(source)
     assert [(e.rank, e.restart_count) for e in events if isinstance(e, WorkerSeen)] == [(0, 1)]
     assert [e.pid for e in events if isinstance(e, WorkerGone)] == [first[0].pid]
+
+
+def test_the_rendezvous_round_tells_rounds_apart_where_this_nodes_restart_count_does_not(launcher) -> None:  # type: ignore[no-untyped-def]
+    """c10d: torchrun restarts healthy workers when another node rejoins without counting a restart."""
+    start(launcher, restart=0, world=1, rdzv_round=0)
+    source = WorkerSource(launcher.pid, sample_every=0.0, host="node0")
+    first = [e for e in poll(source) if isinstance(e, WorkerSeen)]
+    assert [e.restart_count for e in first] == [0]
+    os.kill(first[0].pid, signal.SIGKILL)
+    start(launcher, restart=0, world=1, rdzv_round=1)  # the count stayed 0; the round did not
+    assert [(e.rank, e.restart_count) for e in poll(source) if isinstance(e, WorkerSeen)] == [(0, 1)]

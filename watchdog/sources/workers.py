@@ -5,7 +5,15 @@ torchrun starts one process per local rank with ``RANK``, ``LOCAL_RANK``,
 worker of a rank is the shallowest descendant of torchrun carrying that
 ``RANK``: data-loader workers and compile subprocesses inherit the variable
 but sit deeper.  An elastic restart replaces every worker: new pids, a higher
-restart count; the old ones are reported gone.
+round; the old ones are reported gone.
+
+The round is the c10d rendezvous's, which ncclwatch's torchrun records in
+``NCCLWATCH_RDZV_ROUND`` (the same on every node), else the restart count.
+torchrun's count is per node: a node whose torchrun restarts its healthy
+workers because another node came back to the rendezvous does not count it,
+so its new workers carried the old round's count (two wrappers on an H200:
+the leader never saw its new round, and resolved the page only when the job
+ended, 61 s after the fault).
 
 Process state comes from psutil (``/proc/<pid>/stat``): ``T`` stopped
 (SIGSTOP), ``t`` traced, ``Z`` zombie, ``D`` disk sleep; CPU seconds and I/O
@@ -41,6 +49,11 @@ STATE_LETTERS = {
 class _Worker:
     process: psutil.Process
     rank: int
+
+
+def _round(environ: dict[str, str]) -> int:
+    rendezvous = _int(environ.get("NCCLWATCH_RDZV_ROUND"))
+    return rendezvous if rendezvous is not None else _int(environ.get("TORCHELASTIC_RESTART_COUNT")) or 0
 
 
 def _int(value: str | None) -> int | None:
@@ -116,7 +129,7 @@ class WorkerSource(PollingSource):
                     rank=rank,
                     local_rank=_int(environ.get("LOCAL_RANK")),
                     world_size=_int(environ.get("WORLD_SIZE")),
-                    restart_count=_int(environ.get("TORCHELASTIC_RESTART_COUNT")) or 0,
+                    restart_count=_round(environ),
                     host=self.host,
                     at=now,
                     node_rank=_int(environ.get("GROUP_RANK")),
