@@ -153,7 +153,8 @@ def _trimmed_tail(tail: SequenceTail, length: int) -> SequenceTail:
 
 
 def _newest_entries(entries: list[FrEntry], limits: Limits) -> list[FrEntry]:
-    """The newest entries of each group, plus its pending point-to-point ops issued alone, whatever their age.
+    """The newest entries of each group, back to where the rank stands (``_first_kept``), plus its pending
+    point-to-point ops issued alone, whatever their age.
 
     A rank's first pending send or recv with a peer is what shows a pipeline deadlock (``detectors``:
     ``_pending_recv_cycle``), and the host keeps enqueueing behind it (NCCL returns at once): on a
