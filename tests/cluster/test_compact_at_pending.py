@@ -9,19 +9,20 @@ from __future__ import annotations
 
 from conftest import FIXTURES
 
+from ncclwatch.watchdog.cluster.judge import focus
 from ncclwatch.watchdog.cluster.payload import FR_ENTRIES_COMPACT, pack, unpack
+from ncclwatch.watchdog.cluster.peers import FULL_NODES
 from ncclwatch.watchdog.events import FrDump
-from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.classify import Decision, judge
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
-from ncclwatch.watchdog.hang.types import Finding
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
 
 DUMPS = FIXTURES / "nccl-2.28.9-2gpu" / "mismatch_fr" / "fr"
 
 
-def judged(kind: str | None) -> Finding:
+def judged(kind: str | None) -> Decision:
     state = JobState()
     for node, path in enumerate(sorted(DUMPS.glob("nccl_trace_rank_*"))):
         events = parse_flight_recorder(path.read_bytes(), path.name)
@@ -31,16 +32,19 @@ def judged(kind: str | None) -> Finding:
             events = payload.events
         for event in events:
             state.apply(event)
-    return judge(take_snapshot(state, 1e12)).finding
+    return judge(take_snapshot(state, 1e12))
 
 
 def test_the_divergence_behind_a_rank_that_ran_ahead_travels_in_compact_evidence() -> None:
-    whole = judged(None)
+    whole = judged(None).finding
     assert (whole.verdict, whole.culprits, whole.position) == (Verdict.collective_mismatch, (1,), 82)
-    compact = judged("compact")
+    peek = judged("compact")
     # The newest four entries alone start at #84 on rank 0 and #86 on rank 1: "rank 0 never entered #85"
-    assert compact.verdict is Verdict.collective_mismatch and compact.position == 82, compact.summary
-    full = judged("full")
+    assert peek.finding.verdict is Verdict.collective_mismatch and peek.finding.position == 82, peek.finding.summary
+    # Without their history the sides split evenly: both are suspects, and both nodes are asked for their full
+    # evidence (asked for none, the leader paged the split with no culprit on the H200)
+    assert peek.page and peek.finding.culprits == () and focus(peek, {0: 0, 1: 1}, set(), FULL_NODES) == [0, 1]
+    full = judged("full").finding
     assert (full.verdict, full.culprits) == (whole.verdict, whole.culprits)
 
 

@@ -200,7 +200,7 @@ def _slots(state: JobState) -> set[Slot]:
 
 
 def focus(decision: Decision, nodes_of: dict[int, int], lost: set[int], limit: int) -> list[int]:
-    """The nodes whose full evidence decides: the culprits' and absent ranks', then those of ranks whose row
+    """The nodes whose full evidence decides: the culprits', absent and suspect ranks', then those of ranks whose row
     differs from the most common one (behind, diverged), at most ``limit``; never a lost node (it cannot answer).
 
     A rank behind where the others' operation at its position is unknown (``?``) asks the others' nodes too:
@@ -212,7 +212,13 @@ def focus(decision: Decision, nodes_of: dict[int, int], lost: set[int], limit: i
     usual = max(set(statuses), key=statuses.count) if statuses else None
     unseen = finding.verdict == Verdict.rank_behind and finding.operation == "?"
     ahead = [row.rank for row in finding.rows if row.rank not in finding.culprits] if unseen else []
-    ranks = [*finding.culprits, *finding.absent, *(row.rank for row in finding.rows if row.status != usual), *ahead]
+    ranks = [
+        *finding.culprits,
+        *finding.absent,
+        *finding.suspects,  # an even split: only the ranks' history (their full evidence) may tell which side erred
+        *(row.rank for row in finding.rows if row.status != usual),
+        *ahead,
+    ]
     chosen: list[int] = []
     for rank in ranks:
         node = nodes_of.get(rank)
