@@ -12,7 +12,7 @@ from conftest import FIXTURES
 from ncclwatch.watchdog.cluster.judge import focus
 from ncclwatch.watchdog.cluster.payload import FR_ENTRIES_COMPACT, pack, unpack
 from ncclwatch.watchdog.cluster.peers import FULL_NODES
-from ncclwatch.watchdog.events import FrDump
+from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState
 from ncclwatch.watchdog.hang.classify import Decision, judge
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
@@ -56,3 +56,48 @@ def test_compact_stays_small_where_the_oldest_pending_is_among_the_newest() -> N
     positions = [(e.collective_seq_id, e.op) for e in dump.entries]
     # #83 is rank 0's oldest pending: #81 and #82 before it, then up to six in all, merged with the newest four
     assert positions[0] == (81, "AllReduce") and len(dump.entries) <= FR_ENTRIES_COMPACT + 3
+
+
+def step_one_dtype(rank: int, enqueued: int) -> FrDump:
+    """The H200's two-wrapper dtype fault at step 1 (bench/gpu_job.py, rank 1's log: "failure detected at work
+    sequence id: 15 (BROADCAST) ... last enqueued work: 22, last completed work: 14"): all_reduces #1-#13 in Float,
+    #14 in BFloat16 on rank 1 (completed on both: NCCL moved bytes, it does not check types), the broadcast #15
+    hung, and the host queued up to ``enqueued`` behind it."""
+
+    def entry(seq: int, op: str, dtype: str, done: bool) -> FrEntry:
+        return FrEntry(
+            index=seq - 1,
+            pg_id="0",
+            collective_seq_id=seq,
+            profiling_name=f"nccl:{op.lower()}",
+            op=op,
+            is_p2p=False,
+            input_sizes=[[1024]],
+            input_dtypes=[dtype],
+            state=OpState.completed if done else OpState.scheduled,
+        )
+
+    entries = [entry(seq, "AllReduce", "Float", True) for seq in range(1, 14)]
+    entries.append(entry(14, "AllReduce", "BFloat16" if rank == 1 else "Float", True))
+    entries.append(entry(15, "Broadcast", "Float", False))
+    entries += [entry(seq, "AllReduce", "Float", False) for seq in range(16, enqueued + 1)]
+    return FrDump(
+        rank=rank,
+        version="2.10",
+        process_groups={"0": FrProcessGroup(pg_id="0", desc="default_pg", ranks=[0, 1])},
+        entries=entries,
+        cite=Citation(file=f"nccl_trace_rank_{rank}"),
+    )
+
+
+def test_a_dtype_changed_at_step_one_is_named_across_nodes_from_compact_evidence() -> None:
+    state = JobState()
+    for node, dump in enumerate([step_one_dtype(0, enqueued=17), step_one_dtype(1, enqueued=22)]):
+        payload = unpack(pack(node, "compact", 0.0, [dump]), f"node {node}")
+        assert payload is not None
+        (shared,) = payload.events
+        assert shared.entries[0].collective_seq_id == 13  # type: ignore[attr-defined]  # two before the pending #15
+        for event in payload.events:
+            state.apply(event)
+    finding = judge(take_snapshot(state, 1e12)).finding
+    assert (finding.verdict, finding.culprits, finding.position) == (Verdict.collective_mismatch, (1,), 14)

@@ -130,3 +130,35 @@ class TestCompletedEverywhere:
         rank1 = [all_reduce(1), entry(2, "Broadcast", ([[4]], [[4]])), all_reduce(3)]
         finding = judged(rank0, rank1)
         assert (finding.verdict, finding.position) == (Verdict.collective_mismatch, 2)
+
+
+class TestDatatypesCompletedApart:
+    """A collective every rank completed in other datatypes is never by design: NCCL moved bytes of one type as the
+    other.  The H200, two wrappers, rank 1 all_reducing its losses in float32 where rank 0 passes bfloat16 at step 1:
+    both completed all_reduce #14, then the broadcast #15 hung on both."""
+
+    @staticmethod
+    def ranks(then: list[OpState], rank1_dtype: str = "BFloat16") -> tuple[list[FrEntry], list[FrEntry]]:
+        history = [all_reduce(seq) for seq in range(1, 4)]
+        after = [entry(5 + i, "Broadcast", ([[16]], [[16]]), state=state) for i, state in enumerate(then)]
+        return [*history, all_reduce(4), *after], [*history, all_reduce(4, dtype=rank1_dtype), *after]
+
+    def test_the_collective_right_after_it_hanging_names_the_rank_that_changed_its_datatype(self) -> None:
+        finding = judged(*self.ranks([WAITING, WAITING]))
+        assert (finding.verdict, finding.culprits, finding.position) == (Verdict.collective_mismatch, (1,), 4)
+        assert finding.kind == "dtype"
+        assert finding.summary.startswith("rank 1 passes BFloat16 where rank 0 passes Float")
+
+    def test_with_every_collective_after_it_completed_it_is_not_what_holds_the_job(self) -> None:
+        # a pause after it (a checkpoint): nothing pending, so no mismatch is the stall
+        assert judged(*self.ranks([DONE, DONE])).verdict is not Verdict.collective_mismatch
+
+    def test_far_behind_the_stall_it_is_not_the_stall_s_cause(self) -> None:
+        finding = judged(*self.ranks([DONE] * 6 + [WAITING]))
+        assert finding.verdict is not Verdict.collective_mismatch and finding.position == 11, finding.summary
+
+    def test_a_size_that_differs_by_design_keeps_its_old_reading(self) -> None:
+        # the same run with the counts differing instead (one call recorded apart): the stall is what is pending
+        rank0, rank1 = self.ranks([WAITING, WAITING], rank1_dtype="Float")
+        rank1[3] = all_reduce(4, count=8)
+        assert judged(rank0, rank1).verdict is not Verdict.collective_mismatch

@@ -32,6 +32,10 @@ from ncclwatch.watchdog.hang.types import Fact, Finding, OpRef, RankStatus
 from ncclwatch.watchdog.hang.verdicts import Verdict
 
 MAX_SKEW = 16  # how far apart two ranks' sequences may be realigned
+# A collective every rank completed in different datatypes is the divergence when a collective this close after it
+# is still pending somewhere (``_first_divergence``): NCCL moved bytes of one type as the other, and the stream of
+# bytes between the ranks no longer lines up.
+DTYPE_STALL_WITHIN = 4
 
 
 # --------------------------------------------------------------------------
@@ -138,6 +142,7 @@ def _first_divergence(ranks: list[RankView]) -> tuple[int, dict[OpSig | None, li
     if all(r.window[start - r.base :] == ahead[: max(r.total - start, 0)] for r in ranks):
         return None
     apart: int | None = None  # the first of a run of completed differences, until the ranks agree again
+    typed: int | None = None  # the first completed collective whose ranks passed different datatypes
     for position in range(start, longest.total):
         here = [r for r in ranks if r.total > position]
         if len(here) < 2:
@@ -146,10 +151,38 @@ def _first_divergence(ranks: list[RankView]) -> tuple[int, dict[OpSig | None, li
         if sigs.count(sigs[0]) == len(sigs):
             apart = None  # in step again, unshifted: each completed difference before was one call recorded apart
         elif not _one_call_completed(list(zip(here, sigs)), position):
-            return _split_at(ranks, position if apart is None else apart)
-        elif apart is None:
-            apart = position
-    return None if apart is None else _split_at(ranks, apart)
+            return _split_at(ranks, next(p for p in (typed, apart, position) if p is not None))
+        else:
+            apart = position if apart is None else apart
+            if typed is None and _dtypes_only(sigs):
+                typed = position
+    if apart is not None:
+        return _split_at(ranks, typed if typed is not None else apart)
+    if typed is not None and _pending_soon_after(ranks, typed):
+        return _split_at(ranks, typed)
+    return None
+
+
+def _dtypes_only(sigs: list[OpSig | None]) -> bool:
+    """Every rank says a datatype, they differ, and nothing else does: never by design (a scatter's root and the
+    others differ in size, not type)."""
+    known = [s for s in sigs if s is not None and s.dtype is not None]
+    return (
+        len(known) == len(sigs)
+        and len({s.dtype for s in known}) > 1
+        and len({s._replace(dtype=None) for s in known}) == 1
+    )
+
+
+def _pending_soon_after(ranks: list[RankView], position: int) -> bool:
+    """Some rank issued a collective within DTYPE_STALL_WITHIN after ``position`` that it has not completed.
+
+    The H200, two wrappers, rank 1 all_reducing its losses in float32 where rank 0 passes bfloat16 at step 1: both
+    completed all_reduce #14, and the broadcast #15 after it hung on both.  A dtype difference further back did not
+    stop the job there, and one after which every rank completed all it issued (a checkpoint's pause) holds nothing
+    now: neither is the stall's cause."""
+    after = range(position + 1, position + 1 + DTYPE_STALL_WITHIN)
+    return any(p < r.total and r.state_at(p) is not OpState.completed for r in ranks for p in after)
 
 
 def _one_call_completed(present: list[tuple[RankView, OpSig | None]], position: int) -> bool:
