@@ -313,7 +313,7 @@ if round_ == "0":
     raw.set("exception_dump", "1")  # what ProcessGroupNCCL's watchdog does once it sees its peer gone
     time.sleep(120)  # outlives its peer until its own torchrun stops it
 with open(os.path.join(sys.argv[1], f"rank{rank}"), "w") as out:
-    out.write(f"{round_} {raw.check(['exception_dump'])}")
+    out.write(f"{round_} {raw.check(['exception_dump'])} {os.environ['TORCHELASTIC_RESTART_COUNT']}")
 dist.destroy_process_group()
 """
 
@@ -338,7 +338,9 @@ def test_a_dead_round_s_dump_signal_is_gone_before_the_next_round_starts_on_ever
     errors = [node.communicate(timeout=150)[1] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(e[-3000:] for e in errors)
     seen = {path.name: path.read_text() for path in out.iterdir()}
-    assert seen == {"rank0": "1 False", "rank1": "1 False"}
+    # Node 0's torchrun restarted its healthy worker because node 1 came back to the rendezvous: torchrun counts
+    # no restart there (its count stays 0), the rendezvous round is 1 on both (the sidecar goes by the round).
+    assert seen == {"rank0": "1 False 0", "rank1": "1 False 1"}
 
 
 def test_a_worker_s_child_process_is_left_alone(dirs: RunDirs) -> None:
