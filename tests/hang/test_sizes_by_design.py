@@ -162,3 +162,10 @@ class TestDatatypesCompletedApart:
         rank0, rank1 = self.ranks([WAITING, WAITING], rank1_dtype="Float")
         rank1[3] = all_reduce(4, count=8)
         assert judged(rank0, rank1).verdict is not Verdict.collective_mismatch
+
+    def test_a_divergence_still_pending_far_after_it_is_the_one_named(self) -> None:
+        rank0, rank1 = self.ranks([DONE] * 6)
+        rank0.append(all_reduce(11, state=WAITING))
+        rank1.append(entry(11, "AllGather", ([[4]], [[8]]), state=WAITING))
+        finding = judged(rank0, rank1)
+        assert (finding.verdict, finding.position) == (Verdict.collective_mismatch, 11), finding.summary

@@ -142,7 +142,7 @@ def _first_divergence(ranks: list[RankView]) -> tuple[int, dict[OpSig | None, li
     if all(r.window[start - r.base :] == ahead[: max(r.total - start, 0)] for r in ranks):
         return None
     apart: int | None = None  # the first of a run of completed differences, until the ranks agree again
-    typed: int | None = None  # the first completed collective whose ranks passed different datatypes
+    typed: int | None = None  # the latest completed collective whose ranks passed different datatypes
     for position in range(start, longest.total):
         here = [r for r in ranks if r.total > position]
         if len(here) < 2:
@@ -151,15 +151,14 @@ def _first_divergence(ranks: list[RankView]) -> tuple[int, dict[OpSig | None, li
         if sigs.count(sigs[0]) == len(sigs):
             apart = None  # in step again, unshifted: each completed difference before was one call recorded apart
         elif not _one_call_completed(list(zip(here, sigs)), position):
-            return _split_at(ranks, next(p for p in (typed, apart, position) if p is not None))
+            near = typed if typed is not None and position - typed <= DTYPE_STALL_WITHIN else None
+            return _split_at(ranks, min(p for p in (near, apart, position) if p is not None))
         else:
             apart = position if apart is None else apart
-            if typed is None and _dtypes_only(sigs):
-                typed = position
-    if apart is not None:
-        return _split_at(ranks, typed if typed is not None else apart)
-    if typed is not None and _pending_soon_after(ranks, typed):
-        return _split_at(ranks, typed)
+            typed = position if _dtypes_only(sigs) else typed
+    near = typed if typed is not None and _pending_soon_after(ranks, typed) else None
+    if apart is not None or near is not None:
+        return _split_at(ranks, min(p for p in (near, apart) if p is not None))
     return None
 
 
