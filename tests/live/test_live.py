@@ -189,6 +189,14 @@ class TestStallTimeout:
         assert [w.pid for w in job.state.current_workers()] == [20]
         assert job.last_progress() == NOW + 30  # the new attempt's start, not the old progress
 
+    def test_restarts_are_counted_from_the_first_round_seen(self) -> None:
+        """A c10d rendezvous's rounds need not start at 0 (an etcd store keeps a reused run id's)."""
+        job = LiveJob(SETTINGS, started_at=NOW)
+        worker(job, 10, 0, NOW, restart=3)
+        assert (job.state.current_round(), job.state.restarts_seen()) == (3, 0)
+        worker(job, 20, 0, NOW + 30, restart=4)
+        assert (job.state.current_round(), job.state.restarts_seen()) == (4, 1)
+
     def test_a_restarted_attempt_keeps_the_jobs_rhythm_once_it_moves(self) -> None:
         """Seen in CI on a loaded machine: the restarted ranks were first read at step 11, already stuck; on their
         own they showed no gap, and the warm-up timeout (300 s) held the page back past the test's 150 s."""

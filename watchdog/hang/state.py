@@ -499,8 +499,15 @@ class JobState:
         return max(sizes) if sizes else None
 
     def current_round(self) -> int:
-        """torchrun's restart count of the newest workers seen (0 before any)."""
+        """The round of the newest workers seen (0 before any): the c10d rendezvous's, else torchrun's restart
+        count (``sources.workers``)."""
         return max((w.restart for w in self.workers.values() if w.rank is not None), default=0)
+
+    def restarts_seen(self) -> int:
+        """Rounds since the first this state saw: the restarts, counted alike on every node.  A c10d rendezvous's
+        rounds need not start at 0 (an etcd store keeps a reused run id's), and a node rejoining counts one too."""
+        rounds = [w.restart for w in self.workers.values() if w.rank is not None]
+        return max(rounds) - min(rounds) if rounds else 0
 
     def current_workers(self) -> list[Worker]:
         """Workers of the current attempt: an elastic restart retires every older pid."""

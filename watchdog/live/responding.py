@@ -105,7 +105,7 @@ class Responding:
         node's report of the hang."""
         if self.responder is None:
             return None
-        restarts_done = self.live.state.current_round()
+        restarts_done = self.live.state.restarts_seen()
         if followed is not None and followed.response is not None:
             return self.responder.follow(followed.response, followed.why, restarts_done)
         return self.responder.plan(report, restarts_done)
