@@ -3,6 +3,7 @@
 - ``sleepers(n)``: Python processes parked in ``sleeping_here()`` -> ``time.sleep``,
   optionally SIGSTOPped; killed on exit whatever their state.
 - ``make_port``: one port of a fake /sys/class/infiniband tree (no IB here).
+- ``free_port``: a loopback port for a process started later to listen on.
 - ``torch_store_server``: a real torch TCPStore server on a loopback ephemeral port.
 - ``RasServer``: NCCL's side of the RAS protocol on a loopback ephemeral port,
   answering with a canned report; the first ``silent`` connections are accepted
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -142,9 +144,27 @@ def torch_store_server(use_libuv: bool = True):  # type: ignore[no-untyped-def]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, for a process started later to listen on (torchrun's store, a server).  Taken
+    below the kernel's ephemeral range: a port from that range can be handed to any outgoing connection or
+    ``bind(0)`` on the machine (eight wrappers' torchruns, sidecars and ranks start in between) before the
+    process binds it, and the job then waits for a store that never starts."""
+    low = ephemeral_range()[0]
+    for port in random.sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use
+            return port
+    raise OSError("no free loopback port below the ephemeral range")
+
+
+def ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 COUNTERS = {

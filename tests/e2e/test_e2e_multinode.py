@@ -112,9 +112,11 @@ async def run_nodes(
     act_on: int | None = None,
     act=freeze,
     after_s: float = 1.0,
+    timeout_s: float = TIMEOUT_S,
 ):
     """``nnodes`` wrappers of one job; ``act`` on node ``act_on`` (freeze, kill) ``after_s`` into its training.
-    The exit codes and stderr of the nodes that ran to the end, and the webhook's triggers."""
+    The exit codes and stderr of the nodes that ran to the end, and the webhook's triggers.  Every node's
+    stderr is read at once: a node blocked on a full pipe would hold up torchrun's exit barrier on the others."""
     job = [
         f"--fault={fault}",
         f"--fault-rank={fault_rank}",
@@ -133,11 +135,11 @@ async def run_nodes(
             await asyncio.sleep(after_s)
             stopped = act(nodes[act_on].pid)
         try:
-            ends = []
-            for n, node in enumerate(nodes):
-                if n == act_on:
-                    continue
-                ends.append(await asyncio.wait_for(node.communicate(), TIMEOUT_S))
+            ends = await asyncio.wait_for(
+                asyncio.gather(*(node.communicate() for n, node in enumerate(nodes) if n != act_on)), timeout_s
+            )
+        except TimeoutError:
+            raise TimeoutError(f"not every node ended within {timeout_s} s:\n{ended(nodes, act_on)}") from None
         finally:
             for node in nodes:
                 if node.returncode is None:
@@ -150,6 +152,23 @@ async def run_nodes(
     stderr = [end[1].decode(errors="replace") for end in ends]
     codes = [node.returncode for n, node in enumerate(nodes) if n != act_on]
     return codes, stderr, triggers
+
+
+def ended(nodes: list, act_on: int | None) -> str:
+    """Which wrappers had ended, and what their processes were doing: the diagnosis of a node that did not end."""
+    said = []
+    for n, node in enumerate(nodes):
+        if n == act_on:
+            continue
+        if node.returncode is not None:
+            said.append(f"node {n} ended {node.returncode}")
+            continue
+        try:
+            alive = [f"{p.pid} {p.name()} {p.status()} {' '.join(p.cmdline()[1:4])}" for p in tree(node.pid)]
+        except psutil.Error as exc:
+            alive = [str(exc)]
+        said.append(f"node {n} running: " + "; ".join(alive))
+    return "\n".join(said)
 
 
 async def two_nodes(tmp_path: Path, fault: str, fault_rank: int, *job_args: str, freeze_node1: bool = False):

@@ -22,10 +22,11 @@ from test_e2e_multinode import kill, reports, run_nodes
 pytest.importorskip("torch")
 
 NODES = 8
+TIMEOUT_S = 240  # 53-65 s on a 2-core VM, idle or loaded; CI machines have been 2-3 times slower
 
 
 def test_a_skip_on_node_5_of_8_is_one_page_naming_its_rank(tmp_path: Path) -> None:
-    codes, stderr, triggers = asyncio.run(run_nodes(tmp_path, "skip", 5, nnodes=NODES, per_node=1))
+    codes, stderr, triggers = asyncio.run(run_nodes(tmp_path, "skip", 5, nnodes=NODES, per_node=1, timeout_s=TIMEOUT_S))
     assert len(triggers) == 1, (triggers, stderr[0][-3000:])
     assert (triggers[0]["verdict"], triggers[0]["culprit_ranks"]) == ("collective_mismatch", [5]), stderr[0][-3000:]
     for node in (0, 5, 7):  # every node's bundle carries the leader's verdict
@@ -36,7 +37,7 @@ def test_a_skip_on_node_5_of_8_is_one_page_naming_its_rank(tmp_path: Path) -> No
 
 def test_a_frozen_node_of_8_is_node_lost(tmp_path: Path) -> None:
     codes, stderr, triggers = asyncio.run(
-        run_nodes(tmp_path, "none", 0, "--steps=4000", nnodes=NODES, per_node=1, act_on=6)
+        run_nodes(tmp_path, "none", 0, "--steps=4000", nnodes=NODES, per_node=1, act_on=6, timeout_s=TIMEOUT_S)
     )
     assert len(triggers) == 1, (triggers, stderr[0][-3000:])
     assert (triggers[0]["verdict"], triggers[0]["culprit_ranks"]) == ("node_lost", [6]), stderr[0][-3000:]
@@ -45,7 +46,9 @@ def test_a_frozen_node_of_8_is_node_lost(tmp_path: Path) -> None:
 
 def test_the_store_node_killed_whole_is_one_page_from_one_survivor(tmp_path: Path) -> None:
     codes, stderr, triggers = asyncio.run(
-        run_nodes(tmp_path, "none", 0, "--steps=4000", nnodes=NODES, per_node=1, act_on=0, act=kill)
+        run_nodes(
+            tmp_path, "none", 0, "--steps=4000", nnodes=NODES, per_node=1, act_on=0, act=kill, timeout_s=TIMEOUT_S
+        )
     )
     assert len(triggers) == 1, (triggers, [e[-1500:] for e in stderr[:2]])
     [page] = triggers
@@ -56,6 +59,6 @@ def test_the_store_node_killed_whole_is_one_page_from_one_survivor(tmp_path: Pat
 
 
 def test_a_healthy_job_of_8_pages_nothing(tmp_path: Path) -> None:
-    codes, stderr, triggers = asyncio.run(run_nodes(tmp_path, "none", 0, nnodes=NODES, per_node=1))
+    codes, stderr, triggers = asyncio.run(run_nodes(tmp_path, "none", 0, nnodes=NODES, per_node=1, timeout_s=TIMEOUT_S))
     assert triggers == [], stderr[0][-3000:]
     assert codes == [0] * NODES, stderr
