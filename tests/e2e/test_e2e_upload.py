@@ -83,7 +83,7 @@ def test_two_jobs_upload_to_one_server_which_names_the_host_in_both(tmp_path: Pa
     async def scenario():  # type: ignore[no-untyped-def]
         async with serving(tmp_path / "server", free_port()) as base, Receiver() as receiver:
             jobs = [await start_job(tmp_path, name, base, receiver.url) for name in ("job-a", "job-b")]
-            results = [await asyncio.wait_for(job.communicate(), 240) for job in jobs]
+            results = await asyncio.wait_for(asyncio.gather(*(job.communicate() for job in jobs)), 240)
             codes = [job.returncode for job in jobs]
             incidents = await get(base, "/api/incidents")
             hosts = await get(base, "/api/hosts")
@@ -167,7 +167,7 @@ def test_every_node_of_a_job_uploads_its_part_of_one_incident_which_pages_once(t
             store = free_port()
             nodes = [await start_node(tmp_path, n, base, receiver.url, store) for n in (0, 1)]
             try:
-                ends = [await asyncio.wait_for(node.communicate(), 240) for node in nodes]
+                ends = await asyncio.wait_for(asyncio.gather(*(node.communicate() for node in nodes)), 240)
             finally:
                 for node in nodes:
                     if node.returncode is None:
