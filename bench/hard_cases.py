@@ -139,6 +139,12 @@ PIPELINE = [
 ]
 
 
+def made_folder(path: str) -> Path:
+    """``--work``: the folder every run's own folder goes under, made if missing."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return Path(path)
+
+
 def bundle_reports(folder: Path) -> list[dict]:  # type: ignore[type-arg]
     found = []
     for bundle in sorted(folder.glob("*.tar.gz")):
@@ -312,7 +318,7 @@ def main() -> int:
     parser.add_argument("--only", choices=("all", "fsdp", "pipeline"), default="all")
     parser.add_argument("--names", nargs="*", help="only these scenarios")
     parser.add_argument("--repeat", type=int, default=1, help="run the chosen scenarios this many times, in turn")
-    parser.add_argument("--work", default=None)
+    parser.add_argument("--work", type=made_folder, default=None)
     parser.add_argument("--timeout", type=float, default=150)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo, to try the bench itself")
     return asyncio.run(main_async(parser.parse_args()))

@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hard_cases import Scenario, run  # bench/: the script's folder is on sys.path
+from hard_cases import Scenario, made_folder, run  # bench/: the script's folder is on sys.path
 from shapes_job import SHAPES, TWO_D
 
 # The step of each fault and of the healthy run's pause: well past the 8 steps the stall timeout is learned from,
@@ -289,7 +289,9 @@ def main() -> int:
         "--watch", action="append", default=[], metavar="ARG", help="an option for every wrapper, e.g. --watch=-v"
     )
     parser.add_argument("--timeout", type=float, default=180, help="seconds one run may take before it is killed")
-    parser.add_argument("--work", default=None, help="where each run's folder goes (default: the temp folder)")
+    parser.add_argument(
+        "--work", type=made_folder, default=None, help="where each run's folder goes (default: the temp folder)"
+    )
     parser.add_argument("--list", action="store_true", help="print the scenarios and exit")
     parser.add_argument("--summarize", nargs="+", metavar="FILE", help="print the table of these rows and exit")
     args = parser.parse_args()

@@ -593,7 +593,7 @@ def headline(report: Report) -> str:
         what += f" — {', '.join(sites)}" if sites and report.verdict == Verdict.collective_mismatch else ""
     ranks = f"rank {', '.join(map(str, culprits))}" if culprits else "the lead rank"
     advice = CATALOGUE[report.verdict].next_step_for(report.kind).format(ranks=ranks)
-    return f"ncclwatch: {title} {what}. Next: {advice}."
+    return f"ncclwatch: {title} {what}. Next: {advice}{'' if advice.endswith('?') else '.'}"
 
 
 def _op_at(row: RankRow | None, position: int | None) -> str | None:

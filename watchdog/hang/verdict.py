@@ -20,6 +20,7 @@ from ncclwatch.watchdog.hang.partial import decide_partial, strong_partial
 from ncclwatch.watchdog.hang.partial_rules import mismatch_facts
 from ncclwatch.watchdog.hang.ras import judge_ras
 from ncclwatch.watchdog.hang.snapshot import Snapshot
+from ncclwatch.watchdog.hang.stacks import IN_COMMUNICATION, whereabouts
 from ncclwatch.watchdog.hang.types import Fact, Finding
 from ncclwatch.watchdog.hang.verdicts import HANG_VERDICTS, PRIORITY, Verdict
 
@@ -41,8 +42,13 @@ def decide(snapshot: Snapshot) -> Finding:
     # A rank behind on one communicator that waits in a collective of another is held there, not the cause: FSDP2 +
     # TP on 2 x 2 gloo ranks, rank 3 asleep, rank 1 waits in its dp group's all_gather for rank 3 and so is "behind"
     # in its tp group, where rank 0 waits for it. Only what is pending decides: the rank waiting in nothing is named.
+    # gloo records no send/recv, so a rank held in a pipeline's point-to-point wait shows it in its stack only (pipeline
+    # x DP on 2 x 2 gloo ranks, rank 0 asleep: rank 3 waits in recv for it and is behind in its dp group, as rank 0
+    # is in its own; which of the two was named followed the order the nodes' evidence came in).
     pending = _pending_collectives(snapshot)
-    waits_elsewhere = lambda f: any(pending.get(r, set()) - {f.comm_key} for r in f.culprits)
+    behind = {r for f in findings if f.verdict == Verdict.rank_behind for r in f.culprits}
+    communicating = _communicating(snapshot, behind) if len(behind) > 1 else set()
+    waits_elsewhere = lambda f: any(pending.get(r, set()) - {f.comm_key} or r in communicating for r in f.culprits)
     idle = lambda f: f.verdict == Verdict.rank_behind and not waits_elsewhere(f)
     findings.sort(
         key=lambda f: (PRIORITY[f.verdict], decided(f), idle(f), f.source == "nccl_log", bool(f.culprits)), reverse=True
@@ -76,6 +82,15 @@ def _pending_collectives(snapshot: Snapshot) -> dict[int, set[str | None]]:
             if rank.completed is not None and rank.completed < rank.total:
                 pending.setdefault(rank.rank, set()).add(comm.key)
     return pending
+
+
+def _communicating(snapshot: Snapshot, ranks: set[int]) -> set[int]:
+    """Those of ``ranks`` whose stack shows them waiting in communication (a collective, a send or a recv)."""
+    return {
+        w.rank
+        for w in snapshot.workers
+        if w.rank in ranks and whereabouts(snapshot.stacks.get(w.pid)).kind in IN_COMMUNICATION
+    }
 
 
 def _missing_ranks(snapshot: Snapshot) -> tuple[str, ...]:

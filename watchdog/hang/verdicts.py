@@ -97,8 +97,9 @@ _ENTRIES = (
         meaning="some ranks never entered the collective the others wait in",
         detail="The sequences agree up to it; with point-to-point operations, the rank that never posted the send or "
         "recv its peer waits for.",
-        next_step="py-spy stack in the bundle; check why {ranks} skipped the collective (an early exit, a branch on "
-        "the rank, a data loader that ran dry)",
+        next_step="py-spy stack in the bundle: is {ranks} still in its own code (blocked in I/O, a data loader or a "
+        "lock, a long computation) or past a branch that skipped the collective (an early exit, a branch on the rank, "
+        "a data loader that ran dry)?",
         restart_why="a rank held up in its own code is in the program's hands, not the hardware's",
         restart_when_blocked="a rank blocked in a read, a sleep or a lock (state S or D: a network filesystem, a data "
         "loader) may get past it in a fresh process; the loop guard ends it if it recurs",
