@@ -219,6 +219,36 @@ def _alive(snapshot: Snapshot) -> set[int]:
     return {w.rank for w in snapshot.workers if not w.gone}
 
 
+def _unseen(snapshot: Snapshot) -> list[int]:
+    """The job's ranks that no input shows (one node's bundle alone), from the workers' world size."""
+    world = max((w.world_size or 0 for w in snapshot.workers), default=0)
+    return sorted(set(range(world)) - {w.rank for w in snapshot.workers})
+
+
+def _waits_for_unseen(finding: Finding, where: Mapping[int, Whereabouts], unseen: list[int]) -> Finding | None:
+    """The ranks "behind" wait in point-to-point operations and some of the job's ranks are in no input: the peer
+    they wait for may be one of those, so neither they nor a rank seen here is named (pipeline x DP, one node's
+    bundle alone: rank 3 waits in a recv for rank 0 on the other node; rank 2, the only other rank seen, was named
+    as the one that never posted the send)."""
+    if not all(where.get(r) and where[r].kind == "p2p" for r in finding.culprits):
+        return None
+    names = ", ".join(map(str, finding.culprits))
+    absent = ("rank " if len(unseen) == 1 else "ranks ") + ", ".join(map(str, unseen[:16]))
+    waits = f"a point-to-point operation ({_wait_frames(where, list(finding.culprits))})"
+    return replace(
+        finding,
+        verdict=Verdict.inconclusive,
+        culprits=(),
+        summary=f"Rank {names} never entered {finding.operation or 'the collective'} (collective #{finding.position}) "
+        f"because it waits in {waits} for a peer; {absent} of the job {'is' if len(unseen) == 1 else 'are'} in no "
+        "input given, and that peer may be one of them.",
+        reason=f"A rank that waits for its peer is not the cause; the peer is. Engine: {finding.summary}",
+        evidence=finding.evidence
+        + tuple(Fact("py-spy", f"rank {r}: p2p at {where[r].frame}") for r in finding.culprits),
+        missing=finding.missing + (f"{absent}: no input (their bundle, dumps, stacks or logs)",),
+    )
+
+
 def _with_rows(finding: Finding, snapshot: Snapshot, status: Mapping[int, tuple[str, str]]) -> tuple[RankStatus, ...]:
     """The finding's rows with these ranks' (status, detail); a rank its communicator does not hold gets a row of
     its own: the leader's rows travel with its verdict, so every node's bundle then shows each rank the verdict is
@@ -294,6 +324,8 @@ def _p2p_wait_from_stacks(finding: Finding, where: Mapping[int, Whereabouts], sn
     no send/recv and a stack names no peer; NCCL's logs name the peer (``detectors``)."""
     if finding.verdict != Verdict.rank_behind or not finding.culprits:
         return None
+    if unseen := _unseen(snapshot):
+        return _waits_for_unseen(finding, where, unseen)
     alive = _alive(snapshot)
     waiting = _waiting_on_one_side(where, alive)
     if waiting is None or not set(finding.culprits) <= set(waiting[1]):
