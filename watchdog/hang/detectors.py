@@ -901,6 +901,8 @@ def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding
             "nothing is pending." + (_older_dumps(ranks, total) if any(r.total < total for r in ranks) else ""),
             rows=_rows(comm, lambda r: ("ok", "all completed")),
         )
+    if (lagging := _completed_elsewhere(comm, ranks, pending)) is not None:
+        return lagging
     position = min(r.completed or 0 for r in pending)
     states = {r.comm_rank: r.state_at(position) for r in ranks}
     not_started = [r for r in ranks if states[r.comm_rank] == OpState.scheduled]
@@ -937,6 +939,42 @@ def _fr_completion(comm: CommView, ranks: list[RankView], total: int) -> Finding
         else ("which rank is late: 'started' states need TORCH_NCCL_ENABLE_TIMING=1; or add NVML samples / stacks",),
         # the call site of the collective each rank is in (Flight Recorder's frames)
         rows=_rows(comm, lambda r: (str(states[r.comm_rank] or "?"), f"completed {r.completed}"), position),
+    )
+
+
+# Collectives in which every rank contributes before any rank's part can complete: completed on one rank, every
+# rank's part of it ran.  (Not a broadcast, reduce, gather or scatter: a root or a sender may finish first.)
+_EVERY_RANK_FIRST = frozenset({"AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "Barrier"})
+
+
+def _completed_elsewhere(comm: CommView, ranks: list[RankView], pending: list[RankView]) -> Finding | None:
+    """No rank waits on this communicator when each op a rank has not completed is one that another rank completed
+    and that completes on no rank alone: its record lags (gloo marks a collective completed after its work is done;
+    NCCL's watchdog polls the GPU), its part is done.  Two wrappers of gloo ranks, every rank asleep in a checkpoint-
+    like pause: rank 2's dump held DDP's all-reduce #54 'scheduled' while ranks 0, 1 and 3 had it 'completed' and
+    rank 2 itself was in the pause past it; it was paged as stuck_in_collective, rank 2 never started it."""
+    lags: list[tuple[RankView, int]] = []
+    for rank in pending:
+        for position in range(rank.completed or 0, rank.total):
+            if rank.state_at(position) == OpState.completed:
+                continue
+            sig = rank.at(position)
+            done = any(r is not rank and r.state_at(position) == OpState.completed for r in ranks)
+            if sig is None or sig.op not in _EVERY_RANK_FIRST or not done:
+                return None
+            lags.append((rank, position))
+    shown = "; ".join(f"{r.name}'s #{p + 1}" for r, p in lags[:4]) + (" ..." if len(lags) > 4 else "")
+    return _comm_finding(
+        comm,
+        Verdict.no_hang,
+        summary=f"Nothing waits on {comm.label}: each collective not recorded completed ({shown}) completed on "
+        "another rank, and such a collective completes on no rank before every rank's part has run.",
+        reason="A rank's record lags its work: its dump was taken before the completion was recorded.",
+        evidence=tuple(
+            _op_evidence(comm, r, p, f"{r.name}: collective #{p + 1} is {r.state_at(p)}, completed on another rank")
+            for r, p in lags[:4]
+        ),
+        rows=_rows(comm, lambda r: ("ok", f"completed {r.completed}")),
     )
 
 
