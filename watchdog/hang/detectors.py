@@ -963,12 +963,14 @@ def _completed_elsewhere(comm: CommView, ranks: list[RankView], pending: list[Ra
             if sig is None or sig.op not in _EVERY_RANK_FIRST or not done:
                 return None
             lags.append((rank, position))
+    if not lags:
+        return None
     shown = "; ".join(f"{r.name}'s #{p + 1}" for r, p in lags[:4]) + (" ..." if len(lags) > 4 else "")
     return _comm_finding(
         comm,
         Verdict.no_hang,
-        summary=f"Nothing waits on {comm.label}: each collective not recorded completed ({shown}) completed on "
-        "another rank, and such a collective completes on no rank before every rank's part has run.",
+        summary=f"Nothing waits on {comm.label}: the only collectives a rank has not recorded as completed ({shown}) "
+        "completed on another rank, and such a collective completes on no rank before every rank's part has run.",
         reason="A rank's record lags its work: its dump was taken before the completion was recorded.",
         evidence=tuple(
             _op_evidence(comm, r, p, f"{r.name}: collective #{p + 1} is {r.state_at(p)}, completed on another rank")
