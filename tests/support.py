@@ -148,7 +148,7 @@ def free_port() -> int:
     below the kernel's ephemeral range: a port from that range can be handed to any outgoing connection or
     ``bind(0)`` on the machine (eight wrappers' torchruns, sidecars and ranks start in between) before the
     process binds it, and the job then waits for a store that never starts."""
-    low = ephemeral_range()[0]
+    low = ephemeral_low()
     for port in random.sample(range(max(1024, low - 12000), low), 200):
         with socket.socket() as s:
             try:
@@ -159,12 +159,12 @@ def free_port() -> int:
     raise OSError("no free loopback port below the ephemeral range")
 
 
-def ephemeral_range() -> tuple[int, int]:
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 COUNTERS = {

@@ -520,11 +520,10 @@ if rank == 1:  # rank 0 waits inside the next all_reduce until the test says go
         time.sleep(0.05)
 dist.all_reduce(torch.ones(8))
 dist.destroy_process_group()
-# As launcher/demo_job.py's leave(): the atexit hooks (the responder's among them), not the interpreter's teardown,
-# where torch 2.13's gloo aborted rank 0 of this job in 2 of 12 runs ("terminate called without an active exception").
-import atexit
-atexit._run_exitfuncs()
-os._exit(0)
+# The atexit hooks (the responder's among them), not the interpreter's teardown, where torch 2.13's gloo aborted
+# rank 0 of this job in 2 of 12 runs ("terminate called without an active exception").
+from ncclwatch.launcher.demo_job import leave
+leave(0)
 """
 
 
