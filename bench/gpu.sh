@@ -12,23 +12,28 @@
 #   bash bench/gpu.sh hard     [bench/hard_cases.py args...]   (issue 23: FSDP2 even splits, pipelines across nodes)
 #   bash bench/gpu.sh shapes   [bench/job_shapes.py args...]   (issue 30: DDP, FSDP2, TP, PP schedules, 2-D meshes)
 #     (its throttle case needs pyroute2's wheel in .whl/: pip download --no-deps -d .whl pyroute2)
+# Several at once: the first call installs; start the others with GPU_SH_INSTALLED=1 once it has.
 set -euo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 what=$1
 shift
 log="$OUT/$what.log"
-# --upgrade: on a machine still warm from an earlier call, replace what is there (the code may have changed).
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-# --no-build-isolation builds with the image's setuptools; an image without one,
-# or with one older than 70.1 (which still needs the separate `wheel` package to
-# build a wheel), gets the carried wheel, on the build's path only (never the jobs').
-build_path=
-if ! python3 -c "import setuptools, sys; sys.exit(tuple(map(int, setuptools.__version__.split('.')[:2])) < (70, 1))" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/build-tools .whl/build/setuptools-*.whl
-    build_path=/tmp/build-tools
+# GPU_SH_INSTALLED=1: several benchmarks at once on one machine; the first call installs,
+# the others must not rewrite /tmp/site under its running jobs.
+if [ -z "${GPU_SH_INSTALLED:-}" ]; then
+    # --upgrade: on a machine still warm from an earlier call, replace what is there (the code may have changed).
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    # --no-build-isolation builds with the image's setuptools; an image without one,
+    # or with one older than 70.1 (which still needs the separate `wheel` package to
+    # build a wheel), gets the carried wheel, on the build's path only (never the jobs').
+    build_path=
+    if ! python3 -c "import setuptools, sys; sys.exit(tuple(map(int, setuptools.__version__.split('.')[:2])) < (70, 1))" 2>/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/build-tools .whl/build/setuptools-*.whl
+        build_path=/tmp/build-tools
+    fi
+    PYTHONPATH=$build_path python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site .
 fi
-PYTHONPATH=$build_path python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site .
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 if ! command -v py-spy >/dev/null; then
     # Seen on the lent machines: pip --target left no bin/py-spy; the binary is the wheel's one script.
