@@ -173,17 +173,22 @@ def gpu_signature(util_pct: float | None, sm_util_pct: float | None, dram_bw_pct
 
 
 def rank_signatures(snapshot: Snapshot) -> dict[int, tuple[str, Citation]]:
-    """Latest GPU signature per global rank, through the pid a GPU reports."""
+    """Latest GPU signature per global rank, through the pid a GPU reports.
+
+    NVML measures a whole device, so its signature speaks for a rank only on a GPU that runs that rank's process
+    alone. On a shared GPU (several ranks, another job, MPS) it mixes everyone's kernels: on one H200 shared by
+    five benchmark jobs, two ranks asleep in an evaluation pause read as "NCCL spin" from the other jobs' spinning
+    collectives, and paged stuck_in_collective.
+    """
     rank_of_pid = snapshot.rank_of_pid()
     signatures: dict[int, tuple[str, Citation]] = {}
     for snap in snapshot.gpus:
         for gpu in snap.gpus:
+            if len(gpu.processes) != 1 or (rank := rank_of_pid.get(gpu.processes[0].pid)) is None:
+                continue
             sm = gpu.gpm.sm_util_pct if gpu.gpm else None
             dram = gpu.gpm.dram_bw_util_pct if gpu.gpm else None
-            for process in gpu.processes:
-                rank = rank_of_pid.get(process.pid)
-                if rank is not None:
-                    signatures[rank] = (gpu_signature(gpu.util_gpu_pct, sm, dram), snap.cite)
+            signatures[rank] = (gpu_signature(gpu.util_gpu_pct, sm, dram), snap.cite)
     return signatures
 
 
