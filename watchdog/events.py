@@ -91,8 +91,8 @@ class OpSig(NamedTuple):
     ``op`` is NCCL's spelling (``AllReduce``, ``Send``...).  ``count`` is the
     per-rank element count NCCL prints; for Flight Recorder, the numel of the
     side every rank records alike (``hang/state.py``'s ``_fr_sig``: the
-    inputs, the outputs of Scatter and Broadcast, whose root alone records an
-    input, and no count for AlltoAll, whose splits may be uneven); ``dtype``
+    inputs, the output of Broadcast, one rank's chunk of Scatter and Gather,
+    and no count for AlltoAll, whose splits may be uneven); ``dtype``
     and ``redop`` are NCCL's enum numbers as text, or the PyTorch dtype name.
     ``root`` is the root for rooted collectives and the peer for Send/Recv.  ``None`` means "this source does not say".
     """

@@ -76,15 +76,28 @@ class TestSidesEveryRankRecordsAlike:
     ROOT_AND_OTHER = {
         "Scatter": ((([[2, 3]], [[3]]), (["Float"], ["Float"])), (([], [[3]]), ([], ["Float"]))),
         "Gather": ((([[3]], [[2, 3]]), (["Float"], ["Float"])), (([[3]], []), (["Float"], []))),
+        # torch 2.11 NCCL on the H200 records a scatter the other way round: the chunk as input on every rank, the
+        # scatter list as the root's output and [[0]] UNKNOWN_SCALAR as the other rank's.
+        "Scatter, NCCL": (
+            (([[256, 128]], [[256, 128], [256, 128]]), (["Float"], ["Float", "Float"])),
+            (([[256, 128]], [[0]]), (["Float"], ["UNKNOWN_SCALAR"])),
+        ),
         "AlltoAll": ((([[4]], [[3]]), (["Float"], ["Float"])), (([[4]], [[5]]), (["Float"], ["Float"]))),
     }
 
     def test_root_and_others_and_uneven_splits_issue_one_operation(self) -> None:
-        for op, ((sizes0, dtypes0), (sizes1, dtypes1)) in self.ROOT_AND_OTHER.items():
+        for case, ((sizes0, dtypes0), (sizes1, dtypes1)) in self.ROOT_AND_OTHER.items():
+            op = case.split(",")[0]
             rank0 = [all_reduce(1), entry(2, op, sizes0, dtypes0, WAITING), all_reduce(3, state=WAITING)]
             rank1 = [all_reduce(1), entry(2, op, sizes1, dtypes1, WAITING)]
             finding = judged(rank0, rank1)
-            assert (finding.verdict, finding.culprits, finding.position) == (Verdict.rank_behind, (1,), 3), op
+            assert (finding.verdict, finding.culprits, finding.position) == (Verdict.rank_behind, (1,), 3), case
+
+    def test_nccl_scatters_of_other_chunks_are_a_mismatch(self) -> None:
+        root = entry(2, "Scatter", ([[4, 2]], [[4, 2], [4, 2]]), (["Float"], ["Float", "Float"]), WAITING)
+        other = entry(2, "Scatter", ([[4, 3]], [[0]]), (["Float"], ["UNKNOWN_SCALAR"]), WAITING)
+        finding = judged([all_reduce(1), root], [all_reduce(1), other])
+        assert (finding.verdict, finding.position) == (Verdict.collective_mismatch, 2)
 
     def test_scatters_of_other_chunks_are_a_mismatch(self) -> None:
         rank0 = [all_reduce(1), entry(2, "Scatter", ([[2, 3]], [[3]]), state=WAITING)]
@@ -124,6 +137,12 @@ class TestCompletedEverywhere:
         # NCCL completes what it is given (the 2-GPU capture mismatch_fr): what follows is shifted, the cause is here.
         finding = judged(*self.ranks(DONE, then_agree=False))
         assert (finding.verdict, finding.position) == (Verdict.collective_mismatch, 2)
+
+    def test_with_nothing_pending_after_it_a_completed_difference_holds_nothing(self) -> None:
+        # A job in its set-up, slow between its first collectives: nothing it issued is still running.
+        rank0 = [all_reduce(1), all_reduce(2, 6)]
+        rank1 = [all_reduce(1), all_reduce(2, 9)]
+        assert judged(rank0, rank1).verdict == Verdict.no_hang
 
     def test_another_collective_is_another_call_even_completed(self) -> None:
         rank0 = [all_reduce(1), all_reduce(2), all_reduce(3), all_reduce(4, state=WAITING)]

@@ -629,30 +629,49 @@ def _peer_logs(tails: dict[int, PeerTail]) -> dict[int, PeerLog]:
 
 
 # The side of an operation that every rank records alike, the one its signature compares (PyTorch's analyzer,
-# flight_recorder/components/types.py ``Op.match``, skips the same sides). A scatter's root records every rank's
-# chunk as its input and the others nothing (torch 2.13 gloo, a tensor-parallel set-up: input_sizes [[2, 512, 256]]
-# on the root, [] on the other rank, the same [[512, 256]] output on both), so its output, one rank's chunk, is
-# compared; a gather's root records the gathered output and the others none, so its input is. The analyzer compares
-# a broadcast's output dtypes only: its output, the root's tensor as every rank receives it, is compared.
-_OUTPUT_SIDE = frozenset({"Scatter", "Broadcast"})
+# flight_recorder/components/types.py ``Op.match``, skips the same sides). The analyzer compares a broadcast's output
+# dtypes only: its output, the root's tensor as every rank receives it, is compared.
+_OUTPUT_SIDE = frozenset({"Broadcast"})
+# A scatter's root records the whole scatter list and the other ranks nothing on one side, and which side that is
+# differs by backend: torch 2.13 gloo (a tensor-parallel set-up) records input [[2, 512, 256]] on the root, [] on the
+# other rank and output [[512, 256]] on both; torch 2.11 NCCL (H200) records input [[256, 128]] on both, output two
+# [256, 128] tensors on the root and [[0]] UNKNOWN_SCALAR on the other rank. A gather mirrors it. What every rank
+# records alike is one rank's chunk: the smallest tensor that holds anything, on either side.
+_ROOT_HOLDS_ALL = frozenset({"Scatter", "Gather"})
 # all_to_all_single's splits may be uneven, so each rank sends and receives its own total (torch 2.13 gloo, input
 # splits [1, 3] and [2, 2]: outputs of 3 and 5 elements) and Flight Recorder records no splits: no size compares.
 _SIZED_PER_RANK = frozenset({"AlltoAll"})
 
 
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
+
+
+def _chunk(entry: FrEntry) -> tuple[list[list[int]], list[str]]:
+    """One rank's chunk of a scatter or gather, as (sizes, dtypes) of one tensor; the inputs where none holds anything."""
+    tensors = [
+        (_numel(shape), shape, dtype)
+        for sizes, dtypes in ((entry.input_sizes, entry.input_dtypes), (entry.output_sizes, entry.output_dtypes))
+        for shape, dtype in zip(sizes, dtypes, strict=False)
+    ]
+    held = [t for t in tensors if t[0] > 0]
+    if not held:
+        return entry.input_sizes, entry.input_dtypes
+    _, shape, dtype = min(held, key=lambda t: t[0])
+    return [shape], [dtype]
+
+
 def _fr_sig(entry: FrEntry) -> OpSig:
-    if entry.op in _OUTPUT_SIDE:
+    if entry.op in _ROOT_HOLDS_ALL:
+        sizes, dtypes = _chunk(entry)
+    elif entry.op in _OUTPUT_SIDE:
         sizes, dtypes = entry.output_sizes, entry.output_dtypes
     else:
         sizes, dtypes = entry.input_sizes, entry.input_dtypes
-    numel = None
-    if entry.op not in _SIZED_PER_RANK:
-        numel = 0
-        for shape in sizes:
-            n = 1
-            for dim in shape:
-                n *= dim
-            numel += n
+    numel = None if entry.op in _SIZED_PER_RANK else sum(_numel(shape) for shape in sizes)
     dtype = dtypes[0] if dtypes else None
     fields = (entry.op, numel, dtype, None, entry.peer if entry.is_p2p else None)
     # Looked up as a plain tuple (equal to its OpSig, same hash): a seen signature costs no OpSig made (4,095 nodes'
