@@ -651,7 +651,7 @@ def _numel(shape: list[int]) -> int:
 
 
 def _chunk(entry: FrEntry) -> tuple[list[list[int]], list[str]]:
-    """One rank's chunk of a scatter or gather, as (sizes, dtypes) of one tensor; the inputs where none holds anything."""
+    """One rank's chunk of a scatter or gather: (sizes, dtypes) of one tensor; the inputs where none holds anything."""
     tensors = [
         (_numel(shape), shape, dtype)
         for sizes, dtypes in ((entry.input_sizes, entry.input_dtypes), (entry.output_sizes, entry.output_dtypes))
