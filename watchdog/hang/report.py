@@ -214,9 +214,11 @@ def gpu_of(snapshot: Snapshot, pid: int | None) -> str | None:
                 sm = gpu.gpm.sm_util_pct if gpu.gpm else None
                 dram = gpu.gpm.dram_bw_util_pct if gpu.gpm else None
                 shared = f", shared by {len(gpu.processes)} processes" if len(gpu.processes) > 1 else ""
-                return f"GPU {gpu.index}: {gpu_signature(gpu.util_gpu_pct, sm, dram)} (util {gpu.util_gpu_pct:g}%" + (
-                    f", SM {sm:g}%" if sm is not None else ""
-                ) + f"{shared})"
+                return (
+                    f"GPU {gpu.index}: {gpu_signature(gpu.util_gpu_pct, sm, dram)} (util {gpu.util_gpu_pct:g}%"
+                    + (f", SM {sm:g}%" if sm is not None else "")
+                    + f"{shared})"
+                )
     return None
 
 
