@@ -62,6 +62,11 @@ FR_ENTRIES_COMPACT = 4
 FR_BEFORE_PENDING = 2
 FR_REACH_COMPACT = 16
 FR_REACH_SHARED = 64
+# The full kind also reaches back to the op each group's GPU is running (its oldest ``started``), within this many:
+# a rank that ran ahead is told from one behind by where its GPU is (``classify._ran_ahead``). On the H200, pipeline x
+# DP on two wrappers, rank 3 skipped the loss all_reduce; its GPU sat in a batched send/recv 120 pipeline entries
+# before its newest, and without it the leader named the three ranks waiting for it (the dumps alone named rank 3).
+FR_REACH_RUNNING = 256
 FR_FRAMES_COMPACT = 1
 STACK_FRAMES_COMPACT = 8
 TAIL_COMPACT = 8
@@ -76,6 +81,7 @@ MAX_DECODED = 64 << 20
 class Limits:
     fr_entries: int
     fr_reach: int  # back to the oldest pending collective, within this many
+    fr_running_reach: int  # back to the op the GPU is running, within this many
     fr_frames: int
     stack_frames: int
     tail: int
@@ -83,9 +89,17 @@ class Limits:
 
 
 LIMITS: dict[Kind, Limits] = {
-    "full": Limits(FR_ENTRIES_SHARED, FR_REACH_SHARED, FR_FRAMES_SHARED, STACK_FRAMES_SHARED, TAIL_SHARED, None),
+    "full": Limits(
+        FR_ENTRIES_SHARED, FR_REACH_SHARED, FR_REACH_RUNNING, FR_FRAMES_SHARED, STACK_FRAMES_SHARED, TAIL_SHARED, None
+    ),
     "compact": Limits(
-        FR_ENTRIES_COMPACT, FR_REACH_COMPACT, FR_FRAMES_COMPACT, STACK_FRAMES_COMPACT, TAIL_COMPACT, SAMPLES_COMPACT
+        FR_ENTRIES_COMPACT,
+        FR_REACH_COMPACT,
+        FR_REACH_COMPACT,
+        FR_FRAMES_COMPACT,
+        STACK_FRAMES_COMPACT,
+        TAIL_COMPACT,
+        SAMPLES_COMPACT,
     ),
 }
 
@@ -167,7 +181,7 @@ def _newest_entries(entries: list[FrEntry], limits: Limits) -> list[FrEntry]:
     kept: list[FrEntry] = []
     for group in by_pg.values():
         pending = next((i for i, e in enumerate(group) if not e.is_p2p and e.state is not OpState.completed), None)
-        first = _first_kept(len(group), pending, limits)
+        first = min(_first_kept(len(group), pending, limits), _running_from(group, limits))
         alone = pending_alone(group)[:PENDING_P2P_SHARED]
         # Recorded stacks stay with the newest few and with the ops that say where the rank waits.
         framed = {e.index for e in [*group[-limits.fr_frames :], *alone]}
@@ -177,6 +191,19 @@ def _newest_entries(entries: list[FrEntry], limits: Limits) -> list[FrEntry]:
         shown = {e.index for e in group[first:]}
         kept += [e for e in alone if e.index not in shown]
     return sorted(kept, key=lambda e: e.index)
+
+
+def _running_from(group: list[FrEntry], limits: Limits) -> int:
+    """Where the op the GPU runs starts in ``group`` (a coalesced group from its first member), if within
+    ``fr_running_reach``; else past the end."""
+    running = next((i for i, e in enumerate(group) if e.state is OpState.started), None)
+    if running is None or running < len(group) - limits.fr_running_reach:
+        return len(group)
+    marker = group[running]
+    if marker.op == "Coalesced":
+        while running > 0 and group[running - 1].is_p2p and group[running - 1].p2p_seq_id == marker.p2p_seq_id:
+            running -= 1
+    return running
 
 
 def _first_kept(length: int, pending: int | None, limits: Limits) -> int:
