@@ -68,7 +68,12 @@ class IdleProber:
         return 0
 
     async def probe(
-        self, workers, with_gpus: bool, stalled_since: float | None = None, peek: bool = False
+        self,
+        workers,
+        with_gpus: bool,
+        stalled_since: float | None = None,
+        peek: bool = False,
+        after_proof: bool = False,
     ) -> list[Event]:  # type: ignore[no-untyped-def]
         self.calls += not peek  # a peek (a quiet look below the stall timeout) is no probe
         frame = "all_reduce (torch/distributed/distributed_c10d.py:3252)"

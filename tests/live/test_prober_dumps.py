@@ -41,9 +41,12 @@ def test_a_network_warn_is_a_communicator_error_and_a_cuda_one_is_not() -> None:
     assert not comm_errored([])
 
 
-@pytest.mark.parametrize("errored, wait_s", [(False, DUMP_WAIT_S), (True, ERRORED_DUMP_WAIT_S)])
-def test_a_rank_that_never_dumps_is_waited_for_less_once_nccl_reported_an_error(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, errored: bool, wait_s: float
+@pytest.mark.parametrize(
+    "errored, after_proof, wait_s",
+    [(False, False, DUMP_WAIT_S), (True, False, ERRORED_DUMP_WAIT_S), (False, True, ERRORED_DUMP_WAIT_S)],
+)
+def test_a_rank_that_never_dumps_is_waited_for_less_once_nccl_reported_an_error_or_a_peek_proved_the_hang(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, errored: bool, after_proof: bool, wait_s: float
 ) -> None:
     pid = os.getpid()
     fifo = tmp_path / f"ncclwatch_pipe.{pid}"
@@ -64,7 +67,7 @@ def test_a_rank_that_never_dumps_is_waited_for_less_once_nccl_reported_an_error(
             gone=False,
         )
         with caplog.at_level(logging.INFO, logger="ncclwatch"):
-            asyncio.run(prober.probe([worker], with_gpus=False))
+            asyncio.run(prober.probe([worker], with_gpus=False, after_proof=after_proof))
         assert f"no new dump within {wait_s:g} s of the trigger" in caplog.text
     finally:
         os.close(reader)

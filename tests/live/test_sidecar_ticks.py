@@ -76,7 +76,12 @@ class ScriptedProber:
         return len(new)
 
     async def probe(
-        self, workers, with_gpus: bool, stalled_since: float | None = None, peek: bool = False
+        self,
+        workers,
+        with_gpus: bool,
+        stalled_since: float | None = None,
+        peek: bool = False,
+        after_proof: bool = False,
     ) -> list[Event]:  # type: ignore[no-untyped-def]
         if peek:
             self.peeks += 1
@@ -366,7 +371,8 @@ class TestPeekEdges:
 
     def test_a_peek_that_proves_opens_the_incident_and_the_full_look_pages_without_confirming(self) -> None:
         suspect, actions = on_probe(self.peeked(), NOW + 0.2, MISMATCH, moved=False, stalled_for=3.2, proven=True)
-        assert suspect.phase is Phase.suspect and actions == [Probe(confirming=False)]
+        # The full look knows the peek's dumps are a second old: it waits for fresh ones only briefly
+        assert suspect.phase is Phase.suspect and actions == [Probe(confirming=False, after_proof=True)]
         assert suspect.started_at == NOW - 3 and suspect.opened_at == NOW + 0.2 and suspect.proof_only
         paged, actions = on_probe(suspect, NOW + 0.4, MISMATCH, moved=False, stalled_for=3.4, proven=True)
         assert paged.phase is Phase.paged and actions == [Page(MISMATCH)]

@@ -66,6 +66,7 @@ class Phase(StrEnum):
 class Probe:
     confirming: bool  # the confirming look reuses the GPU sample
     peek: bool = False  # a quiet look while watching: only proof counts
+    after_proof: bool = False  # the peek just before proved the hang: its dumps are a second old
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def on_probe(
         if moved or not proven or incident.started_at is None:
             return incident, []
         opened = replace(incident, phase=Phase.suspect, opened_at=now, next_probe=now + REPROBE_S, proof_only=True)
-        return replace(opened, decision=decision), [Probe(confirming=False)]
+        return replace(opened, decision=decision), [Probe(confirming=False, after_proof=True)]
     if incident.phase not in (Phase.suspect, Phase.confirming):
         return incident, []
     if moved:

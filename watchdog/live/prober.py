@@ -111,7 +111,12 @@ def comm_errored(warnings: Sequence[NcclWarning]) -> bool:
 
 class Prober(Protocol):
     async def probe(
-        self, workers: Sequence[WorkerView], with_gpus: bool, stalled_since: float | None = None, peek: bool = False
+        self,
+        workers: Sequence[WorkerView],
+        with_gpus: bool,
+        stalled_since: float | None = None,
+        peek: bool = False,
+        after_proof: bool = False,
     ) -> list[Event]: ...
 
     def prime(self, workers: Sequence[WorkerView]) -> int: ...
@@ -156,14 +161,24 @@ class JobProber:
         return asked
 
     async def probe(
-        self, workers: Sequence[WorkerView], with_gpus: bool, stalled_since: float | None = None, peek: bool = False
+        self,
+        workers: Sequence[WorkerView],
+        with_gpus: bool,
+        stalled_since: float | None = None,
+        peek: bool = False,
+        after_proof: bool = False,
     ) -> list[Event]:
         """``stalled_since``: when the job last moved; a rank whose dump does not come is read from a dump of it
         already on disk that was written after that (``written_since``), and the report says so.
 
         ``peek``: a look at a job that may well be healthy (``incident.py``): dumps through ncclwatch's quiet door
         (nothing printed into the job's output), stacks, no GPU sample, no RAS; it leaves no mark on what the
-        incident's looks remember (the ranks that did not answer)."""
+        incident's looks remember (the ranks that did not answer).
+
+        ``after_proof``: the look right after a peek that proved the hang. Every rank dumped through the quiet door
+        a second ago, so a rank that does not answer within ``ERRORED_DUMP_WAIT_S`` is read from that dump: on the
+        H200, two wrappers, a dtype mismatch, rank 0 was busy with PyTorch's own dump and the page waited the
+        whole ``DUMP_WAIT_S`` (3 s of the 6.4-7.0 s to the page) for an answer that never came."""
         alive = [w for w in workers if not w.gone]
         answering = {w.rank: w.pid for w in alive if w.state not in STOPPED_STATES}
         if peek:
@@ -179,7 +194,9 @@ class JobProber:
             # communicator errored, it holds the GIL) will not now; waiting again only delays the page.
             answering = {rank: pid for rank, pid in answering.items() if pid not in self._unanswered}
         dumps, stacks, gpus, ras = await asyncio.gather(
-            request_dumps(self.fr_dir, answering, ERRORED_DUMP_WAIT_S if self.nccl_errored() else DUMP_WAIT_S),
+            request_dumps(
+                self.fr_dir, answering, ERRORED_DUMP_WAIT_S if after_proof or self.nccl_errored() else DUMP_WAIT_S
+            ),
             asyncio.gather(*(self._stack(w.pid) for w in alive)),
             gpu_snapshot() if with_gpus else asyncio.sleep(0),
             self._ras(alive) if with_gpus else asyncio.sleep(0, []),
@@ -218,7 +235,7 @@ class JobProber:
             why = (
                 f"no Flight Recorder dump came from rank {rank} at this probe; its dump already on disk, written at "
                 f"{when} UTC, {mtime - stalled_since:.1f} s after the job last moved, was read instead (PyTorch "
-                "writes one by itself when NCCL fails a communicator)"
+                "writes one by itself when NCCL fails a communicator; a peek writes one too)"
             )
             log.info("%s", why)
             events += [*dump, Unusable(reason=why, cite=Citation(file=str(path)))]
@@ -357,7 +374,12 @@ class Probing:
             )
 
     async def look(
-        self, view: LiveView, confirming: bool, incident_opened_at: float | None, peek: bool = False
+        self,
+        view: LiveView,
+        confirming: bool,
+        incident_opened_at: float | None,
+        peek: bool = False,
+        after_proof: bool = False,
     ) -> Look:
         """Probe the ranks of ``view``; the confirming look reuses the GPU sample.  A peek (``incident.py``) asks
         quietly, is not journaled (it decides nothing unless it proves a hang, and the full look that follows is
@@ -368,7 +390,9 @@ class Probing:
         if peek:
             events = await self.prober.probe(view.workers, with_gpus=False, peek=True)
         else:
-            events = await self.prober.probe(view.workers, with_gpus=not confirming, stalled_since=view.last_progress)
+            events = await self.prober.probe(
+                view.workers, with_gpus=not confirming, stalled_since=view.last_progress, after_proof=after_proof
+            )
         self.drain()
         now, since = self.clock(), view.last_progress
         for event in events:
@@ -394,7 +418,7 @@ class Probing:
     ) -> tuple[Look, Decision, bool]:
         """Look, then judge: a peek this node's ranks (only proof counts, ``incident.py``), a probe as the
         ``Judging`` does (the whole job with several nodes); and whether the decision proves the hang."""
-        look = await self.look(view, probe.confirming, opened_at, peek=probe.peek)
+        look = await self.look(view, probe.confirming, opened_at, peek=probe.peek, after_proof=probe.after_proof)
         decision = (
             await judging.peek(look.stall, look.events) if probe.peek else await judging.judge(look.stall, look.events)
         )
