@@ -377,10 +377,41 @@ class TestPeekEdges:
         paged, actions = on_probe(suspect, NOW + 0.4, MISMATCH, moved=False, stalled_for=3.4, proven=True)
         assert paged.phase is Phase.paged and actions == [Page(MISMATCH)]
 
+    BEHIND_1 = Decision(Finding(Verdict.rank_behind, "s", culprits=(1,)), page=True)
+
+    def silence_peeked(self, seen: Decision) -> Incident:
+        """A 5 s stall timeout: a peek at 3 s of silence sees ``seen``, then the timeout opens the incident."""
+        incident, _ = on_tick(WATCHING, NOW, NOW - 3, 3.0, 5.0, peek_after=3.0)
+        incident, actions = on_probe(incident, NOW + 0.3, seen, moved=False, stalled_for=3.3)
+        assert actions == [] and incident.phase is Phase.watching
+        suspect, actions = on_tick(incident, NOW + 2, NOW - 3, 5.0, 5.0, peek_after=3.0)
+        assert suspect.phase is Phase.suspect and actions == [Probe(confirming=False)]
+        return suspect
+
+    def test_the_probe_at_the_stall_timeout_confirms_what_the_peek_saw_and_pages(self) -> None:
+        paged, actions = on_probe(self.silence_peeked(self.BEHIND_1), NOW + 3, self.BEHIND_1, False, 6.0)
+        assert paged.phase is Phase.paged and actions == [Page(self.BEHIND_1)]
+
+    def test_another_culprit_or_a_held_peek_still_needs_the_confirming_look(self) -> None:
+        other = Decision(Finding(Verdict.rank_behind, "s", culprits=(0,)), page=True)
+        for seen in (other, decision(False, held="a pause")):
+            confirming, actions = on_probe(self.silence_peeked(seen), NOW + 3, self.BEHIND_1, False, 6.0)
+            assert confirming.phase is Phase.confirming and actions == [], seen
+
+    def test_a_peek_of_an_earlier_silence_confirms_nothing(self) -> None:
+        incident, _ = on_tick(WATCHING, NOW, NOW - 3, 3.0, 5.0, peek_after=3.0)
+        incident, _ = on_probe(incident, NOW + 0.3, self.BEHIND_1, moved=False, stalled_for=3.3)
+        # the job moved at NOW + 1, then fell silent again for the stall timeout
+        suspect, _ = on_tick(incident, NOW + 6, NOW + 1, 5.0, 5.0, peek_after=3.0)
+        assert suspect.phase is Phase.suspect and suspect.peeked is None
+        assert on_probe(suspect, NOW + 6.5, self.BEHIND_1, False, 5.5)[0].phase is Phase.confirming
+
     def test_a_peek_that_does_not_prove_stays_silent_and_peeks_again_only_after_peek_every(self) -> None:
         peeked = self.peeked()
-        for held in (decision(True), decision(False, held="a pause"), MISMATCH):  # a page not proven counts nothing
-            assert on_probe(peeked, NOW + 0.2, held, moved=False, stalled_for=3.2) == (peeked, [])
+        for held in (decision(True), decision(False, held="a pause"), MISMATCH):  # a page not proven opens nothing
+            looked, actions = on_probe(peeked, NOW + 0.2, held, moved=False, stalled_for=3.2)
+            assert actions == [] and looked.phase is Phase.watching and looked.next_probe == peeked.next_probe
+            assert looked.peeked == ((NOW + 0.2, held) if held.page else None)  # what the stall timeout's probe checks
         assert on_tick(peeked, NOW + PEEK_EVERY_S - 0.1, NOW - 3, PEEK_EVERY_S + 2.9, 300.0, 3.0) == (peeked, [])
         again, actions = on_tick(peeked, NOW + PEEK_EVERY_S, NOW - 3, PEEK_EVERY_S + 3, 300.0, 3.0)
         assert actions == [self.PEEK] and again.next_probe == NOW + 2 * PEEK_EVERY_S

@@ -29,7 +29,9 @@ for the stall timeout (learned, or the warm-up timeout).
   ``confirming``.
 - confirming: ranks leaving a pause enter their next collective a moment
   apart, and one look can land in that instant; a hang is what a second
-  look ``CONFIRM_S`` later still sees.  Then ``paged``.
+  look ``CONFIRM_S`` later still sees.  Then ``paged``.  A peek of the same
+  silence that saw the same hang is that first look: the probe at the stall
+  timeout then pages without confirming again.
 - paged: reported once.  Progress after it is ``resolved`` (the alert is
   resolved), and watching starts over with a fresh incident.
 
@@ -96,6 +98,9 @@ class Incident:
     held: str | None = None  # why a hang-like state is not paged (suspect only)
     proof_only: bool = False  # opened on proof before the stall timeout: until then only proof pages
     decision: Decision | None = None  # the latest decision (the candidate while confirming)
+    # A peek of this silence whose decision pages without proving (a rank behind, stuck in a collective), and when:
+    # the probe at the stall timeout that sees the same is the second look, and pages without a confirming look.
+    peeked: tuple[float, Decision] | None = None
 
 
 WATCHING = Incident()
@@ -116,12 +121,14 @@ def on_tick(
         return _progress(incident, stalled_for)
     if incident.phase is Phase.watching:
         if stalled_for >= stall_timeout or proven:
+            this_silence = incident.started_at is not None and incident.started_at >= last_progress
             suspect = Incident(
                 Phase.suspect,
                 started_at=last_progress,
                 opened_at=now,
                 next_probe=now + REPROBE_S,
                 proof_only=stalled_for < stall_timeout,
+                peeked=incident.peeked if this_silence else None,
             )
             return suspect, [Probe(confirming=False)]
         peeked = incident.started_at is not None and incident.started_at >= last_progress  # this silence
@@ -150,15 +157,17 @@ def on_probe(
     if incident.phase is Phase.watching:  # a peek: proof opens the incident and looks again at once, fully
         if not moved and not proven and settles_at is not None and incident.started_at is not None:
             return replace(incident, next_probe=min(incident.next_probe, settles_at)), []  # peek again then
-        if moved or not proven or incident.started_at is None:
+        if moved or incident.started_at is None:
             return incident, []
+        if not proven:
+            return replace(incident, peeked=(now, decision) if decision.page else None), []
         opened = replace(incident, phase=Phase.suspect, opened_at=now, next_probe=now + REPROBE_S, proof_only=True)
         return replace(opened, decision=decision), [Probe(confirming=False, after_proof=True)]
     if incident.phase not in (Phase.suspect, Phase.confirming):
         return incident, []
     if moved:
         return WATCHING, []
-    if decision.page and (proven or incident.phase is Phase.confirming):
+    if decision.page and (proven or incident.phase is Phase.confirming or _seen_at_peek(incident, decision, now)):
         return replace(incident, phase=Phase.paged, decision=decision, held=None), [Page(decision)]
     if decision.page and incident.proof_only:  # silence alone waits for the stall timeout
         return replace(incident, phase=Phase.suspect, decision=decision, next_probe=now + REPROBE_S), []
@@ -185,6 +194,18 @@ def on_verdict(
     return Incident(Phase.paged, started_at=started, opened_at=opened, next_probe=now, decision=decision), [
         Page(decision)
     ]
+
+
+def _seen_at_peek(incident: Incident, decision: Decision, now: float) -> bool:
+    """The peek of this silence saw the same hang (verdict and culprits) at least ``CONFIRM_S`` before, and nothing
+    has moved since (progress ends the incident): that peek was the first look, this one confirms it.  On the H200 a
+    rank asleep in a syscall paged 3.2 s after the 5 s stall timeout, 2 s of it the confirming look; its peek had
+    named the same rank 2.8 s before the timeout."""
+    if incident.peeked is None or incident.proof_only:
+        return False
+    at, seen = incident.peeked
+    same = (seen.finding.verdict, seen.finding.culprits) == (decision.finding.verdict, decision.finding.culprits)
+    return same and now - at >= CONFIRM_S
 
 
 def _held_line(decision: Decision, stalled_for: float) -> str:
