@@ -36,7 +36,7 @@ def node_events(node: int) -> list[Event]:
     return events
 
 
-@pytest.mark.parametrize("shared", [None, "full"])
+@pytest.mark.parametrize("shared", [None, "compact", "full"])
 def test_the_leader_names_the_rank_that_ran_ahead(shared: str | None) -> None:
     state = JobState()
     for node in (0, 1):

@@ -62,10 +62,12 @@ FR_ENTRIES_COMPACT = 4
 FR_BEFORE_PENDING = 2
 FR_REACH_COMPACT = 16
 FR_REACH_SHARED = 64
-# The full kind also reaches back to the op each group's GPU is running (its oldest ``started``), within this many:
-# a rank that ran ahead is told from one behind by where its GPU is (``classify._ran_ahead``). On the H200, pipeline x
+# Either kind also reaches back to the op each group's GPU is running (its oldest ``started``), within this many: a
+# rank that ran ahead is told from one behind by where its GPU is (``classify._ran_ahead``). On the H200, pipeline x
 # DP on two wrappers, rank 3 skipped the loss all_reduce; its GPU sat in a batched send/recv 120 pipeline entries
 # before its newest, and without it the leader named the three ranks waiting for it (the dumps alone named rank 3).
+# The compact kind too: the leader asked for full evidence and, the GPU shared by other jobs, judged before it came.
+# A rank waiting where it should runs its newest op, so only a rank that ran ahead sends more.
 FR_REACH_RUNNING = 256
 FR_FRAMES_COMPACT = 1
 STACK_FRAMES_COMPACT = 8
@@ -95,7 +97,7 @@ LIMITS: dict[Kind, Limits] = {
     "compact": Limits(
         FR_ENTRIES_COMPACT,
         FR_REACH_COMPACT,
-        FR_REACH_COMPACT,
+        FR_REACH_RUNNING,
         FR_FRAMES_COMPACT,
         STACK_FRAMES_COMPACT,
         TAIL_COMPACT,
