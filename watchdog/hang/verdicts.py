@@ -137,7 +137,8 @@ _ENTRIES = (
         hang=True,
         meaning="a rank's GPU is stuck in a non-NCCL kernel while its peers spin in NCCL",
         detail="Flight Recorder (with timing) shows its GPU never started the collective its peers' GPUs run, or NVML "
-        "shows it busy in another kernel while theirs spin.",
+        "shows it busy in another kernel while theirs spin (NVML measures a whole GPU, so it counts only for a GPU "
+        "that runs one rank and nothing else).",
         next_step="find the kernel {ranks} launched before the collective (a custom op, a spinning kernel): stack and "
         "NVML sample in the bundle",
         restart=True,
