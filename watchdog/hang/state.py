@@ -672,13 +672,10 @@ def _fr_sig(entry: FrEntry) -> OpSig:
     else:
         sizes, dtypes = entry.input_sizes, entry.input_dtypes
     numel = None
-    if entry.op not in _SIZED_PER_RANK:  # a loop, not sum() over _numel: 4,096 nodes' entries come through here
-        numel = 0
+    if entry.op not in _SIZED_PER_RANK:  # a loop, not sum() (its generator costs 2x per entry; the leader folds
+        numel = 0  # 4,096 nodes' entries through here)
         for shape in sizes:
-            n = 1
-            for dim in shape:
-                n *= dim
-            numel += n
+            numel += _numel(shape)
     dtype = dtypes[0] if dtypes else None
     fields = (entry.op, numel, dtype, None, entry.peer if entry.is_p2p else None)
     # Looked up as a plain tuple (equal to its OpSig, same hash): a seen signature costs no OpSig made (4,095 nodes'

@@ -120,8 +120,8 @@ def on_tick(
     if incident.phase is not Phase.watching and incident.started_at is not None and last_progress > incident.started_at:
         return _progress(incident, stalled_for)
     if incident.phase is Phase.watching:
+        this_silence = incident.started_at is not None and incident.started_at >= last_progress  # peeked at already
         if stalled_for >= stall_timeout or proven:
-            this_silence = incident.started_at is not None and incident.started_at >= last_progress
             suspect = Incident(
                 Phase.suspect,
                 started_at=last_progress,
@@ -131,10 +131,9 @@ def on_tick(
                 peeked=incident.peeked if this_silence else None,
             )
             return suspect, [Probe(confirming=False)]
-        peeked = incident.started_at is not None and incident.started_at >= last_progress  # this silence
-        if peek_after is not None and stalled_for >= peek_after and (not peeked or now >= incident.next_probe):
+        if peek_after is not None and stalled_for >= peek_after and (not this_silence or now >= incident.next_probe):
             return Incident(started_at=last_progress, next_probe=now + PEEK_EVERY_S), [Probe(False, peek=True)]
-        return (incident if peeked or incident.started_at is None else WATCHING), []
+        return (incident if this_silence or incident.started_at is None else WATCHING), []
     if incident.proof_only and stalled_for >= stall_timeout:
         incident = replace(incident, proof_only=False)
     if incident.phase in (Phase.suspect, Phase.confirming) and now >= incident.next_probe:
