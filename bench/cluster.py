@@ -325,7 +325,7 @@ class Sim:
 
     async def _follow(self, node: Node, stall: Stall) -> None:
         cluster, client = node.cluster, node.cluster.client
-        if (opened := cluster.full_wanted()) is not None:
+        if (opened := cluster.full_wanted(stall.at)) is not None:
             sent = client.sent_bytes
             await cluster.share("full", node_evidence(cluster.me, self.ranks, self.nnodes, stall), stall.at)
             cluster.full_shared(opened)

@@ -297,7 +297,7 @@ class TestExchange:
             await leader.open_incident(clock.now, want=[2])
             await nodes[2].exchange(summary(2, clock.now, [2], phase="suspect"))
             await nodes[1].exchange(summary(1, clock.now, [1], phase="suspect"))
-            asked = (nodes[1].full_wanted(), nodes[2].full_wanted())
+            asked = (nodes[1].full_wanted(clock.now), nodes[2].full_wanted(clock.now))
             await nodes[2].share(
                 "full", [Stall(at=clock.now, stalled_for_s=9, stall_timeout_s=5, progress_timeout_s=600)], clock.now
             )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import nccl_lines as L
@@ -21,9 +22,10 @@ from conftest import NOW
 from support import torch_store_server
 from test_sidecar_ticks import COMM, IN_ALL_REDUCE, IN_TRAIN, SETTINGS, Rig, healthy_job
 
+from ncclwatch.watchdog.cluster.payload import unpack
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership
 from ncclwatch.watchdog.cluster.store import StoreClient
-from ncclwatch.watchdog.cluster.view import JobView
+from ncclwatch.watchdog.cluster.view import IncidentView, JobView
 from ncclwatch.watchdog.events import (
     Citation,
     Event,
@@ -42,7 +44,7 @@ from ncclwatch.watchdog.hang.types import Finding
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live.incident import Phase
 from ncclwatch.watchdog.live.job import PEEK_WARMUP_S, LiveJob
-from ncclwatch.watchdog.live.judging import DEAD_SETTLED_S, STOPPED_SETTLED_S, ClusterJudging, Proof
+from ncclwatch.watchdog.live.judging import DEAD_SETTLED_S, PEEKED_HOT_S, STOPPED_SETTLED_S, ClusterJudging, Proof
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
 
 IN_ALL_GATHER = "all_gather (torch/distributed/distributed_c10d.py:3890)"
@@ -115,7 +117,7 @@ class TestProofPagesNow:
         skipped_all_reduce(rig)
         rig.tick(1.0 + PEEK_WARMUP_S - 0.25)
         assert rig.prober.peeks == 0 and rig.phase is Phase.watching
-        rig.tick(1.0 + PEEK_WARMUP_S)  # 3 s of silence, 297 s before the warm-up timeout
+        rig.tick(1.0 + PEEK_WARMUP_S)  # 2 s of silence, 298 s before the warm-up timeout
         assert rig.prober.peeks == 1 and rig.prober.calls == [True]  # the peek, then one full look: no confirming
         assert rig.phase is Phase.paged
         [paged] = rig.pages
@@ -319,6 +321,40 @@ def test_a_member_nodes_proof_opens_its_incident_and_leaves_the_page_to_the_lead
     assert asyncio.run(reader.get(cluster.key("compact", 1))) is not None  # this node's evidence, for the leader
 
 
+def test_a_members_peek_is_its_full_evidence_when_the_leader_asks_before_its_own_probe(tmp_path: Path) -> None:
+    """The leader's peek proved the hang and asks this node for its full evidence; this node's own probe comes only
+    at its stall timeout.  What its peek of the same silence saw is sent at once (two wrappers on the H200, a dtype
+    mismatch at step 1: the leader waited 2.5 s for it).  A look of an earlier silence is not sent."""
+    pytest.importorskip("torch.distributed")
+    store = torch_store_server()
+    rig = Rig(tmp_path)
+    starting_job(rig)
+    membership = Membership("127.0.0.1", store.port, "job", 0, 1, 2)  # node 1 of 2
+    cluster = Cluster(membership, "node1", clock=rig.clock, client=StoreClient("127.0.0.1", store.port, timeout_s=5))
+    rig.sidecar.judging = judging = ClusterJudging(rig.sidecar, join=lambda membership, host: cluster)
+    judging.cluster = cluster
+    cluster.view, cluster._view_changed_at = JobView(leader=0, term=0, seq=1, nnodes=2), NOW + 1
+    rig.prober.frames = {100: IN_ALL_REDUCE, 101: IN_ALL_REDUCE, 102: IN_ALL_REDUCE}  # nothing proven here
+    rig.tick(1.0 + PEEK_WARMUP_S)
+    assert rig.prober.peeks == 1 and rig.phase is Phase.watching  # a quiet peek, shared
+    assert judging._hot()  # the leader's ask may come next: it is read within HOT_S, not PUBLISH_S
+    rig.at(1.0 + PEEK_WARMUP_S + PEEKED_HOT_S)
+    assert not judging._hot()
+
+    def asked(started_at: float) -> bytes | None:
+        incident = IncidentView(opened_at=NOW + 4, want=[1], started_at=NOW + started_at)
+        cluster.view = JobView(leader=0, term=0, seq=2, nnodes=2, incident=incident)
+        asyncio.run(judging._follow(cluster))
+        reader = StoreClient("127.0.0.1", store.port, timeout_s=5)  # one a loop, as the rig's
+        return asyncio.run(reader.get(cluster.key("full", 1)))
+
+    assert asked(started_at=3.5) is None  # the silence the leader judges began after this peek: not its evidence
+    shared = asked(started_at=1.0)
+    assert shared is not None
+    payload = unpack(shared, "node 1")
+    assert payload is not None and payload.kind == "full" and payload.stall_at == NOW + 1.0 + PEEK_WARMUP_S
+
+
 def test_a_rank_stopped_on_another_node_is_proven_by_that_node_s_samples(tmp_path: Path) -> None:
     """The leader judges a stopped rank that runs on another node: this node's state has no /proc samples of it (the
     second look decided, 3 s later on two wrappers), the job's state, with that node's shared samples, settles it."""
@@ -334,3 +370,61 @@ def test_a_rank_stopped_on_another_node_is_proven_by_that_node_s_samples(tmp_pat
     job.apply(ProcessState(pid=200, rank=1, state="T", cpu_seconds=1.0, at=NOW + 1 + STOPPED_SETTLED_S))
     assert proof.proves(stopped, NOW + 1 + STOPPED_SETTLED_S, job)
     assert not proof.proves(stopped, NOW + 1 + STOPPED_SETTLED_S)  # this node's own state alone: no samples of it
+
+
+def test_a_leaders_proving_peek_asks_the_deciding_nodes_for_their_full_evidence_at_once(tmp_path: Path) -> None:
+    """The leader's peek proved a mismatch whose culprit runs on node 1: the incident it opens asks node 1 for its
+    full evidence now, before the leader's own look (a second's wait for fresh dumps), so that evidence is in the
+    store when the probe judges.  A culprit on the leader's own node asks nobody."""
+    pytest.importorskip("torch.distributed")
+    store = torch_store_server()
+    rig = Rig(tmp_path)
+    membership = Membership("127.0.0.1", store.port, "job", 0, 0, 2)  # node 0 of 2: the leader
+    cluster = Cluster(membership, "node0", clock=rig.clock, client=StoreClient("127.0.0.1", store.port, timeout_s=5))
+    rig.sidecar.judging = judging = ClusterJudging(rig.sidecar, join=lambda membership, host: cluster)
+    judging.cluster, judging.job_state, judging._peeked_nodes = cluster, JobState(), {2: 1, 3: 1}
+    rig.sidecar.incident = replace(rig.sidecar.incident, phase=Phase.suspect, started_at=NOW + 1, opened_at=NOW + 3)
+
+    def proved(culprits: tuple[int, ...]) -> JobView:
+        cluster.view, cluster._view_raw = JobView(leader=0, term=0, seq=1, nnodes=2), None
+        found = Decision(Finding(Verdict.collective_mismatch, "s", culprits=culprits), page=True)
+        asyncio.run(judging.proved(found))
+        return cluster.view
+
+    assert proved((1,)).incident is None  # rank 1 runs here: its evidence is the leader's own
+    incident = proved((3,)).incident
+    assert incident is not None and incident.want == [1] and incident.opened_at == NOW + 3
+    assert incident.started_at == NOW + 1  # node 1 sends what it saw of this silence only
+
+
+def test_a_member_withdraws_its_peeks_evidence_once_its_ranks_move_again(tmp_path: Path) -> None:
+    """A member's peek during a slow step is not evidence of the silence that follows: once its ranks move, the
+    evidence it shared goes, so the leader's next peek waits for this node's look at the new silence (CPU, two
+    wrappers, a collective skipped at step 1: the leader took the old look for the new silence and peeked again
+    20 s later)."""
+    pytest.importorskip("torch.distributed")
+    store = torch_store_server()
+    rig = Rig(tmp_path)
+    starting_job(rig)
+    membership = Membership("127.0.0.1", store.port, "job", 0, 1, 2)  # node 1 of 2
+    cluster = Cluster(membership, "node1", clock=rig.clock, client=StoreClient("127.0.0.1", store.port, timeout_s=5))
+    rig.sidecar.judging = judging = ClusterJudging(rig.sidecar, join=lambda membership, host: cluster)
+    judging.cluster = cluster
+    cluster.view, cluster._view_changed_at = JobView(leader=0, term=0, seq=1, nnodes=2), NOW + 1
+
+    def shared() -> bytes | None:
+        reader = StoreClient("127.0.0.1", store.port, timeout_s=5)  # one a loop, as the rig's
+        return asyncio.run(reader.get(cluster.key("compact", 1)))
+
+    def tick(seconds: float) -> None:
+        cluster.client = StoreClient("127.0.0.1", store.port, timeout_s=5)  # each tick runs its own loop
+        rig.tick(seconds)
+
+    rig.prober.frames = {100: IN_TRAIN, 101: IN_TRAIN, 102: IN_TRAIN}  # a slow step: nothing proven
+    tick(1.0 + PEEK_WARMUP_S)
+    assert rig.prober.peeks == 1 and shared() is not None
+    tick(3.5)  # silent still: the look stands
+    assert shared() is not None
+    rig.emit(*(Heartbeat(pid=100 + r, rank=r, step=2, time=NOW + 3.6) for r in range(3)))
+    tick(3.75)
+    assert shared() is None and judging._shared == []

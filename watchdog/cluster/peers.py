@@ -342,23 +342,28 @@ class Cluster:
         want: list[int] | None = None,
         judging: bool = True,
         since: dict[str, int] | None = None,
+        started_at: float | None = None,
     ) -> None:
         """The leader's incident, in the view: the others look now; ``want`` asks for full evidence, reaching back
-        to ``since`` (``IncidentView.since``); not ``judging`` while the stall is held (a pause), so the members
-        go back to their usual pace."""
+        to ``since`` (``IncidentView.since``), of the silence that began at ``started_at``; not ``judging`` while
+        the stall is held (a pause), so the members go back to their usual pace."""
         assert self.view is not None
         incident = self.view.incident
         if incident is None or incident.opened_at != opened_at:
-            incident = IncidentView(opened_at=opened_at)
+            incident = IncidentView(opened_at=opened_at, started_at=started_at)
         asked = {"want": want, "since": since or {}} if want is not None else {}
         incident = incident.model_copy(update={"judging": judging, **asked})
         if incident != self.view.incident:
             await self._publish(self.view.model_copy(update={"incident": incident, "seq": self.view.seq + 1}))
 
-    def full_wanted(self) -> float | None:
-        """The incident (its opening) whose full evidence the leader asks of this node and has not had yet."""
+    def full_wanted(self, looked_at: float | None) -> float | None:
+        """The incident (its opening) whose full evidence the leader asks of this node and has not had yet, where
+        this node's latest look (at ``looked_at``; None: none yet) is of the incident's silence: an older look's
+        evidence would be passed over by the leader, and this node's next look must still be sent."""
         incident = self.view.incident if self.view is not None else None
         if incident is None or self.me not in incident.want or self._shared_full_for == incident.opened_at:
+            return None
+        if looked_at is None or (incident.started_at is not None and looked_at < incident.started_at):
             return None
         return incident.opened_at
 

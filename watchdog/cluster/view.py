@@ -55,6 +55,8 @@ class NodeSummary(BaseModel):
 
 class IncidentView(BaseModel):
     opened_at: float  # the leader's clock: names the incident
+    # The silence it judges began then (the leader's clock): evidence from an earlier silence is not this one's.
+    started_at: float | None = None
     judging: bool = True  # the leader is gathering and judging now (False while a pause is held): members hurry
     want: list[int] = []  # nodes asked for their full evidence
     # NCCL communicator -> the fewest collectives any rank issued on it (compact evidence): full evidence's

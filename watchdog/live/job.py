@@ -49,8 +49,9 @@ WARMUP_STEPS = 2
 GAP_MEMORY_S = 900.0  # a gap older than this no longer widens the timeout
 STALL_MULTIPLIER = 3.0
 # A look for proof while the job is silent, before the stall timeout: before the job has a rhythm, after this much
-# silence (on CPU a look at 3 gloo ranks took 0.2 s; a healthy start-up is looked at every PEEK_EVERY_S, silently)...
-PEEK_WARMUP_S = 3.0
+# silence (on CPU a look at 3 gloo ranks took 0.2 s; a healthy start-up is looked at every PEEK_EVERY_S, silently).
+# 3 s was a third of a two-wrapper page at step 1 on the H200 (6.6 s); the rhythm's peek is never sooner either...
+PEEK_WARMUP_S = 2.0
 PEEK_MULTIPLIER = 1.5  # ... once it has one, after 1.5 x its longest gap (the stall timeout is 3 x) ...
 PEEK_MIN_S = 2.0  # ... and never sooner than this
 _UNCHANGING = (Heartbeat, GpuSnapshot, SourceDown, SourceUp)  # events that change no verdict of the streamed state

@@ -77,6 +77,7 @@ CLUSTER = "cluster"  # the source the store's reachability is reported under (``
 
 
 PEEK_WAIT_S = 3.0  # a leader's peek waits this long for the other nodes' compact evidence of the same silence
+PEEKED_HOT_S = 5.0  # a member exchanges at HOT_S this long after its peek (``ClusterJudging._hot``)
 STREAMED_QUIET_S = 1.0  # the streamed state is judged once the job has been silent this long, when events came
 # torchrun ends the other workers when one fails (its monitor looks every 0.1 s, then SIGTERM): a rank gone this long
 # while its peers live is a hang (it exited 0 early, or its peers outlive it), not a job being torn down.
@@ -209,6 +210,8 @@ class Judging(Protocol):
     def peer_suspects(self) -> bool: ...  # another node probes a stall and waits for this node's evidence
     async def judge(self, stall: Stall, probed: list[Event]) -> Decision: ...
     async def peek(self, stall: Stall, probed: list[Event]) -> Decision: ...  # a quiet look: only proof counts
+    async def proved(self, decision: Decision) -> None: ...  # a peek proved the hang: the probe comes next
+    async def moved(self, last_progress: float) -> None: ...  # every tick: the job's latest progress here
     def job_wide(self) -> bool: ...  # a page's verdict stands for the whole job
     def follows(self) -> bool: ...  # a page's verdict is the leader's, and the leader pages it
     def report_state(self) -> JobState: ...
@@ -256,6 +259,12 @@ class NodeJudging:
 
     async def peek(self, stall: Stall, probed: list[Event]) -> Decision:
         return judge_at(self.live.state, stall.at)
+
+    async def proved(self, decision: Decision) -> None:
+        """Nothing to ask of other nodes."""
+
+    async def moved(self, last_progress: float) -> None:
+        """Nothing shared."""
 
     def job_wide(self) -> bool:
         return False
@@ -306,7 +315,8 @@ class ClusterJudging:
         self.cluster: Cluster | None = None  # once the workers say the job spans several nodes
         self.followed: LeaderVerdict | None = None
         self.job_state: JobState | None = None  # the latest probe's state merged with the other nodes' evidence
-        self._shared: list[Event] = []  # what this node shared at its latest probe (its full evidence on request)
+        self._shared: list[Event] = []  # what this node shared at its latest look (its full evidence on request)
+        self._peeked_nodes: dict[int, int] = {}  # rank -> node, as the leader's latest peek gathered them
         self._store_node_lost: Contact | None = None  # found lost through its lifeline, the store being gone
         self._lifeline: Lifeline | None = None
         self._took_store = False  # this node served the store and its job ended by a hang or a failure
@@ -376,14 +386,20 @@ class ClusterJudging:
         """Exchange every HOT_S while a stall is judged (``Cluster.hurry``) or this node suspects one: requests and
         verdicts travel fast.  A member that suspects a stall is the one the leader will ask for its full evidence;
         at PUBLISH_S it would see the request only after the leader's wait for it ran out (two wrappers, a rank
-        stopped on the member: 2.5 s of a 7.4 s page)."""
+        stopped on the member: 2.5 s of a 7.4 s page).  So does a member for PEEKED_HOT_S after a peek of a silence
+        that goes on: a peek that proves the hang opens the leader's incident within seconds (two wrappers on CPU, a
+        rank stopped on the leader's node: the member read the leader's ask for its full evidence 1.5 s late)."""
+        if self.cluster is None:
+            return False
         suspects = self.watch.incident.phase in (Phase.suspect, Phase.confirming)
-        return self.cluster is not None and (suspects or self.cluster.hurry())
+        looked_at = self._shared_at()
+        peeked = looked_at is not None and self.watch.clock() - looked_at < PEEKED_HOT_S
+        return suspects or self.cluster.hurry() or (peeked and not self.cluster.leads())
 
     async def _follow(self, cluster: Cluster) -> None:
         """Send the full evidence the leader asks for; page the leader's verdict; close the leader's incident."""
         try:
-            if (opened := cluster.full_wanted()) is not None and self._shared:
+            if (opened := cluster.full_wanted(self._shared_at())) is not None:
                 await cluster.share("full", self._shared, self._shared_at())
                 cluster.full_shared(opened)
             if cluster.leads():
@@ -402,8 +418,9 @@ class ClusterJudging:
         except StoreError as exc:
             self.watch.emit(SourceDown(source=CLUSTER, reason=str(exc)))
 
-    def _shared_at(self) -> float:
-        return next((e.at for e in reversed(self._shared) if isinstance(e, Stall)), self.watch.clock())
+    def _shared_at(self) -> float | None:
+        """When this node looked for the evidence it shared last (None: it has shared none)."""
+        return next((e.at for e in reversed(self._shared) if isinstance(e, Stall)), None)
 
     def _summary(self) -> NodeSummary:
         view = self.live.view(self.watch.clock())
@@ -456,7 +473,12 @@ class ClusterJudging:
             return judge_at(self.live.state, stall.at)
         try:
             if not cluster.leads():
-                await cluster.share("compact", self._compact(probed, stall), stall.at)
+                # Kept as this node's full evidence too: where the peek proves a hang the leader asks for it at
+                # once, and this node's own probe comes only at its stall timeout (two wrappers, a dtype mismatch
+                # at step 1 on the H200: the leader waited 2.5 s for it, of a 6.6 s page).
+                self._shared = self._compact(probed, stall)
+                await cluster.share("compact", self._shared, stall.at)
+                self._wake.set()  # exchange now and at HOT_S (``_hot``): the leader may open its incident next
                 return judge_at(self.live.state, stall.at)
             evidence = JobEvidence(self.live.state, stall)
             with paused_gc(freeze=False):
@@ -464,17 +486,50 @@ class ClusterJudging:
                 await cluster.gather("compact", cluster.answering(), silence, PEEK_WAIT_S, fold=evidence.add)
                 decision = evidence.judge()
                 self.job_state = evidence.state()
+                self._peeked_nodes = dict(evidence.nodes_of)
                 return decision
         except StoreError as exc:
             self.watch.emit(SourceDown(source=CLUSTER, reason=str(exc)))
             return judge_at(self.live.state, stall.at)
+
+    async def proved(self, decision: Decision) -> None:
+        """A peek proved the hang, and the incident is open: the leader asks the nodes whose full evidence decides
+        (``focus``) for it now, while its own look waits for fresh dumps, not after judging the compact evidence
+        again.  They send what their peek of this silence saw (``full_wanted``)."""
+        cluster, incident = self.cluster, self.watch.incident
+        if cluster is None or CLUSTER in self.live.down or not cluster.leads() or self.job_state is None:
+            return
+        want = focus(decision, self._peeked_nodes, set(cluster.lost()), FULL_NODES)
+        if incident.opened_at is None or not want:
+            return
+        try:
+            since = self.job_state.fewest_issued()
+            await cluster.open_incident(incident.opened_at, want, since=since, started_at=incident.started_at)
+        except StoreError as exc:
+            self.watch.emit(SourceDown(source=CLUSTER, reason=str(exc)))
+
+    async def moved(self, last_progress: float) -> None:
+        """A member whose ranks moved after its latest look withdraws the evidence it shared: it is of a silence
+        that ended, and the leader's next peek waits for this node's look at the new one.  On CPU, two wrappers, a
+        rank skipping a collective at step 1: the member had peeked during a slow step, 0.1 s into the leader's
+        silence; the leader took that look for this silence's, judged a rank stuck, and peeked again 20 s later."""
+        looked_at, cluster = self._shared_at(), self.cluster
+        if looked_at is None or last_progress <= looked_at or cluster is None:
+            return
+        self._shared = []
+        if cluster.leads() or CLUSTER in self.live.down:
+            return
+        try:
+            await cluster.drop_own_evidence()
+        except StoreError as exc:
+            self.watch.emit(SourceDown(source=CLUSTER, reason=str(exc)))
 
     async def _judge_job(self, cluster: Cluster, stall: Stall) -> Decision:
         """The leader: every node's compact evidence, then the full evidence of the nodes that decide."""
         incident = self.watch.incident
         started = incident.started_at if incident.started_at is not None else stall.at
         opened = incident.opened_at if incident.opened_at is not None else stall.at
-        await cluster.open_incident(opened)
+        await cluster.open_incident(opened, started_at=started)
         answering = cluster.answering()
         evidence = JobEvidence(self.live.state, stall)  # folded as it comes; full evidence replaces in place
         # No collection until the verdict, nor after over the evidence's millions of objects (``paused_gc``).

@@ -157,6 +157,7 @@ class Sidecar:
         if not view.workers or not view.alive:
             return
         self.probing.between_probes(view)
+        await self.judging.moved(view.last_progress)
         peer = self.judging.peer_suspects()  # another node probes a stall and waits for our evidence: look now
         timeout = min(view.stall_timeout, self.settings.stall_timeout_floor) if peer else view.stall_timeout
         before = self.incident.phase
@@ -191,9 +192,12 @@ class Sidecar:
             view, probe, self.incident.opened_at, self.judging, self.proof
         )
         settles = None if proven else self.proof.settles_at(decision, look.stall.at, self.judging.report_state())
+        before = self.incident.phase
         self.incident, actions = machine.on_probe(
             self.incident, look.stall.at, decision, look.moved, look.view.stalled_for, proven, settles
         )
+        if before is Phase.watching and self.incident.phase is Phase.suspect:
+            await self.judging.proved(decision)
         await self.perform(actions, look.view)
 
     async def _page(self, decision: Decision, view: LiveView) -> None:
