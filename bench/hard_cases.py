@@ -263,7 +263,10 @@ async def run(scenario: Scenario, work: Path, timeout_s: float, device: str, gpu
             }
         )
     got = (triggers[0][1]["verdict"], tuple(triggers[0][1]["culprit_ranks"])) if triggers else None
-    agree = len({(x["verdict"], tuple(x["culprits"] or ())) for x in nodes}) == 1
+    # A node whose job failed before the page (a rank of it died and its torchrun ended it, exit 1) writes no
+    # bundle; every node that wrote one must say the same.
+    judged = [x for x in nodes if x["bundles"] or x["exit"] != 1]
+    agree = len({(x["verdict"], tuple(x["culprits"] or ())) for x in judged}) == 1
     if scenario.expect is None:
         logged = sorted(line.split("performance: ", 1)[1] for x in nodes for line in x["performance"])
         wanted = sorted(scenario.findings)

@@ -456,6 +456,15 @@ class TestJobWideVerdict:
         known = Decision(Finding(Verdict.rank_behind, "s", culprits=(0,), operation="AllReduce", rows=rows), page=True)
         assert focus(known, {0: 0, 1: 1}, lost=set(), limit=8)[0] == 0
 
+    def test_a_culprit_on_the_leaders_node_with_one_peer_asks_nobody(self) -> None:
+        """Two ranks, rank 0 stopped on the leader's node (not in ``nodes_of``), rank 1 waiting: the peer's row is
+        the usual one, whatever the order of a set; its node has nothing the verdict needs."""
+        rows = (RankStatus(0, "h", 0, 10, "x", "stopped"), RankStatus(1, "h", 1, 10, "x", "waiting"))
+        stopped = Decision(Finding(Verdict.process_stopped, "s", culprits=(0,), rows=rows), page=True)
+        assert focus(stopped, {1: 1}, lost=set(), limit=8) == []
+        split = Decision(Finding(Verdict.collective_mismatch, "s", suspects=(0, 1), rows=rows), page=True)
+        assert focus(split, {0: 0, 1: 1}, lost=set(), limit=8) == [0, 1]  # suspects: both sides' history decides
+
     def test_remote_workers_join_the_local_state(self) -> None:
         local = JobState()
         local.apply(WorkerSeen(pid=1, rank=0, host="a", at=NOW))

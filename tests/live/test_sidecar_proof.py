@@ -22,10 +22,11 @@ from conftest import NOW
 from support import torch_store_server
 from test_sidecar_ticks import COMM, IN_ALL_REDUCE, IN_TRAIN, SETTINGS, Rig, healthy_job
 
+from ncclwatch.watchdog.cluster.judge import JobEvidence
 from ncclwatch.watchdog.cluster.payload import unpack
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership
 from ncclwatch.watchdog.cluster.store import StoreClient
-from ncclwatch.watchdog.cluster.view import IncidentView, JobView
+from ncclwatch.watchdog.cluster.view import IncidentView, JobView, NodeSummary
 from ncclwatch.watchdog.events import (
     Citation,
     Event,
@@ -35,6 +36,7 @@ from ncclwatch.watchdog.events import (
     Heartbeat,
     OpState,
     ProcessState,
+    Stall,
     WorkerGone,
     WorkerSeen,
 )
@@ -44,7 +46,14 @@ from ncclwatch.watchdog.hang.types import Finding
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live.incident import Phase
 from ncclwatch.watchdog.live.job import PEEK_WARMUP_S, LiveJob
-from ncclwatch.watchdog.live.judging import DEAD_SETTLED_S, PEEKED_HOT_S, STOPPED_SETTLED_S, ClusterJudging, Proof
+from ncclwatch.watchdog.live.judging import (
+    DEAD_SETTLED_S,
+    PEEKED_HOT_S,
+    STOPPED_SETTLED_S,
+    ClusterJudging,
+    Proof,
+    gather_compact,
+)
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
 
 IN_ALL_GATHER = "all_gather (torch/distributed/distributed_c10d.py:3890)"
@@ -428,3 +437,43 @@ def test_a_member_withdraws_its_peeks_evidence_once_its_ranks_move_again(tmp_pat
     rig.emit(*(Heartbeat(pid=100 + r, rank=r, step=2, time=NOW + 3.6) for r in range(3)))
     tick(3.75)
     assert shared() is None and judging._shared == []
+
+
+def test_a_member_whose_job_failed_leaves_the_leader_which_of_its_ranks_went_first(tmp_path: Path) -> None:
+    """Pipeline x DP on two wrappers (the H200): rank 3 died, node 1's torchrun ended rank 2 a moment later and then
+    its node; ranks 0 and 1 on the leader's node wait for them.  The member's last evidence says which rank went
+    first, and the leader names it (it named both ranks stuck in a collective, from older evidence)."""
+    pytest.importorskip("torch.distributed")
+    store = torch_store_server()
+    rig = Rig(tmp_path)
+    rig.emit(*(WorkerSeen(pid=200 + rank, rank=rank, host="node1", at=NOW) for rank in (2, 3)))
+    rig.emit(WorkerGone(pid=203, rank=3, at=NOW + 5.0), WorkerGone(pid=202, rank=2, at=NOW + 5.12))
+    rig.at(6.0)
+    member = Cluster(
+        Membership("127.0.0.1", store.port, "job", 0, 1, 2),
+        "node1",
+        clock=rig.clock,
+        client=StoreClient("127.0.0.1", store.port, timeout_s=5),
+    )
+    rig.sidecar.judging = judging = ClusterJudging(rig.sidecar, join=lambda membership, host: member)
+    judging.cluster = member
+    member.view, member._view_changed_at = JobView(leader=0, term=0, seq=1, nnodes=2), NOW + 5
+    assert asyncio.run(judging.farewell(job_failed=True, paged=lambda: False)) is None
+
+    leader = Cluster(
+        Membership("127.0.0.1", store.port, "job", 0, 0, 2),
+        "node0",
+        clock=rig.clock,
+        client=StoreClient("127.0.0.1", store.port, timeout_s=5),
+    )
+    leader.summaries = {
+        1: NodeSummary(node=1, host="node1", at=NOW + 6, ranks=[], last_progress=NOW + 4, phase="ended")
+    }
+    local = JobState()
+    for rank in (0, 1):
+        local.apply(WorkerSeen(pid=100 + rank, rank=rank, host="node0", at=NOW))
+    evidence = JobEvidence(local, Stall(at=NOW + 12, stalled_for_s=7, stall_timeout_s=5, progress_timeout_s=600))
+    assert list(asyncio.run(gather_compact(leader, set(), NOW + 5, 0.0, evidence))) == [1]
+    finding = evidence.judge().finding
+    assert (finding.verdict, finding.culprits) == (Verdict.process_dead, (3,)), finding.summary
+    assert "Rank 2 exited after it, within 0.1 s" in finding.summary

@@ -115,3 +115,20 @@ def test_the_rendezvous_round_tells_rounds_apart_where_this_nodes_restart_count_
     os.kill(first[0].pid, signal.SIGKILL)
     start(launcher, restart=0, world=1, rdzv_round=1)  # the count stayed 0; the round did not
     assert [(e.rank, e.restart_count) for e in poll(source) if isinstance(e, WorkerSeen)] == [(0, 1)]
+
+
+def test_two_exits_in_one_poll_keep_their_order_and_their_own_times(launcher) -> None:  # type: ignore[no-untyped-def]
+    """torchrun ends a failed rank's local peers about 0.1 s after it: both exits fall in one poll, and the rank
+    that died first must still be told from the one ended after it (the pidfd's moment, not the poll's)."""
+    start(launcher, restart=0, world=2)
+    source = WorkerSource(launcher.pid, sample_every=0.0, host="node1")
+    pids = {e.rank: e.pid for e in poll(source) if isinstance(e, WorkerSeen)}
+    time.sleep(0.1)  # the exit watcher's thread is waiting
+    os.kill(pids[1], signal.SIGKILL)
+    killed_at = time.time()
+    time.sleep(0.15)
+    os.kill(pids[0], signal.SIGKILL)
+    time.sleep(0.2)
+    gone = {e.rank: e.at for e in poll(source) if isinstance(e, WorkerGone)}
+    assert sorted(gone) == [0, 1]
+    assert abs(gone[1] - killed_at) < 0.05 and 0.1 < gone[0] - gone[1] < 0.3

@@ -299,6 +299,10 @@ class Cluster:
             n for n, at in self._changed_at.items() if now - at <= LOST_AFTER_S and self.summaries[n].phase != "ended"
         }
 
+    def ended(self) -> set[int]:
+        """The other nodes whose jobs ended here (their workers gone): one that failed left its last evidence."""
+        return {n for n, summary in self.summaries.items() if n != self.me and summary.phase == "ended"}
+
     def job_started_at(self, own: float) -> float:
         """When the job's first sidecar started: the same on every node, so a page keyed on it deduplicates
         whichever node sends it."""

@@ -138,19 +138,33 @@ def _stopped(workers: tuple[WorkerView, ...], finding: Finding) -> Finding | Non
 
 
 def _dead(snapshot: Snapshot, finding: Finding) -> Finding | None:
+    """Ranks gone while others wait.  The first to go is the culprit: torchrun ends a failed rank's local peers
+    (their node's part of the job) a moment after it, and another node's ranks wait for all of them."""
     gone = [w for w in snapshot.workers if w.gone]
     alive = [w for w in snapshot.workers if not w.gone]
     if not gone or not alive:
         return None  # everyone ended: the job is over, not hung
-    ranks = ", ".join(f"{w.rank} (pid {w.pid})" for w in gone)
+    first = min((w.gone_at for w in gone if w.gone_at is not None), default=None)
+    dead = [w for w in gone if w.gone_at is None or first is None or w.gone_at == first]
+    after = [w for w in gone if w not in dead]
+    ranks = ", ".join(f"{w.rank} (pid {w.pid})" for w in dead)
     stalled = f"; nothing has moved for {snapshot.stall.stalled_for_s:.0f} s" if snapshot.stall else ""
+    followed = ""
+    if after and first is not None:
+        later = max(w.gone_at for w in after if w.gone_at is not None) - first
+        followed = (
+            f" Rank {', '.join(str(w.rank) for w in after)} exited after it, within {later:.1f} s (torchrun ends a"
+            " failed rank's peers on its node)."
+        )
     return replace(
         finding,
         verdict=Verdict.process_dead,
-        culprits=tuple(w.rank for w in gone),
-        summary=f"Rank {ranks} exited while ranks {', '.join(str(w.rank) for w in alive)} still wait{stalled}.",
+        culprits=tuple(w.rank for w in dead),
+        summary=f"Rank {ranks} exited while ranks {', '.join(str(w.rank) for w in alive)} still wait{stalled}."
+        + followed,
         reason="A rank that ends without shutting its communicators down leaves its peers waiting forever.",
-        evidence=tuple(Fact("procfs", f"rank {w.rank}: pid {w.pid} has exited") for w in gone) + finding.evidence,
+        evidence=tuple(Fact("procfs", f"rank {w.rank}: pid {w.pid} has exited") for w in dead + after)
+        + finding.evidence,
     )
 
 

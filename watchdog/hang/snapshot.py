@@ -120,6 +120,7 @@ class WorkerView:
     step: int | None
     gone: bool
     node_rank: int | None = None  # torchrun's GROUP_RANK
+    gone_at: float | None = None  # when its process exited
 
 
 @dataclass(frozen=True)
@@ -271,6 +272,7 @@ def worker_view(worker: Worker, probes: Sequence[tuple[float, float]] = ()) -> W
         step=worker.step,
         gone=worker.gone_at is not None,
         node_rank=worker.node_rank,
+        gone_at=worker.gone_at,
     )
 
 

@@ -233,6 +233,16 @@ def page_report(
     return report.model_copy(update={"incident_key": judging.incident_key(decision)})
 
 
+async def gather_compact(
+    cluster: Cluster, answering: set[int], since: float, wait_s: float, evidence: JobEvidence
+) -> dict[int, list[Event]]:
+    """The answering nodes' compact evidence of this silence, and the last evidence of nodes whose job failed
+    (``ClusterJudging.farewell``): which of their ranks went, and when.  Nothing changes there after the end, so
+    it counts whenever it was shared, and it is not waited for."""
+    found = await cluster.gather("compact", answering, since, wait_s, fold=evidence.add)
+    return found | await cluster.gather("compact", cluster.ended() - set(found), 0.0, 0.0, fold=evidence.add)
+
+
 class NodeJudging:
     """One node: its ranks are the whole job; it judges them, and it pages."""
 
@@ -483,7 +493,7 @@ class ClusterJudging:
             evidence = JobEvidence(self.live.state, stall)
             with paused_gc(freeze=False):
                 silence = stall.at - stall.stalled_for_s
-                await cluster.gather("compact", cluster.answering(), silence, PEEK_WAIT_S, fold=evidence.add)
+                await gather_compact(cluster, cluster.answering(), silence, PEEK_WAIT_S, evidence)
                 decision = evidence.judge()
                 self.job_state = evidence.state()
                 self._peeked_nodes = dict(evidence.nodes_of)
@@ -534,7 +544,7 @@ class ClusterJudging:
         evidence = JobEvidence(self.live.state, stall)  # folded as it comes; full evidence replaces in place
         # No collection until the verdict, nor after over the evidence's millions of objects (``paused_gc``).
         with paused_gc(freeze=True):
-            remote = await cluster.gather("compact", answering, started, EVIDENCE_WAIT_S, fold=evidence.add)
+            remote = await gather_compact(cluster, answering, started, EVIDENCE_WAIT_S, evidence)
             decision = evidence.judge()
             self.job_state = evidence.state()
             if want := focus(decision, evidence.nodes_of, set(cluster.lost()), FULL_NODES):
@@ -638,6 +648,26 @@ class ClusterJudging:
                 HANDOFF_S,
             )
 
+    async def _leave_evidence(self, cluster: Cluster, job_failed: bool) -> None:
+        """Before saying the job ended here: where it failed, this node's last evidence (which ranks went, when), for
+        the leader, whose ranks now wait for this node's (torchrun ends a node whose rank died, and the H200's
+        pipeline x DP job on two wrappers was paged as its two ranks stuck); where it ended well, none."""
+        try:
+            if not job_failed:
+                await cluster.drop_own_evidence()
+                return
+            view = self.live.view(self.watch.clock())
+            stall = Stall(
+                at=view.observed_at,
+                stalled_for_s=view.stalled_for,
+                stall_timeout_s=view.stall_timeout,
+                progress_timeout_s=self.live.settings.progress_timeout,
+            )
+            self._shared = self._compact([], stall)
+            await cluster.share("compact", self._shared, stall.at)
+        except StoreError:
+            pass  # the store went with the job (its node's torchrun): the lifeline tells the rest
+
     async def farewell(self, job_failed: bool, paged: Callable[[], bool]) -> tuple[Decision, str] | None:
         """The job ended here: say so to the other nodes.  If it failed and the store is gone too, the store's node
         is lost when its lifeline does not answer (its ranks' peers fail at once when it dies, so no hang is ever
@@ -647,6 +677,8 @@ class ClusterJudging:
             return None
         self.watch.drain()
         self._took_store = cluster.serves_store and (job_failed or paged())
+        if not cluster.leads() and not paged():
+            await self._leave_evidence(cluster, job_failed)
         reason = await exchange_or_degrade(cluster, self._summary())
         if reason is None or not job_failed or paged() or cluster.unread_verdict():
             return None  # an unread verdict: the leader paged the hang and ended its job, the store with it

@@ -22,7 +22,10 @@ bytes tell a busy rank from an idle one.
 
 from __future__ import annotations
 
+import os
+import select
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -49,6 +52,7 @@ STATE_LETTERS = {
 class _Worker:
     process: psutil.Process
     rank: int
+    exit_seen: bool = False  # /proc said it exited before its pidfd's moment was noted
 
 
 def _round(environ: dict[str, str]) -> int:
@@ -68,6 +72,52 @@ def _store(environ: dict[str, str]) -> str | None:
     return f"{addr}:{port}" if addr and port else None
 
 
+class ExitTimes:
+    """When each watched process exited, to the millisecond: one pidfd per process (Linux 5.3+), waited on by one
+    thread.  The /proc poll sees an exit up to its interval late, and torchrun ends a failed rank's local peers
+    about 0.1 s after it (its monitor interval): both often fell in one poll, and which rank died first, the one
+    the job waits for, was left to chance (the H200, pipeline x DP on two wrappers, rank 3 killed: ranks 2 and 3
+    named).  Where pidfds are not to be had, the poll's time stands."""
+
+    def __init__(self) -> None:
+        self._epoll: select.epoll | None = None
+        self._pids: dict[int, int] = {}  # pidfd -> pid
+        self._exited: dict[int, float] = {}  # pid -> when its pidfd became readable
+        self._lock = threading.Lock()
+
+    def watch(self, pid: int) -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, AttributeError):  # gone already, or no pidfd on this kernel
+            return
+        with self._lock:
+            if self._epoll is None:
+                self._epoll = select.epoll()
+                threading.Thread(target=self._wait, args=(self._epoll,), name="ncclwatch-exits", daemon=True).start()
+            self._pids[fd] = pid
+            self._epoll.register(fd, select.EPOLLIN)  # epoll_ctl beside a blocked epoll_wait is safe on Linux
+
+    def exited_at(self, pid: int) -> float | None:
+        with self._lock:
+            return self._exited.pop(pid, None)
+
+    def waiting_for(self, pid: int) -> bool:
+        """Its pidfd has not fired yet (the thread may still wait for the GIL to note it)."""
+        with self._lock:
+            return pid in self._pids.values()
+
+    def _wait(self, epoll: select.epoll) -> None:
+        while True:
+            ready = epoll.poll()
+            now = time.time()
+            with self._lock:
+                for fd, _ in ready:
+                    epoll.unregister(fd)
+                    os.close(fd)
+                    if (pid := self._pids.pop(fd, None)) is not None:
+                        self._exited[pid] = now
+
+
 class WorkerSource(PollingSource):
     """Finds torchrun's workers, follows restarts, samples their state every ``sample_every`` s."""
 
@@ -84,6 +134,7 @@ class WorkerSource(PollingSource):
         self._ignored: set[int] = set()
         self._last_sample = 0.0
         self._down = DownOnce(self.name)
+        self._exits = ExitTimes()
 
     def poll(self, emit: Emit) -> None:
         now = time.time()
@@ -123,6 +174,7 @@ class WorkerSource(PollingSource):
             rank = _int(environ.get("RANK"))
             assert rank is not None
             self._workers[pid] = _Worker(process, rank)
+            self._exits.watch(pid)
             emit(
                 WorkerSeen(
                     pid=pid,
@@ -146,8 +198,12 @@ class WorkerSource(PollingSource):
             except psutil.Error:
                 gone = True
             if gone:
+                exited = self._exits.exited_at(pid)
+                if exited is None and not worker.exit_seen and self._exits.waiting_for(pid):
+                    worker.exit_seen = True  # its exact moment comes by the next poll: two exits in one poll stay apart
+                    continue
                 del self._workers[pid]
-                emit(WorkerGone(pid=pid, rank=worker.rank, at=now))
+                emit(WorkerGone(pid=pid, rank=worker.rank, at=min(exited, now) if exited is not None else now))
 
 
 def sample(process: psutil.Process, rank: int) -> ProcessState | None:
