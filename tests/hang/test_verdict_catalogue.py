@@ -113,12 +113,14 @@ def test_priorities_rank_every_hang_above_no_hang_above_inconclusive() -> None:
 
 
 def test_proof_is_what_does_not_go_away_with_a_pause() -> None:
-    """Conclusive verdicts page as soon as they are seen (the live incident machine); the others are a moment a
-    healthy job passes through (a rank still compiling, a long kernel, stacks caught a few ms apart) and wait."""
+    """Conclusive verdicts page as soon as they are seen and settled (the live incident machine: a dead or stopped
+    rank, or a GPU stuck in another kernel, for long enough); the others are a moment a healthy job passes through
+    (a rank still compiling, stacks caught a few ms apart) and wait."""
     assert CONCLUSIVE == {
         Verdict.collective_mismatch,
         Verdict.process_dead,
         Verdict.process_stopped,
+        Verdict.gpu_compute_hang,
         Verdict.network_error,
         Verdict.node_lost,
     }

@@ -48,6 +48,7 @@ from ncclwatch.watchdog.live.incident import Phase
 from ncclwatch.watchdog.live.job import PEEK_WARMUP_S, LiveJob
 from ncclwatch.watchdog.live.judging import (
     DEAD_SETTLED_S,
+    GPU_HANG_SETTLED_S,
     PEEKED_HOT_S,
     STOPPED_SETTLED_S,
     ClusterJudging,
@@ -477,3 +478,18 @@ def test_a_member_whose_job_failed_leaves_the_leader_which_of_its_ranks_went_fir
     finding = evidence.judge().finding
     assert (finding.verdict, finding.culprits) == (Verdict.process_dead, (3,)), finding.summary
     assert "Rank 2 exited after it, within 0.1 s" in finding.summary
+
+
+def test_a_gpu_stuck_in_another_kernel_proves_the_hang_once_it_has_held_for_a_while() -> None:
+    """A rank's GPU in a non-NCCL kernel while its peers spin: one look cannot tell it from a long kernel, so it
+    waits for the stall timeout; held for GPU_HANG_SETTLED_S of silence it proves the hang by itself (the H200: DDP
+    and a compiled model hung 1.5 s into training, and the warm-up timeout was 300 s)."""
+    live = LiveJob(SETTINGS, started_at=NOW)
+    for rank in (0, 1):
+        live.apply(WorkerSeen(pid=100 + rank, rank=rank, host="node0", at=NOW), NOW)
+        live.apply(Heartbeat(pid=100 + rank, rank=rank, step=3, time=NOW + 1), NOW + 1)
+    stuck = Decision(Finding(Verdict.gpu_compute_hang, "rank 1's GPU is stuck", culprits=(1,)), page=True)
+    proof = Proof(live)
+    settled = live.last_progress() + GPU_HANG_SETTLED_S
+    assert not proof.proves(stuck, settled - 0.5) and proof.settles_at(stuck, settled - 0.5) == settled
+    assert proof.proves(stuck, settled)

@@ -85,6 +85,9 @@ DEAD_SETTLED_S = 5.0
 # A blocking py-spy or a debugger's attach stops a rank (state t) for a moment.  Below the span of the /proc samples
 # a worker keeps (hang/state.py: 8, 0.5 s apart), or it would never settle.
 STOPPED_SETTLED_S = 2.0
+# A rank's GPU in another kernel while its peers' spin in NCCL, for this long of silence: no training kernel runs so
+# long, and a rank still autotuning has not issued the collective its peers wait in.
+GPU_HANG_SETTLED_S = 15.0
 
 
 def judge_at(state: JobState, at: float) -> Decision:
@@ -175,6 +178,8 @@ class Proof:
     def _settled_at(self, decision: Decision, at: float, state: JobState) -> float:
         """When the decision's dead or stopped culprits have been so long enough (``at`` for any other verdict)."""
         verdict = decision.finding.verdict
+        if verdict is Verdict.gpu_compute_hang:
+            return self.live.last_progress() + GPU_HANG_SETTLED_S
         if verdict not in (Verdict.process_dead, Verdict.process_stopped):
             return at
         workers = {w.rank: w for w in state.current_workers()}

@@ -47,7 +47,7 @@ from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.live.incident import Probe
 from ncclwatch.watchdog.live.job import MIN_PROGRESS, LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import Journal
-from ncclwatch.watchdog.live.judging import Judging, Proof
+from ncclwatch.watchdog.live.judging import GPU_HANG_SETTLED_S, Judging, Proof
 from ncclwatch.watchdog.parsing.pyspy import parse_pyspy
 from ncclwatch.watchdog.parsing.ras import parse_ras
 from ncclwatch.watchdog.probes.flight_recorder import prime, read_dump, request_dumps, written_since
@@ -354,7 +354,8 @@ class Probing:
             return
         self._rhythm_said = rhythm
         looks = f", looking for it after {view.peek_after:.0f} s of silence" if view.peek_after is not None else ""
-        proof = f"or at once when the evidence proves it (a mismatch, a dead or stopped rank{looks})"
+        held = f"a GPU held in another kernel for {GPU_HANG_SETTLED_S:.0f} s"
+        proof = f"or at once when the evidence proves it (a mismatch, a dead or stopped rank, {held}{looks})"
         if self.settings.stall_timeout is not None:
             log.info("a hang is paged after %.0f s of silence (--stall-timeout), %s", view.stall_timeout, proof)
         elif not rhythm:
