@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 from ncclwatch.watchdog.events import STOPPED_STATES, OpState, Stall
 from ncclwatch.watchdog.hang.detectors import P2P_DEADLOCK_FIX
-from ncclwatch.watchdog.hang.snapshot import CommView, Snapshot, WorkerView
+from ncclwatch.watchdog.hang.snapshot import CommView, RankView, Snapshot, WorkerView
 from ncclwatch.watchdog.hang.stacks import IN_COMMUNICATION, Whereabouts, short_frame, whereabouts
 from ncclwatch.watchdog.hang.types import Fact, Finding, RankStatus
 from ncclwatch.watchdog.hang.verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
@@ -84,6 +84,7 @@ def judge(snapshot: Snapshot) -> Decision:
         finding = (
             _gpu_compute_hang(finding, signatures)
             or _never_started_on_gpu(snapshot, finding)
+            or _stream_held_before_nccl(snapshot, finding)
             or _lead_from_stacks(finding, where)
         )
     finding = _ran_ahead(snapshot, finding) or _p2p_wait_from_stacks(finding, where, snapshot) or finding
@@ -581,6 +582,55 @@ def _never_started_on_gpu(snapshot: Snapshot, finding: Finding) -> Finding | Non
         f"{ranks} and started on its peers: the host enqueued it, the GPU stream is stuck on earlier work (a spinning "
         "or very long kernel, a deadlocked custom op). Check the stack for the kernel launched before the collective.",
     )
+
+
+def _stream_held_before_nccl(snapshot: Snapshot, finding: Finding) -> Finding | None:
+    """No rank is named by the collective's states (every rank's is ``scheduled``), but Flight Recorder with timing
+    shows a peer's GPU in an NCCL operation (``started``) of a communicator rank R belongs to, while R's GPU runs no
+    NCCL operation at all though R's host enqueued some: a kernel queued before them on R's stream does not finish.
+
+    2 x H200, pipelines (GPipe, 1F1B) whose rank 1 launched a kernel that never ends before its next send: rank 0's
+    GPU sat in the recv from rank 1 (its coalesced group ``started``), rank 1's send and all after it ``scheduled``;
+    NVML read both GPUs alike (a one-block kernel: NCCL's point-to-point and the spinning kernel), and the page was
+    ``stuck_in_collective`` with no culprit on the loss all_reduce both had queued."""
+    if finding.culprits:
+        return None
+    recorded = [c for c in snapshot.comms if c.source == "flight_recorder"]
+    ranks = {v.rank for c in recorded for v in c.ranks}
+    held = {r for r in ranks if _held_in_nccl(snapshot, r)}
+    stuck = sorted(
+        {
+            v.rank
+            for c in recorded
+            if any(u.rank in held for u in c.ranks)
+            for v in c.ranks
+            if v.rank not in held and _enqueued(v)
+        }
+    )
+    if not stuck:
+        return None
+    names, waiting = ", ".join(map(str, stuck)), ", ".join(map(str, sorted(held)))
+    status = {r: ("stuck", "its GPU runs none of the NCCL operations it enqueued") for r in stuck}
+    status |= {r: ("waiting", "its GPU waits in an NCCL operation") for r in held}
+    return replace(
+        finding,
+        verdict=Verdict.gpu_compute_hang,
+        culprits=tuple(stuck),
+        rows=_with_rows(finding, snapshot, status),
+        summary=f"Rank {names}'s GPU runs none of the NCCL operations its host enqueued, while rank {waiting}'s GPU "
+        "waits in one with it: a kernel queued before them does not finish.",
+        reason="Flight Recorder (with timing): the peers' GPUs started an operation of a communicator rank "
+        f"{names} belongs to; rank {names} enqueued its own (scheduled) but its GPU started none, on any "
+        "communicator. Its stream is held by earlier work (a spinning or very long kernel, a deadlocked custom op). "
+        f"Check the stack for the kernel launched before them. Engine: {finding.summary}",
+    )
+
+
+def _enqueued(view: RankView) -> bool:
+    """Did the rank's host enqueue an NCCL operation its GPU has not started (a collective or point-to-point)?"""
+    peers = (*view.sent.values(), *view.received.values())
+    states = [*(op.state for op in view.details.values()), *(s for p in peers for s in p.states.values())]
+    return OpState.scheduled in states
 
 
 def _with_where(finding: Finding, where: Mapping[int, Whereabouts]) -> Finding:
