@@ -242,6 +242,21 @@ class TestBusy:
         decision = judged(*workers(cpu_busy_rank=2), STALL, logs=BEHIND)
         assert decision.finding.verdict == Verdict.rank_behind and not decision.page and "busy" in (decision.held or "")
 
+    def test_work_done_before_the_silence_began_is_not_busy(self) -> None:
+        """The samples reach 4 s back: a look 2 s into the silence saw a rank asleep in a syscall as busy with what
+        it did before it slept (the H200: its page waited for a second look).  Only the silence's samples count."""
+        events: list[Event] = []
+        for rank in range(3):
+            events.append(WorkerSeen(pid=1000 + rank, rank=rank, host="node1", at=NOW - 60))
+            for at, cpu in ((NOW - 4, 0.0), (NOW - 3, 0.9), (NOW - 2, 1.8), (NOW - 1, 1.8), (NOW, 1.8)):
+                cpu = cpu if rank == 2 else 0.0
+                events.append(ProcessState(pid=1000 + rank, rank=rank, state="S", cpu_seconds=cpu, at=at))
+        asleep = Stall(at=NOW, stalled_for_s=2, stall_timeout_s=5, progress_timeout_s=600)
+        decision = judged(*events, asleep, logs=BEHIND)
+        assert decision.finding.culprits == (2,) and decision.page and decision.held is None
+        earlier = Stall(at=NOW, stalled_for_s=4, stall_timeout_s=5, progress_timeout_s=600)  # busy in this silence
+        assert not judged(*events, earlier, logs=BEHIND).page
+
     def test_a_culprit_spinning_in_a_pending_operation_is_waiting_not_busy(self) -> None:
         """Seen on H100: ranks in a NCCL wait burn a full core; Flight Recorder says they wait."""
         pending = FrDump(

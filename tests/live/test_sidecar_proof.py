@@ -310,6 +310,16 @@ def test_the_streamed_state_is_judged_only_when_something_came(tmp_path: Path) -
     assert proof.streamed(live.view(NOW + 3.5 + STOPPED_SETTLED_S)) and len(judged) == 3  # settled: judged again
 
 
+def member_of_two(rig: Rig, port: int) -> tuple[Cluster, ClusterJudging]:
+    """The rig's sidecar as node 1 of 2, met through the store on ``port`` (the workers named it); node 0 leads."""
+    membership = Membership("127.0.0.1", port, "job", 0, 1, 2)
+    cluster = Cluster(membership, "node1", clock=rig.clock, client=StoreClient("127.0.0.1", port, timeout_s=5))
+    rig.sidecar.judging = judging = ClusterJudging(rig.sidecar, join=lambda membership, host: cluster)
+    judging.cluster = cluster
+    cluster.view, cluster._view_changed_at = JobView(leader=0, term=0, seq=1, nnodes=2), NOW + 1
+    return cluster, judging
+
+
 def test_a_member_nodes_proof_opens_its_incident_and_leaves_the_page_to_the_leader(tmp_path: Path) -> None:
     """Several nodes: the peek judges this node's ranks; its proof opens the incident (the leader sees the node
     probing and judges the job), the full look shares this node's evidence, and nothing is paged from here."""
@@ -317,11 +327,7 @@ def test_a_member_nodes_proof_opens_its_incident_and_leaves_the_page_to_the_lead
     store = torch_store_server()
     rig = Rig(tmp_path)
     starting_job(rig)
-    membership = Membership("127.0.0.1", store.port, "job", 0, 1, 2)  # node 1 of 2
-    cluster = Cluster(membership, "node1", clock=rig.clock, client=StoreClient("127.0.0.1", store.port, timeout_s=5))
-    rig.sidecar.judging = judging = ClusterJudging(rig.sidecar, join=lambda membership, host: cluster)
-    judging.cluster = cluster  # met: the workers named the store
-    cluster.view, cluster._view_changed_at = JobView(leader=0, term=0, seq=1, nnodes=2), NOW + 1
+    cluster, judging = member_of_two(rig, store.port)
     skipped_all_reduce(rig)
     rig.tick(1.0 + PEEK_WARMUP_S)
     assert rig.prober.peeks == 1 and rig.prober.calls == [True]
@@ -339,11 +345,7 @@ def test_a_members_peek_is_its_full_evidence_when_the_leader_asks_before_its_own
     store = torch_store_server()
     rig = Rig(tmp_path)
     starting_job(rig)
-    membership = Membership("127.0.0.1", store.port, "job", 0, 1, 2)  # node 1 of 2
-    cluster = Cluster(membership, "node1", clock=rig.clock, client=StoreClient("127.0.0.1", store.port, timeout_s=5))
-    rig.sidecar.judging = judging = ClusterJudging(rig.sidecar, join=lambda membership, host: cluster)
-    judging.cluster = cluster
-    cluster.view, cluster._view_changed_at = JobView(leader=0, term=0, seq=1, nnodes=2), NOW + 1
+    cluster, judging = member_of_two(rig, store.port)
     rig.prober.frames = {100: IN_ALL_REDUCE, 101: IN_ALL_REDUCE, 102: IN_ALL_REDUCE}  # nothing proven here
     rig.tick(1.0 + PEEK_WARMUP_S)
     assert rig.prober.peeks == 1 and rig.phase is Phase.watching  # a quiet peek, shared
@@ -416,11 +418,7 @@ def test_a_member_withdraws_its_peeks_evidence_once_its_ranks_move_again(tmp_pat
     store = torch_store_server()
     rig = Rig(tmp_path)
     starting_job(rig)
-    membership = Membership("127.0.0.1", store.port, "job", 0, 1, 2)  # node 1 of 2
-    cluster = Cluster(membership, "node1", clock=rig.clock, client=StoreClient("127.0.0.1", store.port, timeout_s=5))
-    rig.sidecar.judging = judging = ClusterJudging(rig.sidecar, join=lambda membership, host: cluster)
-    judging.cluster = cluster
-    cluster.view, cluster._view_changed_at = JobView(leader=0, term=0, seq=1, nnodes=2), NOW + 1
+    cluster, judging = member_of_two(rig, store.port)
 
     def shared() -> bytes | None:
         reader = StoreClient("127.0.0.1", store.port, timeout_s=5)  # one a loop, as the rig's

@@ -258,8 +258,9 @@ def _comm(comm: Communicator, global_ranks: Mapping[ProcKey, int], views: RankVi
     )
 
 
-def worker_view(worker: Worker, probes: Sequence[tuple[float, float]] = ()) -> WorkerView:
-    cpu, io = worker.rates(probes)
+def worker_view(worker: Worker, probes: Sequence[tuple[float, float]] = (), since: float | None = None) -> WorkerView:
+    """``since``: when the job fell silent (its rates count from then)."""
+    cpu, io = worker.rates(probes, since)
     return WorkerView(
         rank=worker.rank,  # type: ignore[arg-type]  # current_workers() have one
         pid=worker.pid,
@@ -274,6 +275,12 @@ def worker_view(worker: Worker, probes: Sequence[tuple[float, float]] = ()) -> W
         node_rank=worker.node_rank,
         gone_at=worker.gone_at,
     )
+
+
+def silent_since(state: JobState) -> float | None:
+    """When the silence the latest look judged began."""
+    stall = state.stall
+    return stall.at - stall.stalled_for_s if stall is not None else None
 
 
 def take_snapshot(state: JobState, observed_at: float, views: RankViews | None = None) -> Snapshot:
@@ -295,7 +302,7 @@ def take_snapshot(state: JobState, observed_at: float, views: RankViews | None =
         stacks=MappingProxyType(dict(state.stacks)),
         gpus=tuple(state.gpus),
         notes=tuple(state.notes),
-        workers=tuple(worker_view(w, state.probes) for w in state.current_workers()),
+        workers=tuple(worker_view(w, state.probes, silent_since(state)) for w in state.current_workers()),
         stall=state.stall,
         partial=tuple(state.partial),
         mesh_groups=mesh_groups_of_dumps(state.fr_dumps.values()),

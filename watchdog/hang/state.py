@@ -221,8 +221,14 @@ class Worker:
     def proc_state(self) -> str | None:
         return self.samples[-1].state if self.samples else None
 
-    def rates(self, probes: Sequence[tuple[float, float]] = ()) -> tuple[float | None, float | None]:
+    def rates(
+        self, probes: Sequence[tuple[float, float]] = (), since: float | None = None
+    ) -> tuple[float | None, float | None]:
         """CPU (cores) and I/O (bytes/s) over the samples kept: a busy rank from an idle one.
+
+        ``since``: when the job fell silent; only the samples from then count where at least two are.  The samples
+        kept reach 4 s back, and a look 2 s into the silence saw a rank asleep in a syscall as busy with the work it
+        did before it slept (its page then waited for a second look: 9.1 s on the H200, the stall timeout 5 s).
 
         The CPU is the main thread's where both samples have it: the thread that runs the rank's own code.  On
         the H200 a pipeline stage asleep in Python read as busy by its process's CPU (NCCL's proxy thread spins
@@ -230,13 +236,16 @@ class Worker:
         ``probes`` (when ncclwatch asked the ranks for Flight Recorder dumps, and until they were written): on the
         H200 an FSDP2 rank asleep in Python wrote its dump while the confirming look sampled it, and every hang of
         FSDP2, TP and pipeline jobs was held as busy."""
-        if len(self.samples) < 2:
+        samples = list(self.samples)
+        if since is not None and len(recent := [s for s in samples if s.at >= since]) >= 2:
+            samples = recent
+        if len(samples) < 2:
             return None, None
-        first, last = self.samples[0], self.samples[-1]
+        first, last = samples[0], samples[-1]
         seconds = last.at - first.at
         if seconds <= 0:
             return None, None
-        io = _io_rate(self.samples, probes)
+        io = _io_rate(samples, probes)
         if last.main_cpu_seconds is not None and first.main_cpu_seconds is not None:
             return (last.main_cpu_seconds - first.main_cpu_seconds) / seconds, io
         return (last.cpu_seconds - first.cpu_seconds) / seconds, io
