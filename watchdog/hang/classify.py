@@ -102,8 +102,12 @@ def judge(snapshot: Snapshot) -> Decision:
 
 def _unblame_absent(finding: Finding, snapshot: Snapshot) -> Finding:
     """Offline, a dump that is not among the files given says nothing about its rank (only some nodes' files,
-    say); only the live watchdog, which asked every rank, may read a missing dump as a rank that cannot answer."""
-    if snapshot.stall is not None or not finding.absent or set(finding.culprits) - set(finding.absent):
+    say); only the live watchdog, which asked every rank, may read a missing dump as a rank that cannot answer.
+    A journal makes the state live, but a rank that is none of its workers was never asked from there: one node's
+    bundle of a two-wrapper job, analyzed alone, named the other node's ranks for leaving no dump."""
+    known = {w.rank for w in snapshot.workers}
+    unasked = [r for r in finding.absent if snapshot.stall is None or r not in known]
+    if not unasked or set(finding.culprits) - set(unasked):
         return finding
     ranks = ", ".join(map(str, finding.absent))
     return replace(
