@@ -176,7 +176,8 @@ class Proof:
         return self._settled_at(decision, at, state)
 
     def _settled_at(self, decision: Decision, at: float, state: JobState) -> float:
-        """When the decision's dead or stopped culprits have been so long enough (``at`` for any other verdict)."""
+        """When the decision's dead or stopped culprits have been so long enough, or its stuck GPU held for
+        GPU_HANG_SETTLED_S of silence (``at`` for any other verdict)."""
         verdict = decision.finding.verdict
         if verdict is Verdict.gpu_compute_hang:
             return self.live.last_progress() + GPU_HANG_SETTLED_S
@@ -401,9 +402,9 @@ class ClusterJudging:
         """Exchange every HOT_S while a stall is judged (``Cluster.hurry``) or this node suspects one: requests and
         verdicts travel fast.  A member that suspects a stall is the one the leader will ask for its full evidence;
         at PUBLISH_S it would see the request only after the leader's wait for it ran out (two wrappers, a rank
-        stopped on the member: 2.5 s of a 7.4 s page).  So does a member for PEEKED_HOT_S after a peek of a silence
-        that goes on: a peek that proves the hang opens the leader's incident within seconds (two wrappers on CPU, a
-        rank stopped on the leader's node: the member read the leader's ask for its full evidence 1.5 s late)."""
+        stopped on the member: 2.5 s of a 7.4 s page).  So does a member for PEEKED_HOT_S after a peek: where the
+        leader's peek of the same silence proves the hang, it asks for this node's full evidence at once
+        (``proved``), before this node suspects anything itself."""
         if self.cluster is None:
             return False
         suspects = self.watch.incident.phase in (Phase.suspect, Phase.confirming)

@@ -149,6 +149,8 @@ class WorkerSource(PollingSource):
         if now - self._last_sample >= self.sample_every:
             self._last_sample = now
             for worker in self._workers.values():
+                if worker.exit_seen:
+                    continue  # gone, its WorkerGone due at the next poll
                 state = sample(worker.process, worker.rank)
                 if state is not None:
                     emit(state)
