@@ -27,7 +27,7 @@ from typing import Literal
 from ncclwatch.watchdog.events import NCCL_DTYPES, Citation, OpSig, OpState
 from ncclwatch.watchdog.hang.snapshot import CommView, PeerView, RankView
 from ncclwatch.watchdog.hang.stacks import call_line, short_frame, split_frame, user_frame
-from ncclwatch.watchdog.hang.step_pattern import Expectation, expected_next
+from ncclwatch.watchdog.hang.step_pattern import Expectation, expected_next, skipped_one
 from ncclwatch.watchdog.hang.types import Fact, Finding, OpRef, RankStatus
 from ncclwatch.watchdog.hang.verdicts import Verdict
 
@@ -226,7 +226,8 @@ def _mismatch(
     """The minority is the culprit; with an even split, the step the communicator repeats decides (``step_pattern``)."""
     reference = max(ranks, key=lambda r: position - r.base)
     keys = {sig: _key(members[0], position) for sig, members in groups.items()}
-    step = expected_next([_key(reference, p) for p in range(reference.base, position)], list(keys.values()))
+    history = [_key(reference, p) for p in range(reference.base, position)]
+    step = expected_next(history, list(keys.values()))
     sizes = sorted((len(m) for m in groups.values()), reverse=True)
     by_step = next((sig for sig, key in keys.items() if key == step.expected), None)
     explained = step.expected is not None
@@ -250,6 +251,15 @@ def _mismatch(
             how = (
                 f"the ranks split evenly, and every rank issued {good_sig.describe()} before it "  # type: ignore[union-attr]
                 f"where no rank ever passed {changed}"
+            )
+        # By signature: another node's shared entries keep their call site only for the newest few.
+        elif step.shape is None and (due := skipped_one([k[0] for k in history], list(keys))) is not None:
+            good_sig, explained = due, True
+            then = next(sig for sig in keys if sig != due)
+            how = (
+                f"the ranks split evenly, and every time before, {_describe(history[-1])} was followed by "
+                f"{_describe(keys[due])} and then {_describe(keys[then])}: the other side skipped "
+                f"{_describe(keys[due])}"
             )
     decided = len(sizes) == 1 or sizes[0] > sizes[1] or explained
     culprits = [r for s, members in groups.items() if s != good_sig for r in members] if decided else []

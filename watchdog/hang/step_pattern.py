@@ -203,6 +203,29 @@ def expected_next(history: Sequence[Hashable], candidates: Sequence[Hashable]) -
     )
 
 
+def skipped_one(history: Sequence[Hashable], candidates: Sequence[Hashable]) -> Hashable | None:
+    """Where no step is learned yet (one step in the history): the candidate ``K`` such that, every time the last
+    operation ``W`` was issued before, ``K`` came next and the other candidate right after it (``W, K, Y``).  The
+    side at ``Y`` skipped ``K``.  Two gloo ranks, one skipping an all_reduce at step 1: step 0 had shown the order
+    once, and the ranks split evenly with no culprit."""
+    if len(candidates) != 2 or not history:
+        return None
+    after = history[-1]
+    followers = {
+        (history[i + 1], history[i + 2] if i + 2 < len(history) else None)
+        for i in range(len(history) - 1)
+        if history[i] == after
+    }
+    if len(followers) != 1:
+        return None
+    ((next_one, then),) = followers
+    one, other = candidates
+    for expected, skipped_to in ((one, other), (other, one)):
+        if next_one == expected and then == skipped_to:
+            return expected
+    return None
+
+
 def _by_count(history: Sequence[Hashable], shape: StepShape, candidates: Sequence[Hashable]) -> Hashable | None:
     """With steps of one fixed bag of P operations: the one candidate the last P - 1 operations lack."""
     if not shape.fixed or len(candidates) < 2:
