@@ -551,12 +551,13 @@ def _fr_comm(snapshot: Snapshot, finding: Finding) -> CommView | None:
 def _held_in_nccl(snapshot: Snapshot, rank: int) -> bool:
     """Does ``rank``'s GPU sit in an NCCL operation (a collective or p2p Flight Recorder saw start, not complete)?"""
     views = (v for c in snapshot.comms if c.source == "flight_recorder" for v in c.ranks if v.rank == rank)
-    for view in views:
-        peers = (*view.sent.values(), *view.received.values())
-        states = [*(op.state for op in view.details.values()), *(s for p in peers for s in p.states.values())]
-        if OpState.started in states:
-            return True
-    return False
+    return any(OpState.started in _op_states(view) for view in views)
+
+
+def _op_states(view: RankView) -> list[OpState]:
+    """The states of every operation the rank's Flight Recorder view holds: collectives and point-to-point."""
+    peers = (*view.sent.values(), *view.received.values())
+    return [*(op.state for op in view.details.values()), *(s for p in peers for s in p.states.values())]
 
 
 def _never_started_on_gpu(snapshot: Snapshot, finding: Finding) -> Finding | None:
@@ -632,9 +633,7 @@ def _stream_held_before_nccl(snapshot: Snapshot, finding: Finding) -> Finding | 
 
 def _enqueued(view: RankView) -> bool:
     """Did the rank's host enqueue an NCCL operation its GPU has not started (a collective or point-to-point)?"""
-    peers = (*view.sent.values(), *view.received.values())
-    states = [*(op.state for op in view.details.values()), *(s for p in peers for s in p.states.values())]
-    return OpState.scheduled in states
+    return OpState.scheduled in _op_states(view)
 
 
 def _with_where(finding: Finding, where: Mapping[int, Whereabouts]) -> Finding:
