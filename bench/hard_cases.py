@@ -173,6 +173,13 @@ def fault_time(folders: list[Path]) -> float | None:
     return min(times) if times else None
 
 
+def gpu_slice(node: int, per_node: int) -> list[str]:
+    """The GPUs of wrapper ``node``: its share of those this process sees, in order."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = visible.split(",") if visible else [str(i) for i in range((node + 1) * per_node)]
+    return names[node * per_node : (node + 1) * per_node]
+
+
 async def run(scenario: Scenario, work: Path, timeout_s: float, device: str, gpus: int = 1) -> dict:  # type: ignore[type-arg]
     """One scenario's wrappers to the end; ``gpus``: the machine's, to tell who names the NCCL hosts."""
     port = random.randint(29600, 29900)
@@ -185,6 +192,10 @@ async def run(scenario: Scenario, work: Path, timeout_s: float, device: str, gpu
                 # One "host" per wrapper on one machine.  With more ranks per wrapper than GPUs, ranks.py gives
                 # each rank its own instead: NCCL refuses two ranks of one host on one GPU.
                 env["NCCL_HOSTID"] = f"node{n}"
+            if scenario.nodes > 1 and scenario.nodes * scenario.per_node <= gpus:
+                # Enough GPUs for a rank each: each wrapper its own, as on separate hosts.  NVML then reads each
+                # rank's GPU alone, which a GPU hang's signature needs.
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_slice(n, scenario.per_node))
             launch = (
                 ["--standalone"]
                 if scenario.nodes == 1

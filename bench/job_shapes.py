@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from hard_cases import Scenario, made_folder, run  # bench/: the script's folder is on sys.path
-from shapes_job import SHAPES, TWO_D
+from shapes_job import FAULTS, SHAPES, TWO_D
 
 # The step of each fault and of the healthy run's pause: well past the 8 steps the stall timeout is learned from,
 # with whole steps of history before it.  These jobs take 10-100 ms a step on a 2-core CPU, 20-120 ms on one H200
@@ -218,7 +218,8 @@ async def main_async(args: argparse.Namespace) -> int:
     def picked(case: Case) -> bool:
         return any(case.shape == term if term in SHAPES else term in case.name for term in terms)
 
-    chosen = [laid_out(c, args.nodes) for c in runnable if picked(c)]
+    faults = set(args.faults.split(",")) if args.faults else None
+    chosen = [laid_out(c, args.nodes) for c in runnable if picked(c) and (faults is None or c.fault in faults)]
     if not chosen:
         raise SystemExit(f"no {args.device} scenario matches {args.only!r}")
     if args.device == "cuda":
@@ -230,12 +231,16 @@ async def main_async(args: argparse.Namespace) -> int:
     # contention.  GPU signatures (NVML) would see the other jobs' kernels too, so gpu_hang scenarios run after
     # the others, one at a time.
     slots = asyncio.Semaphore(args.parallel)
+    deadline = time.monotonic() + args.budget
 
     async def one(case: Case, index: int) -> None:
         async with slots:
             await judge(case, index)
 
     async def judge(case: Case, index: int) -> None:
+        if time.monotonic() > deadline:
+            print(json.dumps({"scenario": case.name, "run": index, "skipped": "past --budget"}), flush=True)
+            return
         job = case.job(fault_step)
         scenario = Scenario(case.name, "shapes_job.py", case.nodes, case.per_node, job, case.expect, args.watch)
         began = time.time()
@@ -246,6 +251,7 @@ async def main_async(args: argparse.Namespace) -> int:
         row["started_at"] = dt.datetime.fromtimestamp(began).astimezone().isoformat(timespec="seconds")
         row["wall_s"] = round(time.time() - began, 1)
         row["parallel"] = args.parallel
+        row["work"] = str(work)  # the run's folders: wrappers' logs, bundles
         rows.append(row)
         with out.open("a") as handle:
             handle.write(json.dumps(row) + "\n")
@@ -274,7 +280,13 @@ def main() -> int:
         default="",
         help="a shape's scenarios (tp: not fsdp2_tp's), or those whose name holds this (_skip_); comma-separated",
     )
+    parser.add_argument(
+        "--faults", default="", help=f"only these faults, comma-separated: {', '.join(FAULTS)} (none: the pause)"
+    )
     parser.add_argument("--repeat", type=int, default=1, help="run the chosen scenarios this many times, in turn")
+    parser.add_argument(
+        "--budget", type=float, default=float("inf"), help="start no run this many seconds after the suite began"
+    )
     parser.add_argument("--nodes", type=int, default=0, help="run every scenario as N wrappers (0: the table's layout)")
     parser.add_argument(
         "--fault-step", type=int, default=0, help="step of each fault and pause (0: 60 on cpu, 600 on cuda)"
