@@ -562,7 +562,12 @@ def _op_states(view: RankView) -> list[OpState]:
 
 def _never_started_on_gpu(snapshot: Snapshot, finding: Finding) -> Finding | None:
     """The lead enqueued the collective but its GPU never started it while the peers' GPUs did
-    (Flight Recorder with timing): the kernel before it on the stream does not finish."""
+    (Flight Recorder with timing): the kernel before it on the stream does not finish.
+
+    Where that kernel is itself an NCCL operation the lead's GPU waits in, the lead is held, not hung: the rank its
+    GPU waits for is followed to one whose GPU waits in none (4 x H200, FSDP2 x TP, rank 3's GPU in a kernel that
+    never ends: rank 1 "never started" its TP all_reduce because its GPU sat in a DP all-gather with rank 3, and
+    rank 1 was paged)."""
     if not finding.culprits or finding.position is None:
         return None
     comm = _fr_comm(snapshot, finding)
@@ -576,6 +581,12 @@ def _never_started_on_gpu(snapshot: Snapshot, finding: Finding) -> Finding | Non
     # completed #44 while past #46) and a CPU pause was paged as a GPU hang; only a peer still running it counts.
     if not peers or any(s != OpState.scheduled for s in lead) or not any(s == OpState.started for s in peers):
         return None
+    graph = _GpuWaits(snapshot)
+    roots = graph.roots(finding.culprits)
+    if not roots:
+        return None  # every GPU on the way waits in NCCL: no kernel of ours to blame
+    if roots != list(finding.culprits):
+        return _held_behind(snapshot, finding, graph, roots)
     ranks = ", ".join(map(str, finding.culprits))
     return replace(
         finding,
@@ -586,6 +597,79 @@ def _never_started_on_gpu(snapshot: Snapshot, finding: Finding) -> Finding | Non
         reason="Flight Recorder (with timing) shows the collective scheduled on rank "
         f"{ranks} and started on its peers: the host enqueued it, the GPU stream is stuck on earlier work (a spinning "
         "or very long kernel, a deadlocked custom op). Check the stack for the kernel launched before the collective.",
+    )
+
+
+class _GpuWaits:
+    """Which rank's GPU waits for which, from Flight Recorder's states: a GPU in an NCCL operation (``started``)
+    waits for the peers whose GPUs have not started it.  Built once per judgement, from every rank's views."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._views: dict[int, list[tuple[CommView, RankView]]] = {}
+        for comm in snapshot.comms:
+            if comm.source == "flight_recorder":
+                for view in comm.ranks:
+                    self._views.setdefault(view.rank, []).append((comm, view))
+        self.held = {r for r, pairs in self._views.items() if any(OpState.started in _op_states(v) for _, v in pairs)}
+
+    def waits_for(self, rank: int) -> dict[int, str]:
+        """The ranks ``rank``'s GPU waits for, each with the operation it waits in."""
+        waited: dict[int, str] = {}
+        for comm, mine in self._views.get(rank, []):
+            for position, op in mine.details.items():
+                if op.state != OpState.started:
+                    continue
+                for peer in comm.ranks:
+                    if peer is not mine and (peer.state_at(position) == OpState.scheduled or peer.total <= position):
+                        sig = mine.at(position)
+                        what = sig.describe() if sig is not None else "a collective"
+                        waited.setdefault(peer.rank, f"{what} (#{position + 1} on {comm.label})")
+            by_comm_rank = comm.by_comm_rank()
+            for peer_rank, peer in (*mine.sent.items(), *mine.received.items()):
+                if OpState.started in peer.states.values() and peer_rank in by_comm_rank:
+                    waited.setdefault(by_comm_rank[peer_rank].rank, f"a send/recv on {comm.label}")
+        return waited
+
+    def roots(self, leads: tuple[int, ...]) -> list[int]:
+        """The ranks at the end of the waits from ``leads``: GPUs that wait in no NCCL operation and whose hosts
+        enqueued one (their stream is held by other work)."""
+        seen, todo, roots = set(leads), list(leads), set()
+        while todo:
+            rank = todo.pop()
+            if rank not in self.held:
+                if any(_enqueued(view) for _, view in self._views.get(rank, [])):
+                    roots.add(rank)
+                continue
+            for peer in self.waits_for(rank):
+                if peer not in seen:
+                    seen.add(peer)
+                    todo.append(peer)
+        return sorted(roots)
+
+
+def _held_behind(snapshot: Snapshot, finding: Finding, graph: _GpuWaits, roots: list[int]) -> Finding:
+    """The lead's GPU waits in NCCL for ``roots``, whose GPUs run none of the NCCL work their hosts enqueued."""
+    names, leads = ", ".join(map(str, roots)), ", ".join(map(str, finding.culprits))
+    waits = [
+        f"rank {r}'s GPU waits for rank {p} in {what}"
+        for r in sorted(graph.held)
+        for p, what in sorted(graph.waits_for(r).items())
+        if p in roots
+    ]
+    status = {r: ("stuck", "its GPU runs none of the NCCL operations it enqueued") for r in roots}
+    status |= {r: ("waiting", "its GPU waits in an NCCL operation") for r in graph.held}
+    return replace(
+        finding,
+        verdict=Verdict.gpu_compute_hang,
+        culprits=tuple(roots),
+        rows=_with_rows(finding, snapshot, status),
+        summary=f"Rank {names}'s GPU runs none of the NCCL operations its host enqueued; "
+        f"{waits[0] if waits else f'rank {leads} waits for it'}: a kernel queued before them does not finish.",
+        reason=f"Flight Recorder (with timing): rank {leads} never started {finding.operation or 'the collective'} "
+        f"(#{finding.position}) that its peers run, because its GPU waits in another NCCL operation; following "
+        f"what each GPU waits for ends at rank {names}, whose GPU started none of the NCCL work its host enqueued. "
+        f"{'; '.join(waits)}. Its stream is held by earlier work (a spinning or very long kernel, a deadlocked custom "
+        f"op): check the stack for the kernel launched before them. Engine: {finding.summary}",
     )
 
 
