@@ -425,6 +425,18 @@ class TestPeekEdges:
         _, actions = on_tick(waiting, NOW + 1.2, NOW - 3, 4.2, 300.0, 3.0)
         assert actions == [self.PEEK]
 
+    GPU_HANG_1 = Decision(Finding(Verdict.gpu_compute_hang, "s", culprits=(1,)), page=True)
+
+    def test_a_peek_whose_proof_needs_time_is_the_first_look_of_the_stall_timeout(self) -> None:
+        # 4 x H200: a GPU hang seen at 3 s of silence, not held 15 s yet; the stall timeout (6 s) came first, and its
+        # probe looked again before paging though the peek had seen the same rank.
+        incident, _ = on_tick(WATCHING, NOW, NOW - 3, 3.0, 6.0, peek_after=3.0)
+        waiting, actions = on_probe(incident, NOW + 0.3, self.GPU_HANG_1, False, 3.3, settles_at=NOW + 12)
+        assert actions == [] and waiting.peeked == (NOW + 0.3, self.GPU_HANG_1)
+        suspect, _ = on_tick(waiting, NOW + 3, NOW - 3, 6.0, 6.0, peek_after=3.0)
+        paged, actions = on_probe(suspect, NOW + 4, self.GPU_HANG_1, False, 7.0)
+        assert paged.phase is Phase.paged and actions == [Page(self.GPU_HANG_1)]
+
     def test_progress_after_a_peek_starts_the_silence_over(self) -> None:
         peeked = self.peeked()
         assert on_tick(peeked, NOW + 1, NOW + 0.5, 0.5, 300.0, 3.0) == (WATCHING, [])
