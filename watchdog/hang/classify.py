@@ -656,13 +656,11 @@ def _held_behind(snapshot: Snapshot, finding: Finding, graph: _GpuWaits, roots: 
         for p, what in sorted(graph.waits_for(r).items())
         if p in roots
     ]
-    status = {r: ("stuck", "its GPU runs none of the NCCL operations it enqueued") for r in roots}
-    status |= {r: ("waiting", "its GPU waits in an NCCL operation") for r in graph.held}
-    return replace(
+    return _stream_held(
+        snapshot,
         finding,
-        verdict=Verdict.gpu_compute_hang,
-        culprits=tuple(roots),
-        rows=_with_rows(finding, snapshot, status),
+        roots,
+        graph.held,
         summary=f"Rank {names}'s GPU runs none of the NCCL operations its host enqueued; "
         f"{waits[0] if waits else f'rank {leads} waits for it'}: a kernel queued before them does not finish.",
         reason=f"Flight Recorder (with timing): rank {leads} never started {finding.operation or 'the collective'} "
@@ -685,8 +683,7 @@ def _stream_held_before_nccl(snapshot: Snapshot, finding: Finding) -> Finding | 
     if finding.culprits:
         return None
     recorded = [c for c in snapshot.comms if c.source == "flight_recorder"]
-    ranks = {v.rank for c in recorded for v in c.ranks}
-    held = {r for r in ranks if _held_in_nccl(snapshot, r)}
+    held = _GpuWaits(snapshot).held
     stuck = sorted(
         {
             v.rank
@@ -699,19 +696,30 @@ def _stream_held_before_nccl(snapshot: Snapshot, finding: Finding) -> Finding | 
     if not stuck:
         return None
     names, waiting = ", ".join(map(str, stuck)), ", ".join(map(str, sorted(held)))
-    status = {r: ("stuck", "its GPU runs none of the NCCL operations it enqueued") for r in stuck}
-    status |= {r: ("waiting", "its GPU waits in an NCCL operation") for r in held}
-    return replace(
+    return _stream_held(
+        snapshot,
         finding,
-        verdict=Verdict.gpu_compute_hang,
-        culprits=tuple(stuck),
-        rows=_with_rows(finding, snapshot, status),
+        stuck,
+        held,
         summary=f"Rank {names}'s GPU runs none of the NCCL operations its host enqueued, while rank {waiting}'s GPU "
         "waits in one with it: a kernel queued before them does not finish.",
         reason="Flight Recorder (with timing): the peers' GPUs started an operation of a communicator rank "
         f"{names} belongs to; rank {names} enqueued its own (scheduled) but its GPU started none, on any "
         "communicator. Its stream is held by earlier work (a spinning or very long kernel, a deadlocked custom op). "
         f"Check the stack for the kernel launched before them. Engine: {finding.summary}",
+    )
+
+
+def _stream_held(
+    snapshot: Snapshot, finding: Finding, stuck: list[int], held: set[int], summary: str, reason: str
+) -> Finding:
+    """``gpu_compute_hang`` of ``stuck``, whose GPUs run none of the NCCL work their hosts enqueued, while ``held``'s
+    GPUs wait in NCCL operations."""
+    status = {r: ("stuck", "its GPU runs none of the NCCL operations it enqueued") for r in stuck}
+    status |= {r: ("waiting", "its GPU waits in an NCCL operation") for r in held}
+    rows = _with_rows(finding, snapshot, status)
+    return replace(
+        finding, verdict=Verdict.gpu_compute_hang, culprits=tuple(stuck), rows=rows, summary=summary, reason=reason
     )
 
 
