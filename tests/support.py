@@ -5,6 +5,7 @@
 - ``make_port``: one port of a fake /sys/class/infiniband tree (no IB here).
 - ``free_port``: a loopback port for a process started later to listen on.
 - ``torch_store_server``: a real torch TCPStore server on a loopback ephemeral port.
+- ``bundle_events``: a bundle's Flight Recorder dumps and NCCL logs as the sidecar that wrote it read them.
 - ``RasServer``: NCCL's side of the RAS protocol on a loopback ephemeral port,
   answering with a canned report; the first ``silent`` connections are accepted
   and never answered, as a SIGSTOPped rank's socket is.
@@ -20,13 +21,17 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from ncclwatch.watchdog.events import Event
 from ncclwatch.watchdog.evidence import EvidenceContext, RankTarget
+from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
+from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
 from ncclwatch.watchdog.probes.procfs import proc_state
 
 SLEEPER = """
@@ -195,3 +200,17 @@ def make_port(root: Path, dev: str = "mlx5_0", port: int = 1, **values) -> Path:
         (base / name).parent.mkdir(parents=True, exist_ok=True)
         (base / name).write_text(text + "\n")  # sysfs values end with a newline
     return base
+
+
+def bundle_events(bundle: Path) -> list[Event]:
+    """A bundle's Flight Recorder dumps and NCCL logs, parsed as its sidecar read them."""
+    events: list[Event] = []
+    with tarfile.open(bundle) as archive:
+        for member in archive.getmembers():
+            name = member.name.partition("/")[2]
+            if name.startswith("fr/nccl_trace_rank_"):
+                events += parse_flight_recorder(archive.extractfile(member).read(), name)  # type: ignore[union-attr]
+            elif name.startswith("nccl/"):
+                parser = NcclLogParser(name.removeprefix("nccl/"))
+                events += parser.feed(archive.extractfile(member).read(), final=True)  # type: ignore[union-attr]
+    return events

@@ -4,10 +4,9 @@ ranks waiting for it (real H200 bundles: tests/fixtures/bundles/nccl-2.28.9-h200
 
 from __future__ import annotations
 
-import tarfile
-
 import pytest
 from conftest import FIXTURES
+from support import bundle_events
 
 from ncclwatch.watchdog.cluster.payload import pack, unpack
 from ncclwatch.watchdog.events import Event
@@ -15,25 +14,13 @@ from ncclwatch.watchdog.hang.classify import judge
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.hang.verdicts import Verdict
-from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
-from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
 
 BUNDLES = FIXTURES / "bundles" / "nccl-2.28.9-h200-pp-dp-skip-ran-ahead"
 
 
 def node_events(node: int) -> list[Event]:
-    """A node's Flight Recorder dumps and NCCL logs, as its sidecar read them."""
     (bundle,) = BUNDLES.glob(f"node{node}-*.tar.gz")
-    events: list[Event] = []
-    with tarfile.open(bundle) as archive:
-        for member in archive.getmembers():
-            name = member.name.partition("/")[2]
-            if name.startswith("fr/nccl_trace_rank_"):
-                events += parse_flight_recorder(archive.extractfile(member).read(), name)  # type: ignore[union-attr]
-            elif name.startswith("nccl/"):
-                parser = NcclLogParser(name.removeprefix("nccl/"))
-                events += parser.feed(archive.extractfile(member).read(), final=True)  # type: ignore[union-attr]
-    return events
+    return bundle_events(bundle)
 
 
 @pytest.mark.parametrize("shared", [None, "compact", "full"])

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import pytest
 from conftest import FIXTURES
+from support import bundle_events
 
 from ncclwatch.watchdog.analyze import analyze_paths
+from ncclwatch.watchdog.cluster.payload import pack, unpack
+from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.hang.verdicts import Verdict
 
 BUNDLES = sorted((FIXTURES / "bundles" / "nccl-2.28.9-h200x4-fsdp2-tp-gpu-hang").glob("*.tar.gz"))
@@ -20,6 +25,18 @@ def test_the_gpu_at_the_end_of_the_waits_is_named(bundle) -> None:  # type: igno
     assert "rank 1's GPU waits for rank 3 in AllGather" in report.summary
     rows = {row.rank: row.status for row in report.ranks}
     assert rows[3] == "stuck" and rows[1] == "waiting", rows
+
+
+@pytest.mark.parametrize("shared", ["compact", "full"])
+def test_the_leader_follows_the_waits_in_what_the_node_shares(shared: str) -> None:
+    """Flight Recorder's states alone, packed by the node and unpacked by the leader (no NVML there)."""
+    payload = unpack(pack(0, shared, 0.0, bundle_events(BUNDLES[0])), "node 0")  # type: ignore[arg-type]
+    assert payload is not None
+    state = JobState()
+    for event in payload.events:
+        state.apply(event)
+    finding = judge(take_snapshot(state, 1e12)).finding
+    assert (finding.verdict, finding.culprits) == (Verdict.gpu_compute_hang, (3,)), finding.summary
 
 
 def test_two_bundles_were_given() -> None:
