@@ -17,6 +17,7 @@ def test_the_rank_whose_gpu_started_none_of_its_nccl_work_is_named(bundle) -> No
     report = analyze_paths([str(bundle)])
     assert (report.verdict, report.culprit_ranks) == (Verdict.gpu_compute_hang, [1]), report.summary
     assert "Rank 1's GPU runs none of the NCCL operations its host enqueued" in report.summary
+    assert report.kind == "spin"  # NVML: one block busy on rank 1's GPU, and no NCCL operation running there
 
 
 def test_two_pipeline_bundles_were_given() -> None:

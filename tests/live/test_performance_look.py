@@ -67,6 +67,9 @@ class IdleProber:
     def prime(self, workers) -> int:  # type: ignore[no-untyped-def]
         return 0
 
+    async def gpus(self) -> list[Event]:
+        return []
+
     async def probe(
         self,
         workers,

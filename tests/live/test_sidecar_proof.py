@@ -33,6 +33,10 @@ from ncclwatch.watchdog.events import (
     FrDump,
     FrEntry,
     FrProcessGroup,
+    GpuGpm,
+    GpuProcess,
+    GpuSample,
+    GpuSnapshot,
     Heartbeat,
     OpState,
     ProcessState,
@@ -49,6 +53,7 @@ from ncclwatch.watchdog.live.job import PEEK_WARMUP_S, LiveJob
 from ncclwatch.watchdog.live.judging import (
     DEAD_SETTLED_S,
     GPU_HANG_SETTLED_S,
+    GPU_SPIN_SETTLED_S,
     PEEKED_HOT_S,
     STOPPED_SETTLED_S,
     ClusterJudging,
@@ -195,6 +200,67 @@ class TestProofPagesNow:
         rig.tick(25.1)  # straight past the learned timeout (5 s): the suspect path, no peek
         assert rig.prober.peeks == 0 and rig.prober.calls == [True] and rig.phase is Phase.paged
         assert [d.finding.verdict for d in rig.pages] == [Verdict.collective_mismatch]
+
+
+def gpu_hang_of_rank_1(rig: Rig) -> None:
+    """NCCL Flight Recorder (with timing): ranks 0 and 2's GPUs run all_reduce #3, rank 1's has it only queued
+    behind a kernel of its own; each rank a GPU alone, rank 1's spinning on one block (NVML, as on the H200s)."""
+    dumps = [fr_dump(r, ["AllReduce"] * 3) for r in range(3)]
+    for dump in dumps:
+        last = dump.entries[-1]
+        state = OpState.scheduled if dump.rank == 1 else OpState.started
+        dump.entries[-1] = last.model_copy(update={"profiling_name": "nccl:all_reduce", "state": state})
+    rig.prober.frames = {100: IN_ALL_REDUCE, 101: IN_TRAIN, 102: IN_ALL_REDUCE}
+    rig.prober.extra = list(dumps)
+
+    def sample() -> GpuSnapshot:
+        gpus = [
+            GpuSample(
+                index=r,
+                util_gpu_pct=100,
+                gpm=GpuGpm(sm_util_pct=0.76 if r == 1 else 18.2),
+                processes=[GpuProcess(pid=100 + r)],
+            )
+            for r in range(3)
+        ]
+        return GpuSnapshot(time=rig.clock(), gpus=gpus, cite=Citation(file="nvml (live)"))
+
+    rig.prober.gpu_samples = [sample]
+
+
+class TestGpuHang:
+    def test_a_gpu_spinning_in_its_own_kernel_is_paged_once_it_has_spun_for_a_while(self, tmp_path: Path) -> None:
+        """The peek sees the GPU hang from Flight Recorder, samples the GPUs (a peek does not, otherwise), finds
+        rank 1's spinning on one block with no NCCL operation running: proof once it has held GPU_SPIN_SETTLED_S."""
+        rig = Rig(tmp_path)
+        starting_job(rig)
+        gpu_hang_of_rank_1(rig)
+        rig.tick(1.0 + PEEK_WARMUP_S)
+        assert rig.prober.peeks == 1 and rig.prober.sampled == 1 and rig.pages == []
+        rig.tick(1.0 + GPU_SPIN_SETTLED_S - 0.1)
+        assert rig.prober.peeks == 1 and rig.pages == []
+        rig.tick(1.0 + GPU_SPIN_SETTLED_S)  # the peek again, when it settles: proof, the full look, the page
+        assert rig.prober.peeks == 2 and rig.prober.calls == [True] and rig.phase is Phase.paged
+        [paged] = rig.pages
+        assert (paged.finding.verdict, paged.finding.culprits, paged.finding.kind) == (
+            Verdict.gpu_compute_hang,
+            (1,),
+            "spin",
+        )
+
+    def test_without_a_spin_it_waits_for_gpu_hang_settled_s(self, tmp_path: Path) -> None:
+        """No NVML (or a GPU busy on its SMs: a long kernel): the same hang proves itself only after 15 s."""
+        rig = Rig(tmp_path)
+        starting_job(rig)
+        gpu_hang_of_rank_1(rig)
+        rig.prober.gpu_samples = []
+        for t in (1.0 + PEEK_WARMUP_S, 1.0 + GPU_SPIN_SETTLED_S, 10.0, 1.0 + GPU_HANG_SETTLED_S - 0.1):
+            rig.tick(t)
+        assert rig.pages == [] and rig.prober.calls == []
+        rig.tick(1.0 + GPU_HANG_SETTLED_S)
+        assert [(d.finding.verdict, d.finding.culprits, d.finding.kind) for d in rig.pages] == [
+            (Verdict.gpu_compute_hang, (1,), None)
+        ]
 
 
 class TestSilenceWaits:
@@ -491,3 +557,8 @@ def test_a_gpu_stuck_in_another_kernel_proves_the_hang_once_it_has_held_for_a_wh
     settled = live.last_progress() + GPU_HANG_SETTLED_S
     assert not proof.proves(stuck, settled - 0.5) and proof.settles_at(stuck, settled - 0.5) == settled
     assert proof.proves(stuck, settled)
+    # Spinning on almost none of its SMs, no NCCL operation running: no compute kernel looks so, proof sooner.
+    spinning = Decision(replace(stuck.finding, kind="spin"), page=True)
+    spun = live.last_progress() + GPU_SPIN_SETTLED_S
+    assert spun < settled and not proof.proves(spinning, spun - 0.5) and proof.settles_at(spinning, spun - 0.5) == spun
+    assert proof.proves(spinning, spun)

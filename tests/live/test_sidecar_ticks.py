@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+from collections.abc import Callable
 from pathlib import Path
 
 import nccl_lines as L
@@ -69,6 +70,12 @@ class ScriptedProber:
         self.peeks = 0  # quiet looks below the stall timeout (``incident.py``), not counted in ``calls``
         self.extra: list[Event] = []  # answered by every look besides the stacks (Flight Recorder dumps)
         self.primed: set[int] = set()
+        self.gpu_samples: list[Callable[[], Event]] = []  # what each GPU sample answers, made at the time it is taken
+        self.sampled = 0
+
+    async def gpus(self) -> list[Event]:
+        self.sampled += 1
+        return [make() for make in self.gpu_samples]
 
     def prime(self, workers) -> int:  # type: ignore[no-untyped-def]
         new = {w.pid for w in workers} - self.primed

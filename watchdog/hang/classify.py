@@ -40,13 +40,14 @@ from ncclwatch.watchdog.hang.detectors import P2P_DEADLOCK_FIX
 from ncclwatch.watchdog.hang.snapshot import CommView, RankView, Snapshot, WorkerView
 from ncclwatch.watchdog.hang.stacks import IN_COMMUNICATION, Whereabouts, short_frame, whereabouts
 from ncclwatch.watchdog.hang.types import Fact, Finding, RankStatus
-from ncclwatch.watchdog.hang.verdict import NCCL_SPIN, decide, lead_from_signatures, rank_signatures
+from ncclwatch.watchdog.hang.verdict import NCCL_SPIN, ONE_BLOCK_SPIN, decide, lead_from_signatures, rank_signatures
 from ncclwatch.watchdog.hang.verdicts import HANG_VERDICTS, Verdict
 from ncclwatch.watchdog.hang.xid import with_xids
 
 BUSY_CPU_SHARE = 0.2  # of one core, over the last few seconds
 BUSY_IO_BYTES_PER_S = 64 << 10  # a log line now and then is not a checkpoint
 IDLE_SIGNATURES = ("idle", "unknown")
+GPM_WINDOW_S = 1.0  # a GPU sample speaks for this long before its time (``probes/nvml.py``'s GPM window)
 WAITING_KINDS = (*IN_COMMUNICATION, "gpu_wait")  # a rank spinning here burns CPU, but it waits: not a checkpoint
 
 
@@ -87,6 +88,8 @@ def judge(snapshot: Snapshot) -> Decision:
             or _stream_held_before_nccl(snapshot, finding)
             or _lead_from_stacks(finding, where)
         )
+    if finding.verdict is Verdict.gpu_compute_hang:
+        finding = _spinning(snapshot, finding)
     finding = _ran_ahead(snapshot, finding) or _p2p_wait_from_stacks(finding, where, snapshot) or finding
     finding = _with_where(with_xids(finding, snapshot), where)
     busy = _busy(finding.culprits, snapshot, where) if finding.verdict == Verdict.rank_behind else []
@@ -611,6 +614,7 @@ class _GpuWaits:
                 for view in comm.ranks:
                     self._views.setdefault(view.rank, []).append((comm, view))
         self.held = {r for r, pairs in self._views.items() if any(OpState.started in _op_states(v) for _, v in pairs)}
+        self.recorded = set(self._views)  # the ranks Flight Recorder speaks for
 
     def waits_for(self, rank: int) -> dict[int, str]:
         """The ranks ``rank``'s GPU waits for, each with the operation it waits in."""
@@ -708,6 +712,31 @@ def _stream_held_before_nccl(snapshot: Snapshot, finding: Finding) -> Finding | 
         "communicator. Its stream is held by earlier work (a spinning or very long kernel, a deadlocked custom op). "
         f"Check the stack for the kernel launched before them. Engine: {finding.summary}",
     )
+
+
+def _spinning(snapshot: Snapshot, finding: Finding) -> Finding:
+    """The ``spin`` kind of a GPU hang: each culprit's GPU spins in a kernel on almost none of its SMs (NVML, the GPU
+    its alone) and Flight Recorder shows no NCCL operation running on it, so the spin is not NCCL's: a kernel waiting
+    on something that never comes.  A long compute kernel fills the SMs; this one proves the hang sooner
+    (``judging.GPU_SPIN_SETTLED_S``)."""
+    fresh = _fresh_signatures(snapshot)
+    if not finding.culprits or any(fresh.get(r) != ONE_BLOCK_SPIN for r in finding.culprits):
+        return finding
+    waits = _GpuWaits(snapshot)
+    if any(r in waits.held or r not in waits.recorded for r in finding.culprits):
+        return finding
+    return replace(finding, kind="spin")
+
+
+def _fresh_signatures(snapshot: Snapshot) -> dict[int, str]:
+    """Signatures from GPU samples taken wholly within the silence the snapshot judges: the NVML source samples every
+    few seconds, and its latest may show the GPU before the job fell silent.  None without a stall to judge."""
+    stall = snapshot.stall
+    if stall is None:
+        return {}
+    began = stall.at - stall.stalled_for_s
+    fresh = tuple(g for g in snapshot.gpus if g.time - GPM_WINDOW_S >= began)
+    return {rank: sig for rank, (sig, _) in rank_signatures(replace(snapshot, gpus=fresh)).items()}
 
 
 def _stream_held(

@@ -130,7 +130,8 @@ class Report(BaseModel):
     kind: str | None = Field(
         None,
         description='a sub-kind of the verdict with its own next step: "dtype" (a collective_mismatch whose ranks '
-        "called the same collective with the same count in different datatypes)",
+        'called the same collective with the same count in different datatypes), "spin" (a gpu_compute_hang whose '
+        "GPU spins on almost none of its SMs with no NCCL operation running)",
     )
     summary: str
     reason: str = ""

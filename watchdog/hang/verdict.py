@@ -25,6 +25,9 @@ from ncclwatch.watchdog.hang.types import Fact, Finding
 from ncclwatch.watchdog.hang.verdicts import HANG_VERDICTS, PRIORITY, Verdict
 
 NCCL_SPIN = "multi-block kernel (NCCL spin)"
+# A kernel that keeps the GPU busy on almost none of its SMs (0.76 % on H200): a spin, NCCL's point-to-point or a
+# user kernel waiting on a flag; a real compute kernel fills the SMs or moves DRAM.
+ONE_BLOCK_SPIN = "1-block kernel"
 
 
 def decide(snapshot: Snapshot) -> Finding:
@@ -166,7 +169,7 @@ def gpu_signature(util_pct: float | None, sm_util_pct: float | None, dram_bw_pct
     if sm_util_pct is None:
         return "kernel resident"
     if sm_util_pct < 5:
-        return "1-block kernel"
+        return ONE_BLOCK_SPIN
     if sm_util_pct >= 60 or (dram_bw_pct is not None and dram_bw_pct >= 5):
         return "compute kernel"
     return NCCL_SPIN

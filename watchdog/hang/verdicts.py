@@ -139,9 +139,18 @@ _ENTRIES = (
         detail="Flight Recorder (with timing) shows its GPU never started the collective its peers' GPUs run, or NVML "
         "shows it busy in another kernel while theirs spin (NVML measures a whole GPU, so it counts only for a GPU "
         "that runs one rank and nothing else). Paged without waiting for the stall timeout once it has held for 15 s "
-        "of silence.",
+        "of silence, or for 3 s where NVML shows the GPU spinning on almost none of its SMs and Flight Recorder no "
+        "NCCL operation running on it (a kernel waiting on something that never comes).",
         next_step="find the kernel {ranks} launched before the collective (a custom op, a spinning kernel): stack and "
         "NVML sample in the bundle",
+        kinds=(
+            (
+                "spin",
+                "find the kernel {ranks} launched before the collective: it spins on almost none of the GPU's SMs, "
+                "waiting on something that never comes (a flag, a peer's signal, a lock in a custom op); stack and "
+                "NVML sample in the bundle",
+            ),
+        ),
         restart=True,
         restart_why="a new process clears the GPU's endless kernel",
         # Not drained: a kernel that never ends is as often the program's; with a hardware Xid on the rank's GPU the
@@ -149,7 +158,9 @@ _ENTRIES = (
         # One NVML sample or dump cannot tell a kernel that never ends from a long one (autotuning, a first step)
         # while the peers already wait: it proves the hang only once it has held for ``judging.GPU_HANG_SETTLED_S``
         # of silence (a training kernel runs milliseconds); before, the stall timeout decides.  On the H200, DDP and a
-        # compiled model hung 1.5 s into training waited for the 300 s warm-up timeout.
+        # compiled model hung 1.5 s into training waited for the 300 s warm-up timeout.  A GPU spinning on almost
+        # none of its SMs with no NCCL operation running (kind ``spin``) is no long compute kernel: it proves the
+        # hang after ``judging.GPU_SPIN_SETTLED_S``.
         conclusive=True,
         culprit_does="has its GPU stuck in a non-NCCL kernel while its peers wait in {op}",
     ),

@@ -88,6 +88,10 @@ STOPPED_SETTLED_S = 2.0
 # A rank's GPU in another kernel while its peers' spin in NCCL, for this long of silence: no training kernel runs so
 # long, and a rank still autotuning has not issued the collective its peers wait in.
 GPU_HANG_SETTLED_S = 15.0
+# The same GPU spinning on almost none of its SMs, no NCCL operation running on it (``classify._spinning``): no
+# compute kernel looks so; this long of silence is three NVML looks past a step's usual gaps.  On 4 x H200 a GPU
+# hang under FSDP2, TP and the pipelines otherwise waited for the stall timeout (8.3-9.4 s).
+GPU_SPIN_SETTLED_S = 3.0
 
 
 def judge_at(state: JobState, at: float) -> Decision:
@@ -177,10 +181,11 @@ class Proof:
 
     def _settled_at(self, decision: Decision, at: float, state: JobState) -> float:
         """When the decision's dead or stopped culprits have been so long enough, or its stuck GPU held for
-        GPU_HANG_SETTLED_S of silence (``at`` for any other verdict)."""
+        GPU_HANG_SETTLED_S of silence, GPU_SPIN_SETTLED_S where it spins (``at`` for any other verdict)."""
         verdict = decision.finding.verdict
         if verdict is Verdict.gpu_compute_hang:
-            return self.live.last_progress() + GPU_HANG_SETTLED_S
+            held = GPU_SPIN_SETTLED_S if decision.finding.kind == "spin" else GPU_HANG_SETTLED_S
+            return self.live.last_progress() + held
         if verdict not in (Verdict.process_dead, Verdict.process_stopped):
             return at
         workers = {w.rank: w for w in state.current_workers()}

@@ -44,10 +44,11 @@ from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.events import STOPPED_STATES, Citation, Event, NcclWarning, Stall, Unusable, WarningCategory
 from ncclwatch.watchdog.hang.classify import Decision
 from ncclwatch.watchdog.hang.snapshot import WorkerView
+from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live.incident import Probe
 from ncclwatch.watchdog.live.job import MIN_PROGRESS, LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import Journal
-from ncclwatch.watchdog.live.judging import GPU_HANG_SETTLED_S, Judging, Proof
+from ncclwatch.watchdog.live.judging import GPU_HANG_SETTLED_S, GPU_SPIN_SETTLED_S, Judging, Proof
 from ncclwatch.watchdog.parsing.pyspy import parse_pyspy
 from ncclwatch.watchdog.parsing.ras import parse_ras
 from ncclwatch.watchdog.probes.flight_recorder import prime, read_dump, request_dumps, written_since
@@ -121,6 +122,8 @@ class Prober(Protocol):
 
     def prime(self, workers: Sequence[WorkerView]) -> int: ...
 
+    async def gpus(self) -> list[Event]: ...  # one GPU sample now (none without NVML)
+
 
 class JobProber:
     def __init__(
@@ -159,6 +162,10 @@ class JobProber:
         asked = prime(self.fr_dir, ranks)
         log.info("primed Flight Recorder of %d rank(s)", asked)
         return asked
+
+    async def gpus(self) -> list[Event]:
+        snapshot = await gpu_snapshot()
+        return [snapshot] if snapshot is not None else []
 
     async def probe(
         self,
@@ -354,7 +361,7 @@ class Probing:
             return
         self._rhythm_said = rhythm
         looks = f", looking for it after {view.peek_after:.0f} s of silence" if view.peek_after is not None else ""
-        held = f"a GPU held in another kernel for {GPU_HANG_SETTLED_S:.0f} s"
+        held = f"a GPU held in another kernel for {GPU_HANG_SETTLED_S:.0f} s, {GPU_SPIN_SETTLED_S:.0f} s where it spins"
         proof = f"or at once when the evidence proves it (a mismatch, a dead or stopped rank, {held}{looks})"
         if self.settings.stall_timeout is not None:
             log.info("a hang is paged after %.0f s of silence (--stall-timeout), %s", view.stall_timeout, proof)
@@ -423,11 +430,25 @@ class Probing:
         decision = (
             await judging.peek(look.stall, look.events) if probe.peek else await judging.judge(look.stall, look.events)
         )
+        if probe.peek and decision.finding.verdict is Verdict.gpu_compute_hang and decision.finding.kind is None:
+            decision = await self._peek_gpus(look, judging) or decision
         proven = proof.proves(decision, look.stall.at, judging.report_state())
         f = decision.finding
         log.info("%s: %s %s page=%s proven=%s held=%s", "peek" if probe.peek else "probe", f.verdict, f.culprits,
                  decision.page, proven, decision.held)  # fmt: skip
         return look, decision, proven
+
+    async def _peek_gpus(self, look: Look, judging: Judging) -> Decision | None:
+        """A peek that sees a GPU hang samples the GPUs (peeks do not: a GPM sample takes a second) and judges again:
+        a GPU spinning on almost none of its SMs proves the hang after GPU_SPIN_SETTLED_S, not GPU_HANG_SETTLED_S.
+        The NVML source's own sample, up to 6 s old, may predate the silence."""
+        sampled = await self.prober.gpus()
+        if not sampled:
+            return None
+        now = self.clock()
+        for event in sampled:
+            self.live.apply(event, now)
+        return await judging.peek(look.stall, look.events + sampled)
 
     def _moved(self) -> bool:
         """Did any rank issue a collective since the last look (Flight Recorder)?  That is progress."""
