@@ -715,9 +715,9 @@ def _stream_held_before_nccl(snapshot: Snapshot, finding: Finding) -> Finding | 
 
 
 def _spinning(snapshot: Snapshot, finding: Finding) -> Finding:
-    """The ``spin`` kind of a GPU hang: each culprit's GPU spins in a kernel on almost none of its SMs (NVML, the GPU
-    its alone) and Flight Recorder shows no NCCL operation running on it, so the spin is not NCCL's: a kernel waiting
-    on something that never comes.  A long compute kernel fills the SMs; this one proves the hang sooner
+    """The ``spin`` kind of a GPU hang: each culprit's GPU spins in a kernel on almost none of its SMs (NVML, on a
+    GPU the rank has alone) and Flight Recorder shows no NCCL operation running on it, so the spin is not NCCL's: a
+    kernel waiting on something that never comes.  A long compute kernel fills the SMs; this one proves the hang sooner
     (``judging.GPU_SPIN_SETTLED_S``)."""
     fresh = _fresh_signatures(snapshot)
     if not finding.culprits or any(fresh.get(r) != ONE_BLOCK_SPIN for r in finding.culprits):
