@@ -520,7 +520,7 @@ def _ran_ahead(snapshot: Snapshot, finding: Finding) -> Finding | None:
     ahead = sorted(r for r in states if r not in finding.culprits)
     if not ahead or any(states[r] != OpState.started for r in finding.culprits):
         return None
-    if any(states[r] != OpState.scheduled for r in ahead) or not all(_held_in_nccl(snapshot, r) for r in ahead):
+    if any(states[r] != OpState.scheduled for r in ahead) or not all(map(_GpuWaits(snapshot).holds, ahead)):
         return None
     names, waiting = ", ".join(map(str, ahead)), ", ".join(map(str, finding.culprits))
     sigs = (r.at(last) for r in comm.ranks if r.rank in finding.culprits)
@@ -549,12 +549,6 @@ def _ran_ahead(snapshot: Snapshot, finding: Finding) -> Finding | None:
 def _fr_comm(snapshot: Snapshot, finding: Finding) -> CommView | None:
     """The finding's communicator as Flight Recorder shows it (its ops' states), if that is where it comes from."""
     return next((c for c in snapshot.comms if c.key == finding.comm_key and c.source == "flight_recorder"), None)
-
-
-def _held_in_nccl(snapshot: Snapshot, rank: int) -> bool:
-    """Does ``rank``'s GPU sit in an NCCL operation (a collective or p2p Flight Recorder saw start, not complete)?"""
-    views = (v for c in snapshot.comms if c.source == "flight_recorder" for v in c.ranks if v.rank == rank)
-    return any(OpState.started in _op_states(view) for view in views)
 
 
 def _op_states(view: RankView) -> list[OpState]:
@@ -605,7 +599,8 @@ def _never_started_on_gpu(snapshot: Snapshot, finding: Finding) -> Finding | Non
 
 class _GpuWaits:
     """Which rank's GPU waits for which, from Flight Recorder's states: a GPU in an NCCL operation (``started``)
-    waits for the peers whose GPUs have not started it.  Built once per judgement, from every rank's views."""
+    waits for the peers whose GPUs have not started it.  Made where a rule needs it: one pass groups the views by
+    rank; a rank's states are read when it is asked about (at 32,768 ranks a rule asks about a few)."""
 
     def __init__(self, snapshot: Snapshot) -> None:
         self._views: dict[int, list[tuple[CommView, RankView]]] = {}
@@ -613,8 +608,23 @@ class _GpuWaits:
             if comm.source == "flight_recorder":
                 for view in comm.ranks:
                     self._views.setdefault(view.rank, []).append((comm, view))
-        self.held = {r for r, pairs in self._views.items() if any(OpState.started in _op_states(v) for _, v in pairs)}
-        self.recorded = set(self._views)  # the ranks Flight Recorder speaks for
+        self._holds: dict[int, bool] = {}
+
+    def records(self, rank: int) -> bool:
+        """Does Flight Recorder speak for ``rank``?"""
+        return rank in self._views
+
+    def holds(self, rank: int) -> bool:
+        """Does ``rank``'s GPU sit in an NCCL operation (a collective or p2p Flight Recorder saw start, not
+        complete)?"""
+        if rank not in self._holds:
+            self._holds[rank] = any(OpState.started in _op_states(view) for _, view in self._views.get(rank, []))
+        return self._holds[rank]
+
+    @property
+    def held(self) -> set[int]:
+        """Every rank whose GPU sits in an NCCL operation."""
+        return {rank for rank in self._views if self.holds(rank)}
 
     def waits_for(self, rank: int) -> dict[int, str]:
         """The ranks ``rank``'s GPU waits for, each with the operation it waits in."""
@@ -640,7 +650,7 @@ class _GpuWaits:
         seen, todo, roots = set(leads), list(leads), set()
         while todo:
             rank = todo.pop()
-            if rank not in self.held:
+            if not self.holds(rank):
                 if any(_enqueued(view) for _, view in self._views.get(rank, [])):
                     roots.add(rank)
                 continue
@@ -654,9 +664,10 @@ class _GpuWaits:
 def _held_behind(snapshot: Snapshot, finding: Finding, graph: _GpuWaits, roots: list[int]) -> Finding:
     """The lead's GPU waits in NCCL for ``roots``, whose GPUs run none of the NCCL work their hosts enqueued."""
     names, leads = ", ".join(map(str, roots)), ", ".join(map(str, finding.culprits))
+    held = graph.held
     waits = [
         f"rank {r}'s GPU waits for rank {p} in {what}"
-        for r in sorted(graph.held)
+        for r in sorted(held)
         for p, what in sorted(graph.waits_for(r).items())
         if p in roots
     ]
@@ -664,7 +675,7 @@ def _held_behind(snapshot: Snapshot, finding: Finding, graph: _GpuWaits, roots: 
         snapshot,
         finding,
         roots,
-        graph.held,
+        held,
         summary=f"Rank {names}'s GPU runs none of the NCCL operations its host enqueued; "
         f"{waits[0] if waits else f'rank {leads} waits for it'}: a kernel queued before them does not finish.",
         reason=f"Flight Recorder (with timing): rank {leads} never started {finding.operation or 'the collective'} "
@@ -723,7 +734,7 @@ def _spinning(snapshot: Snapshot, finding: Finding) -> Finding:
     if not finding.culprits or any(fresh.get(r) != ONE_BLOCK_SPIN for r in finding.culprits):
         return finding
     waits = _GpuWaits(snapshot)
-    if any(r in waits.held or r not in waits.recorded for r in finding.culprits):
+    if any(waits.holds(r) or not waits.records(r) for r in finding.culprits):
         return finding
     return replace(finding, kind="spin")
 
