@@ -77,6 +77,7 @@ from pathlib import Path
 
 import psutil
 from aiohttp import web
+from hard_cases import gpu_slice  # bench/: the script's folder is on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "bench" / "gpu_job.py"
@@ -311,6 +312,9 @@ def start_wrappers(
         env = {**os.environ, **SAFE_ENV, "NCCLWATCH_WEBHOOK_URL": hook, "PYTHONUNBUFFERED": "1"}
         if args.nnodes > 1:
             env["NCCL_HOSTID"] = f"node{node}"
+        if args.gpu_each:
+            # As on separate hosts: NVML then reads each rank's GPU alone, which a GPU hang's signature needs.
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_slice(node, args.nproc))
         wrappers.append(Wrapper(command, env, work, work / f"wrapper{node}.log"))
     return wrappers
 
@@ -637,6 +641,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--budget", type=float, default=480.0, help="start no run that could end after this (seconds)")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", str(ROOT / "bench" / "out")))
     parser.add_argument("--name", default="fault", help="output file stem")
+    parser.add_argument(
+        "--gpu-each",
+        action="store_true",
+        help="each wrapper its own GPUs, a share of those visible (nnodes x nproc of them), as on separate hosts",
+    )
     parser.add_argument("--summarize", nargs="+", metavar="JSONL", help="only print the table of these files")
     args = parser.parse_args()
     if args.nnodes < 1:
