@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import os
 import sys
 import textwrap
@@ -552,6 +554,11 @@ def run_demo(argv: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # A crash inside a C extension (NVML, psutil) leaves every thread's Python stack on stderr, beside the job's
+    # output: on 4 x H200 a sidecar died of SIGSEGV once and said nothing.
+    if not faulthandler.is_enabled():
+        with contextlib.suppress(ValueError, OSError):  # a stderr without a file descriptor
+            faulthandler.enable()
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "demo":
         return run_demo(args_list[1:])

@@ -54,3 +54,76 @@ def test_snapshot_is_in_our_format():
     assert all(g.power_w is not None and g.util_gpu_pct is not None for g in gpus)
     assert abs(snapshot["time"] - time.time()) < 5
     print(json.dumps(snapshot["gpus"][0]))  # shown with -s on the GPU machine: GPM is filled on Hopper+
+
+
+class OneThreadNvml:
+    """The part of pynvml that ``sample_gpus`` calls, for two GPUs with GPM; it records whether two threads were ever
+    inside it at once.  A stand-in: this machine has no GPU."""
+
+    NVML_CLOCK_SM = 1
+    NVML_GPM_METRICS_GET_VERSION = 1
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self) -> None:
+        self.inside = 0
+        self.overlapped = False
+        self.calls = 0
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        answers = {
+            "nvmlDeviceGetCount": lambda: 2,
+            "nvmlDeviceGetHandleByIndex": lambda i: i,
+            "nvmlGpmQueryDeviceSupport": lambda h: type("Support", (), {"isSupportedDevice": 1})(),
+            "nvmlGpmSampleAlloc": object,
+            "nvmlGpmSampleGet": lambda h, sample: None,
+            "nvmlGpmSampleFree": lambda sample: None,
+            "nvmlGpmMetricsGet": lambda request: 0,
+            "nvmlDeviceGetUtilizationRates": lambda h: type("Util", (), {"gpu": 100, "memory": 3})(),
+            "nvmlDeviceGetPciInfo": lambda h: type("Pci", (), {"busId": f"00000000:0{h}:00.0"})(),
+            "nvmlDeviceGetPowerUsage": lambda h: 120_000,
+            "nvmlDeviceGetComputeRunningProcesses": lambda h: [],
+            "nvmlDeviceGetUUID": lambda h: f"GPU-{h}",
+            "nvmlDeviceGetClockInfo": lambda h, clock: 1980,
+        }
+        if name not in answers:
+            raise AttributeError(name)
+        return self._once(answers[name])
+
+    def _once(self, answer):  # type: ignore[no-untyped-def]
+        def call(*args):  # type: ignore[no-untyped-def]
+            self.inside += 1
+            self.calls += 1
+            self.overlapped |= self.inside > 1
+            time.sleep(0.001)  # long enough for another thread to come in
+            try:
+                return answer(*args)
+            finally:
+                self.inside -= 1
+
+        return call
+
+    @staticmethod
+    def c_nvmlGpmMetricsGet_t():  # type: ignore[no-untyped-def]
+        metric = type("Metric", (), {"metricId": 0, "value": 1.5, "nvmlReturn": 0})
+        return type("Request", (), {"metrics": [metric() for _ in range(8)]})()
+
+
+def test_two_threads_sampling_at_once_take_turns_inside_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The NVML source and a probe sample at once, each in its own thread; NVML is entered by one at a time (a
+    sidecar died of SIGSEGV in such a look on 4 x H200), and neither waits out the other's GPM window."""
+    from ncclwatch.watchdog.probes import nvml
+
+    fake = OneThreadNvml()
+    monkeypatch.setattr(nvml, "pynvml", fake)
+    monkeypatch.setattr(nvml, "_usable", True)
+
+    async def both() -> list[dict | None]:  # type: ignore[type-arg]
+        return list(await asyncio.gather(*(sample_gpus_async(gpm_window_s=0.2) for _ in range(4))))
+
+    started = time.monotonic()
+    samples = asyncio.run(both())
+    assert time.monotonic() - started < 0.6  # the windows overlap: the lock is not held across the sleep
+    assert fake.calls > 40 and not fake.overlapped
+    assert all(s is not None and [g["gpm"]["sm_util_pct"] for g in s["gpus"]] == [1.5, 1.5] for s in samples)

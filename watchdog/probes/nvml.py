@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 # (our key, NVML GPM metric id): SM_UTIL=2, SM_OCCUPANCY=3, ANY_TENSOR_UTIL=5, DRAM_BW_UTIL=10
 GPM_METRICS = (("sm_util_pct", 2), ("sm_occupancy_pct", 3), ("dram_bw_util_pct", 10), ("any_tensor_util_pct", 5))
 
+# One thread in NVML at a time: the NVML source and a probe (or the bundle's evidence) sample at once, each from its
+# own thread.  On 4 x H200 a sidecar died of SIGSEGV in a look that sampled while the source may have been
+# sampling too; not proven the cause, but nothing here needs two threads inside NVML.  Never held across the GPM
+# window's sleep.
 _lock = threading.Lock()
 _usable: bool | None = None  # None: not tried yet; False: tried and failed, never retried
 
@@ -74,12 +78,14 @@ def sample_gpus(gpm_window_s: float = 1.0) -> dict | None:
     if not _nvml_ready():
         return None
     try:
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        with _lock:
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
     except pynvml.NVMLError as exc:
         log.debug("NVML device enumeration failed: %s", exc)
         return None
     gpm = _gpm_window(handles, gpm_window_s)
-    return {"time": time.time(), "gpus": [_gpu(i, h, gpm.get(i)) for i, h in enumerate(handles)]}
+    with _lock:
+        return {"time": time.time(), "gpus": [_gpu(i, h, gpm.get(i)) for i, h in enumerate(handles)]}
 
 
 async def sample_gpus_async(gpm_window_s: float = 1.0) -> dict | None:
@@ -112,7 +118,8 @@ def _gpm_supported(handle: Any) -> bool:
 
 def _gpm_window(handles: list, window_s: float) -> dict[int, dict]:
     """{gpu index: metrics over the window}; GPUs without GPM are left out (their "gpm" is null)."""
-    supported = [i for i, h in enumerate(handles) if _gpm_supported(h)]
+    with _lock:
+        supported = [i for i, h in enumerate(handles) if _gpm_supported(h)]
     if not supported:
         return {}
     first: dict[int, Any] = {}
@@ -121,17 +128,20 @@ def _gpm_window(handles: list, window_s: float) -> dict[int, dict]:
         for samples in (first, second):
             if samples is second:
                 time.sleep(window_s)
-            for i in supported:
-                sample = pynvml.nvmlGpmSampleAlloc()
-                samples[i] = sample
-                pynvml.nvmlGpmSampleGet(handles[i], sample)
-        return {i: m for i in supported if (m := _gpm_metrics(first[i], second[i])) is not None}
+            with _lock:
+                for i in supported:
+                    sample = pynvml.nvmlGpmSampleAlloc()
+                    samples[i] = sample
+                    pynvml.nvmlGpmSampleGet(handles[i], sample)
+        with _lock:
+            return {i: m for i in supported if (m := _gpm_metrics(first[i], second[i])) is not None}
     except pynvml.NVMLError as exc:
         log.debug("NVML GPM sampling failed: %s", exc)
         return {}
     finally:
-        for sample in (*first.values(), *second.values()):
-            _safe(pynvml.nvmlGpmSampleFree, sample)
+        with _lock:
+            for sample in (*first.values(), *second.values()):
+                _safe(pynvml.nvmlGpmSampleFree, sample)
 
 
 def _gpm_metrics(sample1: Any, sample2: Any) -> dict | None:
