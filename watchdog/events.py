@@ -595,6 +595,12 @@ class Stall(Event):
     # When this probe began asking the ranks for dumps: the I/O of the dumps it asked for is ncclwatch's, not the
     # rank's (hang/state.py's Worker.rates leaves it out).
     probe_began_at: float | None = None
+    # Where another node's sidecar shares its look: its host, and its earlier looks (began, ended) within its /proc
+    # samples' reach.  Their dump writes are ncclwatch's too, and only that node knows when it asked: on 4 x H200 a
+    # stage asleep in Python on the other node of a pipeline x DP job wrote the dump its node's peek asked for, and
+    # the leader held the hang as "busy (a checkpoint?)" for the whole run.
+    host: str | None = None
+    earlier_probes: list[tuple[float, float]] = []
 
 
 class SourceDown(Event):

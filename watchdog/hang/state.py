@@ -25,7 +25,7 @@ from __future__ import annotations
 import zlib
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -283,7 +283,8 @@ class JobState:
         self.notes: list[str] = []
         self.workers: dict[int, Worker] = {}  # pid -> worker (live sidecar, or its journal)
         self.stall: Stall | None = None  # the latest probe's clock (live sidecar, or its journal)
-        self.probes: deque[tuple[float, float]] = deque(maxlen=PROBES_KEPT)  # (began, ended) of the latest probes
+        # host -> (began, ended) of its sidecar's latest looks; None: this node's own, or a journal's (no host named)
+        self.probes: dict[str | None, deque[tuple[float, float]]] = {}
         self._live: dict[tuple[ProcKey, str], RankSeq] = {}  # (proc, comm ptr) -> open sequence
         self._comm_of: dict[tuple[ProcKey, str], str] = {}  # (proc, comm ptr) -> comm key
         self._init_count: dict[ProcKey, int] = {}
@@ -443,8 +444,24 @@ class JobState:
 
     def _on_stall(self, event: Stall) -> None:
         self.stall = event
+        spans = list(event.earlier_probes)
         if event.probe_began_at is not None:
-            self.probes.append((event.probe_began_at, event.at))
+            spans.append((event.probe_began_at, event.at))
+        self._probed(event.host, spans)
+
+    def _probed(self, host: str | None, spans: Iterable[tuple[float, float]]) -> None:
+        kept = self.probes.get(host)
+        for span in spans:
+            if kept is None:
+                kept = self.probes[host] = deque(maxlen=PROBES_KEPT)
+            if span not in kept:
+                kept.append(span)
+
+    def probes_of(self, host: str | None) -> list[tuple[float, float]]:
+        """The looks whose dump writes are ncclwatch's on ``host``'s ranks: that node's sidecar's (another node's, as
+        its shared evidence says them), and those that name no host (this node's own, a journal's)."""
+        spans = list(self.probes.get(None, ()))
+        return spans + list(self.probes.get(host, ())) if host is not None else spans
 
     def _on_tail(self, event: SequenceTail) -> None:
         comm = self.comms.get(event.comm_key)
@@ -591,6 +608,8 @@ class JobState:
             self.workers.setdefault(pid, worker)
         if other.stall is not None and (self.stall is None or other.stall.at > self.stall.at):
             self.stall = other.stall
+        for host, spans in other.probes.items():
+            self._probed(host, spans)
         for note in other.notes:
             self._note(note)
 

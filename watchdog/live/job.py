@@ -254,7 +254,7 @@ class LiveJob:
         timeout = self._timeout(gap, progress)
         return LiveView(
             observed_at=now,
-            workers=tuple(worker_view(w, self.state.probes) for w in workers),
+            workers=tuple(worker_view(w, self.state.probes_of(w.host)) for w in workers),
             progress_at=MappingProxyType({w.pid: self.of(w.pid).last_progress for w in workers}),
             beat_at=MappingProxyType({w.pid: self.of(w.pid).beat_at for w in workers}),
             last_progress=self.last_progress(),

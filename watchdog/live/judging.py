@@ -479,8 +479,12 @@ class ClusterJudging:
         return replace(alone, page=False, held=f"node {cluster.leader()} judges the whole job; waiting for its verdict")
 
     def _compact(self, probed: list[Event], stall: Stall) -> list[Event]:
-        """This node's compact evidence: its inputs, each rank's recent operations, the look's events."""
-        return live_inputs(self.live.state) + self.live.state.sequence_tails(TAIL_SHARED_MAX) + probed + [stall]
+        """This node's compact evidence: its inputs, each rank's recent operations, the look's events, and the look's
+        clock with this node's earlier looks (the leader leaves their dump writes out of this node's ranks' I/O)."""
+        state = self.live.state
+        earlier = [span for span in state.probes_of(None) if span != (stall.probe_began_at, stall.at)]
+        shared = stall.model_copy(update={"host": self.watch.host, "earlier_probes": earlier})
+        return live_inputs(state) + state.sequence_tails(TAIL_SHARED_MAX) + probed + [shared]
 
     async def peek(self, stall: Stall, probed: list[Event]) -> Decision:
         """A quiet look across nodes, before the stall timeout: every node shares its compact evidence, and the
