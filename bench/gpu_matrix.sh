@@ -36,4 +36,4 @@ lane d "" 3 200 fsdp2_tp,pp_dp
 wait -n; wait -n; wait -n
 kill "$packer" 2>/dev/null
 pack
-python3 bench/job_shapes.py --summarize "$R"/*/shapes.jsonl
+PYTHONPATH=/tmp/site python3 bench/job_shapes.py --summarize "$R"/*/shapes.jsonl  # gpu.sh installed ncclwatch there

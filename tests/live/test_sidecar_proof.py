@@ -22,8 +22,8 @@ from conftest import NOW
 from support import torch_store_server
 from test_sidecar_ticks import COMM, IN_ALL_REDUCE, IN_TRAIN, SETTINGS, Rig, healthy_job
 
-from ncclwatch.watchdog.cluster.judge import JobEvidence
-from ncclwatch.watchdog.cluster.payload import unpack
+from ncclwatch.watchdog.cluster.judge import JobEvidence, job_state
+from ncclwatch.watchdog.cluster.payload import pack, unpack
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership
 from ncclwatch.watchdog.cluster.store import StoreClient
 from ncclwatch.watchdog.cluster.view import IncidentView, JobView, NodeSummary
@@ -44,7 +44,8 @@ from ncclwatch.watchdog.events import (
     WorkerGone,
     WorkerSeen,
 )
-from ncclwatch.watchdog.hang.classify import Decision
+from ncclwatch.watchdog.hang.classify import BUSY_IO_BYTES_PER_S, Decision
+from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.hang.types import Finding
 from ncclwatch.watchdog.hang.verdicts import Verdict
@@ -63,6 +64,7 @@ from ncclwatch.watchdog.live.judging import (
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
 
 IN_ALL_GATHER = "all_gather (torch/distributed/distributed_c10d.py:3890)"
+DUMP_BYTES = 4 << 20  # a Flight Recorder dump, as a rank writes it
 
 
 def starting_job(rig: Rig, steps: int = 2) -> None:
@@ -240,13 +242,49 @@ class TestGpuHang:
         rig.tick(1.0 + GPU_SPIN_SETTLED_S - 0.1)
         assert rig.prober.peeks == 1 and rig.pages == []
         rig.tick(1.0 + GPU_SPIN_SETTLED_S)  # the peek again, when it settles: proof, the full look, the page
-        assert rig.prober.peeks == 2 and rig.prober.calls == [True] and rig.phase is Phase.paged
+        # The full look takes no GPU sample of its own: the peek's, of this silence, serves (as a confirming look's).
+        assert rig.prober.peeks == 2 and rig.prober.calls == [False] and rig.phase is Phase.paged
         [paged] = rig.pages
         assert (paged.finding.verdict, paged.finding.culprits, paged.finding.kind) == (
             Verdict.gpu_compute_hang,
             (1,),
             "spin",
         )
+
+    def test_a_peeks_gpu_sample_that_ends_past_the_settling_proves_at_once(self, tmp_path: Path) -> None:
+        """NVML's GPM sample takes a second: a peek 2 s into the silence ends its sample at 3 s, when the spin has
+        settled.  The proof is judged then, not at the look's start, and the page follows in the same tick (on 4 x
+        H200 a second peek came 0.5-0.9 s later, then the full look with a GPU sample of its own, 1.0-1.4 s)."""
+        rig = Rig(tmp_path)
+        starting_job(rig)
+        gpu_hang_of_rank_1(rig)
+        [sample] = rig.prober.gpu_samples
+
+        def over_a_second() -> Event:
+            rig.clock.now += 1.0  # the GPM window
+            return sample()
+
+        rig.prober.gpu_samples = [over_a_second]
+        rig.tick(1.0 + PEEK_WARMUP_S)
+        assert rig.prober.peeks == 1 and rig.prober.sampled == 1 and rig.prober.calls == [False]
+        [paged] = rig.pages
+        assert (paged.finding.culprits, paged.finding.kind) == ((1,), "spin")
+
+    def test_progress_during_the_peeks_gpu_sample_proves_nothing(self, tmp_path: Path) -> None:
+        """A rank that moved while the GPUs were sampled was not hung at the sample's end."""
+        rig = Rig(tmp_path)
+        starting_job(rig)
+        gpu_hang_of_rank_1(rig)
+        [sample] = rig.prober.gpu_samples
+
+        def while_rank_1_steps() -> Event:
+            rig.clock.now += 1.0
+            rig.emit(Heartbeat(pid=101, rank=1, step=2, time=rig.clock()))
+            return sample()
+
+        rig.prober.gpu_samples = [while_rank_1_steps]
+        rig.tick(1.0 + PEEK_WARMUP_S)
+        assert rig.prober.peeks == 1 and rig.pages == [] and rig.phase is Phase.watching
 
     def test_without_a_spin_it_waits_for_gpu_hang_settled_s(self, tmp_path: Path) -> None:
         """No NVML (or a GPU busy on its SMs: a long kernel): the same hang proves itself only after 15 s."""
@@ -502,6 +540,50 @@ def test_a_member_withdraws_its_peeks_evidence_once_its_ranks_move_again(tmp_pat
     rig.emit(*(Heartbeat(pid=100 + r, rank=r, step=2, time=NOW + 3.6) for r in range(3)))
     tick(3.75)
     assert shared() is None and judging._shared == []
+
+
+def test_the_dumps_any_nodes_looks_asked_for_are_not_its_ranks_io_on_the_leader(tmp_path: Path) -> None:
+    """Pipeline x DP on two wrappers (4 x H200): rank 3, asleep in Python on node 1, wrote the dump its node's peek
+    asked for.  The leader judged from node 1's later look, whose clock gave only its own span, read the write as the
+    rank's I/O and held the hang as "busy (a checkpoint?)" until the run was ended.  A member shares its earlier looks
+    with its clock; the leader's own looks count for its own ranks in the job's state too."""
+    pytest.importorskip("torch.distributed")
+    store = torch_store_server()
+    rig = Rig(tmp_path)
+    starting_job(rig)
+    _, judging = member_of_two(rig, store.port)
+    rig.prober.frames = {100: IN_ALL_REDUCE, 101: IN_TRAIN, 102: IN_ALL_REDUCE}
+    peeked_at = 1.0 + PEEK_WARMUP_S
+    rig.tick(peeked_at)  # node 1's peek: its ranks dump now
+    assert rig.prober.peeks == 1
+
+    def asleep_and_dumping(state: JobState, pid: int, rank: int, dumped_after: float) -> None:
+        """Samples 0.5 s apart from t = 2: no CPU, and one dump written just after ``dumped_after``."""
+        for n in range(8):
+            at = 2.0 + 0.5 * n
+            io = DUMP_BYTES if at > dumped_after else 0
+            state.apply(ProcessState(pid=pid, rank=rank, state="S", cpu_seconds=0.0, main_cpu_seconds=0.0,
+                                     io_bytes=io, at=NOW + at))  # fmt: skip
+
+    member = rig.sidecar.live.state
+    asleep_and_dumping(member, 101, 1, dumped_after=peeked_at)
+    later = Stall(
+        at=NOW + 5.6, stalled_for_s=4.6, stall_timeout_s=300, progress_timeout_s=1800, probe_began_at=NOW + 5.5
+    )
+    member.apply(later)
+    shared = unpack(pack(1, "full", later.at, judging._compact([], later)), "node 1")
+    assert shared is not None
+
+    local = JobState()  # the leader's node: rank 3 dumped for the leader's own look
+    local.apply(WorkerSeen(pid=300, rank=3, host="node0", at=NOW))
+    asleep_and_dumping(local, 300, 3, dumped_after=4.0)
+    local.apply(
+        Stall(at=NOW + 4.2, stalled_for_s=3.2, stall_timeout_s=5, progress_timeout_s=1800, probe_began_at=NOW + 4)
+    )
+    leaders = Stall(at=NOW + 6, stalled_for_s=5, stall_timeout_s=5, progress_timeout_s=1800)
+    workers = take_snapshot(job_state(local, {1: shared.events}, leaders), observed_at=NOW + 6).workers
+    rates = {w.rank: w.io_rate for w in workers if w.rank in (1, 3)}
+    assert all((rate or 0) < BUSY_IO_BYTES_PER_S for rate in rates.values()), rates
 
 
 def test_a_member_whose_job_failed_leaves_the_leader_which_of_its_ranks_went_first(tmp_path: Path) -> None:

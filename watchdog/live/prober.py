@@ -42,7 +42,7 @@ from typing import Protocol
 
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.events import STOPPED_STATES, Citation, Event, NcclWarning, Stall, Unusable, WarningCategory
-from ncclwatch.watchdog.hang.classify import Decision
+from ncclwatch.watchdog.hang.classify import GPM_WINDOW_S, Decision
 from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live.incident import Probe
@@ -398,8 +398,11 @@ class Probing:
         if peek:
             events = await self.prober.probe(view.workers, with_gpus=False, peek=True)
         else:
+            # The look after a proving peek that sampled the GPUs in this silence reuses that sample, as the
+            # confirming look does: a GPM sample takes a second of the page.
+            with_gpus = not confirming and not (after_proof and self._sampled_since(view.last_progress))
             events = await self.prober.probe(
-                view.workers, with_gpus=not confirming, stalled_since=view.last_progress, after_proof=after_proof
+                view.workers, with_gpus=with_gpus, stalled_since=view.last_progress, after_proof=after_proof
             )
         self.drain()
         now, since = self.clock(), view.last_progress
@@ -430,25 +433,34 @@ class Probing:
         decision = (
             await judging.peek(look.stall, look.events) if probe.peek else await judging.judge(look.stall, look.events)
         )
+        proven_at = look.stall.at
         if probe.peek and decision.finding.verdict is Verdict.gpu_compute_hang and decision.finding.kind is None:
-            decision = await self._peek_gpus(look, judging) or decision
-        proven = proof.proves(decision, look.stall.at, judging.report_state())
+            decision, proven_at = await self._peek_gpus(look, judging) or (decision, proven_at)
+        proven = proof.proves(decision, proven_at, judging.report_state())
         f = decision.finding
         log.info("%s: %s %s page=%s proven=%s held=%s", "peek" if probe.peek else "probe", f.verdict, f.culprits,
                  decision.page, proven, decision.held)  # fmt: skip
         return look, decision, proven
 
-    async def _peek_gpus(self, look: Look, judging: Judging) -> Decision | None:
+    async def _peek_gpus(self, look: Look, judging: Judging) -> tuple[Decision, float] | None:
         """A peek that sees a GPU hang samples the GPUs (peeks do not: a GPM sample takes a second) and judges again:
         a GPU spinning on almost none of its SMs proves the hang after GPU_SPIN_SETTLED_S, not GPU_HANG_SETTLED_S.
-        The NVML source's own sample, up to 6 s old, may predate the silence."""
+        The NVML source's own sample, up to 6 s old, may predate the silence.  With the time the sample ended, which
+        the proof is judged at where nothing moved meanwhile: a peek 2.3 s into the silence ends its sample past
+        the 3 s, and on 4 x H200 the hang otherwise waited for the next peek (0.5-0.9 s more)."""
         sampled = await self.prober.gpus()
         if not sampled:
             return None
+        self.drain()
         now = self.clock()
         for event in sampled:
             self.live.apply(event, now)
-        return await judging.peek(look.stall, look.events + sampled)
+        decision = await judging.peek(look.stall, look.events + sampled)
+        return decision, look.stall.at if self.live.moved_since(look.view.last_progress) else now
+
+    def _sampled_since(self, since: float) -> bool:
+        """Is there a GPU sample whose window lies wholly after ``since``?"""
+        return any(g.time - GPM_WINDOW_S >= since for g in self.live.state.gpus)
 
     def _moved(self) -> bool:
         """Did any rank issue a collective since the last look (Flight Recorder)?  That is progress."""
