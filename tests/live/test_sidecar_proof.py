@@ -270,6 +270,20 @@ class TestGpuHang:
         [paged] = rig.pages
         assert (paged.finding.culprits, paged.finding.kind) == ((1,), "spin")
 
+    def test_a_peek_that_sees_no_gpu_hang_does_not_wait_for_its_gpu_sample(self, tmp_path: Path) -> None:
+        """Every peek samples the GPUs beside its look; a mismatch it proves is paged without that sample."""
+        rig = Rig(tmp_path)
+        starting_job(rig)
+        skipped_all_reduce(rig)
+
+        async def never() -> list[Event]:
+            await asyncio.Event().wait()
+            return []
+
+        rig.prober.gpus = never  # type: ignore[method-assign]
+        rig.tick(1.0 + PEEK_WARMUP_S)
+        assert [(d.finding.verdict, d.finding.culprits) for d in rig.pages] == [(Verdict.collective_mismatch, (1,))]
+
     def test_progress_during_the_peeks_gpu_sample_proves_nothing(self, tmp_path: Path) -> None:
         """A rank that moved while the GPUs were sampled was not hung at the sample's end."""
         rig = Rig(tmp_path)

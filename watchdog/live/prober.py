@@ -429,26 +429,37 @@ class Probing:
     ) -> tuple[Look, Decision, bool]:
         """Look, then judge: a peek this node's ranks (only proof counts, ``incident.py``), a probe as the
         ``Judging`` does (the whole job with several nodes); and whether the decision proves the hang."""
-        look = await self.look(view, probe.confirming, opened_at, peek=probe.peek, after_proof=probe.after_proof)
-        decision = (
-            await judging.peek(look.stall, look.events) if probe.peek else await judging.judge(look.stall, look.events)
-        )
-        proven_at = look.stall.at
-        if probe.peek and decision.finding.verdict is Verdict.gpu_compute_hang and decision.finding.kind is None:
-            decision, proven_at = await self._peek_gpus(look, judging) or (decision, proven_at)
+        # A peek samples the GPUs beside its look, and waits for the sample only where it sees a GPU hang: the GPM
+        # window (a second) then ends about when a spin settles, not a second after the judging.
+        sampling = asyncio.ensure_future(self.prober.gpus()) if probe.peek else None
+        try:
+            look = await self.look(view, probe.confirming, opened_at, peek=probe.peek, after_proof=probe.after_proof)
+            if probe.peek:
+                decision = await judging.peek(look.stall, look.events)
+            else:
+                decision = await judging.judge(look.stall, look.events)
+            proven_at = look.stall.at
+            finding = decision.finding
+            if sampling is not None and finding.verdict is Verdict.gpu_compute_hang and finding.kind is None:
+                decision, proven_at = await self._peek_gpus(look, judging, sampling) or (decision, proven_at)
+        finally:
+            if sampling is not None:
+                sampling.cancel()  # not needed: its thread ends on its own, and its sample is dropped
         proven = proof.proves(decision, proven_at, judging.report_state())
         f = decision.finding
         log.info("%s: %s %s page=%s proven=%s held=%s", "peek" if probe.peek else "probe", f.verdict, f.culprits,
                  decision.page, proven, decision.held)  # fmt: skip
         return look, decision, proven
 
-    async def _peek_gpus(self, look: Look, judging: Judging) -> tuple[Decision, float] | None:
-        """A peek that sees a GPU hang samples the GPUs (peeks do not: a GPM sample takes a second) and judges again:
-        a GPU spinning on almost none of its SMs proves the hang after GPU_SPIN_SETTLED_S, not GPU_HANG_SETTLED_S.
-        The NVML source's own sample, up to 6 s old, may predate the silence.  With the time the sample ended, which
-        the proof is judged at where nothing moved meanwhile: a peek 2.3 s into the silence ends its sample past
-        the 3 s, and on 4 x H200 the hang otherwise waited for the next peek (0.5-0.9 s more)."""
-        sampled = await self.prober.gpus()
+    async def _peek_gpus(
+        self, look: Look, judging: Judging, sampling: asyncio.Future[list[Event]]
+    ) -> tuple[Decision, float] | None:
+        """A peek that sees a GPU hang judges again with the GPU sample it took (the NVML source's own, up to 6 s old,
+        may predate the silence): a GPU spinning on almost none of its SMs proves the hang after GPU_SPIN_SETTLED_S,
+        not GPU_HANG_SETTLED_S.  With the time the sample ended, which the proof is judged at where nothing moved
+        meanwhile: a peek 2.3 s into the silence ends its sample past the 3 s (on 4 x H200 the hang otherwise waited
+        for the next peek, 0.5-0.9 s more)."""
+        sampled = await sampling
         if not sampled:
             return None
         self.drain()
