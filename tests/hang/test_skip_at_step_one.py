@@ -59,3 +59,37 @@ def test_the_leader_names_it_from_the_other_nodes_shared_entries(shared: str) ->
         state.apply(event)
     finding = judge(take_snapshot(state, 1e12)).finding
     assert (finding.verdict, finding.culprits) == (Verdict.collective_mismatch, (0,)), finding.summary
+
+
+STEP_60 = FIXTURES / "bundles" / "gloo-2.13-cpu-two-wrappers-skip-at-step-60"
+
+
+def step_60_dump(node: int, stacks: bool) -> list[Event]:
+    (bundle,) = STEP_60.glob(f"node{node}-*.tar.gz")
+    with tarfile.open(bundle) as archive:
+        (member,) = [m for m in archive.getmembers() if "/fr/ncclwatch_trace_" in m.name]
+        events = parse_flight_recorder(archive.extractfile(member).read(), member.name)  # type: ignore[union-attr]
+    if stacks:
+        return events
+    # As a peek's dump: the quiet door answers it without stack traces.
+    return [e.model_copy(update={"entries": [x.model_copy(update={"frames": []}) for x in e.entries]}) for e in events]
+
+
+@pytest.mark.parametrize("shared", ["compact", "full"])
+def test_the_step_decides_where_the_other_nodes_entries_carry_no_stacks(shared: str) -> None:
+    """Rank 0 skipped an all_reduce at step 60; the leader held its own rank's dump with stacks and the other node's
+    peek dump without: the same operation with a line and without one is one operation to the step rule (7 of 7
+    paged with no culprit before)."""
+    state = JobState()
+    payload = unpack(pack(1, shared, 0.0, step_60_dump(1, stacks=False)), "node 1")  # type: ignore[arg-type]
+    assert payload is not None
+    for event in [*step_60_dump(0, stacks=True), *payload.events]:
+        state.apply(event)
+    finding = judge(take_snapshot(state, 1e12)).finding
+    assert (finding.verdict, finding.culprits) == (Verdict.collective_mismatch, (0,)), finding.summary
+    assert "the step this communicator repeats decides" in finding.reason
+
+
+def test_both_step_60_bundles_name_the_rank_that_skipped() -> None:
+    report = analyze_paths([str(p) for p in sorted(STEP_60.glob("*.tar.gz"))])
+    assert (report.verdict, report.culprit_ranks) == (Verdict.collective_mismatch, [0]), report.summary

@@ -227,6 +227,15 @@ def _mismatch(
     reference = max(ranks, key=lambda r: position - r.base)
     keys = {sig: _key(members[0], position) for sig, members in groups.items()}
     history = [_key(reference, p) for p in range(reference.base, position)]
+    compared = [(members[0], position) for members in groups.values()]
+    compared += [(reference, p) for p in range(reference.base, position)]
+    if not all(_stack_recorded(rank, p) for rank, p in compared):
+        # Lines only where every operation compared has its stack: a peek's dumps carry none, and another node's
+        # shared entries keep theirs for the newest few.  Two gloo wrappers, rank 0 skipping an all_reduce at step
+        # 60: the leader's own rank had lines, the other node's (its peek's dump) none, so neither side's operation
+        # was "what the step issues", and 7 of 7 were paged with no culprit.
+        keys = {sig: (sig, None) for sig in keys}
+        history = [(sig, None) for sig, _ in history]
     step = expected_next(history, list(keys.values()))
     sizes = sorted((len(m) for m in groups.values()), reverse=True)
     by_step = next((sig for sig, key in keys.items() if key == step.expected), None)
@@ -346,6 +355,11 @@ def _dtype_only(sig: OpSig | None, other: OpSig | None) -> bool:
 
 def _dtype_name(sig: OpSig) -> str:
     return NCCL_DTYPES.get(sig.dtype or "", sig.dtype or "?")
+
+
+def _stack_recorded(rank: RankView, position: int) -> bool:
+    op = rank.details.get(position)
+    return op is not None and bool(op.frames)
 
 
 def _key(rank: RankView, position: int) -> tuple[OpSig | None, str | None]:
