@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from ncclwatch.watchdog.events import STOPPED_STATES, OpState, Stall
+from ncclwatch.watchdog.events import STOPPED_STATES, GpuSnapshot, OpState, Stall
 from ncclwatch.watchdog.hang.detectors import P2P_DEADLOCK_FIX
 from ncclwatch.watchdog.hang.snapshot import CommView, RankView, Snapshot, WorkerView
 from ncclwatch.watchdog.hang.stacks import IN_COMMUNICATION, Whereabouts, short_frame, whereabouts
@@ -739,6 +739,11 @@ def _spinning(snapshot: Snapshot, finding: Finding) -> Finding:
     return replace(finding, kind="spin")
 
 
+def sampled_since(sample: GpuSnapshot, since: float) -> bool:
+    """Does the GPU sample's window lie wholly after ``since`` (it speaks for GPM_WINDOW_S before its time)?"""
+    return sample.time - GPM_WINDOW_S >= since
+
+
 def _fresh_signatures(snapshot: Snapshot) -> dict[int, str]:
     """Signatures from GPU samples taken wholly within the silence the snapshot judges: the NVML source samples every
     few seconds, and its latest may show the GPU before the job fell silent.  None without a stall to judge."""
@@ -746,7 +751,7 @@ def _fresh_signatures(snapshot: Snapshot) -> dict[int, str]:
     if stall is None:
         return {}
     began = stall.at - stall.stalled_for_s
-    fresh = tuple(g for g in snapshot.gpus if g.time - GPM_WINDOW_S >= began)
+    fresh = tuple(g for g in snapshot.gpus if sampled_since(g, began))
     return {rank: sig for rank, (sig, _) in rank_signatures(replace(snapshot, gpus=fresh)).items()}
 
 

@@ -225,17 +225,16 @@ def _mismatch(
 ) -> Finding:
     """The minority is the culprit; with an even split, the step the communicator repeats decides (``step_pattern``)."""
     reference = max(ranks, key=lambda r: position - r.base)
-    keys = {sig: _key(members[0], position) for sig, members in groups.items()}
-    history = [_key(reference, p) for p in range(reference.base, position)]
-    compared = [(members[0], position) for members in groups.values()]
-    compared += [(reference, p) for p in range(reference.base, position)]
-    if not all(_stack_recorded(rank, p) for rank, p in compared):
-        # Lines only where every operation compared has its stack: a peek's dumps carry none, and another node's
-        # shared entries keep theirs for the newest few.  Two gloo wrappers, rank 0 skipping an all_reduce at step
-        # 60: the leader's own rank had lines, the other node's (its peek's dump) none, so neither side's operation
-        # was "what the step issues", and 7 of 7 were paged with no culprit.
-        keys = {sig: (sig, None) for sig in keys}
-        history = [(sig, None) for sig, _ in history]
+    before = range(reference.base, position)
+    # Lines only where every operation compared has its stack: a peek's dumps carry none, and another node's shared
+    # entries keep theirs for the newest few.  Two gloo wrappers, rank 0 skipping an all_reduce at step 60: the
+    # leader's own rank had lines, the other node's (its peek's dump) none, so neither side's operation was "what
+    # the step issues", and 7 of 7 were paged with no culprit.
+    lined = all(_stack_recorded(m[0], position) for m in groups.values()) and all(
+        _stack_recorded(reference, p) for p in before
+    )
+    keys = {sig: _key(members[0], position, lined) for sig, members in groups.items()}
+    history = [_key(reference, p, lined) for p in before]
     step = expected_next(history, list(keys.values()))
     sizes = sorted((len(m) for m in groups.values()), reverse=True)
     by_step = next((sig for sig, key in keys.items() if key == step.expected), None)
@@ -362,10 +361,10 @@ def _stack_recorded(rank: RankView, position: int) -> bool:
     return op is not None and bool(op.frames)
 
 
-def _key(rank: RankView, position: int) -> tuple[OpSig | None, str | None]:
-    """What the step is learned from: the signature, and the user's line Flight Recorder recorded for it (two
-    all_reduces of one size from two lines of the script are two operations)."""
-    op = rank.details.get(position)
+def _key(rank: RankView, position: int, lined: bool) -> tuple[OpSig | None, str | None]:
+    """What the step is learned from: the signature, and where ``lined`` the user's line Flight Recorder recorded for
+    it (two all_reduces of one size from two lines of the script are two operations)."""
+    op = rank.details.get(position) if lined else None
     mine = user_frame(op.frames) if op is not None else None
     return rank.at(position), short_frame(mine) if mine else None
 

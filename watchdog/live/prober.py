@@ -42,7 +42,7 @@ from typing import Protocol
 
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.events import STOPPED_STATES, Citation, Event, NcclWarning, Stall, Unusable, WarningCategory
-from ncclwatch.watchdog.hang.classify import GPM_WINDOW_S, Decision
+from ncclwatch.watchdog.hang.classify import Decision, sampled_since
 from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live.incident import Probe
@@ -444,7 +444,7 @@ class Probing:
                 decision, proven_at = await self._peek_gpus(look, judging, sampling) or (decision, proven_at)
         finally:
             if sampling is not None:
-                sampling.cancel()  # not needed: its thread ends on its own, and its sample is dropped
+                sampling.cancel()  # a sample no rule asked for is dropped; its thread ends on its own
         proven = proof.proves(decision, proven_at, judging.report_state())
         f = decision.finding
         log.info("%s: %s %s page=%s proven=%s held=%s", "peek" if probe.peek else "probe", f.verdict, f.culprits,
@@ -470,8 +470,7 @@ class Probing:
         return decision, look.stall.at if self.live.moved_since(look.view.last_progress) else now
 
     def _sampled_since(self, since: float) -> bool:
-        """Is there a GPU sample whose window lies wholly after ``since``?"""
-        return any(g.time - GPM_WINDOW_S >= since for g in self.live.state.gpus)
+        return any(sampled_since(g, since) for g in self.live.state.gpus)
 
     def _moved(self) -> bool:
         """Did any rank issue a collective since the last look (Flight Recorder)?  That is progress."""
