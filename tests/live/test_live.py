@@ -177,6 +177,24 @@ class TestStallTimeout:
         job.apply(Heartbeat(pid=10, rank=0, step=64, time=NOW + 1.1, beats=65), NOW + 1.1)
         assert job.learned_gap(NOW + 2) == (pytest.approx(0.1, abs=1e-3), 64)
 
+    def test_steps_a_heartbeat_shows_count_when_nccl_moved_later_in_the_same_poll(self) -> None:
+        """4 x H200, the compiled model stuck at step 200: 200 steps in under 2 s after its compile, 7 advances
+        counted, and the page waited for the 300 s warm-up timeout.  Each poll stamped NCCL's new operations at
+        the poll's time and the heartbeat at the hook's own, a little earlier, so every heartbeat looked older than
+        the latest progress and its steps were dropped."""
+        job = LiveJob(SETTINGS, started_at=NOW)
+        worker(job, 1000, 0, NOW)
+        parser = NcclLogParser("node1.1000")
+        for event in parser.feed(L.init(0, 2, COMM, pid=1000).encode()):
+            job.apply(event, NOW)
+        for poll in range(1, 8):
+            now = NOW + 0.25 * poll
+            for event in parser.feed(L.steps(0, COMM, 1, pid=1000).encode()):
+                job.apply(event, now)
+            job.apply(Heartbeat(pid=1000, rank=0, step=30 * poll, time=now - 0.05, beats=30 * poll + 1), now)
+        assert job.learned_gap(NOW + 2)[1] >= 7 * 30
+        assert job.stall_timeout(NOW + 2) == SETTINGS.stall_timeout_floor
+
     def test_explicit_timeout_wins(self) -> None:
         job = LiveJob(Settings(stall_timeout=42), started_at=NOW)
         assert job.stall_timeout(NOW) == 42

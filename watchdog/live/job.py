@@ -77,11 +77,16 @@ class Progress:
 
     def progressed(self, at: float, advances: int = 1) -> None:
         """Progress at ``at``, ``advances`` of it since the previous; a first one that says more came before it
-        (a heartbeat first read at its 61st beat) counts that."""
+        (a heartbeat first read at its 61st beat) counts that.
+
+        Progress stamped before the latest (a heartbeat carries the hook's clock, NCCL's operations the poll's,
+        a little later) still counts: a compiled model's 200 quick steps were dropped so, 7 advances were
+        counted and its hang waited for the warm-up timeout."""
         if self.last_progress is None:
             self.advances += advances - 1
-        elif at > self.last_progress:
-            self.gaps.append((at, at - self.last_progress, self.warm))
+        else:
+            if at > self.last_progress:
+                self.gaps.append((at, at - self.last_progress, self.warm))
             self.advances += advances
         self.last_progress = max(at, self.last_progress or at)
 
