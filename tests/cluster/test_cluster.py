@@ -266,6 +266,29 @@ class TestExchange:
         assert nodes[1].leads() and nodes[2].leader() == 1 and nodes[2].view is not None and nodes[2].view.term == 1
         assert set(nodes[2].lost()) == {0}
 
+    def test_a_node_silent_since_the_leaders_last_exchange_is_lost_when_it_judges(self, torch_store) -> None:  # type: ignore[no-untyped-def]
+        """CI, two wrappers, node 1 frozen: the leader judged 5.8 s into the silence, over 7.5 s after it had seen
+        node 1's summary change.  Node 1 no longer answered (its evidence was not waited for), but the view
+        composed at the last exchange did not name it lost either: ``stuck_in_collective`` without a culprit was
+        paged, not ``node_lost``.  A node is one or the other at every moment; a leader whose own exchange fell
+        behind takes nobody for silent past one round after its last read."""
+        clock = Clock()
+
+        async def talk():  # type: ignore[no-untyped-def]
+            nodes = [cluster(torch_store.port, n, clock=clock) for n in range(3)]
+            await rounds(nodes, clock, 3)
+            await rounds([nodes[0], nodes[2]], clock, 4)  # node 1 froze: silent 7.5 s at the leader's last read
+            return nodes
+
+        nodes = asyncio.run(talk())
+        leader = nodes[0]
+        assert leader.leads() and 1 in leader.answering() and leader.lost() == {}
+        clock.now += 1.0  # no exchange since the view was composed
+        assert leader.answering() == {2}
+        assert set(leader.lost()) == {1} and leader.lost()[1].ranks == [1]
+        clock.now += 10.0  # the leader's exchange fell behind: node 2 published, unread
+        assert leader.answering() == {2} and set(leader.lost()) == {1}
+
     def test_two_nodes_taking_over_at_once_end_with_one_leader(self, torch_store) -> None:  # type: ignore[no-untyped-def]
         async def talk():  # type: ignore[no-untyped-def]
             one, two = cluster(torch_store.port, 1), cluster(torch_store.port, 2)

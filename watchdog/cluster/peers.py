@@ -44,6 +44,7 @@ from ncclwatch.watchdog.cluster.perf_records import PerfRecord
 from ncclwatch.watchdog.cluster.store import StoreClient, StoreError
 from ncclwatch.watchdog.cluster.view import (
     LOST_AFTER_S,
+    PUBLISH_S,
     Contact,
     IncidentView,
     JobView,
@@ -169,6 +170,7 @@ class Cluster:
         self._view_changed_at = self._joined_at
         self.summaries: dict[int, NodeSummary] = {}  # the others', as the leader last read them
         self._changed_at: dict[int, float] = {}  # node -> when its summary last changed (this clock)
+        self._read_at: float | None = None  # when the leader last read every summary (this clock)
         self._cleaned = False
         self._shared_full_for: float | None = None  # the incident this node sent its full evidence for
         self._verdicts_read: set[str] = set()
@@ -221,6 +223,7 @@ class Cluster:
         if self.view is not None and self.view.leader != self.me:
             # Taking over: the old leader fell silent when its view stopped changing, not at this first read.
             self._changed_at.setdefault(self.view.leader, self._view_changed_at)
+        self._read_at = now
         for node, raw in zip(others, await self.client.multi_get([self.key("node", n) for n in others])):
             summary = _parse(NodeSummary, raw) if raw is not None else None
             if summary is None:
@@ -289,15 +292,34 @@ class Cluster:
         return pending and self.clock() - self._view_changed_at <= LOST_AFTER_S
 
     def lost(self) -> dict[int, Contact]:
-        """Nodes whose sidecar stopped publishing (``at`` None: never published this round)."""
-        return {c.node: c for c in self.view.lost} if self.view is not None else {}
+        """Nodes whose sidecar stopped publishing (``at`` None: never published this round).
+
+        The leader's view was composed at its last read of the summaries; a node silent since is lost now, by the
+        clock ``answering`` reads, so that every node is one or the other (CI, a frozen node: the leader judged
+        between the two, waited for nobody, named nobody lost, and paged ``stuck_in_collective`` without a
+        culprit)."""
+        lost = {c.node: c for c in self.view.lost} if self.view is not None else {}
+        if self.leads():
+            now = self._silence_clock()
+            for node, at in sorted(self._changed_at.items()):
+                summary = self.summaries.get(node)
+                if summary is not None and summary.phase != "ended" and now - at > LOST_AFTER_S:
+                    lost.setdefault(node, summary.contact())
+        return lost
 
     def answering(self) -> set[int]:
         """The other nodes whose sidecars publish and whose jobs run: their evidence is worth waiting for."""
-        now = self.clock()
+        now = self._silence_clock()
         return {
             n for n, at in self._changed_at.items() if now - at <= LOST_AFTER_S and self.summaries[n].phase != "ended"
         }
+
+    def _silence_clock(self) -> float:
+        """Now, for how long a node has been silent: at most one round past the leader's last read of the
+        summaries.  A leader whose own exchange fell behind (a loaded machine) has not read what the others
+        published since, and would take them all for silent."""
+        now = self.clock()
+        return min(now, self._read_at + PUBLISH_S) if self._read_at is not None else now
 
     def ended(self) -> set[int]:
         """The other nodes whose jobs ended here (their workers gone): one that failed left its last evidence."""

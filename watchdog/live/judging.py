@@ -567,8 +567,9 @@ class ClusterJudging:
                 remote |= await cluster.gather("full", set(want), started, FULL_WAIT_S, fold=evidence.add)
                 decision = evidence.judge()
                 self.job_state = evidence.state()
-        decision = with_lost_nodes(decision, cluster.lost(), remote)
-        if pending := sorted(answering - set(remote)):
+        lost = cluster.lost()
+        decision = with_lost_nodes(decision, lost, remote)
+        if pending := sorted(answering - set(remote) - set(lost)):  # one that fell silent while waited for is lost
             # Their sidecar still publishes but has not probed yet (a longer learned timeout): look again.
             waiting = f"waiting for node {', '.join(map(str, pending))} to share its evidence"
             decision = replace(decision, page=False, held=waiting)
