@@ -300,10 +300,9 @@ class Cluster:
         culprit)."""
         lost = {c.node: c for c in self.view.lost} if self.view is not None else {}
         if self.leads():
-            now = self._silence_clock()
-            for node, at in sorted(self._changed_at.items()):
+            for node in sorted(set(self._changed_at) - self.answering()):
                 summary = self.summaries.get(node)
-                if summary is not None and summary.phase != "ended" and now - at > LOST_AFTER_S:
+                if summary is not None and summary.phase != "ended":
                     lost.setdefault(node, summary.contact())
         return lost
 
