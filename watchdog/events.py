@@ -434,6 +434,23 @@ class WorkerFailure(Event):
     cite: Citation
 
 
+class JobOutcome(StrEnum):
+    """How the job (torchrun) ended, as the wrapper saw it."""
+
+    clean = "clean"  # exit status 0
+    failed = "failed"  # a non-zero status nobody asked for: a rank died, torchrun gave up
+    stopped = "stopped"  # the user stopped it (SIGINT, SIGTERM, ... to the wrapper, passed on): no incident
+    ended = "ended"  # ncclwatch's own response to a hang ended it (``--on-hang kill``, drain)
+
+
+class JobEnded(Event):
+    """torchrun exited: the last event of a job.  A failed job is judged for why it failed (``hang.failure``)."""
+
+    outcome: JobOutcome
+    returncode: int  # ``Popen.returncode``: -N when a signal N ended torchrun itself
+    at: float
+
+
 # --------------------------------------------------------------------------
 # Stacks and GPUs
 # --------------------------------------------------------------------------
