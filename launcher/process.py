@@ -42,7 +42,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import psutil
 
@@ -105,22 +105,34 @@ class JobProcess:
     def __init__(self) -> None:
         self._popen: subprocess.Popen[bytes] | None = None
         self._stderr: StderrRelay | None = None
+        self._hide_shutdown_noise = False
         self.subreaper = False
+        self.stopped_by: int | None = None  # the first signal the user sent us, passed on: the job was stopped
 
-    def start(self, argv: list[str], env: dict[str, str], *, hide_shutdown_noise: bool = False) -> int:
+    def start(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        *,
+        hide_shutdown_noise: bool = False,
+        stderr_tap: Callable[[bytes], None] | None = None,
+    ) -> int:
         """Spawn ``argv`` with ``env`` in its own process group; return its pid.
 
-        stdin, stdout, stderr and the working folder are ours, unchanged,
-        except that with ``hide_shutdown_noise`` (``--on-hang kill``) stderr
-        goes through a ``StderrRelay`` that hides torchrun's answer to
-        ``terminate`` (then call ``close_stderr`` at the end).  Raises
+        stdin, stdout and the working folder are ours, unchanged; stderr
+        reaches ours through a ``StderrRelay`` (call ``close_stderr`` at the
+        end) that passes every byte to ``stderr_tap`` too and, with
+        ``hide_shutdown_noise`` (``--on-hang kill``), hides torchrun's answer
+        to ``terminate``.  Without either, stderr is ours directly.  Raises
         ``OSError`` (``FileNotFoundError`` for a missing command) as
         ``subprocess.Popen`` does.
         """
         if self._popen is not None:
             raise RuntimeError("JobProcess already started")
         self.subreaper = become_subreaper()
-        self._stderr = StderrRelay() if hide_shutdown_noise else None
+        self._hide_shutdown_noise = hide_shutdown_noise
+        relayed = hide_shutdown_noise or stderr_tap is not None
+        self._stderr = StderrRelay(tap=stderr_tap) if relayed else None
         # process_group=0: setpgid(0, 0) in the child before exec, so the
         # group exists before torchrun can start anything.
         try:
@@ -180,9 +192,24 @@ class JobProcess:
         A terminal's new size goes to the job's pseudo-terminal, when it has one.
         """
         for sig in FORWARDED_SIGNALS:
-            loop.add_signal_handler(sig, self.send_signal, sig)
+            loop.add_signal_handler(sig, self._pass_on, sig)
         if self._stderr is not None and self._stderr.is_terminal:
             loop.add_signal_handler(signal.SIGWINCH, self._stderr.copy_window_size)
+
+    def _pass_on(self, sig: int) -> None:
+        """A signal the user sent the wrapper: the job is being stopped, which is no incident."""
+        if self.stopped_by is None and self.returncode is None:
+            self.stopped_by = sig
+        self.send_signal(sig)
+
+    async def output_settled(self, quiet_s: float = 0.2, max_s: float = 1.5) -> None:
+        """Wait (at most ``max_s``) until the job's stderr has ended or been quiet ``quiet_s``: after torchrun
+        exits, the last lines it and the ranks wrote (its failure summary) are still in the pipe."""
+        if self._stderr is None:
+            return
+        deadline = time.monotonic() + max_s
+        while not self._stderr.quiet(quiet_s) and time.monotonic() < deadline:
+            await asyncio.sleep(_POLL_S)
 
     def send_signal(self, sig: int) -> None:
         """Signal torchrun if it still runs (never a reaped, possibly reused pid)."""
@@ -232,7 +259,7 @@ class JobProcess:
         stuck torchrun would never kill.  What torchrun prints in answer is
         hidden if started with ``hide_shutdown_noise``.
         """
-        if self._stderr is not None:
+        if self._stderr is not None and self._hide_shutdown_noise:
             self._stderr.hide_shutdown_noise()
         self.send_signal(signal.SIGTERM)
         asyncio.get_running_loop().call_later(grace_s, self._kill_leftovers)

@@ -1,59 +1,50 @@
 """``ncclwatch [OPTIONS] torchrun ...``: run the job as torchrun would, with the sidecar beside it.
 
-Top to bottom: make the run folder, with ``--preflight`` measure the
-node's bus bandwidth (``busbw``), start torchrun with the injected
-environment (its own output, signals forwarded; with ``--on-hang kill`` its
-stderr through a relay that hides torchrun's answer to being ended), start
-the sidecar, wait for torchrun, stop the sidecar (bounded), reap anything
-left behind (then, with ``--preflight`` after ``--on-hang kill``, measure
-again), relay the job's last stderr output, and exit
-with torchrun's status (``EXIT_KILLED_ON_HANG`` when ``--on-hang kill`` ended
-the job).  The run folder (a temp folder) is removed at the end, after a hang
-too (the bundle holds its evidence), unless ``--keep-run-dir`` or ``--run-dir``:
-then its path is said.
+The wiring only: make the run folder, with ``--preflight`` measure the node's bus bandwidth (``busbw``), start
+torchrun with the injected environment (its own output, signals forwarded, its stderr read as it goes by:
+``sources/job_output.py``), build the sidecar with its sources, prober, bundle writer and response, and hand all of
+it to ``JobWatch`` (``job_watch.py``), which owns the job's life from there: startup, the wait, and the shutdown
+(the verdict of a failed job, the summary, the run folder) up to the wrapper's exit status.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import shutil
 import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
-from prometheus_client import CollectorRegistry
 
 from ncclwatch.launcher import busbw
 from ncclwatch.launcher.command import max_restarts_of, torchrun_log_dir
 from ncclwatch.launcher.env import RunDirs, injected_env
-from ncclwatch.launcher.process import JobProcess, exit_status
+from ncclwatch.launcher.job_watch import JobWatch
+from ncclwatch.launcher.process import JobProcess
 from ncclwatch.launcher.respond import JobResponder, start_notes
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.hang.report import EXIT_DRAINED, EXIT_KILLED_ON_HANG
+from ncclwatch.watchdog.hang.report import Report
 from ncclwatch.watchdog.live.bundle import BundleWriter
+from ncclwatch.watchdog.live.job import LiveView
 from ncclwatch.watchdog.live.journal import Journal
 from ncclwatch.watchdog.live.performance_look import PerfWatch, perf_watch
 from ncclwatch.watchdog.live.prober import JobProber, comm_errored
 from ncclwatch.watchdog.live.sidecar import Reporter, Sidecar
+from ncclwatch.watchdog.live.supervision import Source
 from ncclwatch.watchdog.probes.procfs import listens_on
-from ncclwatch.watchdog.response.policy import Response
-from ncclwatch.watchdog.server.app import make_app, start_server, stop_server
-from ncclwatch.watchdog.server.metrics import HealthCollector, TextfileWriter
 from ncclwatch.watchdog.sinks.delivery import Dispatcher, sinks_from_settings, spool_dir_for
 from ncclwatch.watchdog.sources.files import HeartbeatSource, NcclFileSource
+from ncclwatch.watchdog.sources.job_output import JobOutputSource
 from ncclwatch.watchdog.sources.kmsg import KmsgSource
 from ncclwatch.watchdog.sources.nvml import NvmlSource
 from ncclwatch.watchdog.sources.workers import WorkerSource
 
-SIDECAR_STOP_S = 10.0
 log = logging.getLogger("ncclwatch")
 
 
@@ -129,30 +120,6 @@ class Alerts:
         )
 
 
-async def _operations(sidecar: Sidecar, settings: Settings, tasks: list) -> web.AppRunner | None:  # type: ignore[type-arg]
-    """The job's metrics (server and/or textfile) and bundle API, when configured."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(HealthCollector(sidecar.health))
-    if settings.metrics_textfile is not None:
-        tasks.append(
-            asyncio.create_task(TextfileWriter().run(registry, settings.metrics_textfile), name="metrics:textfile")
-        )
-    if settings.listen is None:
-        return None
-    app = make_app(settings.bundle_dir, token=settings.token(), registry=registry, health=sidecar.health)
-    try:
-        runner, bound = await start_server(app, settings.listen)
-    except OSError as exc:
-        print(
-            f"ncclwatch: cannot serve on {settings.listen} ({exc.strerror or exc}); the job runs without it",
-            file=sys.stderr,
-        )
-        return None
-    sidecar.bundle_base_url = settings.public_url or f"http://{bound}"
-    print(f"ncclwatch: bundles, status and metrics on http://{bound}/", file=sys.stderr, flush=True)
-    return runner
-
-
 def _sidecar(
     settings: Settings,
     dirs: RunDirs,
@@ -164,16 +131,20 @@ def _sidecar(
     prober: JobProber | None = None,
     perf: PerfWatch | None = None,
     responder: JobResponder | None = None,
+    output: JobOutputSource | None = None,
+    bundle_for: Callable[[Report, LiveView], Path | None] | None = None,
 ) -> Sidecar:
     """The sidecar with its real sources, prober, journal and performance look."""
     poll = settings.poll_interval
-    sources = [
+    sources: list[Source] = [
         WorkerSource(torchrun_pid, interval=poll, host=host),
         NcclFileSource(dirs.nccl, interval=poll),
         HeartbeatSource(dirs.hb, interval=poll),
         NvmlSource(),
         KmsgSource(host=host),  # the GPU driver's Xids, where this user may read the kernel log
     ]
+    if output is not None:
+        sources.append(output)
     prober = prober or JobProber(dirs.fr, settings.pyspy, ras_port=settings.ras_port)
 
     def join_cluster(membership: Membership, host: str) -> Cluster:
@@ -192,6 +163,7 @@ def _sidecar(
         join_cluster=join_cluster,
         perf=perf,
         responder=responder,
+        bundle_for=bundle_for or (lambda report, view: None),
     )
     # RAS is asked only on NCCL versions known to survive it: the versions the job's NCCL logs name.
     prober.nccl_versions = lambda: {p.nccl_version for p in sidecar.live.state.procs.values() if p.nccl_version}
@@ -206,7 +178,8 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
     job = JobProcess()
     baseline = await busbw.before_job(dirs.root) if settings.preflight else None
     env = injected_env(os.environ, dirs, wrapper_pid=os.getpid())
-    job.start(command, env, hide_shutdown_noise=settings.on_hang != "report")
+    output = JobOutputSource(dirs.root / "output")
+    job.start(command, env, hide_shutdown_noise=settings.on_hang != "report", stderr_tap=output.feed)
     job.forward_signals(asyncio.get_running_loop())
     max_restarts = max_restarts_of(command, os.environ)
     for note in start_notes(settings, max_restarts):
@@ -228,51 +201,31 @@ async def _watch(command: list[str], settings: Settings, job_name: str, alerts: 
         prober.ras_withheld,
         [busbw.bundle_note(settings.on_hang)] if settings.preflight else [],
     )
-
     sidecar = _sidecar(
-        settings, dirs, job.pid, job_name, host, write_bundle, alerts.dispatcher, prober, perf, responder
+        settings,
+        dirs,
+        job.pid,
+        job_name,
+        host,
+        write_bundle,
+        alerts.dispatcher,
+        prober,
+        perf,
+        responder,
+        output,
+        write_bundle.bundle_for,
     )
-    sidecar.bundle_for = write_bundle.bundle_for
-    ops: list[asyncio.Task] = []  # type: ignore[type-arg]
-    runner = await _operations(sidecar, settings, ops)
-    watching = asyncio.create_task(sidecar.run())
-    returncode = await job.wait()
-    await sidecar.farewell(job_failed=returncode != 0 and responder.ended is None)
-    sidecar.stop()
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(watching, SIDECAR_STOP_S)
-    for task in ops:
-        task.cancel()
-    await asyncio.gather(*ops, return_exceptions=True)
-    if runner is not None:
-        await stop_server(runner)
-    leftovers = job.reap_orphans()
-    job.close_stderr()
-    if leftovers:
-        print(f"ncclwatch: killed {len(leftovers)} process(es) the job left behind: {leftovers}", file=sys.stderr)
-    if (
-        responder.ended
-        and settings.preflight
-        and (bundle := next((r.bundle for r in sidecar.reported if r.bundle), None))
-    ):
-        await busbw.after_kill(baseline, bundle)  # the job and its ranks are gone: the GPUs are free again
-    if returncode == 0 and responder.ended is None:
-        for reported in sidecar.reported:
-            sidecar.resolve(reported, "the job ended cleanly")
-    if sidecar.performance is not None:
-        sidecar.performance.resolve(why="the job ended (a slow link or port may still need a look)")
-    for reported in sidecar.reported:
-        culprits = ", ".join(map(str, reported.report.culprit_ranks)) or "-"
-        print(
-            f"ncclwatch: {reported.report.verdict.value} (culprit rank {culprits}); "
-            f"bundle: {reported.bundle or 'not written'}",
-            file=sys.stderr,
-        )
-    # The bundle holds what a hang needs; the run folder stays only when asked for (or given).
-    if settings.keep_run_dir or settings.run_dir is not None:
-        print(f"ncclwatch: run folder kept: {dirs.root}", file=sys.stderr)
-    else:
-        shutil.rmtree(dirs.root, ignore_errors=True)
-    if responder.ended is not None:
-        return EXIT_DRAINED if responder.ended.response is Response.drain else EXIT_KILLED_ON_HANG
-    return exit_status(returncode)
+
+    async def after_kill(bundle: Path) -> None:
+        await busbw.after_kill(baseline, bundle)
+
+    watch = JobWatch(
+        settings,
+        job,
+        sidecar,
+        dirs.root,
+        output,
+        ended_by=lambda: responder.ended,
+        after_kill=after_kill if settings.preflight else None,
+    )
+    return await watch.serve()

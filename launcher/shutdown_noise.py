@@ -34,9 +34,11 @@ is hidden:
 
 * One line, dim on a terminal, says what was hidden, where it was.
 
-Observe-only runs (``--on-hang report``) get no relay: torchrun keeps our
-stderr itself.  The workers inherit torchrun's stderr, so their output goes
-through the relay too, all of it passed.  Only stderr: stdout is untouched,
+Every run has the relay, because the wrapper reads the job's stderr as it
+goes by (``tap``: the lines that explain a rank's death, ``job_output.py``);
+only ``--on-hang kill`` arms the filter when it ends the job.  The workers
+inherit torchrun's stderr, so their output goes through the relay too, all
+of it passed.  Only stderr: stdout is untouched,
 so lines of the two can come out in a slightly different order than written.
 When our stderr is a terminal, torchrun gets a pseudo-terminal of the same
 size instead of a pipe, so it and the workers still see a terminal (colour,
@@ -48,6 +50,7 @@ leaves torchrun blocked on a full pipe.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import re
 import select
@@ -55,13 +58,16 @@ import signal
 import struct
 import termios
 import threading
+import time
 import tty
+from collections.abc import Callable
 
 MAX_HELD_LINES = 200  # torch 2.13's SignalException traceback has 28
 _TRACEBACK_START = b"Traceback (most recent call last):"
 _IDLE_MS = 200  # once closing, this long without output ends the relay
 _READ_SIZE = 1 << 16
 _WHY = "its answer to being stopped by ncclwatch after a hang"
+log = logging.getLogger("ncclwatch")
 
 
 class ShutdownNoiseFilter:
@@ -167,8 +173,11 @@ class StderrRelay:
     ``close()`` once the job's processes are gone.
     """
 
-    def __init__(self, out_fd: int = 2) -> None:
+    def __init__(self, out_fd: int = 2, tap: Callable[[bytes], None] | None = None) -> None:
         self._out = out_fd
+        self._tap = tap  # sees every byte the job wrote, before any filtering, in the relay's thread
+        self.last_read_at = time.monotonic()  # when the job last wrote (``quiet``)
+        self.ended = threading.Event()  # every writer closed its end: the job's output is complete
         self.is_terminal = os.isatty(out_fd)
         # One read and its filtering, against hide_shutdown_noise's count; the fd's closing, against its users.
         self._lock = threading.Lock()
@@ -224,11 +233,28 @@ class StderrRelay:
                 out = self._filter.feed(data) if data else b""
             if not data:
                 break
+            self.last_read_at = time.monotonic()
             self._write(out)
+            self._pass_to_tap(data)
+        self.ended.set()
         self._write(self._filter.finish())
         with self._lock:
             os.close(self._read_fd)
             self._read_fd = -1  # never a number the process reuses for another file
+
+    def quiet(self, quiet_s: float) -> bool:
+        """Whether the job's output has ended or nothing came for ``quiet_s``."""
+        return self.ended.is_set() or time.monotonic() - self.last_read_at >= quiet_s
+
+    def _pass_to_tap(self, data: bytes) -> None:
+        """A tap that raises is dropped: the relay, and so the job's output, never depends on it."""
+        if self._tap is None:
+            return
+        try:
+            self._tap(data)
+        except Exception:
+            self._tap = None
+            log.exception("reading the job's output failed; it is still relayed, no longer read")
 
     def _write(self, data: bytes) -> None:
         """All of ``data`` to ``out_fd``; if it cannot take it (closed), dropped, and the relay goes on draining."""

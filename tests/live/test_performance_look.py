@@ -70,6 +70,9 @@ class IdleProber:
     async def gpus(self) -> list[Event]:
         return []
 
+    def dumps_left(self, workers, since: float) -> list[Event]:  # type: ignore[no-untyped-def]
+        return []
+
     async def probe(
         self,
         workers,

@@ -77,6 +77,10 @@ class ScriptedProber:
         self.sampled += 1
         return [make() for make in self.gpu_samples]
 
+    def dumps_left(self, workers, since: float) -> list[Event]:  # type: ignore[no-untyped-def]
+        """After the job ended: what a dead job's ranks left on disk (the scripted dumps)."""
+        return list(self.extra)
+
     def prime(self, workers) -> int:  # type: ignore[no-untyped-def]
         new = {w.pid for w in workers} - self.primed
         self.primed |= new

@@ -233,11 +233,14 @@ class TestJobSeries:
         from ncclwatch.launcher.run import _sidecar
         from ncclwatch.watchdog.config import Settings
         from ncclwatch.watchdog.live.runfolder import RunDirs
+        from ncclwatch.watchdog.sources.job_output import JobOutputSource
 
         async def reporter(*_):  # never called
             return None
 
-        sidecar = _sidecar(Settings(), RunDirs.create(tmp_path / "run"), 1, "train", "node1", reporter, None)
+        dirs = RunDirs.create(tmp_path / "run")
+        output = JobOutputSource(dirs.root / "output")
+        sidecar = _sidecar(Settings(), dirs, 1, "train", "node1", reporter, None, output=output)
         assert tuple(s.name for s in sidecar.sources) == SOURCES
         # RAS is not polled (queries crash some NCCL versions): the prober asks it once per incident.
         assert "ras" not in SOURCES and sidecar.prober.ras_port == Settings().ras_port

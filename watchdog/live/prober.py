@@ -124,6 +124,8 @@ class Prober(Protocol):
 
     async def gpus(self) -> list[Event]: ...  # one GPU sample now (none without NVML)
 
+    def dumps_left(self, workers: Sequence[WorkerView], since: float) -> list[Event]: ...
+
 
 class JobProber:
     def __init__(
@@ -226,6 +228,11 @@ class JobProber:
         if gpus is not None and not isinstance(gpus, BaseException):
             events.append(gpus)
         return events
+
+    def dumps_left(self, workers: Sequence[WorkerView], since: float) -> list[Event]:
+        """After the job ended: each rank's dump written since ``since`` (PyTorch's own when NCCL failed its
+        communicator, the one the rank wrote as it died of an exception, or a probe's), gone ranks included."""
+        return self._dumps_on_disk({w.rank: w.pid for w in workers}, since)
 
     def _dumps_on_disk(self, ranks: dict[int, int], stalled_since: float) -> list[Event]:
         """Ranks (rank -> pid) whose dump did not come now: their dump written since the stall began, if any."""

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ncclwatch.watchdog.config import Settings
-from ncclwatch.watchdog.events import Event
+from ncclwatch.watchdog.events import Event, JobEnded, JobOutcome
 from ncclwatch.watchdog.hang.classify import Decision
 from ncclwatch.watchdog.hang.report import Report
 from ncclwatch.watchdog.live import incident as machine
@@ -35,7 +35,15 @@ from ncclwatch.watchdog.live.health import Health, health_of
 from ncclwatch.watchdog.live.incident import Action, Incident, Page, Phase, Probe, Resolve, Say
 from ncclwatch.watchdog.live.job import LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import Journal
-from ncclwatch.watchdog.live.judging import ClusterFactory, ClusterJudging, Judging, NodeJudging, Proof, page_report
+from ncclwatch.watchdog.live.judging import (
+    ClusterFactory,
+    ClusterJudging,
+    Judging,
+    NodeJudging,
+    Proof,
+    judge_at,
+    page_report,
+)
 from ncclwatch.watchdog.live.performance_look import PerfWatch
 from ncclwatch.watchdog.live.performance_paging import PerformancePaging
 from ncclwatch.watchdog.live.prober import Prober, Probing
@@ -80,6 +88,7 @@ class Sidecar:
         self.incident = Incident()  # watching
         self.reported: list[Reported] = []  # every incident that was paged, oldest first
         self._stopping = asyncio.Event()
+        self._ended: JobEnded | None = None  # torchrun exited (``job_ended``)
         self.probing = Probing(self.prober, self.live, self.settings, self.journal, self.clock, self.drain)
         self.proof = Proof(self.live)
         self.judging: Judging = NodeJudging(self.live) if join_cluster is None else ClusterJudging(self, join_cluster)
@@ -132,6 +141,25 @@ class Sidecar:
         while not self.queue.empty():
             event, at = self.queue.get_nowait()
             self.live.apply(event, at)
+
+    async def job_ended(self, end: JobEnded) -> None:
+        """torchrun exited.  A failed job (not stopped by the user, not ended by a response of ours, nothing paged
+        yet) is judged for why it failed, from what the watch holds and what the ranks left on disk, and paged with
+        its bundle as a hang is; a job that ended cleanly or was stopped is no incident."""
+        self.emit(end)
+        self.drain()
+        self._ended = end
+        if end.outcome is not JobOutcome.failed or self.incident.phase is Phase.paged:
+            return
+        view = self.live.view(self.clock())
+        for event in self.prober.dumps_left(view.workers, since=view.last_progress):
+            self.live.apply(event, view.observed_at)
+        decision = judge_at(self.live.state, view.observed_at)
+        if not decision.page:
+            self._say(f"the job failed (exit status {end.returncode}); {decision.finding.summary}")
+            return
+        self.incident, actions = machine.on_verdict(self.incident, view.observed_at, decision, view.last_progress)
+        await self.perform(actions, view)
 
     async def farewell(self, job_failed: bool) -> None:
         """The job ended here: the other nodes are told; a failure after the store went away may page the store's
@@ -207,7 +235,10 @@ class Sidecar:
         judging = self.judging
         job_wide, following = judging.job_wide(), judging.follows()
         report = page_report(judging, decision, view, self.job_name, self.host, started_at, self.clock())
-        plan = self.responding.plan(report, judging.followed if following else None)
+        # A job that already ended has nothing left to kill, restart or drain: the verdict is its last word.
+        plan = (
+            None if self._ended is not None else self.responding.plan(report, judging.followed if following else None)
+        )
         if job_wide:  # before the bundle: the members page (and restart or end their ranks) meanwhile
             await judging.publish_verdict(decision, plan)
         said_instead = await judging.paged_elsewhere(job_wide, following)  # None: this node pages

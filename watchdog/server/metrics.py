@@ -61,7 +61,7 @@ log = logging.getLogger("ncclwatch")
 
 JOB_LABEL = "job_name"
 # The sidecar's sources (launcher/run.py _sidecar); Health names only those that are down.
-SOURCES: tuple[str, ...] = ("workers", "nccl_log", "heartbeat", "nvml", "kmsg")
+SOURCES: tuple[str, ...] = ("workers", "nccl_log", "heartbeat", "nvml", "kmsg", "job_output")
 
 
 class HealthCollector(Collector):
