@@ -452,6 +452,64 @@ class JobEnded(Event):
 
 
 # --------------------------------------------------------------------------
+# A job that died: what its stderr says about each rank, and how the job ended (issue 44)
+# --------------------------------------------------------------------------
+
+
+class FailureKind(StrEnum):
+    """What a line of a dying job's stderr says a rank failed of; the value names the cause."""
+
+    exception = "exception"  # a Python exception that is none of the below (``own_code``: raised in the user's code)
+    out_of_memory = "out_of_memory"  # CUDA out of memory (torch.OutOfMemoryError, "CUDA error: out of memory")
+    cuda_error = "cuda_error"  # "CUDA error: an illegal memory access ...", a device-side assert, ...
+    collective_timeout = "collective_timeout"  # PyTorch's watchdog (WorkNCCL(SeqNum=...)) or gloo timed it out
+    size_mismatch = "size_mismatch"  # the transport saw two ranks' operations differ (NCCL truncation, gloo enforce)
+    peer_gone = "peer_gone"  # a peer closed the connection, or NCCL's remote error: this rank waited for another
+    nccl_error = "nccl_error"  # another NCCL error: invalid usage, internal, system
+
+
+class RankFailure(Event):
+    """One line (or traceback) of a job's stderr that says why a rank failed.
+
+    ``rank``: from a ``[rankN]:`` prefix or the line's own words; None where the line names none (C++'s
+    ``terminate called ...`` is printed without torch's prefix).  ``frame``: the innermost frame of the traceback
+    in the user's code (not torch's, not a library's), ``"check_batch (train.py:39)"``; ``own_code``: the exception
+    was raised there (the innermost frame is the user's), so the user's code raised it, not a collective.
+    """
+
+    rank: int | None = None
+    pid: int | None = None
+    host: str | None = None
+    kind: FailureKind
+    detail: str  # the message: "ValueError: batch 5 has 2 values, expected 4"
+    error_type: str | None = None  # the exception's type as printed: "ValueError", "torch.OutOfMemoryError"
+    seq: int | None = None  # a timed-out collective's sequence number (WorkNCCL(SeqNum=...))
+    op: str | None = None  # its operation as PyTorch spells it (ALLREDUCE)
+    frame: str | None = None
+    own_code: bool = False
+    at: float | None = None  # unix time, where the reader knows it (live: when the line came)
+    cite: Citation
+
+
+class RankExited(Event):
+    """A rank's process ended with a failure: torchrun's ``ChildFailedError`` summary, or the live wrapper.
+
+    ``signal``: the signal's name where it was killed (``SIGKILL``, ``SIGABRT``); ``root_cause``: torchrun's
+    "first observed failure"; ``at``: unix time (torchrun's summary prints it to the second, local time).
+    """
+
+    rank: int
+    local_rank: int | None = None
+    host: str | None = None
+    pid: int | None = None
+    exitcode: int
+    signal: str | None = None
+    root_cause: bool = False
+    at: float | None = None
+    cite: Citation | None = None
+
+
+# --------------------------------------------------------------------------
 # Stacks and GPUs
 # --------------------------------------------------------------------------
 
