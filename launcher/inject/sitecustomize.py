@@ -275,6 +275,33 @@ def _start_fr_responder(run_dir, rank):
     atexit.register(finish_dump)
     os.register_at_fork(after_in_child=close_in_child)
     threading.Thread(target=_serve_fr, args=(fd, fr_dir, rank, dumping), name="ncclwatch-fr", daemon=True).start()
+    _dump_when_dying(fr_dir, rank, dumping)
+
+
+DYING_DUMP_WAIT_S = 1.0
+
+
+def _dump_when_dying(fr_dir, rank, dumping):
+    """A rank that dies of an uncaught exception writes its Flight Recorder first (without C++ stack traces: fast).
+
+    torchrun ends the other ranks a tenth of a second after the first one exits, so the dump a failed job's verdict
+    needs (where every rank stood, which one issued what) exists only if the rank leaves it as it goes.  torch's
+    ``init_process_group`` wraps ``sys.excepthook`` later and calls this one from its own, so both run; a
+    ``SystemExit`` (``sys.exit(3)``) is no exception here and leaves nothing.
+    """
+    previous = sys.excepthook
+
+    def dump_then_report(*exc_info):
+        if dumping.acquire(timeout=DYING_DUMP_WAIT_S):
+            try:
+                _dump_fr(fr_dir, rank, stacks=False)
+            except Exception:  # noqa: BLE001, S110 - the rank's own traceback must still be printed
+                pass
+            finally:
+                dumping.release()
+        previous(*exc_info)
+
+    sys.excepthook = dump_then_report
 
 
 def _setup():
