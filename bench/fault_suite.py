@@ -98,8 +98,12 @@ class Expect:
     crash: bool = False  # torchrun ends the job with an error
     gpu_only: bool = False
     long: bool = False  # runs --pause-s longer
-    gloo_raises: bool = False  # gloo checks sizes and raises: on CPU a crash, not a hang
-    node_action: str | None = None  # "freeze" (SIGSTOP) or "kill" (SIGKILL) a whole wrapper; the job runs healthy
+    gloo_raises: bool = False  # gloo checks sizes and raises: on CPU the job dies of it, no hang
+    # "freeze" (SIGSTOP) or "kill" (SIGKILL) a whole wrapper, "interrupt" (SIGINT, a user's Ctrl-C) the wrapper
+    # alone; the job runs healthy
+    node_action: str | None = None
+    dies: bool = False  # the job dies of the fault: its verdict is paged once, naming the fault rank (issue 44)
+    no_incident: bool = False  # the job ends badly by the user's own hand (sys.exit(3), Ctrl-C): no page, no bundle
 
 
 EXPECT = {
@@ -110,8 +114,13 @@ EXPECT = {
     "p2p_deadlock": Expect("p2p_deadlock", names_culprit=False),  # every rank is in the cycle
     "syscall": Expect("rank_behind"),
     "long_kernel": Expect("gpu_compute_hang", gpu_only=True),
-    "sigkill": Expect(crash=True),
-    "exception": Expect(crash=True),
+    "sigkill": Expect("process_dead", dies=True),
+    "exception": Expect("process_dead", dies=True),
+    "raise": Expect("process_dead", dies=True),
+    "oom": Expect("process_dead", dies=True),
+    "pg_timeout": Expect("collective_timeout", dies=True),
+    "exit": Expect(no_incident=True),
+    "interrupt": Expect(no_incident=True, node_action="interrupt"),
     "checkpoint": Expect(long=True),
     "straggler": Expect(),
     "pause": Expect(long=True),
@@ -119,12 +128,13 @@ EXPECT = {
     "freeze_node": Expect("node_lost", node_action="freeze"),
     "kill_store_node": Expect("node_lost", node_action="kill"),
 }
-HEALTHY = tuple(name for name, e in EXPECT.items() if e.verdict is None and not e.crash)
+HEALTHY = tuple(name for name, e in EXPECT.items() if e.verdict is None and not e.crash and not e.no_incident)
+DIES = tuple(name for name, e in EXPECT.items() if e.dies or e.gloo_raises or e.no_incident)
 
 
 def expectation(scenario: str, device: str) -> Expect:
     expect = EXPECT[scenario]
-    return Expect(crash=True) if expect.gloo_raises and device == "cpu" else expect
+    return Expect(expect.verdict, dies=True) if expect.gloo_raises and device == "cpu" else expect
 
 
 class WebhookReceiver:
@@ -190,6 +200,22 @@ class Wrapper:
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        self.first_death_at: float | None = None  # when the first of its ranks ended (a failed job's clock)
+        threading.Thread(target=self._watch_ranks, daemon=True).start()
+
+    def _watch_ranks(self) -> None:
+        """Note when the first rank (a ``JOB`` process under torchrun) ends, every 20 ms, until the wrapper ends."""
+        seen: set[int] = set()
+        while self.process.poll() is None and self.first_death_at is None:
+            try:
+                tree = psutil.Process(self.process.pid).children(recursive=True)
+                ranks = {p.pid for p in tree if _is_rank(p) and p.status() != psutil.STATUS_ZOMBIE}
+            except psutil.Error:
+                ranks = set()
+            if seen - ranks:
+                self.first_death_at = time.time()
+            seen |= ranks
+            time.sleep(0.02)
 
     def _read(self) -> None:
         with self.log.open("wb") as out:
@@ -232,6 +258,14 @@ class Wrapper:
         self._reader.join(10)
 
 
+def _is_rank(proc: psutil.Process) -> bool:
+    try:
+        cmdline = proc.cmdline()
+    except psutil.Error:
+        return False
+    return any(arg.endswith(JOB.name) for arg in cmdline) and "torch.distributed.run" not in cmdline
+
+
 def kill_leftovers(work: Path) -> int:
     """Kill any process still naming this run's folder (a worker the wrapper failed to end); how many there were.
 
@@ -271,6 +305,7 @@ def wrapper_commands(
         f"--warmup-steps={min(20, step)}",
         f"--pause-s={args.pause_s}",
         f"--mark-dir={work / 'marks'}",
+        *([f"--pg-timeout-s={args.pg_timeout_s}"] if scenario == "pg_timeout" else []),
         f"--result={work / 'result.json'}",
     ]
     commands = []
@@ -347,15 +382,18 @@ def reach_step(run_dir: Path, nproc: int, step: int, wrappers: list[Wrapper], de
     return False
 
 
-def act_on_node(wrapper: Wrapper, freeze: bool) -> None:
-    """SIGSTOP (freeze) or SIGKILL a wrapper and everything under it: a node that hangs or dies whole.
+def act_on_node(wrapper: Wrapper, action: str) -> None:
+    """SIGSTOP (freeze) or SIGKILL a wrapper and everything under it: a node that hangs or dies whole; or SIGINT
+    the wrapper alone (interrupt: the user's Ctrl-C).
 
     The tree is collected before any signal: the wrapper starts torchrun in a session of its own (its
     process group is not enough), and a killed parent's children are reparented out of ``children()``.
     """
     root = psutil.Process(wrapper.process.pid)
     tree = [root, *root.children(recursive=True)]
-    how = signal.SIGSTOP if freeze else signal.SIGKILL
+    how = signal.SIGSTOP if action == "freeze" else signal.SIGKILL
+    if action == "interrupt":  # a terminal's Ctrl-C reaches the wrapper's process group: the wrapper passes it on
+        tree, how = [root], signal.SIGINT
     for proc in tree:  # top down: no parent sees a child stop or die and reacts
         try:
             proc.send_signal(how)
@@ -393,9 +431,10 @@ def run_once(
         acted_at, hit = None, None  # the node action's time and the wrapper it hit
         if node is not None and reach_step(work / f"run{node}", args.nproc, step, wrappers, began + timeout):
             acted_at, hit = time.time(), wrappers[node]
-            act_on_node(hit, freeze=expect.node_action == "freeze")
+            act_on_node(hit, expect.node_action)
         # The node hit never ends by itself (frozen) or ended at once (killed): only the others are waited for.
-        timed_out = wait_all([w for w in wrappers if w is not hit], began + timeout, args.peer_grace)
+        waited = [w for w in wrappers if w is not hit or expect.node_action == "interrupt"]
+        timed_out = wait_all(waited, began + timeout, args.peer_grace)
         for wrapper in wrappers:
             wrapper.end(hard=wrapper is hit)
         leftovers = kill_leftovers(work)
@@ -403,6 +442,8 @@ def run_once(
         marks = [json.loads(p.read_text()) for p in (work / "marks").glob("fault.*") if not p.name.endswith(".tmp")]
         fault_at = acted_at if node is not None else min((m["time"] for m in marks), default=None)
         nodes = [node_result(w, work / f"bundles{i}", fault_at) for i, w in enumerate(wrappers)]
+        deaths = [w.first_death_at for w in wrappers if w.first_death_at is not None]
+        first_death_at = min(deaths) if expect.dies and deaths else None
         result_file = work / "result.json"
         steps_per_s = json.loads(result_file.read_text()).get("steps_per_s") if result_file.exists() else None
         archive_logs(logs, wrappers, f"{scenario}-{n}")
@@ -422,6 +463,7 @@ def run_once(
             "expect_crash": expect.crash,
             "expected_culprits": expected_culprits(expect, rank, node, args.nproc),
             "fault_at": fault_at,
+            "first_death_at": first_death_at,
             "wall_s": round(time.time() - began, 1),
             "timed_out": timed_out,
             "nodes": nodes,
@@ -462,6 +504,13 @@ def score(record: dict, posts: list[dict]) -> None:
         values = [node[key] for node in nodes if node.get(key) is not None]
         record[key] = min(values) if values else None
     record["webhook_s"] = round(min(p["time"] for p in triggers) - fault_at, 2) if triggers and fault_at else None
+    # A job that died: the clock runs from its first rank's end (PyTorch's own timeout ends ranks long after the
+    # fault), to the page (the webhook's arrival) and to the bundle.
+    death = record.get("first_death_at")
+    if death is not None and fault_at is not None:
+        shift = death - fault_at
+        record["page_from_death_s"] = round(record["webhook_s"] - shift, 2) if record["webhook_s"] is not None else None
+        record["bundle_from_death_s"] = round(record["bundle_s"] - shift, 2) if record["bundle_s"] is not None else None
 
 
 def wait_all(wrappers: list[Wrapper], deadline: float, peer_grace: float) -> bool:
@@ -522,8 +571,15 @@ def judge(expect: Expect, record: dict, rank: int) -> bool:
     nodes = record["nodes"]
     if record["timed_out"] and not (expect.verdict and any(n["verdict"] for n in nodes)):
         return False
+    if expect.no_incident:  # the user's own end: whatever the exit status, nothing paged, no bundle
+        return record["reports"] == 0 and record["webhook_triggers"] == 0 and not any(n["bundles"] for n in nodes)
     if expect.verdict is None and not expect.crash:
         return record["reports"] == 0 and record["webhook_triggers"] == 0 and all(n["returncode"] == 0 for n in nodes)
+    if expect.dies:
+        # One incident (one dedup key: every node that judges it pages under the same key), naming the fault rank.
+        pages = [(verdict, ranks) for verdict, ranks in record["webhook_pages"]]
+        right = all(verdict == expect.verdict and ranks == [rank] for verdict, ranks in pages)
+        return record["webhook_keys"] == 1 and bool(pages) and right
     if expect.crash:
         named = [n for n in nodes if n["verdict"]]
         # One node: torchrun ends the job.  Across nodes the survivor hangs and should name the dead rank.
@@ -620,6 +676,36 @@ def summarize(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summarize_failures(records: list[dict]) -> str:
+    """The failure matrix (issue 44): jobs that die, and jobs the user ends; from the first death to page and bundle."""
+    lines = [
+        "| scenario | nodes x ranks | runs | correct | expected | got (culprits) "
+        "| first death -> page p50 / p90 / max (s) | first death -> bundle p50 / p90 / max (s) | runs with a bundle "
+        "| pages |",
+        "|" + " --- |" * 10,
+    ]
+    groups: dict[tuple, list[dict]] = {}
+    for record in records:
+        if record["scenario"] in DIES:
+            nodes = f"{record['nnodes']} x {record['nproc_per_node']}"
+            groups.setdefault((record["scenario"], nodes), []).append(record)
+    for (scenario, nodes), runs in groups.items():
+        got = sorted({outcome(node) for r in runs for node in r["nodes"]})
+        page = [r.get("page_from_death_s") for r in runs]
+        bundle = [r.get("bundle_from_death_s") for r in runs]
+        lines.append(
+            f"| {scenario} | {nodes} | {len(runs)} | {sum(r['correct'] for r in runs)} | {expected_text(runs)} | "
+            f"{'; '.join(got)} | {percentiles(page)} / {_most(page)} | {percentiles(bundle)} / {_most(bundle)} | "
+            f"{sum(any(n['bundles'] for n in r['nodes']) for r in runs)} | {sum(r['webhook_triggers'] for r in runs)} |"
+        )
+    return "\n".join(lines) if groups else ""
+
+
+def _most(values: list[float | None]) -> str:
+    present = [v for v in values if v is not None]
+    return f"{max(present):.2f}" if present else "-"
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default="skip,syscall,sigstop,long_kernel,none")
@@ -634,6 +720,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fault-steps", default="60,200", help="cycled over repeats")
     parser.add_argument("--steps-after", type=int, default=150, help="steps the job runs past the fault step")
     parser.add_argument("--pause-s", type=float, default=40.0, help="pause and checkpoint length")
+    parser.add_argument("--pg-timeout-s", type=float, default=5.0, help="pg_timeout: the process group's timeout")
     parser.add_argument("--stall-timeout-floor", type=float, help="passed to the wrapper (its default: 5 s)")
     parser.add_argument("--wrapper-arg", action="append", default=[], help="one more wrapper option (repeatable)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per run (pause, checkpoint: + --pause-s)")
@@ -650,7 +737,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.nnodes < 1:
         parser.error("--nnodes must be 1 or more")
-    if args.nnodes == 1 and any(EXPECT[s].node_action for s in args.scenarios.split(",")):
+    if args.nnodes == 1 and any(EXPECT[s].node_action in ("freeze", "kill") for s in args.scenarios.split(",")):
         parser.error("freeze_node and kill_store_node need --nnodes 2 or more")
     args.size = args.size or ("short" if args.device == "cuda" else "tiny")
     args.nproc = args.nproc or (2 if args.nnodes == 1 else 1)
@@ -661,7 +748,8 @@ def main() -> int:
     args = parse_args()
     if args.summarize:
         lines = [line for name in args.summarize for line in Path(name).read_text().splitlines() if line]
-        print(summarize([json.loads(line) for line in lines]))
+        records = [json.loads(line) for line in lines]
+        print("\n\n".join(table for table in (summarize(records), summarize_failures(records)) if table))
         return 0
     scenarios = [s for s in args.scenarios.split(",") if not (EXPECT[s].gpu_only and args.device == "cpu")]
     world = args.nproc * args.nnodes
@@ -686,7 +774,7 @@ def main() -> int:
                 print(json.dumps(brief), file=sys.stderr, flush=True)
                 with (out / f"{args.name}.jsonl").open("a") as handle:
                     handle.write(json.dumps(record) + "\n")
-    table = summarize(records)
+    table = "\n\n".join(t for t in (summarize(records), summarize_failures(records)) if t)
     if skipped:
         table += f"\n\nNot started (budget {args.budget:g} s): {', '.join(skipped)}"
     (out / f"{args.name}.md").write_text(table + "\n")

@@ -36,6 +36,10 @@ backward and optimizer step and before its explicit collectives:
   straggler     healthy: from then on sleeps an extra 30 % of its own step time every step
   pause         healthy: EVERY rank pauses ``--pause-s`` outside collectives (an evaluation)
   sigstop       stops itself (SIGSTOP)
+  raise         raises ValueError in this file (the user's own check, on purpose): the job dies
+  oom           allocates 1 PiB on its device: the allocator's real out-of-memory error, the job dies
+  exit          ``sys.exit(3)``, the user's own decision: no incident
+  pg_timeout    sleeps in its own code past ``--pg-timeout-s``: PyTorch's timeout ends its peers, the job dies
 
 Just before misbehaving the rank writes ``<mark dir>/fault.<rank>`` = JSON
 ``{"fault", "rank", "step", "time"}`` (wall clock), so a benchmark measures
@@ -80,6 +84,10 @@ FAULTS = (
     "straggler",
     "pause",
     "sigstop",
+    "raise",
+    "oom",
+    "exit",
+    "pg_timeout",
 )
 ALL_RANK_FAULTS = ("pause", "p2p_deadlock")  # every rank misbehaves (and writes a mark)
 SIZES = {
@@ -105,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fault-step", type=int, default=100)
     parser.add_argument("--pause-s", type=float, default=40.0, help="length of pause and checkpoint")
     parser.add_argument("--spin-s", type=float, default=600.0, help="length of the long_kernel kernel")
+    parser.add_argument(
+        "--pg-timeout-s", type=float, default=1800.0, help="the process group's timeout (pg_timeout: a few seconds)"
+    )
     parser.add_argument("--mark-dir", default=os.environ.get("NCCLWATCH_RUN_DIR", "."), help="where fault.<rank> goes")
     parser.add_argument("--result", help="rank 0 writes its steps/s here (JSON)")
     return parser.parse_args(argv)
@@ -169,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    rank, world, device = join_job(torch, dist, args.device)
+    rank, world, device = join_job(torch, dist, args.device, timeout_s=args.pg_timeout_s)
     on_gpu = device.type == "cuda"
     fault_rank = args.fault_rank if args.fault_rank >= 0 else world - 1
     faulty = args.fault != "none" and (rank == fault_rank or args.fault in ALL_RANK_FAULTS)
@@ -251,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def check_batch(losses) -> None:
+    """The user's own check, failing on purpose: a ValueError from this file, no collective fault."""
+    raise ValueError(f"batch of {losses.numel()} token losses has a NaN; refusing to step")
+
+
 def inject(args, torch, dist, rank: int, world: int, device, losses) -> bool:
     """The fault itself; returns whether this rank still all_reduces the losses this step."""
     fault = args.fault
@@ -283,6 +299,15 @@ def inject(args, torch, dist, rank: int, world: int, device, losses) -> bool:
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault == "exception":
         raise torch.cuda.OutOfMemoryError(f"ncclwatch bench: injected out-of-memory on rank {rank}")
+    elif fault == "raise":
+        check_batch(losses)
+    elif fault == "oom":
+        # A real allocation that cannot succeed (1 PiB), on the GPU or in host memory: the allocator's own error.
+        torch.empty(1 << 50, dtype=torch.uint8, device=device)
+    elif fault == "exit":
+        sys.exit(3)  # the user's own decision to stop: no incident
+    elif fault == "pg_timeout":
+        time.sleep(args.pg_timeout_s * 4)  # in this rank's own code: its peers' collective times out
     elif fault == "checkpoint":
         written = write_heavy_io(args.mark_dir, args.pause_s)
         print(f"[gpu_job] rank {rank}: checkpoint wrote {written >> 20} MiB", file=sys.stderr, flush=True)

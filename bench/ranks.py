@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 
-def join_job(torch: Any, dist: Any, device_kind: str) -> tuple[int, int, Any]:
+def join_job(torch: Any, dist: Any, device_kind: str, timeout_s: float = 1800.0) -> tuple[int, int, Any]:
     """(rank, world size, device) after ``init_process_group``: NCCL on ``cuda``, gloo on ``cpu``."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -24,7 +24,6 @@ def join_job(torch: Any, dist: Any, device_kind: str) -> tuple[int, int, Any]:
             os.environ.setdefault("NCCL_HOSTID", f"host{rank}")
     else:
         device = torch.device("cpu")
-    dist.init_process_group(
-        "nccl" if on_gpu else "gloo", timeout=datetime.timedelta(minutes=30), device_id=device if on_gpu else None
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timeout, device_id=device if on_gpu else None)
     return rank, world, device
