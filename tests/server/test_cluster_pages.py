@@ -3,6 +3,7 @@ its nodes' bundles, the hosts view (7 and 30 days, repeat hosts first), /api/hos
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from pathlib import Path
 
@@ -99,6 +100,12 @@ class TestHosts:
         assert (hosts[1]["days_7"], hosts[1]["days_30"]) == (0, 1)
         assert [h["host"] for h in history.get("/api/hosts?host=gpu2", token=TOKEN).json()] == ["gpu2"]
         assert [h["host"] for h in history.get("/api/hosts?limit=1", token=TOKEN).json()] == ["gpu7"]
+
+    def test_last_at_is_iso_8601_utc_with_the_unix_seconds_beside_it(self, history):
+        for host in history.get("/api/hosts", token=TOKEN).json():
+            said = dt.datetime.fromisoformat(host["last_at"])
+            assert said.utcoffset() == dt.timedelta(0), host["last_at"]
+            assert said.timestamp() == int(host["last_at_unix"])
 
     def test_the_pages_link_hosts_and_incidents(self, history):
         page = history.get("/hosts", token=TOKEN).text

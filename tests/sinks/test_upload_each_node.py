@@ -7,6 +7,7 @@ goes out; both bundles go up under the same incident key, neither taken for a re
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import aiohttp
@@ -21,7 +22,8 @@ KEY = "ncclwatch-hang-train-0123456789ab"
 
 
 def node_alert(host: str):  # type: ignore[no-untyped-def]
-    return alert(host=host, bundle_id=f"train-{host}-20261122T100005Z-collective_mismatch")
+    # Paged now: an upload older than --upload-spool-days is given up before it is sent.
+    return alert(host=host, bundle_id=f"train-{host}-20261122T100005Z-collective_mismatch", created_at=time.time())
 
 
 def test_each_node_uploads_its_bundle_and_one_page_goes_out(tmp_path: Path) -> None:

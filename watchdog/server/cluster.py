@@ -7,8 +7,8 @@ Routes, added to ``app.make_app``'s (``install``):
   /api/incidents               JSON, newest first; ?job= ?host= ?verdict= ?since= ?until= (ISO 8601) ?limit=
   /api/incidents/{key}         one incident: its parts (each node's bundle) and the hosts it names
   /api/hosts                   per host named in the last 30 days: incidents over 7 and 30 days by verdict and
-                               role (culprit, lost_node, slow_link), jobs; repeat hosts first; ?host=, ?limit=
-                               (default the first 200)
+                               role (culprit, lost_node, slow_link), jobs, the last (``last_at``, ISO 8601 UTC;
+                               ``last_at_unix``); repeat hosts first; ?host=, ?limit= (default the first 200)
   /incidents, /incidents/{key}, /hosts, /hosts/{host}   the same as pages (``cluster_page.py``)
   /metrics                     also ``ncclwatch_host_incidents_total{host,verdict}``
 
@@ -29,7 +29,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily
 
-from ncclwatch.watchdog.server.app import BUNDLES, html_response
+from ncclwatch.watchdog.server.app import BUNDLES, html_response, iso
 from ncclwatch.watchdog.server.auth import UPLOAD_PATH
 from ncclwatch.watchdog.server.cluster_page import host_body, hosts_body, incident_body, incidents_body
 from ncclwatch.watchdog.server.incidents import HOST_RE, HOSTS_SHOWN, IncidentIndex, epoch
@@ -197,7 +197,20 @@ def _hosts_limit(request: web.Request) -> int:
 async def hosts_json(request: web.Request) -> web.Response:
     host = request.query.get("host") or None
     index = request.app[INTAKE].index
-    return web.json_response(await asyncio.to_thread(index.hosts, None, host, _hosts_limit(request)))
+    rows = await asyncio.to_thread(index.hosts, None, host, _hosts_limit(request))
+    return web.json_response([hosts_entry_json(row) for row in rows])
+
+
+def hosts_entry_json(row: dict[str, Any]) -> dict[str, Any]:
+    """A host's entry as ``/api/hosts`` gives it: times in ISO 8601 UTC (as a report's), each also as Unix seconds
+    under ``<name>_unix`` for tools that compute with them.  The index, and the hosts page, keep the seconds."""
+    entry = {**row, "last_at": _iso_or_none(row["last_at"]), "last_at_unix": row["last_at"]}
+    entry["actions"] = [{**a, "at": _iso_or_none(a["at"]), "at_unix": a["at"]} for a in row["actions"]]
+    return entry
+
+
+def _iso_or_none(at: float | None) -> str | None:
+    return None if at is None else iso(at)
 
 
 async def incidents_page(request: web.Request) -> web.Response:

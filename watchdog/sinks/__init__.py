@@ -13,7 +13,11 @@ It never raises: every outcome is a ``Delivery``, and the dispatcher
                                 moved to ``<spool>/failed/`` with ``detail`` and logged
 
 ``detail`` is for people and logs: the status and the start of the receiver's
-answer, never a routing key or a secret URL.
+answer, never a routing key or a secret URL.  ``said``: the one line the
+terminal gets about a final outcome, where the user needs it (an upload: the
+incident's address, or why the bundle did not go up); other outcomes are logged.
+``expected``: a retry that is how the sink works (the bundle follows its page),
+logged only with -v; any other retry is logged once for each new reason.
 
 Kept import-light (no aiohttp, no metrics): the daemon and the metrics module
 import this for the types alone.
@@ -34,6 +38,8 @@ class Delivery:
     retry: bool
     detail: str
     retry_after_s: float | None = None  # the receiver's Retry-After, when it sent one
+    said: str | None = None  # the terminal's line for this final outcome (see the module's docstring)
+    expected: bool = False  # a retry the sink expects (see the module's docstring)
 
 
 class Sink(Protocol):

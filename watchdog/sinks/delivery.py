@@ -54,6 +54,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -137,7 +138,9 @@ class Dispatcher:
         backoff_s: Sequence[float] = BACKOFF_S,
         clock: Callable[[], float] = time.time,
         rescan_s: float | None = None,
+        say: Callable[[str], None] | None = None,
     ) -> None:
+        """``say``: where a sink's line for the terminal goes (``Delivery.said``); default stderr, "ncclwatch: "."""
         names = [sink.name for sink in sinks]
         bad = [n for n in names if not _NAME.fullmatch(n) or n in _RESERVED]
         if bad or len(set(names)) != len(names):
@@ -156,6 +159,7 @@ class Dispatcher:
         self._seq = 0
         self._loaded = False
         self._tasks: list[asyncio.Task[None]] = []
+        self._say = say or _to_stderr
 
     async def start(self) -> None:
         """Deliver what a previous run left in the spool, then whatever is submitted (and, with rescan_s, appears)."""
@@ -364,20 +368,27 @@ class Dispatcher:
         self._seen.discard((entry.sink, entry.ident))
 
     async def _deliver(self, sink: Sink, entry: _Entry) -> None:
+        said_retry = None  # the last reason for a retry that was said: the same reason again is only logged
         for attempt in itertools.count(1):
             result = await self._attempt(sink, entry.alert)
             if result.ok:
                 log.info("%s: %s delivered (%s)", sink.name, entry.ident, result.detail)
+                if result.said:
+                    self._say(result.said)
                 self._sent(entry)
                 return
             if not result.retry:
-                log.error("%s: %s refused, not retried: %s", sink.name, entry.ident, result.detail)
+                if result.said:
+                    self._say(result.said)
+                else:
+                    log.error("%s: %s refused, not retried: %s", sink.name, entry.ident, result.detail)
                 self._to_failed(entry.sink, entry.ident, entry.path, result.detail, entry.alert)
                 return
             delay = self._backoff[min(attempt, len(self._backoff)) - 1]
             if result.retry_after_s is not None:
                 delay = min(result.retry_after_s, self._backoff[-1])
-            log.warning(
+            matters = not result.expected and result.detail != said_retry
+            (log.warning if matters else log.info)(
                 "%s: %s not delivered (%s); attempt %d, next in %.3gs",
                 sink.name,
                 entry.ident,
@@ -385,6 +396,7 @@ class Dispatcher:
                 attempt,
                 delay,
             )
+            said_retry = result.detail if matters else said_retry
             await asyncio.sleep(delay)
 
     @staticmethod
@@ -472,6 +484,10 @@ class _Claim:
     def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
             os.close(self._fd)
+
+
+def _to_stderr(line: str) -> None:
+    print(f"ncclwatch: {line}", file=sys.stderr, flush=True)
 
 
 def spool_dir_for(settings: Settings) -> Path:

@@ -15,19 +15,22 @@ Retry-After); another 4xx (a refused archive, a wrong token) is final and goes t
 
 Bounded: an upload the server has not taken within ``keep_s`` of its alert (``upload_spool_days``), or
 whose bundle file is gone, is given up (failed/, logged), so a server that never comes back leaves no
-queue growing for ever.  A resolve or a performance page has no bundle: nothing to upload, delivered.
+queue growing for ever.  The terminal gets one line for the outcome (``Delivery.said``): the incident's address
+on the server, or why the bundle was given up; the normal retry while the bundle is still being written is not
+said (``Delivery.expected``).  A resolve or a performance page has no bundle: nothing to upload, delivered.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
 
 from ncclwatch.watchdog.sinks import Delivery
-from ncclwatch.watchdog.sinks.alert import Alert
+from ncclwatch.watchdog.sinks.alert import Alert, incident_url
 from ncclwatch.watchdog.sinks.webhooks import DETAIL_MAX, outcome, retry_after_s
 
 UPLOAD_PATH = "/api/upload"
@@ -52,7 +55,8 @@ class UploadSink:
     ) -> None:
         self.name = name
         self._session = session
-        self._url = server.rstrip("/") + UPLOAD_PATH
+        self._server = server.rstrip("/")
+        self._url = self._server + UPLOAD_PATH
         self._token = token
         self._bundle_dir = bundle_dir
         self._keep_s = keep_s
@@ -61,10 +65,22 @@ class UploadSink:
     async def send(self, alert: Alert) -> Delivery:
         if alert.action != "trigger" or not alert.bundle_id:
             return Delivery(ok=True, retry=False, detail="no bundle to upload")
+        delivery = await self._upload(alert)
+        if delivery.ok:
+            where = incident_url(self._server, alert.dedup_key)
+            return replace(delivery, said=f"upload: bundle {alert.bundle_id} is on the server: {where}")
+        if not delivery.retry:
+            said = f"upload: bundle {alert.bundle_id} not uploaded to {self._server}, given up: {delivery.detail}"
+            return replace(delivery, said=said)
+        return delivery
+
+    async def _upload(self, alert: Alert) -> Delivery:
         path = self._bundle_dir / f"{alert.bundle_id}.tar.gz"
         waited = self._clock() - alert.created_at
         if waited > self._keep_s:
-            return Delivery(ok=False, retry=False, detail=f"given up: the server took no upload for {waited:.0f} s")
+            return Delivery(
+                ok=False, retry=False, detail=f"the server took no upload for {waited:.0f} s (--upload-spool-days)"
+            )
         headers = {
             "Authorization": f"Bearer {self._token}",
             "Content-Type": "application/gzip",
@@ -78,7 +94,7 @@ class UploadSink:
             # The page goes out before the evidence is collected (live/sidecar.py): the bundle follows.
             writing = waited < BUNDLE_WRITE_S
             detail = "the bundle is still being written" if writing else f"the bundle cannot be read: {exc}"
-            return Delivery(ok=False, retry=writing, detail=detail[:DETAIL_MAX])
+            return Delivery(ok=False, retry=writing, detail=detail[:DETAIL_MAX], expected=writing)
         except OSError as exc:
             return Delivery(ok=False, retry=False, detail=f"the bundle cannot be read: {exc}"[:DETAIL_MAX])
         with handle:
