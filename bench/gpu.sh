@@ -12,6 +12,7 @@
 #   bash bench/gpu.sh hard     [bench/hard_cases.py args...]   (issue 23: FSDP2 even splits, pipelines across nodes)
 #   bash bench/gpu.sh shapes   [bench/job_shapes.py args...]   (issue 30: DDP, FSDP2, TP, PP schedules, 2-D meshes)
 #     (its throttle case needs pyroute2's wheel in .whl/: pip download --no-deps -d .whl pyroute2)
+#   bash bench/gpu.sh signal_cost [bench/signal_cost.py args...]   (issue 45: each injected signal's cost)
 # Several at once: the first call installs; start the others with GPU_SH_INSTALLED=1 once it has.
 set -euo pipefail
 OUT=${OUT:-bench/out}
@@ -63,7 +64,8 @@ case $what in
     restart) script=bench/restart.py; set -- --out "$OUT/restart.jsonl" "$@" ;;
     hard) script=bench/hard_cases.py; set -- --out "$OUT/hard.jsonl" "$@" ;;
     shapes) script=bench/job_shapes.py; set -- --device cuda --out "$OUT/shapes.jsonl" "$@" ;;
-    *) echo "unknown benchmark: $what (faults, overhead, latency, slow_links, restart, hard, shapes)" >&2; exit 2 ;;
+    signal_cost) script=bench/signal_cost.py; set -- --out "$OUT/signal_cost.jsonl" "$@" ;;
+    *) echo "unknown benchmark: $what (faults, overhead, latency, slow_links, restart, hard, shapes, signal_cost)" >&2; exit 2 ;;
 esac
 set +e
 python3 "$script" "$@" 2>&1 | tee -a "$log"
