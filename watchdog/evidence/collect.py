@@ -27,7 +27,7 @@ from typing import Any
 
 from ncclwatch.watchdog.evidence.base import EvidenceContext, EvidenceRecord, record
 from ncclwatch.watchdog.evidence.flight_recorder import collect_flight_recorder
-from ncclwatch.watchdog.evidence.logs import collect_nccl_logs, collect_worker_logs
+from ncclwatch.watchdog.evidence.logs import collect_job_output, collect_nccl_logs, collect_worker_logs
 from ncclwatch.watchdog.evidence.node import collect_infiniband, collect_nvml, collect_ras
 from ncclwatch.watchdog.evidence.process import collect_env, collect_proc
 from ncclwatch.watchdog.evidence.stacks import collect_native_stacks, collect_python_stacks, rank_states
@@ -64,6 +64,7 @@ async def collect_all(ctx: EvidenceContext) -> list[EvidenceRecord]:
         ("env", collect_env),
         ("nccl_logs", collect_nccl_logs),
         ("worker_logs", collect_worker_logs),
+        ("job_output", collect_job_output),
     ):
         start(name, _after((native,), collector, ctx))
 

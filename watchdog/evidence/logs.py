@@ -1,4 +1,5 @@
-"""Tails of the job's logs: NCCL debug files [nccl/<name>], torchrun worker logs [logs/rank<r>/<name>].
+"""Tails of the job's logs: NCCL debug files [nccl/<name>], torchrun worker logs [logs/rank<r>/<name>], the job's
+stderr as the wrapper read it [output/<name>].
 
 Only the last ``ctx.tail_bytes`` of each file, cut at a line start: the end
 of a log is where the hang is, and a bundle must stay small however long the
@@ -70,6 +71,8 @@ def _nccl_tails(ctx: EvidenceContext) -> list[EvidenceRecord]:
 
 
 def _worker_tails(ctx: EvidenceContext) -> list[EvidenceRecord]:
+    if not ctx.worker_logs:  # one record for the job, not the same line once per rank
+        return [record("worker_logs", time.monotonic(), error=NO_WORKER_LOGS)]
     records = []
     for target in ctx.ranks:
         started = time.monotonic()
@@ -82,6 +85,28 @@ def _worker_tails(ctx: EvidenceContext) -> list[EvidenceRecord]:
         found = record("worker_logs", started, paths, "; ".join(errors) or None, target.rank, note)
         records.append(found.model_copy(update={"copied": copied}))
     return records
+
+
+NO_WORKER_LOGS = "no worker log files: torchrun writes them with --log-dir and --redirects or --tee"
+
+
+def _output_tails(ctx: EvidenceContext) -> list[EvidenceRecord]:
+    """The job's stderr as the wrapper read it (``sources/job_output.py``): what explains a death, whichever rank
+    printed it, and torchrun's failure summary."""
+    started = time.monotonic()
+    folder = ctx.run_dir / "output" if ctx.run_dir is not None else None
+    files = [folder / name for name in ("stderr.1.log", "stderr.log")] if folder is not None else []
+    files = [path for path in files if path.is_file()]
+    if not files:
+        return [record("job_output", started, error=f"no copy of the job's stderr ({folder})")]
+    paths, errors, cut, copied = _copy_tails(ctx, files, "output")
+    note = f"the last {ctx.tail_bytes} bytes of each" if cut else None
+    found = record("job_output", started, paths, "; ".join(errors) or None, note=note)
+    return [found.model_copy(update={"copied": copied})]
+
+
+async def collect_job_output(ctx: EvidenceContext) -> list[EvidenceRecord]:
+    return await guard("job_output", TIMEOUT_S, asyncio.to_thread(_output_tails, ctx))
 
 
 async def collect_nccl_logs(ctx: EvidenceContext) -> list[EvidenceRecord]:

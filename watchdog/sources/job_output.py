@@ -2,10 +2,11 @@
 
 The wrapper relays torchrun's stderr (the ranks inherit it) to the terminal in a thread of its own
 (``launcher/shutdown_noise.py``) and hands every chunk to ``feed`` on the way.  ``run`` writes the chunks to
-``<run>/output/stderr.log`` (the bundle copies it, and ``ncclwatch analyze`` on the run folder reads the same lines,
-so offline gives the live verdict) and parses them with ``TorchLogParser``: PyTorch's watchdog timeouts and
-``WorkNCCL`` lines, torchrun's ``ChildFailedError`` summary, network and peer errors.  A job stays observed even
-when its output is not: nothing here can block or slow the relay (``feed`` only appends to a deque).
+``<run>/output/stderr.log`` (the bundle copies it, and ``ncclwatch analyze`` on the run folder reads the same
+lines, so offline gives the live verdict) and parses them with ``TorchLogParser`` (PyTorch's watchdog timeouts,
+DETAIL mismatches, network errors) and ``FailureLines`` (why each rank died: tracebacks, NCCL and gloo errors,
+CUDA errors, torchrun's summary).  A job stays observed even when its output is not: nothing here can block or
+slow the relay (``feed`` only appends to a deque).
 
 The copy is bounded: at ``FILE_MAX`` bytes it becomes ``stderr.1.log`` (the one before is dropped) and a new
 ``stderr.log`` begins, so a job that prints for a month keeps at most twice that.
@@ -18,6 +19,7 @@ import collections
 import threading
 from pathlib import Path
 
+from ncclwatch.watchdog.parsing.failure_lines import FailureLines
 from ncclwatch.watchdog.parsing.torch_log import TorchLogParser
 from ncclwatch.watchdog.sources import Emit
 
@@ -38,7 +40,9 @@ class JobOutputSource:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._arrived = asyncio.Event()
-        self._parser = TorchLogParser(str(self.path))
+        # PyTorch's diagnostics (timeouts, DETAIL mismatches, network errors) and why each rank died (tracebacks,
+        # NCCL and gloo errors, torchrun's summary); stamped with the time a line arrived, where it prints none.
+        self._parsers = (TorchLogParser(str(self.path)), FailureLines(str(self.path), clock=True))
         self._written = 0
 
     def feed(self, data: bytes) -> None:
@@ -68,8 +72,9 @@ class JobOutputSource:
         data = b"".join(chunks)
         if data:
             self._keep(data)
-        for event in self._parser.feed(data, final=final):
-            emit(event)
+        for parser in self._parsers:
+            for event in parser.feed(data, final=final):
+                emit(event)
 
     def _keep(self, data: bytes) -> None:
         if self._written + len(data) > FILE_MAX and self._written:
