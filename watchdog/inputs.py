@@ -44,6 +44,8 @@ from ncclwatch.watchdog.events import Event, OpBatch, ProcKey, RankLog
 from ncclwatch.watchdog.hang.report import InputFile
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.parsing import EXCLUSIVE, SNIFF_BYTES, NcclLogParser
+from ncclwatch.watchdog.parsing.failure_lines import WATCH as FAILURE_MARKERS
+from ncclwatch.watchdog.parsing.failure_lines import FailureLines
 from ncclwatch.watchdog.parsing.kernel_log import KernelLogParser, looks_like_kernel_log
 from ncclwatch.watchdog.parsing.line_prefix import LinePrefix, PrefixStripper, detect
 from ncclwatch.watchdog.parsing.nccl_excerpt import OrphanScanner
@@ -55,10 +57,13 @@ from ncclwatch.watchdog.parsing.torch_log import TorchLogParser
 from ncclwatch.watchdog.parsing.transport import MARKERS as TRANSPORT_MARKERS
 from ncclwatch.watchdog.parsing.transport import TransportScanner
 from ncclwatch.watchdog.parsing.transport import marker_lines as transport_marker_lines
+from ncclwatch.watchdog.sources.holes import retained_start
 
 CHUNK_BYTES = 8 << 20
 TRANSPORT_LINES = 1 << 16  # transport lines kept per input; past this, ``analyze`` reads the input again for them
-_WATCHED = TORCH_MARKERS + TRANSPORT_MARKERS  # what the NCCL parser's fast path tells the other readers about
+_WATCHED = (
+    TORCH_MARKERS + TRANSPORT_MARKERS + FAILURE_MARKERS
+)  # what the NCCL parser's fast path tells the other readers about
 STDIN = "<stdin>"
 _SPECIAL = (
     (
@@ -144,6 +149,7 @@ def open_input(name: str, stdin_spool: dict[str, str]) -> Iterator[tuple[BinaryI
                 with opener(raw) as unpacked:  # type: ignore[operator]
                     yield unpacked, kind
                 return
+        raw.seek(retained_start(raw.fileno()))  # a run folder's NCCL file freed at its start: its kept tail alone
         yield raw, None
 
 
@@ -257,6 +263,7 @@ class TextIngest:
         self.file_rank = rank_of_file(name)
         self.nccl = NcclLogParser(name, watch=_WATCHED)
         self.torch = TorchLogParser(name, self.file_rank)
+        self.failure = FailureLines(name, self.file_rank)  # a job that died: why each rank failed (issue 44)
         self.nccl_ops = 0
         self.nccl_other = 0
         self.torch_events = 0
@@ -321,11 +328,13 @@ class TextIngest:
         look for where it holds no marker), else in body[:stop]."""
         if residual is not None and not residual.marked:
             self.torch.skip(residual.lines)
+            self.failure.skip(residual.lines)
             return
         if residual is not None:
             body = residual.text
             stop = len(body)
         self._apply(self.torch.scan(body, stop), nccl=False)
+        self._apply(self.failure.scan(body[1:stop] if body.startswith(b"\n") else body[:stop]), nccl=False)
         self._transport(body, stop)
 
     def _transport(self, body: bytes, stop: int) -> None:
@@ -359,7 +368,8 @@ class TextIngest:
             )
             if n
         ]
-        used = self.nccl_ops + self.nccl_other + self.torch.lines_used + kernel_used
+        diagnostics = min(total, self.torch.lines_used + self.failure.lines_used)  # a line both read counts twice
+        used = self.nccl_ops + self.nccl_other + diagnostics + kernel_used
         if not kinds and not self._ranks_said:
             return InputFile(
                 path=self.name, kinds=[], note="not a recognised format; ignored" + _suffix(_compressed(compression))
@@ -370,7 +380,7 @@ class TextIngest:
             for n, what in (
                 (self.nccl_ops, "NCCL operations"),
                 (self.nccl_other, "NCCL init/end/warning lines"),
-                (self.torch.lines_used, "PyTorch or network diagnostics"),
+                (diagnostics, "PyTorch or network diagnostics"),
                 (kernel_used, "GPU driver Xid lines"),
             )
             if n
@@ -380,7 +390,7 @@ class TextIngest:
         if total > used:
             parts.append(
                 f"the other {total - used:,} are neither NCCL debug lines nor PyTorch/NCCL diagnostics "
-                "(training output, tracebacks)"
+                f"({_what_else(self.name)})"
             )
         if self.nccl.garbled:
             parts.append(f"{self.nccl.garbled} garbled operation line(s) skipped (interleaved or cut writes)")
@@ -411,6 +421,18 @@ class TextIngest:
             by_how.setdefault(log.how, []).append(log.rank)
         self._ranks_said = "; ".join(f"rank {_ranges(ranks)} by {how}" for how, ranks in by_how.items())
         return logs
+
+
+# What the lines a text input holds besides diagnostics are, by where it is: a bundle's record of a rank (kept for
+# people, read for what it may cite), or else a log.
+_BUNDLE_RECORDS = (
+    (re.compile(r"(^|/)env/rank\d+\.txt$"), "the rank's environment, as the bundle keeps it"),
+    (re.compile(r"(^|/)proc/rank\d+\.txt$"), "the rank's /proc state, as the bundle keeps it"),
+)
+
+
+def _what_else(name: str) -> str:
+    return next((what for pattern, what in _BUNDLE_RECORDS if pattern.search(name)), "training output, tracebacks")
 
 
 def _suffix(text: str | None) -> str:
@@ -460,7 +482,7 @@ TAIL_BYTES = 8 << 20  # orphans keep their last few operations: only the end of 
 def _skip_to_tail(handle: BinaryIO, scanner: OrphanScanner) -> None:
     """Count the lines before the last ``TAIL_BYTES`` (for line numbers) without parsing them."""
     skip = os.fstat(handle.fileno()).st_size - TAIL_BYTES
-    if skip <= 0:
+    if skip <= handle.tell():  # the start, or a freed file's kept tail (``open_input``)
         return
     lines = 0
     while handle.tell() < skip and (chunk := handle.read(min(CHUNK_BYTES, skip - handle.tell()))):

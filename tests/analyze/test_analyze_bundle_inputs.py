@@ -57,6 +57,17 @@ def test_a_bundles_own_report_and_evidence_index_are_skipped_and_said(bundle: Pa
     assert len([item for item in report.inputs if item.note and "ncclwatch's own" in item.note]) == len(OWN_OUTPUT)
 
 
+@pytest.mark.parametrize("bundle", BUNDLES, ids=lambda path: path.parent.name)
+def test_a_bundles_env_and_proc_records_are_named_for_what_they_are(bundle: Path) -> None:
+    """Not "training output, tracebacks" (issue 46): the lines of env/rankN.txt and proc/rankN.txt are the rank's
+    environment and /proc state as the bundle keeps them."""
+    report = analyze_paths([str(bundle)])
+    records = {f"{Path(i.path).parent.name}/": i.note or "" for i in report.inputs if "/rank" in i.path[-12:]}
+    said = {folder: note for folder, note in records.items() if folder in ("env/", "proc/")}
+    assert said and all("training output" not in note for note in said.values()), said
+    assert all(("environment" if folder == "env/" else "/proc state") in note for folder, note in said.items())
+
+
 def test_a_report_given_alone_says_it_is_ncclwatchs_own_and_adds_nothing(tmp_path: Path) -> None:
     """Also the report as the writer makes it now, not only as the fixture bundles froze it."""
     with tarfile.open(BUNDLES[0]) as tar:

@@ -7,7 +7,7 @@ import asyncio
 from support import context
 
 from ncclwatch.watchdog.evidence import RankTarget, collect_nccl_logs, collect_worker_logs
-from ncclwatch.watchdog.evidence.logs import read_tail
+from ncclwatch.watchdog.evidence.logs import NO_WORKER_LOGS, read_tail
 
 LINE = b"vm:732:740 [0] NCCL INFO AllReduce: opCount 0 sendbuff 0x1 recvbuff 0x2 count 4 datatype 7 op 0 root 0\n"
 
@@ -61,3 +61,12 @@ def test_worker_logs_per_rank_with_attempts_of_the_same_name(tmp_path, write):
     assert records[0].error is None
     assert records[1].error == f"{tmp_path / 'gone.log'}: No such file or directory"
     assert records[2].error == "no worker log files known"
+
+
+def test_no_worker_logs_at_all_is_one_record_saying_why(tmp_path):
+    """Without torchrun's --log-dir no rank has a log file: one record for the job, not one line per rank in
+    report.md (issue 46)."""
+    ranks = tuple(RankTarget(rank=r, pid=1, local_rank=r, host="localhost") for r in (0, 1))
+    records = asyncio.run(collect_worker_logs(context(tmp_path, ranks=ranks)))
+    assert [(r.rank, r.error) for r in records] == [(None, NO_WORKER_LOGS)]
+    assert "--log-dir" in NO_WORKER_LOGS
