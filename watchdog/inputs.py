@@ -57,7 +57,6 @@ from ncclwatch.watchdog.parsing.torch_log import TorchLogParser
 from ncclwatch.watchdog.parsing.transport import MARKERS as TRANSPORT_MARKERS
 from ncclwatch.watchdog.parsing.transport import TransportScanner
 from ncclwatch.watchdog.parsing.transport import marker_lines as transport_marker_lines
-from ncclwatch.watchdog.sources.holes import retained_start
 
 CHUNK_BYTES = 8 << 20
 TRANSPORT_LINES = 1 << 16  # transport lines kept per input; past this, ``analyze`` reads the input again for them
@@ -149,7 +148,6 @@ def open_input(name: str, stdin_spool: dict[str, str]) -> Iterator[tuple[BinaryI
                 with opener(raw) as unpacked:  # type: ignore[operator]
                     yield unpacked, kind
                 return
-        raw.seek(retained_start(raw.fileno()))  # a run folder's NCCL file freed at its start: its kept tail alone
         yield raw, None
 
 
@@ -390,7 +388,7 @@ class TextIngest:
         if total > used:
             parts.append(
                 f"the other {total - used:,} are neither NCCL debug lines nor PyTorch/NCCL diagnostics "
-                f"({_what_else(self.name)})"
+                "(training output, tracebacks)"
             )
         if self.nccl.garbled:
             parts.append(f"{self.nccl.garbled} garbled operation line(s) skipped (interleaved or cut writes)")
@@ -421,18 +419,6 @@ class TextIngest:
             by_how.setdefault(log.how, []).append(log.rank)
         self._ranks_said = "; ".join(f"rank {_ranges(ranks)} by {how}" for how, ranks in by_how.items())
         return logs
-
-
-# What the lines a text input holds besides diagnostics are, by where it is: a bundle's record of a rank (kept for
-# people, read for what it may cite), or else a log.
-_BUNDLE_RECORDS = (
-    (re.compile(r"(^|/)env/rank\d+\.txt$"), "the rank's environment, as the bundle keeps it"),
-    (re.compile(r"(^|/)proc/rank\d+\.txt$"), "the rank's /proc state, as the bundle keeps it"),
-)
-
-
-def _what_else(name: str) -> str:
-    return next((what for pattern, what in _BUNDLE_RECORDS if pattern.search(name)), "training output, tracebacks")
 
 
 def _suffix(text: str | None) -> str:
@@ -482,7 +468,7 @@ TAIL_BYTES = 8 << 20  # orphans keep their last few operations: only the end of 
 def _skip_to_tail(handle: BinaryIO, scanner: OrphanScanner) -> None:
     """Count the lines before the last ``TAIL_BYTES`` (for line numbers) without parsing them."""
     skip = os.fstat(handle.fileno()).st_size - TAIL_BYTES
-    if skip <= handle.tell():  # the start, or a freed file's kept tail (``open_input``)
+    if skip <= 0:
         return
     lines = 0
     while handle.tell() < skip and (chunk := handle.read(min(CHUNK_BYTES, skip - handle.tell()))):

@@ -123,5 +123,6 @@ def test_proof_is_what_does_not_go_away_with_a_pause() -> None:
         Verdict.gpu_compute_hang,
         Verdict.network_error,
         Verdict.node_lost,
+        Verdict.collective_timeout,  # given only once the job died of it (hang.failure)
     }
     assert CONCLUSIVE <= HANG_VERDICTS

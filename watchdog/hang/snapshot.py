@@ -16,12 +16,15 @@ from ncclwatch.watchdog.events import (
     Citation,
     Event,
     GpuSnapshot,
+    JobEnded,
     LocalPeerClosed,
     NcclWarning,
     Op,
     OpSig,
     OpState,
     ProcKey,
+    RankExited,
+    RankFailure,
     RasReport,
     StackDump,
     Stall,
@@ -144,6 +147,11 @@ class Snapshot:
     mesh_groups: tuple[GroupView, ...] = ()
     # each NCCL process's GPU (PCI address from its Init line's busId): which rank a kernel Xid's GPU is
     gpu_bus: Mapping[ProcKey, str] = field(default_factory=lambda: MappingProxyType({}))
+    # A job that died (hang.failure): each rank's first failure of each kind as its stderr said it, in the order
+    # seen; the ranks' failed exits; how the job ended (None: still running, or not known offline)
+    rank_failures: tuple[RankFailure, ...] = ()
+    exits: tuple[RankExited, ...] = ()
+    ended: JobEnded | None = None
 
     def rank_of_pid(self) -> dict[int, int]:
         """Global rank of every process known: NCCL's Init lines, then the workers' environment."""
@@ -307,4 +315,7 @@ def take_snapshot(state: JobState, observed_at: float, views: RankViews | None =
         partial=tuple(state.partial),
         mesh_groups=mesh_groups_of_dumps(state.fr_dumps.values()),
         gpu_bus=MappingProxyType({p: i.bus_id for p, i in state.procs.items() if i.bus_id}),
+        rank_failures=tuple(state.rank_failures.values()),
+        exits=tuple(state.exits.values()),
+        ended=state.ended,
     )

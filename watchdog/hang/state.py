@@ -36,11 +36,13 @@ from ncclwatch.watchdog.events import (
     CommInit,
     CommTopology,
     Event,
+    FailureKind,
     FrDump,
     FrEntry,
     FrProcessGroup,
     GpuSnapshot,
     Heartbeat,
+    JobEnded,
     LocalPeerClosed,
     NcclVersion,
     NcclWarning,
@@ -54,6 +56,8 @@ from ncclwatch.watchdog.events import (
     PgStatus,
     ProcessState,
     ProcKey,
+    RankExited,
+    RankFailure,
     RankLog,
     RasReport,
     SequenceTail,
@@ -291,6 +295,11 @@ class JobState:
         self._unknown_ops: dict[tuple[ProcKey, str], int] = {}
         self._unknown_files: dict[tuple[ProcKey, str], str] = {}
         self.partial: list[Event] = []  # PyTorch statuses, DETAIL fingerprints, network errors, ... (hang.partial)
+        # A job that died (hang.failure): per rank (None: a line that names none) its first failure of each kind,
+        # per rank its exit (torchrun's root cause kept), and how the job ended.  Bounded by ranks x kinds.
+        self.rank_failures: dict[tuple[int | None, FailureKind], RankFailure] = {}
+        self.exits: dict[int, RankExited] = {}
+        self.ended: JobEnded | None = None
 
     # -- folding ---------------------------------------------------------
 
@@ -580,6 +589,14 @@ class JobState:
         if len(self.partial) < _MAX_PARTIAL:
             self.partial.append(event)
 
+    def _on_rank_failure(self, event: RankFailure) -> None:
+        self.rank_failures.setdefault((event.rank, event.kind), event)
+
+    def _on_rank_exited(self, event: RankExited) -> None:
+        known = self.exits.get(event.rank)
+        if known is None or (event.root_cause and not known.root_cause):
+            self.exits[event.rank] = event
+
     def merge(self, other: JobState) -> None:
         """Union with another node's state: each rank's sequence lives on one node."""
         for key, theirs in other.comms.items():
@@ -601,6 +618,11 @@ class JobState:
         self.timeouts += other.timeouts
         self.failures += other.failures
         self.partial += other.partial[: _MAX_PARTIAL - len(self.partial)]
+        for failure in other.rank_failures.values():
+            self._on_rank_failure(failure)
+        for exited in other.exits.values():
+            self._on_rank_exited(exited)
+        self.ended = self.ended or other.ended
         self.ras += other.ras
         self.stacks.update(other.stacks)
         self.gpus += other.gpus
@@ -843,6 +865,9 @@ _HANDLERS = {
     OrphanOps: JobState._on_partial,
     XidError: JobState._on_partial,
     WorkerFailure: lambda s, e: s.failures.append(e),
+    RankFailure: JobState._on_rank_failure,
+    RankExited: JobState._on_rank_exited,
+    JobEnded: lambda s, e: setattr(s, "ended", e),
     RasReport: lambda s, e: s.ras.append(e),
     StackDump: lambda s, e: s.stacks.__setitem__(e.pid, e),
     GpuSnapshot: lambda s, e: s.gpus.append(e),

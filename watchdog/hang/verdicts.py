@@ -30,6 +30,7 @@ class Verdict(StrEnum):
     network_error = "network_error"
     node_lost = "node_lost"
     p2p_deadlock = "p2p_deadlock"
+    collective_timeout = "collective_timeout"
     no_hang = "no_hang"
     inconclusive = "inconclusive"
 
@@ -246,6 +247,23 @@ _ENTRIES = (
         restart_why="a send/recv order that deadlocks is the program's and recurs",
         # Not conclusive: from stacks (gloo) the ranks are caught a few ms apart, and a healthy pipeline stage that
         # sends and enters its next recv between two captures reads as every stage in recv.
+    ),
+    VerdictEntry(
+        verdict=Verdict.collective_timeout,
+        # Given only once the job has died of the timeout (``hang.failure``): nothing a healthy job passes through.
+        conclusive=True,
+        priority=6,
+        hang=True,
+        meaning="the job died of a collective timeout; names the ranks that never entered the collective",
+        detail="A failed job whose ranks' output says their collective timed out (PyTorch's `Watchdog caught "
+        "collective operation timeout: WorkNCCL(SeqNum=...)`, gloo's `Timed out waiting ...ms`): those ranks waited, "
+        "the others never entered it and are named, unless the sequences name a rank behind. Where every rank timed "
+        "out, no rank is named.",
+        next_step="find where {ranks} was when its peers timed out (its own output, its stack): blocked in I/O or a "
+        "data loader, a long computation, or past a branch that skipped the collective; raise the process group's "
+        "timeout only if that wait was expected",
+        restart_why="a rank held up in its own code is in the program's hands; the same step times out again",
+        culprit_does="never entered {op}; its peers timed out in it",
     ),
     VerdictEntry(
         verdict=Verdict.no_hang,

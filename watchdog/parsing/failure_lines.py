@@ -49,6 +49,18 @@ MARKERS = (
     *net_errors.MARKERS,
 )
 
+# What tells ``inputs``' NCCL fast path that a chunk holds lines for this reader (narrower than ``MARKERS``: a
+# watched marker makes the chunk's residual text be scanned).
+WATCH = (
+    b"Traceback (most recent call last)",
+    b"Error: ",
+    b"exitcode",
+    b"enforce fail",
+    b"imed out",
+    b"CUDA error",
+    b"out of memory",
+)
+
 _PREFIX_RE = re.compile(r"^(?:\[[A-Za-z_ ]+[^\]\n]*\]: ?|\d+: )")
 _FRAME_RE = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 # The line that ends a traceback: "ValueError: msg", "torch.distributed.DistBackendError: NCCL error ...", "KeyError".
