@@ -38,9 +38,10 @@ from ncclwatch.watchdog.cluster.judge import JobEvidence, focus, job_state  # no
 from ncclwatch.watchdog.cluster.payload import pack, paused_gc, unpack  # noqa: E402
 from ncclwatch.watchdog.cluster.peers import FULL_NODES  # noqa: E402
 from ncclwatch.watchdog.events import Event, Stall, WorkerSeen  # noqa: E402
-from ncclwatch.watchdog.hang.classify import Decision, judge  # noqa: E402
+from ncclwatch.watchdog.hang.classify import classify  # noqa: E402
 from ncclwatch.watchdog.hang.snapshot import take_snapshot  # noqa: E402
 from ncclwatch.watchdog.hang.state import JobState  # noqa: E402
+from ncclwatch.watchdog.hang.types import Decision  # noqa: E402
 
 Steps = dict[str, tuple[float, float]]  # step -> (wall, CPU) seconds
 
@@ -91,13 +92,13 @@ def rebuilt(local: JobState, compact: dict[int, bytes], full: Callable[[int], by
         lambda: {n: unpack(raw, f"node {n}").events for n, raw in compact.items()},  # type: ignore[union-attr]
     )
     decision: Decision = clock.step(  # type: ignore[assignment]
-        "judge_compact", lambda: judge(take_snapshot(job_state(local, remote, stall), observed_at=stall.at))
+        "judge_compact", lambda: classify(take_snapshot(job_state(local, remote, stall), observed_at=stall.at))
     )
     nodes_of = {e.rank: node for node, events in remote.items() for e in events if isinstance(e, WorkerSeen)}
     want = focus(decision, nodes_of, set(), FULL_NODES)
     clock.step("gather_full", lambda: remote.update({n: unpack(full(n), f"node {n}").events for n in want}))  # type: ignore[union-attr]
     decision = clock.step(  # type: ignore[assignment]
-        "judge_full", lambda: judge(take_snapshot(job_state(local, remote, stall), observed_at=stall.at))
+        "judge_full", lambda: classify(take_snapshot(job_state(local, remote, stall), observed_at=stall.at))
     )
     return clock.steps, decision, want
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from conftest import NOW
 
 from ncclwatch.watchdog.events import Event
+from ncclwatch.watchdog.hang.job_rules import job_finding
 from ncclwatch.watchdog.hang.snapshot import Snapshot, take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.hang.types import Finding
-from ncclwatch.watchdog.hang.verdict import decide
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
 
 
@@ -28,4 +28,4 @@ def snapshot_of(logs: dict[str, str], **kw) -> Snapshot:
 
 
 def verdict_of(logs: dict[str, str], **kw) -> Finding:
-    return decide(snapshot_of(logs, **kw))
+    return job_finding(snapshot_of(logs, **kw))

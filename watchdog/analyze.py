@@ -32,7 +32,7 @@ from pathlib import Path
 from ncclwatch.watchdog.bundles_in import is_bundle, unpack_bundle
 from ncclwatch.watchdog.events import FrDump, ProcKey, RankTransport
 from ncclwatch.watchdog.evidence.citations import resolve_citations
-from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.report import InputFile, PerfNote, Report, build_report
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import DEFAULT_WINDOW, JobState
@@ -75,7 +75,7 @@ def analyze_with_dumps(
         if note:
             state.notes.append(note)
         snapshot = take_snapshot(state, observed_at=time.time() if now is None else now)
-        finding = judge(snapshot).finding
+        finding = classify(snapshot).finding
         report = build_report(finding, snapshot, inputs, resolve_citations(finding))
         performance = performance_notes(state.fr_dumps.values(), scanner.facts(), state.global_ranks())
         report = report.model_copy(update={"performance": performance})

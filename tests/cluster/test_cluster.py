@@ -35,9 +35,8 @@ from ncclwatch.watchdog.events import (
     Unusable,
     WorkerSeen,
 )
-from ncclwatch.watchdog.hang.classify import Decision
 from ncclwatch.watchdog.hang.state import JobState
-from ncclwatch.watchdog.hang.types import Finding, RankStatus
+from ncclwatch.watchdog.hang.types import Decision, Finding, RankStatus
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.parsing.journal import parse_journal
 
@@ -512,7 +511,7 @@ class TestSequenceTails:
         """Each node reads only its own ranks' NCCL logs; the tails it shares let the leader see the divergence."""
         import nccl_lines as L
 
-        from ncclwatch.watchdog.hang.classify import judge
+        from ncclwatch.watchdog.hang.classify import classify
         from ncclwatch.watchdog.hang.snapshot import take_snapshot
 
         comm = "0x5583d3a1f0e0"
@@ -533,7 +532,7 @@ class TestSequenceTails:
         assert [t.base for t in tails] == [tails[0].base] and tails[0].base > 0 and len(tails[0].sigs) == 8
         shared = parse_journal(encode(tails), "node 1")  # through the wire format
         stall = Stall(at=NOW, stalled_for_s=6, stall_timeout_s=5, progress_timeout_s=600)
-        finding = judge(take_snapshot(job_state(zero, {1: shared}, stall), observed_at=NOW)).finding
+        finding = classify(take_snapshot(job_state(zero, {1: shared}, stall), observed_at=NOW)).finding
         assert finding.verdict == Verdict.collective_mismatch
         assert finding.position == tails[0].base + 8
 
@@ -543,7 +542,7 @@ class TestSequenceTails:
         asks for full evidence back to the fewest collectives any rank issued (``IncidentView.since``)."""
         import nccl_lines as L
 
-        from ncclwatch.watchdog.hang.classify import judge
+        from ncclwatch.watchdog.hang.classify import classify
         from ncclwatch.watchdog.hang.snapshot import take_snapshot
 
         comm = "0x5583d3a1f0e0"
@@ -564,11 +563,11 @@ class TestSequenceTails:
         def leader_sees(events: list) -> Finding:
             shared = unpack(pack(1, "full", NOW, events, since=zero.fewest_issued()), "node 1")
             assert shared is not None
-            return judge(take_snapshot(job_state(zero, {1: shared.events}, stall), observed_at=NOW)).finding
+            return classify(take_snapshot(job_state(zero, {1: shared.events}, stall), observed_at=NOW)).finding
 
         newest_only = unpack(pack(1, "full", NOW, ahead), "node 1")
         assert newest_only is not None
-        alone = judge(take_snapshot(job_state(zero, {1: newest_only.events}, stall), observed_at=NOW)).finding
+        alone = classify(take_snapshot(job_state(zero, {1: newest_only.events}, stall), observed_at=NOW)).finding
         assert (alone.verdict, alone.culprits) == (Verdict.rank_behind, (0,))  # what the leader read before
         since = job_state(zero, {1: one.sequence_tails(8)}, stall).fewest_issued()
         assert since == zero.fewest_issued()  # rank 0's count: it is the slowest

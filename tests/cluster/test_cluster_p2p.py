@@ -28,11 +28,11 @@ from ncclwatch.watchdog.events import (
     ThreadStack,
     WorkerSeen,
 )
-from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.classify import classify
+from ncclwatch.watchdog.hang.job_rules import job_finding
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.hang.types import Finding
-from ncclwatch.watchdog.hang.verdict import decide
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live.journal import live_inputs
 
@@ -59,7 +59,7 @@ def through_the_store(state: JobState, node: int, without_p2p: bool = False) -> 
 
 def judged_by(leader: int, states: dict[int, JobState], without_p2p: bool = False) -> Finding:
     remote = {node: through_the_store(state, node, without_p2p) for node, state in states.items() if node != leader}
-    return decide(take_snapshot(job_state(states[leader], remote, STALL), observed_at=NOW))
+    return job_finding(take_snapshot(job_state(states[leader], remote, STALL), observed_at=NOW))
 
 
 def stage0(steps: int, last: list[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -228,7 +228,7 @@ def gloo_node(rank: int, collectives: int, call: str, world: int = 2) -> JobStat
 
 def decided_by(leader: int, states: dict[int, JobState]) -> Finding:
     remote = {node: through_the_store(state, node) for node, state in states.items() if node != leader}
-    return judge(take_snapshot(job_state(states[leader], remote, STALL), observed_at=NOW)).finding
+    return classify(take_snapshot(job_state(states[leader], remote, STALL), observed_at=NOW)).finding
 
 
 class TestWaitsSeenInStacks:

@@ -17,8 +17,7 @@ from ncclwatch.watchdog.cluster.judge import degraded, unread_verdict
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership
 from ncclwatch.watchdog.cluster.store import StoreClient
 from ncclwatch.watchdog.cluster.view import NodeSummary
-from ncclwatch.watchdog.hang.classify import Decision
-from ncclwatch.watchdog.hang.types import Finding
+from ncclwatch.watchdog.hang.types import Decision, Finding
 from ncclwatch.watchdog.hang.verdicts import Verdict
 
 dist = pytest.importorskip("torch.distributed")

@@ -13,9 +13,10 @@ from ncclwatch.watchdog.cluster.judge import focus
 from ncclwatch.watchdog.cluster.payload import FR_ENTRIES_COMPACT, pack, unpack
 from ncclwatch.watchdog.cluster.peers import FULL_NODES
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState
-from ncclwatch.watchdog.hang.classify import Decision, judge
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
+from ncclwatch.watchdog.hang.types import Decision
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
 
@@ -32,7 +33,7 @@ def judged(kind: str | None) -> Decision:
             events = payload.events
         for event in events:
             state.apply(event)
-    return judge(take_snapshot(state, 1e12))
+    return classify(take_snapshot(state, 1e12))
 
 
 def test_the_divergence_behind_a_rank_that_ran_ahead_travels_in_compact_evidence() -> None:
@@ -99,5 +100,5 @@ def test_a_dtype_changed_at_step_one_is_named_across_nodes_from_compact_evidence
         assert shared.entries[0].collective_seq_id == 13  # type: ignore[attr-defined]  # two before the pending #15
         for event in payload.events:
             state.apply(event)
-    finding = judge(take_snapshot(state, 1e12)).finding
+    finding = classify(take_snapshot(state, 1e12)).finding
     assert (finding.verdict, finding.culprits, finding.position) == (Verdict.collective_mismatch, (1,), 14)

@@ -26,9 +26,10 @@ from ncclwatch.watchdog.events import (
     WorkerGone,
     WorkerSeen,
 )
-from ncclwatch.watchdog.hang.classify import Decision, judge
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
+from ncclwatch.watchdog.hang.types import Decision
 
 NODES, RANKS = 64, 8
 Fault = Callable[[list[Event], int], list[Event]]  # one node's events, the rank at fault -> its events
@@ -142,14 +143,14 @@ def both_paths(stall: Stall, nodes: dict[int, list[Event]]) -> tuple[Decision, D
     local, compact = leader_and_compact(stall, nodes)
     incremental = folded_in(local, stall, compact)
     rebuilt = dict(compact)
-    first = judge(take_snapshot(job_state(local, rebuilt, stall), observed_at=stall.at))
+    first = classify(take_snapshot(job_state(local, rebuilt, stall), observed_at=stall.at))
     assert incremental.judge() == first
     for node in focus(first, incremental.nodes_of, set(), FULL_NODES):
         full = shared(nodes[node], "full", stall, node)
         incremental.add(node, full)
         rebuilt[node] = full
     state = job_state(local, rebuilt, stall)
-    return incremental.judge(), judge(take_snapshot(state, observed_at=stall.at)), incremental, state
+    return incremental.judge(), classify(take_snapshot(state, observed_at=stall.at)), incremental, state
 
 
 @pytest.mark.parametrize(
@@ -175,7 +176,7 @@ def test_the_incremental_state_judges_as_the_state_rebuilt_and_the_single_engine
     for events in nodes.values():
         for event in events:
             single.apply(event)
-    alone = judge(take_snapshot(single, observed_at=stall.at))
+    alone = classify(take_snapshot(single, observed_at=stall.at))
     assert incremental.finding.verdict.value == alone.finding.verdict.value == verdict
     assert incremental.finding.culprits == alone.finding.culprits
 
@@ -231,16 +232,16 @@ def test_the_second_judgement_reads_again_only_the_asked_nodes_ranks(bench) -> N
     local, compact = leader_and_compact(stall, nodes)
     folded = folded_in(local, stall, compact)
     first = folded.snapshot()
-    assert judge(first).finding.culprits == (NODES * RANKS - 1,)
-    assert focus(judge(first), folded.nodes_of, set(), FULL_NODES) == [NODES - 1]
+    assert classify(first).finding.culprits == (NODES * RANKS - 1,)
+    assert focus(classify(first), folded.nodes_of, set(), FULL_NODES) == [NODES - 1]
 
     full = shared(healed[NODES - 1], "full", stall, NODES - 1)
     folded.add(NODES - 1, full)
     second = folded.snapshot()
     rebuilt = take_snapshot(job_state(local, {**compact, NODES - 1: full}, stall), observed_at=stall.at)
     assert second == rebuilt
-    assert judge(second) == judge(rebuilt)
-    assert judge(second).finding.culprits != (NODES * RANKS - 1,)
+    assert classify(second) == classify(rebuilt)
+    assert classify(second).finding.culprits != (NODES * RANKS - 1,)
 
     def views(snapshot):  # noqa: ANN001, ANN202
         return {(comm.key, view.comm_rank): view for comm in snapshot.comms for view in comm.ranks}
@@ -265,7 +266,7 @@ def test_a_malformed_line_of_one_node_is_set_aside_and_said_the_others_judged(be
     compact[5] = payload.events
     folded = folded_in(local, stall, compact)
     decision = folded.judge()
-    assert decision == judge(take_snapshot(job_state(local, compact, stall), observed_at=stall.at))
+    assert decision == classify(take_snapshot(job_state(local, compact, stall), observed_at=stall.at))
     assert decision.finding.verdict.value == "rank_behind" and decision.finding.culprits == (NODES * RANKS - 1,)
     state = folded.state()
     assert f"node 5:{cut + 1}: journal line not understood (JSONDecodeError)" in state.notes

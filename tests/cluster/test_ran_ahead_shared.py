@@ -10,7 +10,7 @@ from support import bundle_events
 
 from ncclwatch.watchdog.cluster.payload import pack, unpack
 from ncclwatch.watchdog.events import Event
-from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.hang.verdicts import Verdict
@@ -34,6 +34,6 @@ def test_the_leader_names_the_rank_that_ran_ahead(shared: str | None) -> None:
             events = payload.events
         for event in events:
             state.apply(event)
-    finding = judge(take_snapshot(state, 1e12)).finding
+    finding = classify(take_snapshot(state, 1e12)).finding
     assert (finding.verdict, finding.culprits, finding.position) == (Verdict.rank_behind, (3,), 201), finding.summary
     assert "ran ahead" in finding.summary

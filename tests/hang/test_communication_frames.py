@@ -15,7 +15,7 @@ from engine import state_of, verdict_of
 from nccl_lines import init, op
 
 from ncclwatch.watchdog.events import Citation, Event, ProcessState, StackDump, Stall, ThreadStack, WorkerSeen
-from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.stacks import IN_COMMUNICATION, whereabouts
 from ncclwatch.watchdog.hang.state import JobState
@@ -98,7 +98,7 @@ def judged(*events: Event):  # type: ignore[no-untyped-def]
     state = JobState()
     for event in events:
         state.apply(event)
-    return judge(take_snapshot(state, observed_at=NOW))
+    return classify(take_snapshot(state, observed_at=NOW))
 
 
 class TestPipelineScheduleStalled:
@@ -154,6 +154,6 @@ class TestPipelineTimesDataParallelOnNccl:
             for r in range(4)
         }
         assert (verdict_of(logs).verdict, verdict_of(logs).culprits) == (Verdict.rank_behind, (1, 2))
-        decision = judge(take_snapshot(state_of(logs, extra=[*self.workers, *dumps, STALL]), observed_at=NOW))
+        decision = classify(take_snapshot(state_of(logs, extra=[*self.workers, *dumps, STALL]), observed_at=NOW))
         assert (decision.finding.verdict, decision.finding.culprits) == (Verdict.p2p_deadlock, (1, 2))
         assert "all wait in recv" in decision.finding.summary

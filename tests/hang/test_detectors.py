@@ -6,7 +6,7 @@ from engine import snapshot_of, verdict_of
 from nccl_lines import destroy, init, op, steps
 
 from ncclwatch.watchdog.events import Citation, WorkerFailure
-from ncclwatch.watchdog.hang.detectors import check_point_to_point
+from ncclwatch.watchdog.hang.comm_rules import p2p_log_pairs
 from ncclwatch.watchdog.hang.verdicts import Verdict
 
 
@@ -128,7 +128,7 @@ class TestPointToPoint:
             return op(r, "Send", 64, f"0xc{r}", root=peer) + op(r, "Recv", 64, f"0xc{r}", root=peer)
 
         snapshot = snapshot_of(job(2, body))
-        assert all(check_point_to_point(c) is None for c in snapshot.comms)
+        assert all(p2p_log_pairs(c) is None for c in snapshot.comms)
 
 
 class TestCompletion:
@@ -166,8 +166,8 @@ class TestMerge:
     def test_merging_two_nodes_gives_the_same_verdict_as_one_state(self):
         from engine import state_of
 
+        from ncclwatch.watchdog.hang.job_rules import job_finding
         from ncclwatch.watchdog.hang.snapshot import take_snapshot
-        from ncclwatch.watchdog.hang.verdict import decide
 
         def body(r):
             return steps(r, f"0xc{r}", 3) + ("" if r == 3 else op(r, "AllReduce", 4195328, f"0xc{r}"))
@@ -176,5 +176,5 @@ class TestMerge:
         node_a = state_of({k: v for k, v in logs.items() if k in ("r0.log", "r1.log")})
         node_b = state_of({k: v for k, v in logs.items() if k in ("r2.log", "r3.log")})
         node_a.merge(node_b)
-        merged = decide(take_snapshot(node_a, 0.0))
+        merged = job_finding(take_snapshot(node_a, 0.0))
         assert (merged.verdict, merged.culprits) == (Verdict.rank_behind, (3,))

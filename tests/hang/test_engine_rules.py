@@ -20,7 +20,7 @@ from ncclwatch.watchdog.events import (
     ThreadStack,
     WorkerSeen,
 )
-from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.report import build_report, headline
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
@@ -37,7 +37,7 @@ def judged(*events: Event, logs: dict[int, str] | None = None):  # type: ignore[
             state.apply(event)
     for event in events:
         state.apply(event)
-    return judge(take_snapshot(state, observed_at=NOW))
+    return classify(take_snapshot(state, observed_at=NOW))
 
 
 class TestPointToPoint:

@@ -28,7 +28,7 @@ from ncclwatch.watchdog.events import (
     ThreadStack,
     WorkerSeen,
 )
-from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.report import build_report, render_text
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.stacks import user_frame
@@ -141,7 +141,7 @@ def judged(*events: Event, logs: dict[str, str] | None = None):  # type: ignore[
     for event in events:
         state.apply(event)
     snapshot = take_snapshot(state, observed_at=NOW)
-    finding = judge(snapshot).finding
+    finding = classify(snapshot).finding
     return finding, build_report(finding, snapshot, inputs=[], cited={})
 
 

@@ -16,7 +16,7 @@ from support import bundle_events
 
 from ncclwatch.watchdog.analyze import analyze_paths
 from ncclwatch.watchdog.cluster.payload import pack, unpack
-from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.hang.verdicts import Verdict
@@ -82,7 +82,7 @@ def test_the_leader_follows_the_waits_in_what_the_node_shares(shared: str) -> No
     state = JobState()
     for event in payload.events:
         state.apply(event)
-    finding = judge(take_snapshot(state, 1e12)).finding
+    finding = classify(take_snapshot(state, 1e12)).finding
     assert (finding.verdict, finding.culprits) == (Verdict.gpu_compute_hang, (3,)), finding.summary
 
 

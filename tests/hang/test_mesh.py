@@ -11,7 +11,7 @@ from conftest import DATA, NOW
 
 from ncclwatch.watchdog.analyze import analyze_paths
 from ncclwatch.watchdog.events import Citation, FrDump, FrProcessGroup, WorkerSeen
-from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.mesh import GroupView, derive_mesh, mesh_dim, mesh_groups_of_dumps
 from ncclwatch.watchdog.hang.report import Report, render_text
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
@@ -238,7 +238,7 @@ class TestRealDumps:
         for rank in range(4):
             state.apply(WorkerSeen(pid=1000 + rank, rank=rank, local_rank=rank, world_size=4, host="node1", at=NOW))
         snapshot = take_snapshot(state, observed_at=NOW)
-        finding = judge(snapshot).finding
+        finding = classify(snapshot).finding
         view = LiveView(
             observed_at=NOW,
             workers=snapshot.workers,

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, OpState
-from ncclwatch.watchdog.hang.classify import judge
-from ncclwatch.watchdog.hang.detectors import check_point_to_point
+from ncclwatch.watchdog.hang.classify import classify
+from ncclwatch.watchdog.hang.comm_rules import p2p_recv_cycle, p2p_recv_never_sent
+from ncclwatch.watchdog.hang.job_rules import job_finding
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
-from ncclwatch.watchdog.hang.verdict import decide
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.parsing.flight_recorder import parse_flight_recorder
 from ncclwatch.watchdog.parsing.journal import parse_journal
@@ -100,7 +100,7 @@ def test_the_stage_that_never_sent_is_named(rank1: FrDump) -> None:
     state = JobState()
     state.apply(_stage0(rank1))
     state.apply(rank1)
-    finding = decide(take_snapshot(state, observed_at=0.0))
+    finding = job_finding(take_snapshot(state, observed_at=0.0))
     assert (finding.verdict, finding.culprits) == (Verdict.rank_behind, (1,))
     assert "never posted the Send rank 0 waits for" in finding.summary
     assert "collective #1501" in finding.summary
@@ -114,7 +114,7 @@ def test_pages_though_rank1_spins_in_item(rank1: FrDump) -> None:
         state.apply(event)
     state.apply(_stage0(rank1))
     state.apply(rank1)
-    decision = judge(take_snapshot(state, observed_at=state.stall.at if state.stall else 0.0))
+    decision = classify(take_snapshot(state, observed_at=state.stall.at if state.stall else 0.0))
     assert (decision.finding.verdict, decision.finding.culprits, decision.page) == (Verdict.rank_behind, (1,), True)
 
 
@@ -126,4 +126,4 @@ def test_a_sender_still_before_the_collective_is_not_named(rank1: FrDump) -> Non
     before = [e for e in rank1.entries if not (e.op == "AllReduce" and e.collective_seq_id == 1501)]
     state.apply(rank1.model_copy(update={"entries": before}))
     (comm,) = take_snapshot(state, observed_at=0.0).comms
-    assert check_point_to_point(comm) is None
+    assert p2p_recv_cycle(comm) is None and p2p_recv_never_sent(comm) is None

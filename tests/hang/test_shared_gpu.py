@@ -26,11 +26,11 @@ from ncclwatch.watchdog.events import (
     ThreadStack,
     WorkerSeen,
 )
-from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.classify import classify
+from ncclwatch.watchdog.hang.gpu_signatures import NCCL_SPIN, rank_signatures
 from ncclwatch.watchdog.hang.report import gpu_of
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
-from ncclwatch.watchdog.hang.verdict import NCCL_SPIN, rank_signatures
 from ncclwatch.watchdog.hang.verdicts import Verdict
 
 PIDS = {0: 2367, 1: 2368}
@@ -78,7 +78,7 @@ def paused_job(*processes: int) -> JobState:
 
 
 def test_a_pause_on_a_gpu_shared_with_another_job_is_not_paged() -> None:
-    decision = judge(take_snapshot(paused_job(*PIDS.values(), OTHER_JOB), observed_at=NOW))
+    decision = classify(take_snapshot(paused_job(*PIDS.values(), OTHER_JOB), observed_at=NOW))
     assert decision.finding.verdict == Verdict.progress_stalled
     assert not decision.page and "pause" in (decision.held or "")
 

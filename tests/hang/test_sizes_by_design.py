@@ -10,10 +10,10 @@ from __future__ import annotations
 from conftest import NOW
 
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState
+from ncclwatch.watchdog.hang.job_rules import job_finding
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.hang.types import Finding
-from ncclwatch.watchdog.hang.verdict import decide
 from ncclwatch.watchdog.hang.verdicts import Verdict
 
 DONE, WAITING = OpState.completed, OpState.scheduled
@@ -63,7 +63,7 @@ def judged(rank0: list[FrEntry], rank1: list[FrEntry], last_completed: tuple[int
                 rank=rank, version="2.10", process_groups=group, entries=entries, cite=Citation(file=f"fr/rank_{rank}")
             )
         )
-    return decide(take_snapshot(state, observed_at=NOW))
+    return job_finding(take_snapshot(state, observed_at=NOW))
 
 
 def all_reduce(seq: int, count: int = 4, state: OpState = DONE, dtype: str = "Float") -> FrEntry:

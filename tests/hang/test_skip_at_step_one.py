@@ -12,7 +12,7 @@ from conftest import FIXTURES
 from ncclwatch.watchdog.analyze import analyze_paths
 from ncclwatch.watchdog.cluster.payload import pack, unpack
 from ncclwatch.watchdog.events import Event
-from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.hang.step_pattern import skipped_one
@@ -57,7 +57,7 @@ def test_the_leader_names_it_from_the_other_nodes_shared_entries(shared: str) ->
     assert payload is not None
     for event in [*dump_of(0), *payload.events]:
         state.apply(event)
-    finding = judge(take_snapshot(state, 1e12)).finding
+    finding = classify(take_snapshot(state, 1e12)).finding
     assert (finding.verdict, finding.culprits) == (Verdict.collective_mismatch, (0,)), finding.summary
 
 
@@ -85,7 +85,7 @@ def test_the_step_decides_where_the_other_nodes_entries_carry_no_stacks(shared: 
     assert payload is not None
     for event in [*step_60_dump(0, stacks=True), *payload.events]:
         state.apply(event)
-    finding = judge(take_snapshot(state, 1e12)).finding
+    finding = classify(take_snapshot(state, 1e12)).finding
     assert (finding.verdict, finding.culprits) == (Verdict.collective_mismatch, (0,)), finding.summary
     assert "the step this communicator repeats decides" in finding.reason
 

@@ -10,7 +10,7 @@ from conftest import NOW
 from nccl_lines import init, op, steps
 
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpSig, OpState, SequenceTail
-from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.snapshot import RankView, RankViews, Snapshot, take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.hang.verdicts import Verdict
@@ -51,7 +51,7 @@ def test_a_new_dump_is_read_again_the_others_are_reused_and_the_verdict_follows_
         state.apply(dump(rank, 5 if rank == 2 else 6))
     kept = RankViews()
     first = take_snapshot(state, observed_at=NOW, views=kept)
-    assert judge(first).finding.verdict == Verdict.rank_behind and judge(first).finding.culprits == (2,)
+    assert classify(first).finding.verdict == Verdict.rank_behind and classify(first).finding.culprits == (2,)
 
     state.apply(dump(2, 6))  # rank 2's next dump: it caught up
     second = take_snapshot(state, observed_at=NOW, views=kept)
@@ -59,7 +59,7 @@ def test_a_new_dump_is_read_again_the_others_are_reused_and_the_verdict_follows_
     before, after = views(first, "fr:0"), views(second, "fr:0")
     assert [after[r] is before[r] for r in range(RANKS)] == [True, True, False, True]
     assert after[2].total == 6
-    assert judge(second).finding.verdict != Verdict.rank_behind
+    assert classify(second).finding.verdict != Verdict.rank_behind
 
 
 def test_a_sequence_that_grows_in_place_is_read_again() -> None:

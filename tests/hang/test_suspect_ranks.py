@@ -13,7 +13,7 @@ import nccl_lines as L
 from engine import snapshot_of
 
 from ncclwatch.watchdog.analyze import analyze_paths
-from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.report import build_report, render_text
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.response.hook import hook_environment
@@ -38,7 +38,7 @@ def split_logs(first: tuple[str, int], second: tuple[str, int], steps: int = 1) 
 
 def report_of(logs: dict[str, str]):
     snapshot = snapshot_of(logs)
-    finding = judge(snapshot).finding
+    finding = classify(snapshot).finding
     return finding, build_report(finding, snapshot, [], {})
 
 

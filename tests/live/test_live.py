@@ -33,7 +33,7 @@ from ncclwatch.watchdog.events import (
     WorkerGone,
     WorkerSeen,
 )
-from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live.job import MIN_PROGRESS, LiveJob
@@ -276,7 +276,7 @@ def decided(job: LiveJob, now: float, stacks: list[StackDump], logs: dict[str, s
         progress_timeout_s=SETTINGS.progress_timeout,
     )
     job.apply(stall, now)
-    return judge(take_snapshot(job.state, observed_at=now))
+    return classify(take_snapshot(job.state, observed_at=now))
 
 
 def behind_logs() -> dict[str, str]:

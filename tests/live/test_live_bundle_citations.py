@@ -14,7 +14,7 @@ from conftest import NOW, shared
 
 from ncclwatch.watchdog.evidence.base import EvidenceContext
 from ncclwatch.watchdog.evidence.logs import collect_nccl_logs
-from ncclwatch.watchdog.hang.classify import judge
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.report import Report, build_report
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
@@ -35,7 +35,7 @@ def _bundle(tmp_path: Path, tail_bytes: int) -> tuple[Report, dict[str, bytes]]:
         ingest_file(state, str(path))
     state.finish()
     snapshot = take_snapshot(state, observed_at=NOW)
-    finding = judge(snapshot).finding
+    finding = classify(snapshot).finding
     assert finding.verdict is Verdict.collective_mismatch
     report = build_report(finding, snapshot, inputs=[], cited={})
 

@@ -44,10 +44,10 @@ from ncclwatch.watchdog.events import (
     WorkerGone,
     WorkerSeen,
 )
-from ncclwatch.watchdog.hang.classify import BUSY_IO_BYTES_PER_S, Decision
+from ncclwatch.watchdog.hang.classify import BUSY_IO_BYTES_PER_S
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState
-from ncclwatch.watchdog.hang.types import Finding
+from ncclwatch.watchdog.hang.types import Decision, Finding
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live.incident import Phase
 from ncclwatch.watchdog.live.job import PEEK_WARMUP_S, LiveJob

@@ -30,8 +30,7 @@ from ncclwatch.watchdog.events import (
     ThreadStack,
     WorkerSeen,
 )
-from ncclwatch.watchdog.hang.classify import Decision
-from ncclwatch.watchdog.hang.types import Finding
+from ncclwatch.watchdog.hang.types import Decision, Finding
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live.incident import (
     CONFIRM_S,

@@ -29,10 +29,10 @@ from ncclwatch.watchdog.events import (
     WorkerGone,
     WorkerSeen,
 )
-from ncclwatch.watchdog.hang.classify import Decision, judge
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.snapshot import RankViews, Snapshot, take_snapshot
 from ncclwatch.watchdog.hang.state import JobState, Worker
-from ncclwatch.watchdog.hang.types import Fact
+from ncclwatch.watchdog.hang.types import Decision, Fact
 from ncclwatch.watchdog.hang.verdicts import PRIORITY, Verdict
 
 
@@ -110,7 +110,7 @@ class JobEvidence:
 
     def judge(self) -> Decision:
         with paused_gc():
-            return judge(self.snapshot())
+            return classify(self.snapshot())
 
     def _fold(self, node: int, events: list[Event]) -> None:
         before = set(self._state.comms)

@@ -54,8 +54,8 @@ from ncclwatch.watchdog.cluster.view import (
     pager_order,
 )
 from ncclwatch.watchdog.events import Event
-from ncclwatch.watchdog.hang.classify import Decision
 from ncclwatch.watchdog.hang.state import JobState
+from ncclwatch.watchdog.hang.types import Decision
 
 log = logging.getLogger("ncclwatch")
 

@@ -2,8 +2,9 @@
 
 No complete NCCL log and no Flight Recorder dump: each rule below reads one
 kind of partial evidence and returns a ``Finding`` only when that evidence
-decides it; ``decide_partial`` keeps the most severe (``detectors.PRIORITY``),
-and otherwise says ``inconclusive`` with exactly what it saw per rank and
+decides it; ``partial_finding`` asks every rule of ``PARTIAL_RULES`` and keeps
+the most severe (``verdicts.PRIORITY``; the first of equals in the table's
+order), and otherwise says ``inconclusive`` with exactly what it saw per rank and
 which files or settings would decide it.
 
 - ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` reports: PyTorch compared fingerprints;
@@ -36,23 +37,24 @@ from __future__ import annotations
 
 import signal
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from ncclwatch.watchdog.events import CollectiveFingerprint, NetworkError
 from ncclwatch.watchdog.hang.partial_rules import (
     Facts,
     describe_network,
-    judge_groups,
-    judge_orphans,
     network_finding,
+    orphan_ops,
+    process_groups,
     reporter,
     transport_mismatch,
 )
+from ncclwatch.watchdog.hang.rules import Rule, fired, first_fired, most_severe
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.hang.step_pattern import learn_steps
 from ncclwatch.watchdog.hang.types import Fact, Finding, RankStatus
-from ncclwatch.watchdog.hang.verdicts import PRIORITY, Verdict
+from ncclwatch.watchdog.hang.verdicts import Verdict
 
 TO_DECIDE = {
     "fr": "Flight Recorder dumps of every rank next time: "
@@ -64,35 +66,24 @@ TO_DECIDE = {
 }
 
 
-def decide_partial(snapshot: Snapshot) -> Finding | None:
-    """The verdict from partial evidence; None when there is none at all."""
+def partial_finding(snapshot: Snapshot) -> Finding | None:
+    """The verdict from partial evidence: the most severe of ``PARTIAL_RULES``' findings, else ``inconclusive``
+    with what each saw; None when there is no partial evidence at all."""
     facts = Facts.collect(snapshot)
     if facts.empty:
         return None
-    candidates = [
-        f
-        for f in (
-            detail_mismatch(facts),
-            transport_mismatch(facts),
-            dead_peer(facts),
-            *judge_groups(facts),
-            network_finding(facts),
-            judge_orphans(facts),
-        )
-        if f
-    ]
-    decided = [f for f in candidates if f.verdict != Verdict.inconclusive]
-    if decided:
-        best = max(decided, key=lambda f: PRIORITY[f.verdict])  # first of equals: the order above
+    found = fired(PARTIAL_RULES, facts)
+    best = most_severe(found)
+    if best is not None:
         return _with_context(best, facts)
-    return _inconclusive(facts, [f for f in candidates if f.verdict == Verdict.inconclusive])
+    return _inconclusive(facts, found)
 
 
 def strong_partial(snapshot: Snapshot) -> Finding | None:
-    """Partial evidence that outranks an inconclusive sequence finding: a DETAIL mismatch, NCCL's transport
-    catching a mismatch, or a dead peer."""
+    """Partial evidence that outranks an inconclusive sequence finding: the first of ``STRONG_PARTIAL_RULES`` that
+    fires."""
     facts = Facts.collect(snapshot)
-    found = detail_mismatch(facts) or transport_mismatch(facts) or dead_peer(facts)
+    found = first_fired(STRONG_PARTIAL_RULES, facts)
     return _with_context(found, facts) if found else None
 
 
@@ -327,6 +318,22 @@ def dead_peer(facts: Facts) -> Finding | None:
         if culprits
         else ("which rank ran on the peer: the peer's own log, or torchrun's summary from its node",),
     )
+
+
+PartialRule = Rule[Callable[[Facts], Finding | None]]
+# Evidence strong enough to outrank aligned sequences that decide nothing (``job_rules.partial_decides``).
+STRONG_PARTIAL_RULES: tuple[PartialRule, ...] = (
+    Rule("detail_mismatch", detail_mismatch),
+    Rule("transport_mismatch", transport_mismatch),
+    Rule("dead_peer", dead_peer),
+)
+# The stage: every rule is asked, the most severe finding wins (the first of equals in this order).
+PARTIAL_RULES: tuple[PartialRule, ...] = (
+    *STRONG_PARTIAL_RULES,
+    Rule("process_groups", process_groups),
+    Rule("network_finding", network_finding),
+    Rule("orphan_ops", orphan_ops),
+)
 
 
 def _signal_name(code: int) -> str:

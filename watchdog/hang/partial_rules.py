@@ -24,6 +24,7 @@ from ncclwatch.watchdog.events import (
     WorkerFailure,
 )
 from ncclwatch.watchdog.hang.pg_status import Group, RankInGroup, build_groups
+from ncclwatch.watchdog.hang.rules import most_severe
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.hang.types import CulpritProcess, Fact, Finding, RankStatus
 from ncclwatch.watchdog.hang.verdicts import Verdict
@@ -267,11 +268,22 @@ def join_contradicted(groups: list[Group]) -> list[Group]:
     return [joined] + ([rest] if rest.ranks else [])
 
 
-def judge_groups(facts: Facts) -> list[Finding]:
-    return [_judge_group(group, facts) for group in facts.groups]
+def process_groups(facts: Facts) -> Finding | None:
+    """PyTorch's watchdog lines, per process group: the most severe group's finding; where no group decides, one
+    ``inconclusive`` finding with what each group showed, in turn."""
+    findings = [_group_finding(group, facts) for group in facts.groups]
+    if len(findings) < 2:
+        return findings[0] if findings else None
+    return most_severe(findings) or Finding(
+        verdict=Verdict.inconclusive,
+        summary="; ".join(f.summary for f in findings),
+        source="pytorch",
+        evidence=tuple(e for f in findings for e in f.evidence),
+        missing=tuple(m for f in findings for m in f.missing),
+    )
 
 
-def _judge_group(group: Group, facts: Facts) -> Finding:
+def _group_finding(group: Group, facts: Facts) -> Finding:
     infos = sorted(group.ranks.values(), key=lambda i: i.rank)
     if group.ambiguous:
         seqs = "; ".join(f"rank {i.rank}: SeqNum {sorted(i.seqs)}" for i in infos if i.rank in group.ambiguous)
@@ -453,7 +465,7 @@ def transport_mismatch(facts: Facts) -> Finding | None:
 
 def mismatch_facts(snapshot: Snapshot) -> list[Fact]:
     """The transport mismatch WARNs of a job whose verdict came from its sequences, described with their ranks and
-    sizes (``hang.verdict`` cites them beside the finding)."""
+    sizes (``job_rules.job_evidence`` cites them beside the finding)."""
     if not any(w.mismatch for w in snapshot.warnings) and not any(
         isinstance(e, NetworkError) and e.mismatch for e in snapshot.partial
     ):
@@ -552,7 +564,8 @@ def describe_network(error: NetworkError) -> str:
 # --------------------------------------------------------------------------
 
 
-def judge_orphans(facts: Facts) -> Finding | None:
+def orphan_ops(facts: Facts) -> Finding | None:
+    """NCCL COLL lines without Init lines, aligned by opCount per communicator size: the first that decides."""
     if not facts.orphans:
         return None
     by_size: dict[int | None, dict[ProcKey, list[OrphanOps]]] = {}

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 from pydantic import BaseModel, Field
 
 from ncclwatch.watchdog import __version__
+from ncclwatch.watchdog.hang.gpu_signatures import gpu_signature
 from ncclwatch.watchdog.hang.mesh import Mesh, coords_label, derive_mesh
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.hang.stacks import CALL_ARROW, call_line, main_thread, short_frame, split_frame, user_frame
 from ncclwatch.watchdog.hang.types import CulpritProcess, Finding
-from ncclwatch.watchdog.hang.verdict import gpu_signature
 from ncclwatch.watchdog.hang.verdicts import CATALOGUE, Verdict
 
 EXIT_NO_HANG = 0

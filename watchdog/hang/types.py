@@ -1,4 +1,5 @@
-"""What the hang engine's detectors return: a ``Finding`` with its facts, rank rows and culprits."""
+"""What the hang engine's rules return: a ``Finding`` with its facts, rank rows and culprits, and the ``Decision``
+the classifier makes of it."""
 
 from __future__ import annotations
 
@@ -87,3 +88,13 @@ class Finding:
     # A sub-kind of the verdict with words of its own (``verdicts.VerdictEntry.kinds``): "dtype", a
     # collective_mismatch whose sides called the same collective with the same count in different datatypes.
     kind: str | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The classifier's answer (``classify.classify``): the finding, and whether to page it now."""
+
+    finding: Finding
+    page: bool  # report and alert now
+    held: str | None = None  # why a hang-like state is not paged yet
+    blind: bool = False  # the probe could not see where the ranks are

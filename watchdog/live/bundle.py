@@ -29,7 +29,6 @@ from pathlib import Path
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.evidence import EvidenceContext, RankTarget, collect_all
 from ncclwatch.watchdog.evidence.citations import resolve_citations
-from ncclwatch.watchdog.hang.classify import Decision
 from ncclwatch.watchdog.hang.report import (
     TERMINAL_COLUMNS,
     EvidenceFile,
@@ -45,7 +44,7 @@ from ncclwatch.watchdog.hang.report import (
     render_text,
 )
 from ncclwatch.watchdog.hang.snapshot import Snapshot
-from ncclwatch.watchdog.hang.types import Finding
+from ncclwatch.watchdog.hang.types import Decision, Finding
 from ncclwatch.watchdog.live.job import LiveView
 from ncclwatch.watchdog.live.runfolder import JOURNAL_NAME, PREFLIGHT_NAME
 from ncclwatch.watchdog.slowness.findings import PerfFinding

@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from ncclwatch.watchdog.hang.classify import Decision
+from ncclwatch.watchdog.hang.types import Decision
 
 REPROBE_S = 5.0  # while a stall is held (a pause, a busy rank), look again this often
 CONFIRM_S = 1.0  # a hang verdict is paged only if a second look this much later sees nothing move

@@ -58,11 +58,11 @@ from ncclwatch.watchdog.cluster.peers import (
 from ncclwatch.watchdog.cluster.store import StoreError
 from ncclwatch.watchdog.cluster.view import HOT_S, PUBLISH_S, Contact, NodeSummary
 from ncclwatch.watchdog.events import STOPPED_STATES, Event, SourceDown, SourceUp, Stall
-from ncclwatch.watchdog.hang.classify import Decision, judge
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.report import Report
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState, Worker
-from ncclwatch.watchdog.hang.types import Finding
+from ncclwatch.watchdog.hang.types import Decision, Finding
 from ncclwatch.watchdog.hang.verdicts import CONCLUSIVE, Verdict
 from ncclwatch.watchdog.live.bundle import live_report
 from ncclwatch.watchdog.live.incident import Action, Incident, Phase
@@ -95,7 +95,7 @@ GPU_SPIN_SETTLED_S = 3.0
 
 
 def judge_at(state: JobState, at: float) -> Decision:
-    return judge(take_snapshot(state, observed_at=at))
+    return classify(take_snapshot(state, observed_at=at))
 
 
 class Proof:
@@ -136,7 +136,7 @@ class Proof:
         self._judged, self._again_at = revision, None
         began = time.perf_counter()
         snapshot = take_snapshot(self.live.state, observed_at=at)
-        decision = judge(replace(snapshot, stall=None))  # an earlier probe's stall clock says nothing of this one
+        decision = classify(replace(snapshot, stall=None))  # an earlier probe's stall clock says nothing of this one
         self._took(time.perf_counter() - began)
         settled = self._proven_at(decision, at, self.live.state)
         if settled is None:

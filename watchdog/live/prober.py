@@ -42,8 +42,9 @@ from typing import Protocol
 
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.events import STOPPED_STATES, Citation, Event, NcclWarning, Stall, Unusable, WarningCategory
-from ncclwatch.watchdog.hang.classify import Decision, sampled_since
+from ncclwatch.watchdog.hang.live_rules import sampled_since
 from ncclwatch.watchdog.hang.snapshot import WorkerView
+from ncclwatch.watchdog.hang.types import Decision
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live.incident import Probe
 from ncclwatch.watchdog.live.job import MIN_PROGRESS, LiveJob, LiveView

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Protocol
 
 from ncclwatch.watchdog.cluster.peers import LeaderVerdict
-from ncclwatch.watchdog.hang.classify import Decision
 from ncclwatch.watchdog.hang.report import ActionRecord, Report
+from ncclwatch.watchdog.hang.types import Decision
 from ncclwatch.watchdog.live.bundle import amend_bundle
 from ncclwatch.watchdog.live.incident import WATCHING, Incident, Phase
 from ncclwatch.watchdog.live.job import LiveJob

@@ -28,8 +28,8 @@ from typing import TextIO
 
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.events import Event, JobEnded, JobOutcome
-from ncclwatch.watchdog.hang.classify import Decision
 from ncclwatch.watchdog.hang.report import Report
+from ncclwatch.watchdog.hang.types import Decision
 from ncclwatch.watchdog.live import incident as machine
 from ncclwatch.watchdog.live.health import Health, health_of
 from ncclwatch.watchdog.live.incident import Action, Incident, Page, Phase, Probe, Resolve, Say

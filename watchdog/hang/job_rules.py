@@ -1,39 +1,60 @@
-"""The job's verdict: weigh every communicator's finding and job-wide evidence.
+"""The job-wide rules: every communicator's finding weighed, then what evidence from outside the sequences adds.
 
-``decide`` picks the most telling communicator finding (``detectors``), then
-lets evidence from outside the sequences sharpen it: a rank that died
-(torchrun's failure summary, a peer's "Connection closed by localRank") turns
-``rank_behind`` into ``process_dead``; GPU signatures name the lead rank of a
-``stuck_in_collective`` when sequences cannot; a RAS report stands in when
-there is nothing else.  Pure: a ``Snapshot`` in, a ``Finding`` out.
+``job_finding`` asks the sequence rules (``comm_rules``) for each
+communicator's finding and weighs them: the most telling one, by the
+verdict's priority, a mismatch that names its culprit, a rank behind that
+waits in nothing else, NCCL's logs over dumps.  Then ``JOB_RULES`` refine it
+in turn (a rank that died turns ``rank_behind`` into ``process_dead``; GPU
+signatures name the lead rank of a ``stuck_in_collective`` when sequences
+cannot; PyTorch's, NCCL's and RAS's own lines are cited).  A job with no
+sequence at all (no NCCL log, no Flight Recorder dump) is read by
+``UNSEQUENCED_RULES`` instead, the first that fires: partial evidence
+(``partial``), a RAS report, torchrun's failure summary.  Pure: a
+``Snapshot`` in, a ``Finding`` out.
 """
 
 from __future__ import annotations
 
 import signal
-from collections import Counter
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
-from ncclwatch.watchdog.events import Citation, RasCommunicator, RasReport
-from ncclwatch.watchdog.hang.detectors import analyze_comm, missing_send_behind_cycle, with_call_sites
-from ncclwatch.watchdog.hang.partial import decide_partial, strong_partial
+from ncclwatch.watchdog.events import RasCommunicator, RasReport
+from ncclwatch.watchdog.hang.comm_rules import comm_finding, missing_send_behind_cycle, with_call_sites
+from ncclwatch.watchdog.hang.gpu_signatures import lead_from_signatures
+from ncclwatch.watchdog.hang.partial import partial_finding, strong_partial
 from ncclwatch.watchdog.hang.partial_rules import mismatch_facts
 from ncclwatch.watchdog.hang.ras import judge_ras
+from ncclwatch.watchdog.hang.rules import Rule, first_fired, refined
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.hang.stacks import IN_COMMUNICATION, whereabouts
 from ncclwatch.watchdog.hang.types import Fact, Finding
 from ncclwatch.watchdog.hang.verdicts import HANG_VERDICTS, PRIORITY, Verdict
 
-NCCL_SPIN = "multi-block kernel (NCCL spin)"
-# A kernel that keeps the GPU busy on almost none of its SMs (0.76 % on H200): a spin, NCCL's point-to-point or a
-# user kernel waiting on a flag; a real compute kernel fills the SMs or moves DRAM.
-ONE_BLOCK_SPIN = "1-block kernel"
+
+@dataclass(frozen=True)
+class Weighed:
+    """What the job-wide rules read: the job, and the communicators' findings less telling than the one refined."""
+
+    snapshot: Snapshot
+    others: tuple[Finding, ...]
 
 
-def decide(snapshot: Snapshot) -> Finding:
-    findings = [analyze_comm(c) for c in snapshot.comms if c.ranks]
+def job_finding(snapshot: Snapshot) -> Finding:
+    """The job's finding: the most telling communicator's, refined by ``JOB_RULES``; without any sequence, the
+    first of ``UNSEQUENCED_RULES`` that fires."""
+    findings = [comm_finding(c) for c in snapshot.comms if c.ranks]
     if not findings:
-        return _without_sequences(snapshot)
+        found = first_fired(UNSEQUENCED_RULES, snapshot)
+        assert found is not None, "nothing_to_align always gives a finding"
+        return found
+    ranked = _weigh(snapshot, findings)
+    best = with_call_sites(ranked[0], ranked[1:])
+    return refined(JOB_RULES, Weighed(snapshot, tuple(ranked[1:])), best)
+
+
+def _weigh(snapshot: Snapshot, findings: list[Finding]) -> list[Finding]:
+    """The communicators' findings, most telling first."""
     logs = [f for f in findings if f.source == "nccl_log"]
     if logs and all(f.verdict == Verdict.no_hang for f in logs):
         # NCCL logs run to the job's end; dumps are snapshots of a moment,
@@ -59,22 +80,7 @@ def decide(snapshot: Snapshot) -> Finding:
     if (counted := missing_send_behind_cycle(findings)) is not None:  # outranks the cycle it explains
         findings.remove(counted)
         findings.insert(0, counted)
-    best = with_call_sites(findings[0], findings[1:])
-    if best.verdict == Verdict.inconclusive and (strong := strong_partial(snapshot)) is not None:
-        return strong  # a DETAIL mismatch or a dead peer decides what aligned sequences could not
-    corroborating = [
-        Fact(f.source or "?", f"{f.comm_label}: {f.verdict.value}, culprits {list(f.culprits)} — {f.summary}")
-        for f in findings[1:]
-        if f.verdict in HANG_VERDICTS
-    ]
-    best = replace(
-        best, evidence=best.evidence + tuple(corroborating[:8]), missing=best.missing + _missing_ranks(snapshot)
-    )
-    if best.verdict == Verdict.rank_behind:
-        best = _upgrade_to_dead(snapshot, best)
-    if best.verdict == Verdict.stuck_in_collective and not best.culprits:
-        best = lead_from_signatures(snapshot, best)
-    return _with_job_evidence(snapshot, best)
+    return findings
 
 
 def _pending_collectives(snapshot: Snapshot) -> dict[int, set[str | None]]:
@@ -141,10 +147,37 @@ def _dead_ranks(snapshot: Snapshot) -> dict[int, Fact]:
     return dead
 
 
-def _upgrade_to_dead(snapshot: Snapshot, finding: Finding) -> Finding:
-    dead = _dead_ranks(snapshot)
+# --------------------------------------------------------------------------
+# the rules, in JOB_RULES' order
+# --------------------------------------------------------------------------
+
+
+def partial_decides(job: Weighed, finding: Finding) -> Finding | None:
+    """Aligned sequences that decide nothing give way to a DETAIL mismatch, NCCL's transport catching a mismatch, or
+    a dead peer (``partial.strong_partial``), as it stands: the other rules refine sequence findings."""
+    return strong_partial(job.snapshot) if finding.verdict == Verdict.inconclusive else None
+
+
+def corroborated(job: Weighed, finding: Finding) -> Finding | None:
+    """The other communicators' hang findings, and the ranks no input showed, beside the finding."""
+    corroborating = [
+        Fact(f.source or "?", f"{f.comm_label}: {f.verdict.value}, culprits {list(f.culprits)} — {f.summary}")
+        for f in job.others
+        if f.verdict in HANG_VERDICTS
+    ]
+    missing = _missing_ranks(job.snapshot)
+    if not corroborating and not missing:
+        return None
+    return replace(finding, evidence=finding.evidence + tuple(corroborating[:8]), missing=finding.missing + missing)
+
+
+def died(job: Weighed, finding: Finding) -> Finding | None:
+    """A rank behind whose every culprit died on its own (torchrun's summary, a peer's log) is ``process_dead``."""
+    if finding.verdict != Verdict.rank_behind:
+        return None
+    dead = _dead_ranks(job.snapshot)
     if not finding.culprits or not all(r in dead for r in finding.culprits):
-        return finding
+        return None
     names = ", ".join(map(str, finding.culprits))
     return replace(
         finding,
@@ -155,79 +188,18 @@ def _upgrade_to_dead(snapshot: Snapshot, finding: Finding) -> Finding:
     )
 
 
-def gpu_signature(util_pct: float | None, sm_util_pct: float | None, dram_bw_pct: float | None = None) -> str:
-    """Name what a GPU is doing from NVML (see NCCL-FACTS.md, measured on H200).
-
-    NCCL's spin is a few blocks per channel (18 % of SMs with 24 channels on
-    H200) moving no memory; a real compute kernel fills the SMs or moves
-    DRAM, so a GPU busy with an evaluation is not mistaken for a collective.
-    """
-    if util_pct is None:
-        return "unknown"
-    if util_pct < 5:
-        return "idle"
-    if sm_util_pct is None:
-        return "kernel resident"
-    if sm_util_pct < 5:
-        return ONE_BLOCK_SPIN
-    if sm_util_pct >= 60 or (dram_bw_pct is not None and dram_bw_pct >= 5):
-        return "compute kernel"
-    return NCCL_SPIN
+def lead_from_gpus(job: Weighed, finding: Finding) -> Finding | None:
+    """A ``stuck_in_collective`` without a culprit: the rank whose GPU does something else than its peers' is the
+    lead (``gpu_signatures.lead_from_signatures``)."""
+    if finding.verdict != Verdict.stuck_in_collective or finding.culprits:
+        return None
+    led = lead_from_signatures(job.snapshot, finding)
+    return led if led is not finding else None
 
 
-def rank_signatures(snapshot: Snapshot) -> dict[int, tuple[str, Citation]]:
-    """Latest GPU signature per global rank, through the pid a GPU reports.
-
-    NVML measures a whole device, so its signature speaks for a rank only on a GPU that runs that rank's process
-    alone. On a shared GPU (several ranks, another job, MPS) it mixes everyone's kernels: on one H200 shared by
-    five benchmark jobs, two ranks asleep in an evaluation pause read as "NCCL spin" from the other jobs' spinning
-    collectives, and paged stuck_in_collective.
-    """
-    rank_of_pid = snapshot.rank_of_pid()
-    signatures: dict[int, tuple[str, Citation]] = {}
-    for snap in snapshot.gpus:
-        for gpu in snap.gpus:
-            if len(gpu.processes) != 1 or (rank := rank_of_pid.get(gpu.processes[0].pid)) is None:
-                continue
-            sm = gpu.gpm.sm_util_pct if gpu.gpm else None
-            dram = gpu.gpm.dram_bw_util_pct if gpu.gpm else None
-            signatures[rank] = (gpu_signature(gpu.util_gpu_pct, sm, dram), snap.cite)
-    return signatures
-
-
-def lead_from_signatures(snapshot: Snapshot, finding: Finding) -> Finding:
-    """The rank whose GPU does something else than its peers' is the lead.
-
-    A majority decides; with an even split (always, with two ranks) the ranks
-    not spinning in a many-channel NCCL kernel are the lead: their peers wait
-    for them inside the collective.
-    """
-    signatures = rank_signatures(snapshot)
-    if len(signatures) < 2:
-        return finding
-    counts = Counter(sig for sig, _ in signatures.values())
-    (common, n_common), *rest = counts.most_common()
-    if not rest:
-        return finding
-    if n_common == rest[0][1]:
-        if NCCL_SPIN not in counts:
-            return finding
-        common = NCCL_SPIN
-    odd = sorted(r for r, (sig, _) in signatures.items() if sig != common)
-    facts = tuple(Fact("nvml", f"rank {r}: GPU {sig}", c) for r, (sig, c) in sorted(signatures.items()))
-    return replace(
-        finding,
-        culprits=tuple(odd),
-        reason=(
-            f"Every rank issued the same operations; the GPU of rank {', '.join(map(str, odd))} is doing something "
-            f"else ({signatures[odd[0]][0]}) while the others show '{common}': it is the lead."
-        ),
-        evidence=finding.evidence + facts,
-        missing=tuple(m for m in finding.missing if "which rank" not in m),
-    )
-
-
-def _with_job_evidence(snapshot: Snapshot, finding: Finding) -> Finding:
+def job_evidence(job: Weighed, finding: Finding) -> Finding | None:
+    """PyTorch's watchdog timeouts, NCCL's mismatch lines and warnings, RAS's complaints: cited beside the finding."""
+    snapshot = job.snapshot
     extra: list[Fact] = []
     for timeout in snapshot.timeouts[:8]:
         extra.append(
@@ -247,32 +219,58 @@ def _with_job_evidence(snapshot: Snapshot, finding: Finding) -> Finding:
             if comm.status.upper() != "OK":
                 text = "; ".join(comm.messages[:3])
                 extra.append(Fact("ras", f"RAS {comm.label or comm.comm_hash}: {comm.status}. {text}", report.cite))
-    return replace(finding, evidence=finding.evidence + tuple(extra))
+    return replace(finding, evidence=finding.evidence + tuple(extra)) if extra else None
 
 
-def _without_sequences(snapshot: Snapshot) -> Finding:
-    """No NCCL log and no Flight Recorder dump: partial evidence (``partial``), RAS, torchrun or nothing."""
-    partial = decide_partial(snapshot)
-    if partial is not None and partial.verdict != Verdict.inconclusive:
-        return partial
+# The stage: each rule in turn refines the most telling communicator's finding; ``partial_decides`` ends it.
+JOB_RULES: tuple[Rule[Callable[[Weighed, Finding], Finding | None]], ...] = (
+    Rule("partial_decides", partial_decides, last=True),
+    Rule("corroborated", corroborated),
+    Rule("died", died),
+    Rule("lead_from_gpus", lead_from_gpus),
+    Rule("job_evidence", job_evidence),
+)
+
+
+# --------------------------------------------------------------------------
+# no sequence at all: UNSEQUENCED_RULES, the first that fires
+# --------------------------------------------------------------------------
+
+
+def partial_decided(snapshot: Snapshot) -> Finding | None:
+    """Partial evidence (``partial``) that decides a verdict."""
+    partial = partial_finding(snapshot)
+    return partial if partial is not None and partial.verdict != Verdict.inconclusive else None
+
+
+def ras_report(snapshot: Snapshot) -> Finding | None:
+    """The first RAS communicator whose report says something about its ranks."""
     for report in snapshot.ras:
         for comm in report.communicators:
             finding = _from_ras(report, comm)
             if finding is not None:
                 return finding
-    if partial is not None:
-        return partial
+    return None
+
+
+def torchrun_dead(snapshot: Snapshot) -> Finding | None:
+    """Ranks torchrun's failure summary (or a peer's log) says died on their own."""
     dead = _dead_ranks(snapshot)
-    if dead:
-        ranks = tuple(sorted(dead))
-        return Finding(
-            verdict=Verdict.process_dead,
-            summary=f"Rank {', '.join(map(str, ranks))} exited on its own; torchrun tore the job down.",
-            reason="torchrun's failure summary names it; no NCCL log or Flight Recorder dump was given to say more.",
-            culprits=ranks,
-            evidence=tuple(dead.values()),
-            missing=("NCCL logs or Flight Recorder dumps",),
-        )
+    if not dead:
+        return None
+    ranks = tuple(sorted(dead))
+    return Finding(
+        verdict=Verdict.process_dead,
+        summary=f"Rank {', '.join(map(str, ranks))} exited on its own; torchrun tore the job down.",
+        reason="torchrun's failure summary names it; no NCCL log or Flight Recorder dump was given to say more.",
+        culprits=ranks,
+        evidence=tuple(dead.values()),
+        missing=("NCCL logs or Flight Recorder dumps",),
+    )
+
+
+def nothing_to_align(snapshot: Snapshot) -> Finding:
+    """Nothing at all to read: says which inputs would decide."""
     return Finding(
         verdict=Verdict.inconclusive,
         summary="Nothing to align: no NCCL log, Flight Recorder dump or RAS report with operation counts was found.",
@@ -282,6 +280,16 @@ def _without_sequences(snapshot: Snapshot) -> Finding:
             "an NCCL RAS report",
         ),
     )
+
+
+# The stage without sequences: the first rule that fires; ``nothing_to_align`` always does.
+UNSEQUENCED_RULES: tuple[Rule[Callable[[Snapshot], Finding | None]], ...] = (
+    Rule("partial_decided", partial_decided),
+    Rule("ras_report", ras_report),
+    Rule("partial_undecided", partial_finding),
+    Rule("torchrun_dead", torchrun_dead),
+    Rule("nothing_to_align", nothing_to_align),
+)
 
 
 def _from_ras(report: RasReport, comm: RasCommunicator) -> Finding | None:

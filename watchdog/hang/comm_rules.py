@@ -1,19 +1,25 @@
-"""Pure detectors: a ``Snapshot`` in, a ``Finding`` out.
+"""The sequence rules: one communicator's aligned operations in, a ``Finding`` out.
 
-Per communicator, in this order (the first that fires wins):
+Per communicator, the first rule of ``COMM_RULES`` that fires gives the
+finding (``comm_finding``); the order is the table's:
 
 1. ``collectives``: align every rank's collectives by position.  At the first
    position where ranks issued different operations -> ``collective_mismatch``
    (not where they issued one collective, recorded with other sizes, that
    Flight Recorder says every one completed, when they agree again after it);
    otherwise, if some ranks issued fewer -> ``rank_behind``.
-2. ``point_to_point``: a send r->p must meet the matching recv on p from r;
-   counts and sizes are compared pairwise, never position by position.
+2. point to point: a send r->p must meet the matching recv on p from r.
+   Flight Recorder's counts are relative, so there only the order of the ops
+   still pending is read: two ranks each first waiting in a recv from the
+   other (``p2p_recv_cycle``), a rank waiting in a recv from a peer that went
+   past its send (``p2p_recv_never_sent``); NCCL's logs count every send and
+   recv, compared pairwise, never position by position (``p2p_log_pairs``).
 3. ``completion``: every rank issued the same operations; Flight Recorder
    says whether the last completed (``stuck_in_collective`` / ``no_hang``);
-   NCCL's log only says when the job shut its communicators down.
+   NCCL's log only says when the job shut its communicators down.  It always
+   gives a finding.
 
-``verdict.decide`` then weighs the communicators against each other and
+``job_rules.job_finding`` then weighs the communicators against each other and
 against job-wide evidence.
 """
 
@@ -25,6 +31,7 @@ from operator import attrgetter
 from typing import Literal
 
 from ncclwatch.watchdog.events import NCCL_DTYPES, Citation, OpSig, OpState
+from ncclwatch.watchdog.hang.rules import Rule, first_fired
 from ncclwatch.watchdog.hang.snapshot import CommView, PeerView, RankView
 from ncclwatch.watchdog.hang.stacks import call_line, short_frame, split_frame, user_frame
 from ncclwatch.watchdog.hang.step_pattern import Expectation, expected_next, skipped_one
@@ -552,16 +559,13 @@ class _P2pWait:
     sig: OpSig | None
 
 
-def check_point_to_point(comm: CommView) -> Finding | None:
-    """Sends r->p against recvs on p from r in NCCL's logs; Flight Recorder's counts are relative, so there
-    only the order of the ops still pending is read (``_pending_recv_cycle``).
+def p2p_log_pairs(comm: CommView) -> Finding | None:
+    """NCCL's logs: sends r->p against recvs on p from r, counted per pair.
 
     A mismatch in size or type wins; then a rank waiting on a peer that never posted its side.
     When those waits form a cycle (both ranks recv first), it is a ``p2p_deadlock``: no rank is
     behind, the program's order is wrong.
     """
-    if comm.source == "flight_recorder":
-        return _pending_recv_cycle(comm) or _recv_never_sent(comm)
     if comm.source != "nccl_log":
         return None
     ranks = comm.by_comm_rank()
@@ -755,7 +759,7 @@ def _call_sites(waits: Sequence[tuple[RankView, _PendingP2p]]) -> str:
     return f" ({'; '.join(sites)})" if sites else ""
 
 
-def _pending_recv_cycle(comm: CommView) -> Finding | None:
+def p2p_recv_cycle(comm: CommView) -> Finding | None:
     """Flight Recorder: two ranks whose first pending op with each other is a recv from each other.
 
     A rank's point-to-point ops with one peer run in order on one stream (NCCL, torch.distributed's
@@ -764,6 +768,8 @@ def _pending_recv_cycle(comm: CommView) -> Finding | None:
     NVLink: both ranks' ``recv`` and ``send`` returned at once on the host, and the ranks blocked later, at the
     next synchronisation, behind collectives that never started; only these entries tell why.
     """
+    if comm.source != "flight_recorder":
+        return None
     ranks = comm.by_comm_rank()
     for a in comm.ranks:
         for b_rank in sorted(a.received):
@@ -789,7 +795,7 @@ def _pending_recv_cycle(comm: CommView) -> Finding | None:
     return None
 
 
-def _recv_never_sent(comm: CommView) -> Finding | None:
+def p2p_recv_never_sent(comm: CommView) -> Finding | None:
     """Flight Recorder: a rank's first pending op with a peer is a recv, and that peer has nothing pending with it
     though it has enqueued the collective the waiting rank enqueued after that recv: it went past the send (which
     its program posts before that collective) and never posted it.
@@ -801,6 +807,8 @@ def _recv_never_sent(comm: CommView) -> Finding | None:
     started looked like the lead; it waits for the send.  A peer that has not enqueued that collective may still be
     on its way to the send (computing, or stuck before it), as in any healthy step: not named here.
     """
+    if comm.source != "flight_recorder":
+        return None
     ranks = comm.by_comm_rank()
     for waiter in comm.ranks:
         for peer in sorted(waiter.received):
@@ -847,7 +855,7 @@ def missing_send_behind_cycle(findings: Sequence[Finding]) -> Finding | None:
 
     A stage that never posts its send leaves its peer's recv pending; on NCCL both hosts go on enqueueing, so
     the culprit's next recv from that peer queues behind the stuck one and Flight Recorder's first pending ops
-    are recvs on both sides (``_pending_recv_cycle``).  NCCL's logs count every send and recv: one direction
+    are recvs on both sides (``p2p_recv_cycle``).  NCCL's logs count every send and recv: one direction
     short of a send names the rank that never posted it (``_p2p_behind``, the one ``rank_behind`` without a
     collective position), where a deadlock of order leaves the counts even."""
     cycle = next((f for f in findings if f.verdict == Verdict.p2p_deadlock and f.source == "flight_recorder"), None)
@@ -1049,5 +1057,18 @@ def _silent_ranks(comm: CommView, ranks: list[RankView], silent: list[int], posi
     )
 
 
-def analyze_comm(comm: CommView) -> Finding:
-    return check_collectives(comm) or check_point_to_point(comm) or check_completion(comm)
+# The stage: the first rule that fires gives the communicator's finding; ``completion`` always does.
+COMM_RULES: tuple[Rule[Callable[[CommView], Finding | None]], ...] = (
+    Rule("collectives", check_collectives),
+    Rule("p2p_recv_cycle", p2p_recv_cycle),
+    Rule("p2p_recv_never_sent", p2p_recv_never_sent),
+    Rule("p2p_log_pairs", p2p_log_pairs),
+    Rule("completion", check_completion),
+)
+
+
+def comm_finding(comm: CommView) -> Finding:
+    """The communicator's finding: the first rule of ``COMM_RULES`` that fires."""
+    found = first_fired(COMM_RULES, comm)
+    assert found is not None, "completion always gives a finding"
+    return found
