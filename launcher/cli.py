@@ -390,6 +390,9 @@ def add_watch_options(parser: argparse.ArgumentParser) -> None:
     add("--on-hang-exec", metavar="CMD")
     add("--hook-timeout", type=float, metavar="SECONDS")
     add("--run-dir", metavar="DIR")
+    add("--run-folder-cap-mib", type=int, metavar="MIB")
+    add("--bundles-kept", type=int, metavar="COUNT")
+    add("--bundles-max-mib", type=int, metavar="MIB")
     parser.add_argument(
         "--keep-run-dir", action="store_const", const=True, default=None, help=fields["keep_run_dir"].description
     )

@@ -87,7 +87,19 @@ class Settings(BaseSettings):
     )
     hook_timeout: float = Field(60.0, gt=0, description="seconds --on-hang-exec may run before it is killed")
     run_dir: Path | None = Field(
-        None, description="folder for NCCL debug files, heartbeats, dumps (default: a temp folder)"
+        None, description="folder for NCCL debug files, heartbeats, dumps (default: a new folder under /var/tmp)"
+    )
+    run_folder_cap_mib: int = Field(
+        256,
+        ge=16,
+        description="most disk the run folder may take on this node, MiB: NCCL debug files are freed behind the "
+        "reader, keeping their last MiB (the bundle's tails), whatever the job's length",
+    )
+    bundles_kept: int = Field(
+        50, ge=1, description="root-cause bundles kept in --bundle-dir on this node; older ones are deleted"
+    )
+    bundles_max_mib: int = Field(
+        2048, ge=1, description="most disk the bundles in --bundle-dir may take on this node, MiB; oldest go first"
     )
     keep_run_dir: bool = Field(
         False,

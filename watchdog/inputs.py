@@ -57,6 +57,7 @@ from ncclwatch.watchdog.parsing.torch_log import TorchLogParser
 from ncclwatch.watchdog.parsing.transport import MARKERS as TRANSPORT_MARKERS
 from ncclwatch.watchdog.parsing.transport import TransportScanner
 from ncclwatch.watchdog.parsing.transport import marker_lines as transport_marker_lines
+from ncclwatch.watchdog.sources.holes import retained_start
 
 CHUNK_BYTES = 8 << 20
 TRANSPORT_LINES = 1 << 16  # transport lines kept per input; past this, ``analyze`` reads the input again for them
@@ -148,6 +149,7 @@ def open_input(name: str, stdin_spool: dict[str, str]) -> Iterator[tuple[BinaryI
                 with opener(raw) as unpacked:  # type: ignore[operator]
                     yield unpacked, kind
                 return
+        raw.seek(retained_start(raw.fileno()))  # a run folder's NCCL file freed at its start: its kept tail alone
         yield raw, None
 
 
@@ -468,7 +470,7 @@ TAIL_BYTES = 8 << 20  # orphans keep their last few operations: only the end of 
 def _skip_to_tail(handle: BinaryIO, scanner: OrphanScanner) -> None:
     """Count the lines before the last ``TAIL_BYTES`` (for line numbers) without parsing them."""
     skip = os.fstat(handle.fileno()).st_size - TAIL_BYTES
-    if skip <= 0:
+    if skip <= handle.tell():  # the start, or a freed file's kept tail (``open_input``)
         return
     lines = 0
     while handle.tell() < skip and (chunk := handle.read(min(CHUNK_BYTES, skip - handle.tell()))):

@@ -8,8 +8,9 @@ for the files its sidecar tailed.
 The line's text is redacted by value (``redact.redact_text``), as the log
 tails in the bundle are.
 
-Failure modes: a file that cannot be read any more leaves its citations
-unresolved (the report shows them as the engine made them); nothing here
+Failure modes: a file that cannot be read any more, or whose start was
+freed behind the reader (a punched hole: its line numbers are unknown),
+leaves its citations unresolved (the report shows them as the engine made them); nothing here
 raises.
 """
 
@@ -24,6 +25,7 @@ from ncclwatch.watchdog.evidence.redact import redact_text
 from ncclwatch.watchdog.hang.types import Finding, OpRef
 from ncclwatch.watchdog.parsing.line_prefix import LinePrefix, detect
 from ncclwatch.watchdog.parsing.nccl_log import iter_op_lines, op_records, op_table
+from ncclwatch.watchdog.sources.holes import retained_start
 
 CHUNK_BYTES = 8 << 20  # a cited 1 GB log is never read whole
 
@@ -97,6 +99,8 @@ def _chunks(file: str) -> Iterator[tuple[bytes, int]]:
     (``line_prefix``, as ``inputs.TextIngest`` read it) rewritten, the line numbers unchanged."""
     try:
         with open(file, "rb") as handle:
+            if retained_start(handle.fileno()):
+                return  # freed behind the sidecar's reader (``sources/run_space.py``): its line numbers are unknown
             carry, lines = b"", 0
             prefix: LinePrefix | None = None
             while chunk := handle.read(CHUNK_BYTES):

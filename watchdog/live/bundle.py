@@ -45,6 +45,7 @@ from ncclwatch.watchdog.hang.report import (
 )
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.hang.types import Decision, Finding
+from ncclwatch.watchdog.live.bundle_retention import MIB, prune_bundles
 from ncclwatch.watchdog.live.job import LiveView
 from ncclwatch.watchdog.live.runfolder import JOURNAL_NAME, PREFLIGHT_NAME
 from ncclwatch.watchdog.slowness.findings import PerfFinding
@@ -364,6 +365,8 @@ class BundleWriter:
             )
             return report, None
         print(f"ncclwatch: bundle written in {time.monotonic() - began:.1f} s: {bundle}", file=sys.stderr, flush=True)
+        max_bytes = settings.bundles_max_mib * MIB
+        await asyncio.to_thread(prune_bundles, settings.bundle_dir, settings.bundles_kept, max_bytes, bundle)
         return report, bundle
 
 

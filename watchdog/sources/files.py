@@ -20,6 +20,8 @@ from ncclwatch.watchdog.parsing.heartbeat import parse_heartbeat
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
 from ncclwatch.watchdog.parsing.transport import TransportScanner
 from ncclwatch.watchdog.sources import DownOnce, Emit, PollingSource
+from ncclwatch.watchdog.sources.holes import data_after, hole_after, last_line_end, line_start_from
+from ncclwatch.watchdog.sources.run_space import RunFolderSpace
 
 READ_LIMIT = 8 << 20  # bytes per file per poll: a burst is caught up over several polls
 R = TypeVar("R")
@@ -65,13 +67,32 @@ class FolderTails(Generic[R]):
                 continue
             try:
                 with open(entry.path, "rb") as handle:
-                    handle.seek(tail.offset)
-                    data = handle.read(self.limit)
+                    start, stop = _readable(handle.fileno(), tail.offset, stat.st_size)
+                    handle.seek(start)
+                    data = handle.read(min(self.limit, stop - start))
             except OSError:
                 continue  # gone between scandir and open; the next read sees it
-            tail.offset += len(data)
+            tail.offset = start + len(data)
             changed.append((entry.path, tail.reader, data, restarted))
         return changed
+
+
+def _readable(fd: int, offset: int, size: int) -> tuple[int, int]:
+    """(where to read from, where to stop): whole lines only around a hole, and never into one (its zeros are no
+    text).  Holes are freed behind another reader of the file (``run_space.py``), or before this one came to it.
+    The partial line before a hole and the rest of one after it are skipped, so a reader never joins them."""
+    start = data_after(fd, offset)
+    if start > offset:
+        start = line_start_from(fd, start, size)
+    while start < size:
+        hole = hole_after(fd, start)
+        if hole >= size:
+            return start, size
+        stop = last_line_end(fd, start, hole)
+        if stop > start:
+            return start, stop
+        start = line_start_from(fd, data_after(fd, hole), size)  # no whole line before the hole: past it
+    return size, size
 
 
 @dataclass
@@ -85,11 +106,14 @@ class NcclFileSource(PollingSource):
 
     name = "nccl_log"
 
-    def __init__(self, folder: Path, interval: float = 0.25) -> None:
+    def __init__(self, folder: Path, interval: float = 0.25, space: RunFolderSpace | None | bool = True) -> None:
+        """``space``: what frees the files behind this reader; True: the run folder's own policy (``SPACE_FILE``
+        in ``folder``'s parent), none where it has none."""
         self.folder = folder
         self.interval = interval
         self._tails = FolderTails(folder, lambda path: _NcclLog(NcclLogParser(path)))
         self._down = DownOnce(self.name)
+        self.space = RunFolderSpace.of(folder.parent) if space is True else space or None
 
     @property
     def files(self) -> list[str]:
@@ -115,6 +139,10 @@ class NcclFileSource(PollingSource):
             if log.parser.garbled > log.garbled_seen:
                 log.garbled_seen = log.parser.garbled
                 emit(Unusable(reason=f"{log.garbled_seen} garbled operation line(s) skipped", cite=Citation(file=path)))
+            if self.space is not None:
+                self.space.consumed(path, self._tails.tails[path].offset)
+        if self.space is not None:
+            self.space.check({path: tail.offset for path, tail in self._tails.tails.items()})
 
 
 class TransportReader:
