@@ -15,7 +15,6 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from ncclwatch.watchdog.live.job import LiveView
 from ncclwatch.watchdog.live.journal import Journal
 from ncclwatch.watchdog.live.performance_look import PerfWatch, perf_watch
 from ncclwatch.watchdog.live.prober import JobProber, comm_errored
+from ncclwatch.watchdog.live.runfolder import make_run_folder
 from ncclwatch.watchdog.live.sidecar import Reporter, Sidecar
 from ncclwatch.watchdog.live.supervision import Source
 from ncclwatch.watchdog.probes.procfs import listens_on
@@ -173,7 +173,7 @@ def _sidecar(
 
 
 async def _watch(command: list[str], settings: Settings, job_name: str, alerts: Alerts) -> int:
-    root = settings.run_dir or Path(tempfile.mkdtemp(prefix=f"ncclwatch-{os.getpid()}-"))
+    root = make_run_folder(settings)  # on disk, with its space cap (issue 45); says where when that may hurt
     dirs = RunDirs.create(root)
     job = JobProcess()
     baseline = await busbw.before_job(dirs.root) if settings.preflight else None
