@@ -133,6 +133,9 @@ class Op(NamedTuple):
     state: OpState = OpState.enqueued
     time_ns: int | None = None
     frames: tuple[str, ...] = ()  # "func (file:line)", innermost first
+    # Flight Recorder: "completed" seconds after it was enqueued, and never retired by PyTorch's watchdog (which
+    # retires a completion within its poll): completed by an abort of the communicator, not by the data arriving.
+    cut_short: bool = False
 
 
 # --------------------------------------------------------------------------
@@ -301,6 +304,7 @@ class FrEntry(Event):
     duration_ms: float | None = None
     timeout_ms: int | None = None
     frames: list[FrFrame] = Field(default_factory=list)
+    retired: bool | None = None  # PyTorch's watchdog saw it complete and let it go; None: the dump does not say
 
 
 class FrProcessGroup(Event):

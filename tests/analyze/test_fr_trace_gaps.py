@@ -30,14 +30,15 @@ def unpack(archive: Path, into: Path) -> list[Path]:
     return sorted(path for path in unpacked.folder.rglob("*") if path.is_file())
 
 
-def after_the_abort(dump: Path, out: Path, late_ms: int = 38) -> Path:
+def after_the_abort(dump: Path, out: Path, late_ms: int = 38, retired: bool = False) -> Path:
     """The dump as torch writes it once the watchdog has aborted the communicator.
 
     ``ncclCommAbort`` makes NCCL's kernels return, so every end event still
     pending fires; ``dump_entries`` -> ``update_state`` then stamps each entry
     the watchdog never retired with "discovered started/completed" = now.
     ``now`` is the timed-out op's creation + its timeout + ``late_ms`` (the
-    real run's log: "ran for 20038 milliseconds before timing out").
+    real run's log: "ran for 20038 milliseconds before timing out").  ``retired``: as a live watchdog leaves an
+    op it saw complete (retired, with its duration) rather than as the abort leaves it.
     """
     raw = pickle.loads(dump.read_bytes())
     pending = [e for e in raw["entries"] if not e["retired"]]
@@ -46,8 +47,21 @@ def after_the_abort(dump: Path, out: Path, late_ms: int = 38) -> Path:
         entry["time_discovered_started_ns"] = entry["time_discovered_started_ns"] or now
         entry["time_discovered_completed_ns"] = now
         entry["state"] = "completed"
+        if retired:
+            entry["retired"], entry["duration_ms"] = True, 1.0
     out.write_bytes(pickle.dumps(raw, protocol=2))
     return out
+
+
+def cut_short(dump: Path, out: Path, after_s: float, retired: bool = False) -> Path:
+    """The dump as an abort ``after_s`` seconds after its newest entry was enqueued leaves it (a peer's node gone,
+    long before any timeout): ``after_the_abort`` at that moment."""
+    raw = pickle.loads(dump.read_bytes())
+    pending = [e for e in raw["entries"] if not e["retired"]]
+    newest = max(e["time_created_ns"] for e in raw["entries"])
+    since_first_ms = (newest - pending[0]["time_created_ns"]) // 1_000_000
+    late_ms = since_first_ms + int(after_s * 1000) - pending[0]["timeout_ms"]
+    return after_the_abort(dump, out, late_ms=late_ms, retired=retired)
 
 
 class TestPipelineDeadlockFromDumps:
@@ -65,12 +79,31 @@ class TestPipelineDeadlockFromDumps:
         assert "both_recv (pipeline_job.py:159)" in report.summary
 
     def test_completions_before_the_timeout_stay_completed(self, tmp_path: Path) -> None:
-        # the same dumps stamped 1 s before the timeout ran out: completions (and the job healthy) as said
+        # the same dumps stamped 1 s before the timeout ran out, retired by the watchdog as a live one does:
+        # completions (and the job healthy) as said
         dumps = unpack(PIPELINE / "timeout-dumps.tar.gz", tmp_path / "real")
         (tmp_path / "early").mkdir()
-        early = [after_the_abort(p, tmp_path / "early" / p.name, late_ms=-1000) for p in dumps]
+        early = [after_the_abort(p, tmp_path / "early" / p.name, late_ms=-1000, retired=True) for p in dumps]
         report = analyze_paths([str(p) for p in early])
         assert report.verdict == Verdict.no_hang
+
+    @pytest.mark.parametrize("after_s", [3, 10])
+    def test_recvs_completed_unretired_seconds_in_are_still_a_deadlock(self, tmp_path: Path, after_s: int) -> None:
+        # issue 44: the communicator aborted before any timeout (a peer's node gone: ncclRemoteError), so the dumps
+        # mark both recvs completed a few seconds after they were enqueued, never retired, with no duration
+        dumps = unpack(PIPELINE / "timeout-dumps.tar.gz", tmp_path / "real")
+        (tmp_path / "cut").mkdir()
+        cut = [cut_short(p, tmp_path / "cut" / p.name, after_s) for p in dumps]
+        report = analyze_paths([str(p) for p in cut])
+        assert (report.verdict, report.culprit_ranks) == (Verdict.p2p_deadlock, [0, 1]), report.summary
+
+    def test_one_rank_cut_short_alone_is_no_deadlock(self, tmp_path: Path) -> None:
+        # the rule needs both sides: rank 1's recv retired as a live watchdog does, rank 0's cut short
+        dumps = unpack(PIPELINE / "timeout-dumps.tar.gz", tmp_path / "real")
+        (tmp_path / "one").mkdir()
+        one = [cut_short(p, tmp_path / "one" / p.name, 3, retired=p.name.endswith("1")) for p in dumps]
+        report = analyze_paths([str(p) for p in one])
+        assert report.verdict != Verdict.p2p_deadlock, report.summary
 
     @pytest.mark.parametrize("fixture", [PIPELINE, GLOO_PIPELINE])
     def test_the_live_bundles_give_the_live_verdict(self, fixture: Path) -> None:

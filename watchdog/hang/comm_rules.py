@@ -726,13 +726,18 @@ class _PendingP2p:
     line: int  # its entry's index in the dump: what the rank enqueued after it comes later
 
 
-def _first_pending(rank: RankView, peer: int) -> _PendingP2p | None:
+def _first_pending(rank: RankView, peer: int, cut_short: bool = False) -> _PendingP2p | None:
+    """``cut_short``: an op "completed" only by the communicator's abort (``Op.cut_short``) counts as pending."""
     pending = []  # (Flight Recorder index, kind, index among the kind, op)
     for kind, logs in (("Send", rank.sent), ("Recv", rank.received)):
         log = logs.get(peer)
         if log is None:
             continue
-        pending += [(op.line, kind, index, op) for index, op in log.alone.items() if op.state is not OpState.completed]
+        pending += [
+            (op.line, kind, index, op)
+            for index, op in log.alone.items()
+            if op.state is not OpState.completed or (cut_short and op.cut_short)
+        ]
     if not pending:
         return None
     pending.sort(key=lambda p: p[0])
@@ -777,6 +782,8 @@ def p2p_recv_cycle(comm: CommView) -> Finding | None:
             if b is None or b_rank <= a.comm_rank:
                 continue  # each pair once
             mine, theirs = _first_pending(a, b_rank), _first_pending(b, a.comm_rank)
+            if mine is None and theirs is None:  # both recvs "completed" by an abort, seconds in (issue 44)
+                mine, theirs = _first_pending(a, b_rank, cut_short=True), _first_pending(b, a.comm_rank, cut_short=True)
             if mine is None or theirs is None or mine.kind != "Recv" or theirs.kind != "Recv":
                 continue
             pair = tuple(sorted((a.rank, b.rank)))

@@ -793,7 +793,7 @@ def _fold_fr_entries(
         if entry.op == "Coalesced":
             continue
         sig = _fr_sig(entry)
-        op = Op(sig, entry.index, state, entry.time_created_ns, tuple(map(str, entry.frames)))
+        op = Op(sig, entry.index, state, entry.time_created_ns, tuple(map(str, entry.frames)), _cut_short(entry, state))
         if entry.is_p2p:
             logs = seq.sent if entry.op == "Send" else seq.received
             # Counts start at the ring buffer's first entry, so they are
@@ -823,6 +823,25 @@ def pending_alone(entries: list[FrEntry]) -> list[FrEntry]:
         for i, (e, state) in enumerate(zip(entries, states, strict=True))
         if e.is_p2p and e.op != "Coalesced" and i not in grouped and state is not OpState.completed
     ]
+
+
+# A completion PyTorch's watchdog never retired though it was found this long after the op was enqueued: the watchdog
+# retires one within its poll (100 ms); in every real dump here an unretired completion was found at most 0.7 s
+# after its enqueue, and an abort's (a peer's node gone, ncclRemoteError) seconds after.
+CUT_SHORT_NS = 2_000_000_000
+
+
+def _cut_short(entry: FrEntry, state: OpState) -> bool:
+    """Completed, per the dump, only because the communicator was aborted (``Op.cut_short``)."""
+    done, created = entry.time_completed_ns, entry.time_created_ns
+    return (
+        state is OpState.completed
+        and entry.retired is False
+        and entry.duration_ms is None
+        and done is not None
+        and created is not None
+        and done - created >= CUT_SHORT_NS
+    )
 
 
 def _effective_states(entries: list[FrEntry]) -> tuple[list[OpState], set[int]]:

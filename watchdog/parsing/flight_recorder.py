@@ -498,6 +498,7 @@ def _entry(index: int, e: Mapping[Any, Any], pg_name: str) -> FrEntry:
         time_completed_ns=completed,
         duration_ms=_duration_ms(e.get("duration_ms")),
         timeout_ms=_int(e.get("timeout_ms")),
+        retired=e.get("retired") if isinstance(e.get("retired"), bool) else None,
         frames=_frames(e.get("frames")),
     )
 
