@@ -7,118 +7,45 @@ import contextlib
 import faulthandler
 import os
 import sys
-import textwrap
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic_core import PydanticUndefined
 
+from ncclwatch.launcher.help_text import (
+    ANALYZE_EPILOG,
+    ANALYZE_HELP,
+    ANALYZE_SHOWN,
+    ANALYZE_SUMMARY,
+    COMMANDS,
+    MORE_HELP,
+    SUBCOMMANDS,
+    USAGE,
+    WRAP_EPILOG,
+    WRAP_SHOWN,
+    WRAP_SUMMARY,
+    option_summaries,
+    wrap_help,
+)
 from ncclwatch.watchdog import __version__
-from ncclwatch.watchdog.hang.report import (
-    EXIT_DRAINED,
-    EXIT_HANG,
-    EXIT_INCONCLUSIVE,
-    EXIT_KILLED_ON_HANG,
-    EXIT_NO_HANG,
-    EXIT_UNREADABLE,
-)
+from ncclwatch.watchdog.cli_help import add_help_all, formatter, shown_help
+from ncclwatch.watchdog.hang.report import EXIT_INCONCLUSIVE, EXIT_UNREADABLE
 from ncclwatch.watchdog.hang.state import DEFAULT_WINDOW
-from ncclwatch.watchdog.hang.verdicts import (
-    CATALOGUE,
-    DRAIN_ON_DEFAULT,
-    RESTART_ON_DEFAULT_NAMES,
-    Verdict,
-    VerdictEntry,
-)
 from ncclwatch.watchdog.provenance import EXIT_MIXED_JOBS
 
-HELP_COLUMNS = 78
+__all__ = ["ANALYZE_HELP", "SUBCOMMANDS", "main", "wrap_help"]
 
 
-def verdict_lines(entries: Sequence[VerdictEntry]) -> str:
-    """One line per verdict: its name, then what it means (the verdict catalogue's words)."""
-    width = max(len(entry.verdict.value) for entry in entries) + 2
-    return "\n".join(f"  {entry.verdict.value:<{width}}{entry.meaning}" for entry in entries)
-
-
-def names(verdicts: Iterable[Verdict]) -> str:
-    return ", ".join(verdict.value for verdict in verdicts)
-
-
-def paragraph(text: str, indent: str = "") -> str:
-    """Filled to the help's width; an option's name (``--restart-on``) is never split at its hyphens."""
-    return textwrap.fill(
-        text,
-        HELP_COLUMNS,
-        initial_indent=indent,
-        subsequent_indent=indent,
-        break_on_hyphens=False,
-        break_long_words=False,
-    )
-
-
-# analyze's help lists every verdict it can give; the wrapper's, every hang it pages; each names the other's own.
-ANALYZE_VERDICTS = [entry for entry in CATALOGUE.values() if entry.offline]
-PAGED_LIVE = [entry for entry in CATALOGUE.values() if entry.live and entry.hang]
-LIVE_ONLY = [verdict for verdict, entry in CATALOGUE.items() if not entry.offline]
-FROM_FILES_ONLY = [verdict for verdict, entry in CATALOGUE.items() if entry.hang and not entry.live]
-
-ANALYZE_HELP = f"""\
-Say which rank a hung job is waiting on, and why, from the files it left:
-NCCL debug files (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL,
-NCCL_DEBUG_FILE=dir/%h.%p), PyTorch Flight Recorder dumps (pickle or JSON),
-NCCL RAS reports (text or JSON), worker and torchrun logs, py-spy JSON
-dumps, ncclwatch NVML snapshots and bundles (.tar.gz).  File types are
-recognised by content; give files or folders (searched recursively, the
-bundles in them unpacked) in any mix, "-" for standard input (a pasted
-excerpt), gzip/bzip2/xz files as they are.
-
-What a job leaves is enough: each rank's stderr or one combined file
-(torchrun --tee "[defaultN]:", PyTorch "[rankN]:", srun --label "N: "),
-PyTorch's watchdog timeouts and "PG status" lines (compared per process
-group), TORCH_DISTRIBUTED_DEBUG=DETAIL mismatch reports, NCCL excerpts
-without their Init lines, network errors (NET/IB completion errors,
-"Connection closed by remote peer").  Every input is listed with what it
-was read as and how many of its lines were used.
-
-verdicts:
-{verdict_lines(ANALYZE_VERDICTS)}
-{paragraph(f"live only (ncclwatch --help): {names(LIVE_ONLY)}", "  ")}
-
-exit status:
-  {EXIT_NO_HANG}  no hang
-  {EXIT_HANG}  a hang verdict (culprit in the report)
-  {EXIT_INCONCLUSIVE}  inconclusive (the report says what would decide it)
-  {EXIT_UNREADABLE}  no report: no input could be read (missing, a bundle cut short), or
-     none holds anything analyze reads (empty, binary or other files).
-     One line on stderr says so.
-  {EXIT_MIXED_JOBS}  no report: the inputs hold bundles or run folders of different jobs
-     (torchrun's run id, or its store under static rendezvous, in their
-     journals).  One line on stderr names each job's files, hosts, pids and
-     times; give one job at a time.  Restart rounds of one job are not
-     refused: the newest round is judged, the older rounds' files are set
-     aside, and the report says so; loose Flight Recorder dumps of two runs
-     (told apart by when they enqueued the same collectives) likewise.  NCCL
-     logs without a journal are told apart by commId, host and pid: each
-     communicator is judged apart, the most severe verdict given and the jobs
-     found said.
-  An input that cannot be read beside readable ones is said on stderr and
-  in the inputs list; the others are judged and the status is the verdict's,
-  also when the output's reader stops early (| head).
-
-examples:
-  ncclwatch analyze ./nccl-logs/
-  ncclwatch analyze ./nccl-logs/ ./fr-dumps/ --json | jq .culprit_ranks
-  ncclwatch analyze slurm-1234.out rank*.err.gz
-  xclip -o | ncclwatch analyze -                 # an excerpt from an issue thread
-  ncclwatch analyze bundle.tar.gz --rank 3 --pg default_pg --stack   # rank 3's newest entries, full frames
-"""
-
-
-def analyze_parser() -> argparse.ArgumentParser:
+def analyze_parser(full: bool = False) -> argparse.ArgumentParser:
+    """``ncclwatch analyze``'s parser; its ``--help`` shows the options that matter, ``--help-all`` (``full``) all."""
+    shown = None if full else ANALYZE_SHOWN
     analyze = argparse.ArgumentParser(
-        prog="ncclwatch analyze", description=ANALYZE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="ncclwatch analyze",
+        description=ANALYZE_HELP if full else ANALYZE_SUMMARY,
+        epilog=None if full else ANALYZE_EPILOG,
+        formatter_class=formatter,
     )
+    add_help_all(analyze, None if full else lambda: analyze_parser(full=True))
     analyze.add_argument(
         "paths", nargs="+", metavar="PATH", help='files or folders (recursive); "-" reads standard input'
     )
@@ -128,8 +55,11 @@ def analyze_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_WINDOW,
         metavar="N",
-        help=(
-            f"operations kept per rank and communicator; older ones are folded into a digest (default {DEFAULT_WINDOW})"
+        help=shown_help(
+            "--window",
+            "operations kept per rank and communicator; older ones are folded into a digest "
+            f"(default {DEFAULT_WINDOW})",
+            shown,
         ),
     )
     entries = analyze.add_argument_group(
@@ -138,7 +68,9 @@ def analyze_parser() -> argparse.ArgumentParser:
         "After the verdict, print the entries of the dumps given, one row each: rank,\n"
         "position (collective or p2p number), process group, op, state (as the\n"
         "verdict read it), input sizes, dtype, the user's call site.  --rank, --pg\n"
-        "and --stack imply --entries; the verdict is always judged on every input.",
+        "and --stack imply --entries; the verdict is always judged on every input."
+        if full
+        else "--rank N, --pg NAME_OR_ID, --last N and --stack choose them (--help-all).",
     )
     entries.add_argument("--entries", action="store_true", help="print the matched entries after the verdict")
     entries.add_argument(
@@ -147,23 +79,29 @@ def analyze_parser() -> argparse.ArgumentParser:
         type=_rank_list,
         default=[],
         metavar="N[,N...]",
-        help="only these global ranks' dumps (repeat, or a comma list: --rank 1,3)",
+        help=shown_help("--rank", "only these global ranks' dumps (repeat, or a comma list: --rank 1,3)", shown),
     )
     entries.add_argument(
         "--pg",
         action="append",
         default=[],
         metavar="NAME_OR_ID",
-        help="only this process group, by id (0) or description (default_pg, mesh_tp); repeatable",
+        help=shown_help(
+            "--pg", "only this process group, by id (0) or description (default_pg, mesh_tp); repeatable", shown
+        ),
     )
     entries.add_argument(
         "--last",
         type=int,
         default=20,
         metavar="N",
-        help="the newest N entries of each rank and process group (default 20; 0: all)",
+        help=shown_help("--last", "the newest N entries of each rank and process group (default 20; 0: all)", shown),
     )
-    entries.add_argument("--stack", action="store_true", help="every frame Flight Recorder recorded, under each row")
+    entries.add_argument(
+        "--stack",
+        action="store_true",
+        help=shown_help("--stack", "every frame Flight Recorder recorded, under each row", shown),
+    )
     return analyze
 
 
@@ -289,76 +227,6 @@ def render_inputs(inputs: list, shown: int = 40) -> str:  # list[InputFile]
     return "\n".join(lines)
 
 
-AFTER_THE_PAGE = paragraph(
-    "after the page (--on-hang): report leaves the job running (the default); kill ends it; restart ends the "
-    "workers so that torchrun restarts them from the job's last checkpoint, on every node (needs torchrun's "
-    "--max-restarts), where a restart can help: --restart-on verdicts (default: "
-    f"{', '.join(RESTART_ON_DEFAULT_NAMES)}), and "
-    "never twice for the same hang (verdict, operation, line, step).  --drain slurm drains a node whose hardware "
-    f"the verdict blames (--drain-on, default: {names(DRAIN_ON_DEFAULT)}) and ends the job with exit {EXIT_DRAINED}; "
-    "--on-hang-exec CMD runs your command with the verdict."
-)
-
-SUBCOMMANDS = ("analyze", "demo", "serve", "preflight")
-USAGE = """\
-ncclwatch [OPTIONS] torchrun [TORCHRUN ARGS...]
-       ncclwatch [OPTIONS] python -m torch.distributed.run [ARGS...]
-       ncclwatch {demo,analyze,serve,preflight} ..."""
-COMMANDS = """\
-commands:
-  [OPTIONS] torchrun ...   the job, run as torchrun runs it, with the watchdog
-  demo [--fault FAULT]     a CPU job that hangs on purpose
-  analyze PATH...          the verdict from files a job left
-  serve [--bundle-dir DIR] the bundles' page, API and /metrics
-  preflight                the node's bus bandwidth, kept as a baseline"""
-
-WRAP_HELP = f"""\
-Run a torchrun job exactly as torchrun would (same output, exit code and
-signals) with a watchdog beside it.  When a collective stops making progress
-it names the rank at fault and why within seconds, prints the verdict here,
-and writes a root-cause bundle (report.json, report.md, py-spy stacks of
-every rank, Flight Recorder dumps, NCCL log tails, /proc, NVML, RAS,
-InfiniBand counters) to --bundle-dir.  No change to the training code: the
-heartbeat comes from torch's optimizer step hook (or call ncclwatch.beat(step)).
-
-{COMMANDS}
-
-verdicts (live):
-{verdict_lines(PAGED_LIVE)}
-{paragraph(f"from files only (ncclwatch analyze --help): {names(FROM_FILES_ONLY)}", "  ")}
-
-{AFTER_THE_PAGE}
-
-timing: evidence that proves a hang by itself (ranks at one position with
-different collectives, a rank gone for 5 s or stopped for 2 s while its peers
-wait) is paged within seconds, at any step, step 0 included: the sidecar
-judges what streams after 1 s of silence and looks quietly at the ranks after
-3 s (once the job has a rhythm, 1.5 x its longest gap), then every 20 s.
-Silence alone waits for the stall timeout, learned: 3 x the longest gap
-between progress the job showed in the last 15 minutes, at least
---stall-timeout-floor (default 5 s); until the job has shown 8 steps,
---warmup-stall-timeout (default 300 s) covers start-up and compilation.  A
-pause with no rank in a collective (checkpoint, evaluation) is never a
-collective hang.
-
-every option is also an environment variable NCCLWATCH_<OPTION> and a key in
-a TOML file (--config, NCCLWATCH_CONFIG, or ./ncclwatch.toml); the command
-line wins over the environment, which wins over the file.
-
-alerts (environment or TOML): NCCLWATCH_PAGERDUTY_ROUTING_KEY, NCCLWATCH_SLACK_WEBHOOK_URL,
-NCCLWATCH_WEBHOOK_URL with NCCLWATCH_WEBHOOK_SECRET; one page per hang, resolved when
-the job moves again or ends cleanly; undelivered alerts wait in <bundle-dir>/.spool.
-
-examples:
-  ncclwatch torchrun --nproc_per_node=8 train.py
-  ncclwatch --on-hang kill --bundle-dir /shared/bundles torchrun --nnodes=4 ... train.py
-  NCCLWATCH_API_TOKEN=... ncclwatch --listen 0.0.0.0:9464 torchrun ...   # page, API, /metrics
-
-exit status: torchrun's own; {EXIT_KILLED_ON_HANG} when ncclwatch ended the job after a hang (--on-hang kill,
-or restart when a restart cannot help); {EXIT_DRAINED} when it drained the culprit's node (--drain).
-"""
-
-MORE_HELP = "ncclwatch --help for everything; ncclwatch COMMAND --help for one command"
 DEMO_FAULTS = ("skip", "extra", "python_stuck", "sigstop", "exit", "pause", "uneven", "none")  # no GPU needed
 
 
@@ -371,19 +239,37 @@ def help_with_default(field: Any) -> str:
     return f"{field.description} (default: {shown})"
 
 
-def add_watch_options(parser: argparse.ArgumentParser) -> None:
+def add_watch_options(parser: argparse.ArgumentParser, shown: frozenset[str] | None = None) -> None:
+    """The watchdog's options; those not in ``shown`` (the short help's) work but are left out of ``--help``."""
     from ncclwatch.watchdog.config import Settings
 
     fields = Settings.model_fields
-    add = lambda flag, **kw: parser.add_argument(
-        flag, default=None, help=help_with_default(fields[flag[2:].replace("-", "_")]), **kw
-    )
+    summaries = option_summaries() if shown is not None else {}  # the short help says what the README says
+
+    def add(flag: str, **kw: Any) -> None:
+        described = summaries.get(flag) or help_with_default(fields[flag[2:].replace("-", "_")])
+        parser.add_argument(flag, default=None, help=shown_help(flag, described, shown), **kw)
+
+    def switch(flag: str, described: str) -> None:
+        parser.add_argument(
+            flag, action="store_const", const=True, default=None, help=shown_help(flag, described, shown)
+        )
+
+    add("--on-hang", choices=("report", "kill", "restart"), metavar="report|kill|restart")
+    add("--bundle-dir", metavar="DIR")
     add("--stall-timeout", type=float, metavar="SECONDS")
+    add("--progress-timeout", type=float, metavar="SECONDS")
+    job_name = summaries.get("--job-name") or "names bundles and pages (default: the training script's name)"
+    parser.add_argument("--job-name", metavar="NAME", help=shown_help("--job-name", job_name, shown))
+    add("--upload", metavar="URL")
+    add("--listen", metavar="HOST:PORT")
+    config = summaries.get("--config") or "TOML file with any of these settings (default ./ncclwatch.toml if present)"
+    parser.add_argument("--config", metavar="FILE", help=shown_help("--config", config, shown))
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help=shown_help("-v", "log the watchdog's reasoning to stderr", shown)
+    )
     add("--stall-timeout-floor", type=float, metavar="SECONDS")
     add("--warmup-stall-timeout", type=float, metavar="SECONDS")
-    add("--progress-timeout", type=float, metavar="SECONDS")
-    add("--bundle-dir", metavar="DIR")
-    add("--on-hang", choices=("report", "kill", "restart"))
     add("--restart-on", metavar="VERDICT,...")
     add("--drain", choices=("none", "slurm"))
     add("--drain-on", metavar="VERDICT,...")
@@ -393,26 +279,18 @@ def add_watch_options(parser: argparse.ArgumentParser) -> None:
     add("--run-folder-cap-mib", type=int, metavar="MIB")
     add("--bundles-kept", type=int, metavar="COUNT")
     add("--bundles-max-mib", type=int, metavar="MIB")
-    parser.add_argument(
-        "--keep-run-dir", action="store_const", const=True, default=None, help=fields["keep_run_dir"].description
-    )
-    parser.add_argument(
-        "--preflight", action="store_const", const=True, default=None, help=fields["preflight"].description
-    )
+    switch("--keep-run-dir", fields["keep_run_dir"].description or "")
+    switch("--preflight", fields["preflight"].description or "")
     add("--evidence-budget", type=float, metavar="SECONDS")
     add("--alert-drain-timeout", type=float, metavar="SECONDS")
     add("--pyspy", metavar="PATH")
     add("--poll-interval", type=float, metavar="SECONDS")
-    add("--listen", metavar="HOST:PORT")
     add("--token-file", metavar="FILE")
     add("--public-url", metavar="URL")
-    add("--upload", metavar="URL")
     add("--upload-token-file", metavar="FILE")
+    add("--upload-spool-days", type=float, metavar="DAYS")
     add("--metrics-textfile", metavar="FILE.prom")
     add("--perf-interval", type=float, metavar="SECONDS")
-    parser.add_argument("--config", metavar="FILE", help="TOML file with any of these settings")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log the watchdog's reasoning to stderr")
-    parser.add_argument("--job-name", metavar="NAME", help="names bundles (default: the training script's name)")
 
 
 def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -428,15 +306,28 @@ def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="ncclwatch %(asctime)s %(message)s")
 
 
+def wrap_parser(full: bool = False) -> argparse.ArgumentParser:
+    """``ncclwatch``'s parser; its ``--help`` shows the options that matter, ``--help-all`` (``full``) every one."""
+    parser = argparse.ArgumentParser(
+        prog="ncclwatch",
+        usage=USAGE,
+        description=wrap_help() if full else WRAP_SUMMARY,
+        epilog=None if full else WRAP_EPILOG,
+        formatter_class=formatter,
+    )
+    add_help_all(parser, None if full else lambda: wrap_parser(full=True))
+    parser.add_argument("--version", action="version", version=f"ncclwatch {__version__}")
+    add_watch_options(parser, None if full else WRAP_SHOWN)
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="torchrun and its arguments" if full else argparse.SUPPRESS
+    )
+    return parser
+
+
 def run_wrapped(argv: list[str]) -> int:
     from ncclwatch.watchdog.config import ConfigError
 
-    parser = argparse.ArgumentParser(
-        prog="ncclwatch", usage=USAGE, description=WRAP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--version", action="version", version=f"ncclwatch {__version__}")
-    add_watch_options(parser)
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="torchrun and its arguments")
+    parser = wrap_parser()
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_usage(sys.stderr)
@@ -450,6 +341,14 @@ def run_wrapped(argv: list[str]) -> int:
             f"'ncclwatch torchrun --nproc_per_node=8 train.py', or a subcommand: {', '.join(SUBCOMMANDS)} "
             "(ncclwatch demo runs a CPU job that hangs on purpose; ncclwatch --help says more)"
         )
+    misplaced = ours_after_torchrun(args.command, {f for a in parser._actions for f in a.option_strings})
+    if misplaced is not None:
+        print(
+            f"ncclwatch: {misplaced} is an option of ncclwatch, not of torchrun: put it before torchrun "
+            f"(ncclwatch {misplaced} ... torchrun ...)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         settings = _settings(args)
     except ConfigError as exc:
@@ -463,15 +362,24 @@ def run_wrapped(argv: list[str]) -> int:
         status, why = problem
         print(f"ncclwatch: {why}", file=sys.stderr)
         return status
-    _logging(args.verbose)
     script = missing_script(args.command)
-    status = run_job(list(args.command), settings, args.job_name or job_name_of(args.command))
-    if status != 0 and script is not None:  # after torchrun's own traceback
+    if script is not None:  # nothing started: as python itself says of a missing script, status 2
         print(f"ncclwatch: training script not found: {script} (in {os.getcwd()})", file=sys.stderr)
-    return status
+        return EXIT_NO_SCRIPT
+    _logging(args.verbose)
+    return run_job(list(args.command), settings, args.job_name or job_name_of(args.command))
 
 
+EXIT_NO_SCRIPT = 2  # python's own status for a script it cannot open
 NOT_A_PATH = ("-m", "--module", "--no-python", "--no_python")  # torchrun options after which the script is no path
+
+
+def _launcher_args(command: Sequence[str]) -> list[str]:
+    """The launcher's arguments: after ``torchrun``, or after ``python -m torch.distributed.run``."""
+    args = list(command[1:])
+    if not command[0].rsplit("/", 1)[-1].startswith("torchrun") and "-m" in args:  # python -m torch.distributed.run
+        args = args[args.index("-m") + 2 :]
+    return args
 
 
 def missing_script(command: Sequence[str]) -> str | None:
@@ -480,10 +388,7 @@ def missing_script(command: Sequence[str]) -> str | None:
     The script is torchrun's first argument ending in ``.py`` that is no option; with ``-m``/``--module`` or
     ``--no-python`` before it, it is a module or a program, not checked.
     """
-    args = list(command[1:])
-    if not command[0].rsplit("/", 1)[-1].startswith("torchrun") and "-m" in args:  # python -m torch.distributed.run
-        args = args[args.index("-m") + 2 :]
-    for arg in args:
+    for arg in _launcher_args(command):
         if arg in NOT_A_PATH:
             return None
         if arg.endswith(".py") and not arg.startswith("-"):
@@ -491,7 +396,32 @@ def missing_script(command: Sequence[str]) -> str | None:
     return None
 
 
-def demo_parser() -> argparse.ArgumentParser:
+def ours_after_torchrun(command: Sequence[str], ours: set[str]) -> str | None:
+    """An ncclwatch option among torchrun's own (before the script), where torchrun would reject it with its usage.
+
+    Only torchrun's part is looked at: what follows the script is the script's, which may well have a --config.
+    """
+    args = _launcher_args(command)
+    at = 0
+    while at < len(args) and args[at].startswith("-"):
+        flag = args[at].split("=", 1)[0]
+        if flag in ours and flag not in TORCHRUN_SHARED:
+            return flag
+        at += 1 if "=" in args[at] or flag in TORCHRUN_SWITCHES or flag in ours else 2  # past its value
+    return None
+
+
+# Options of torchrun's own that ncclwatch also has: where they stand after torchrun they are torchrun's.
+TORCHRUN_SHARED = frozenset({"-h", "--help"})
+# torchrun's options that take no value (torch 2.13 ``torch/distributed/run.py``): the next argument is the script.
+TORCHRUN_SWITCHES = frozenset(
+    {"--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
+     "--virtual-local-rank", "--virtual_local_rank"}
+)  # fmt: skip
+
+
+def demo_parser(full: bool = False) -> argparse.ArgumentParser:
+    """``ncclwatch demo``'s parser: its own options and the watchdog's (those that matter, or all with ``full``)."""
     from ncclwatch.launcher.demo_job import FAULTS
 
     faults = "\n".join(f"  {name:<13} {FAULTS[name]}" for name in DEMO_FAULTS)
@@ -500,9 +430,11 @@ def demo_parser() -> argparse.ArgumentParser:
         description="Run a small gloo (CPU) job under the watchdog in which the last rank misbehaves at step 15, and "
         "watch it get caught, named and bundled. Unlike a real job, the demo ends the hung job after the capture "
         "(--on-hang kill) unless told otherwise.",
-        epilog=f"faults (--fault):\n{faults}\n\n'extra' is caught by gloo itself, which checks sizes and raises.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"faults (--fault):\n{faults}\n\n'extra' is caught by gloo itself, which checks sizes and raises."
+        + ("" if full else "\nThe watchdog's other options: ncclwatch demo --help-all."),
+        formatter_class=formatter,
     )
+    add_help_all(parser, None if full else lambda: demo_parser(full=True))
     parser.add_argument(
         "--fault",
         default="skip",
@@ -514,8 +446,11 @@ def demo_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--pause-s", type=float, default=20.0, metavar="SECONDS", help="length of the 'pause' fault (default: 20)"
     )
-    add_watch_options(parser)
+    add_watch_options(parser, None if full else DEMO_SHOWN)
     return parser
+
+
+DEMO_SHOWN = frozenset({"--on-hang", "--bundle-dir", "--verbose", "-v"})
 
 
 def demo_command(args: argparse.Namespace) -> list[str]:

@@ -27,6 +27,7 @@ its stderr; a missing or unreadable baseline -> no comparison, said so.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -305,13 +306,8 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
-def main(argv: Sequence[str]) -> int:
-    """``ncclwatch preflight``, returning its exit status.
-
-    0 all well, 1 slower than the baseline or a slow pair, 2 the probe failed.
-    """
-    import argparse
-
+def build_parser() -> argparse.ArgumentParser:
+    """``ncclwatch preflight``'s parser (its help is whole within a screen: no --help-all)."""
     parser = argparse.ArgumentParser(
         prog="ncclwatch preflight",
         description="Measure the node's bus bandwidth (all_reduce and all_gather sweeps, nccl-tests' busbw) "
@@ -345,6 +341,15 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--master-addr", default="127.0.0.1")
     parser.add_argument("--master-port", type=int, default=None, help="required with --nnodes > 1")
     parser.add_argument("--json", action="store_true", help="print the result document instead of the table")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    """``ncclwatch preflight``, returning its exit status.
+
+    0 all well, 1 slower than the baseline or a slow pair, 2 the probe failed.
+    """
+    parser = build_parser()
     args = parser.parse_args(list(argv))
     if args.nnodes > 1 and args.master_port is None:
         parser.error("--master-port is required with --nnodes > 1 (every node must use the same one)")

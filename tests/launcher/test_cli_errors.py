@@ -15,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ncclwatch.launcher import demo_job
-from ncclwatch.launcher.cli import SUBCOMMANDS, demo_command, demo_parser, missing_script
+from ncclwatch.launcher.cli import SUBCOMMANDS, demo_command, demo_parser, missing_script, ours_after_torchrun
 from ncclwatch.launcher.respond import JobResponder
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.hang.report import Report
@@ -53,11 +53,11 @@ class TestTorchrunNotFound:
 
 
 class TestMissingScript:
-    def test_a_missing_script_gets_our_line_after_torchruns_own(self, tmp_path: Path) -> None:
+    def test_a_missing_script_is_our_one_line_and_torchrun_never_starts(self, tmp_path: Path) -> None:
         bin_dir = tmp_path / "bin"
         bin_dir.mkdir()
-        fake = bin_dir / "torchrun"  # what torchrun does with a script that is not there, in a second, not ten
-        fake.write_text("#!/bin/sh\necho \"python: can't open file 'nope.py': [Errno 2] No such file\" >&2\nexit 1\n")
+        fake = bin_dir / "torchrun"  # leaves a mark if it is started at all
+        fake.write_text(f"#!/bin/sh\ntouch {tmp_path / 'started'}\nexit 1\n")
         fake.chmod(0o755)
         done = ncclwatch(
             "--bundle-dir",
@@ -68,9 +68,8 @@ class TestMissingScript:
             path=f"{bin_dir}:{os.environ['PATH']}",
             cwd=tmp_path,
         )
-        lines = done.stderr.splitlines()
-        assert done.returncode == 1 and "can't open file 'nope.py'" in lines[0]
-        assert lines[-1] == f"ncclwatch: training script not found: nope.py (in {tmp_path})"
+        assert (done.returncode, done.stderr) == (2, f"ncclwatch: training script not found: nope.py (in {tmp_path})\n")
+        assert not (tmp_path / "started").exists()
 
     def test_the_script_is_checked_only_where_it_is_a_path(self, tmp_path: Path) -> None:
         os.chdir(tmp_path)
@@ -83,6 +82,27 @@ class TestMissingScript:
         assert missing_script(["torchrun", "--standalone", "run.sh"]) is None
 
 
+class TestOptionAfterTorchrun:
+    def test_an_ncclwatch_option_among_torchruns_is_named_with_where_it_belongs(self, tmp_path: Path) -> None:
+        (tmp_path / "train.py").write_text("")
+        done = ncclwatch("torchrun", "--nproc_per_node=2", "--on-hang", "kill", "train.py", cwd=tmp_path)
+        assert (done.returncode, done.stderr) == (
+            2,
+            "ncclwatch: --on-hang is an option of ncclwatch, not of torchrun: put it before torchrun "
+            "(ncclwatch --on-hang ... torchrun ...)\n",
+        )
+
+    def test_only_torchruns_part_is_looked_at(self) -> None:
+        ours = {"--on-hang", "--config", "--bundle-dir"}
+        assert ours_after_torchrun(["torchrun", "--bundle-dir=/b", "train.py"], ours) == "--bundle-dir"
+        assert (
+            ours_after_torchrun(["python3", "-m", "torch.distributed.run", "--config", "x", "t.py"], ours) == "--config"
+        )
+        assert ours_after_torchrun(["torchrun", "--standalone", "train.py", "--config", "c.toml"], ours) is None
+        assert ours_after_torchrun(["torchrun", "--nnodes", "2", "train", "--config", "c.toml"], ours) is None
+        assert ours_after_torchrun(["torchrun", "--no-python", "run.sh", "--on-hang"], ours) is None
+
+
 class TestUsage:
     def test_ncclwatch_alone_is_a_short_usage_with_every_command(self) -> None:
         done = ncclwatch()
@@ -91,7 +111,7 @@ class TestUsage:
         assert len(lines) <= 15, done.stderr
         assert lines[0].startswith("usage: ncclwatch [OPTIONS] torchrun")
         assert all(any(line.lstrip().startswith(name) for line in lines) for name in SUBCOMMANDS), done.stderr
-        assert lines[-1].startswith("ncclwatch --help for everything")
+        assert lines[-1].startswith("ncclwatch --help for the options that matter, --help-all for every one")
 
     def test_the_usage_line_names_every_subcommand(self) -> None:
         usage = ncclwatch("--help").stdout.split("\n\n", 1)[0]

@@ -597,7 +597,7 @@ class TestServeCommand:
         assert done.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in done.stderr
 
     def test_help_teaches_the_page_auth_and_curl(self):
-        command = [sys.executable, "-m", "ncclwatch", "serve", "--help"]
+        command = [sys.executable, "-m", "ncclwatch", "serve", "--help-all"]
         done = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0
         for word in (

@@ -308,9 +308,11 @@ PRIORITY = {v: entry.priority for v, entry in CATALOGUE.items()}
 HANG_VERDICTS = frozenset(v for v, entry in CATALOGUE.items() if entry.hang)
 HANG_VERDICT_NAMES = frozenset(v.value for v in HANG_VERDICTS)
 CONCLUSIVE = frozenset(v for v, entry in CATALOGUE.items() if entry.conclusive)
-RESTART_ON_DEFAULT = tuple(v for v, entry in CATALOGUE.items() if entry.restart)
+# The live defaults of --restart-on and --drain-on: what helps, of the verdicts the live watchdog gives (a verdict
+# only ``analyze`` gives would stand in them for nothing, and its help would contradict them).
+RESTART_ON_DEFAULT = tuple(v for v, entry in CATALOGUE.items() if entry.restart and entry.live)
 BLOCKED = "_blocked"  # "rank_behind_blocked" in --restart-on: that verdict, where every culprit is blocked
 RESTART_WHEN_BLOCKED = tuple(v for v, entry in CATALOGUE.items() if entry.restart_when_blocked)
 RESTART_ON_NAMES = HANG_VERDICT_NAMES | {v.value + BLOCKED for v in RESTART_WHEN_BLOCKED}
 RESTART_ON_DEFAULT_NAMES = (*(v.value for v in RESTART_ON_DEFAULT), *(v.value + BLOCKED for v in RESTART_WHEN_BLOCKED))
-DRAIN_ON_DEFAULT = tuple(v for v, entry in CATALOGUE.items() if entry.drain)
+DRAIN_ON_DEFAULT = tuple(v for v, entry in CATALOGUE.items() if entry.drain and entry.live)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from ncclwatch.watchdog.cli_help import add_help_all, formatter, shown_help
 from ncclwatch.watchdog.sinks.delivery import spool_dir_for
 
 if TYPE_CHECKING:
@@ -47,8 +48,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ncclwatch.server")
 DEFAULT_LISTEN = "127.0.0.1:9464"
+BUNDLE_DIR_DEFAULT = "ncclwatch-bundles"  # Settings.bundle_dir's, relative to where serve starts
+SERVE_DOCS = "docs/server.md"
 CLUSTER_OPTIONS = (
     "upload_token_file",
+    "upload_spool_days",
     "upload_max_mb",
     "upload_rate",
     "retention_days",
@@ -122,34 +126,77 @@ same token), checks and stores them, and indexes them in SQLite:
   ncclwatch serve --bundle-dir /srv/ncclwatch --listen 0.0.0.0:9464 \\
       --on-repeat 3/7 --on-repeat-exec 'scontrol update NodeName="$NCCLWATCH_HOST" State=DRAIN Reason=ncclwatch'
 
-A missing --bundle-dir is created (the agent may start before any bundle).
+--bundle-dir defaults to ./{BUNDLE_DIR_DEFAULT}, in the folder serve starts in
+(the systemd unit: /var/lib/ncclwatch-server/bundles); a missing one is
+created (the agent may start before any bundle).
 
 exit status: 0 after SIGTERM or Ctrl-C; 2 for a bad setting, a --bundle-dir that
 is not a folder or cannot be created, or an address in use.
 (default address: {DEFAULT_LISTEN})
+docs: {SERVE_DOCS}
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+SERVE_SUMMARY = """\
+Serve the root-cause bundles of a folder (--bundle-dir, where the watchdog
+writes them) to people and tools: a page, a JSON API and /metrics.  With an
+upload token it is also the cluster's server: every wrapper's --upload sends
+its bundles here, indexed as incidents across jobs and hosts.  The page and
+the API need a bearer token (NCCLWATCH_API_TOKEN or --token-file)."""
+
+SERVE_EPILOG = f"""\
+examples:
+  export NCCLWATCH_API_TOKEN=$(openssl rand -hex 16)
+  ncclwatch serve --bundle-dir /shared/ncclwatch-bundles --listen 0.0.0.0:9464
+  browser: http://node1:9464/?token=<token>
+
+exit status: 0 after SIGTERM or Ctrl-C; 2 for a bad setting, a --bundle-dir that
+is not a folder or cannot be created, or an address in use.
+The routes, the cluster server and every option: ncclwatch serve --help-all; {SERVE_DOCS}."""
+
+SERVE_SHOWN = frozenset({"--bundle-dir", "--listen", "--token-file", "--upload-token-file", "--config", "--verbose"})
+
+
+def build_parser(full: bool = False) -> argparse.ArgumentParser:
+    """``ncclwatch serve``'s parser; its ``--help`` shows the options that matter, ``--help-all`` (``full``) all."""
     from ncclwatch.watchdog.config import Settings
 
     fields = Settings.model_fields
+    shown = None if full else SERVE_SHOWN
     parser = argparse.ArgumentParser(
-        prog="ncclwatch serve", description=SERVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="ncclwatch serve",
+        description=SERVE_HELP if full else SERVE_SUMMARY,
+        epilog=None if full else SERVE_EPILOG,
+        formatter_class=formatter,
     )
-    parser.add_argument("--bundle-dir", metavar="DIR", help=fields["bundle_dir"].description)
+    add_help_all(parser, None if full else lambda: build_parser(full=True))
     parser.add_argument(
-        "--listen", metavar="HOST:PORT", help=f"address to serve on (default {DEFAULT_LISTEN}; port 0 picks one)"
+        "--bundle-dir",
+        metavar="DIR",
+        help=shown_help("--bundle-dir", f"{fields['bundle_dir'].description} (default ./{BUNDLE_DIR_DEFAULT})", shown),
     )
-    parser.add_argument("--token-file", metavar="FILE", help=fields["token_file"].description)
-    parser.add_argument("--metrics-token", action="store_true", help="/metrics requires the token too (default: open)")
+    parser.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help=shown_help("--listen", f"address to serve on (default {DEFAULT_LISTEN}; port 0 picks one)", shown),
+    )
+    parser.add_argument(
+        "--token-file", metavar="FILE", help=shown_help("--token-file", fields["token_file"].description or "", shown)
+    )
+    parser.add_argument(
+        "--metrics-token",
+        action="store_true",
+        help=shown_help("--metrics-token", "/metrics requires the token too (default: open)", shown),
+    )
     cluster = parser.add_argument_group(
-        "one server for the cluster", "wrappers upload with --upload URL; the upload token is NCCLWATCH_UPLOAD_TOKEN"
+        "one server for the cluster",
+        "wrappers upload with --upload URL; the upload token is NCCLWATCH_UPLOAD_TOKEN" if full else None,
     )
     for flag, kind, metavar in (
         ("--upload-token-file", str, "FILE"),
         ("--upload-max-mb", float, "MB"),
         ("--upload-rate", float, "PER_MINUTE"),
+        ("--upload-spool-days", float, "DAYS"),
         ("--retention-days", float, "DAYS"),
         ("--retention-gb", float, "GB"),
         ("--index-db", str, "FILE"),
@@ -157,10 +204,19 @@ def build_parser() -> argparse.ArgumentParser:
         ("--on-repeat-exec", str, "CMD"),
     ):
         field = fields[flag[2:].replace("-", "_")]
-        shown = f" (default: {field.default:g})" if isinstance(field.default, float) else ""
-        cluster.add_argument(flag, type=kind, metavar=metavar, help=f"{field.description}{shown}")
-    parser.add_argument("--config", metavar="FILE", help="TOML file with any of these settings")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log each request (never its query string)")
+        said = f" (default: {field.default:g})" if isinstance(field.default, float) else ""
+        cluster.add_argument(
+            flag, type=kind, metavar=metavar, help=shown_help(flag, f"{field.description}{said}", shown)
+        )
+    parser.add_argument(
+        "--config", metavar="FILE", help=shown_help("--config", "TOML file with any of these settings", shown)
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help=shown_help("--verbose", "log each request (never its query string)", shown),
+    )
     return parser
 
 
