@@ -166,7 +166,8 @@ def report_markdown(report: Report) -> str:
         out += ["## Files in this bundle", ""]
         for ev in report.evidence_files:
             status = f"error: {ev.error}" if ev.error else ", ".join(ev.paths) or "-"
-            out.append(f"- {ev.name}: {status}" + (f" ({ev.note})" if ev.note else ""))
+            rank = f" (rank {ev.rank})" if ev.rank is not None else ""
+            out.append(f"- {ev.name}{rank}: {status}" + (f" ({ev.note})" if ev.note else ""))
         out.append("")
     for title, items in (("Could not see", report.missing), ("Notes", report.notes)):
         if items:
