@@ -14,7 +14,7 @@ from ncclwatch.watchdog.hang.types import Finding
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.parsing.failure_lines import parse_failure_lines
 
-RULES = dict(FAILURE_RULES)
+RULES = {rule.name: rule.fn for rule in FAILURE_RULES}
 UNDECIDED = Finding(verdict=Verdict.inconclusive, summary="no sequences")
 
 

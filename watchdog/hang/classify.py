@@ -7,10 +7,12 @@
    across communicators and refined by ``job_rules.JOB_RULES``; without any
    sequence, ``job_rules.UNSEQUENCED_RULES`` with partial evidence
    (``partial.PARTIAL_RULES``, the most severe);
-2. what a running job shows (``live_rules.LIVE_RULES``, each in turn);
-3. a pause: no rank inside communication, nothing decided (``paused``);
-4. the finding's Xids and culprits' stack frames (``xid.with_xids``, ``with_where``);
-5. a busy culprit, held to the progress timeout (``held_busy``);
+2. a job that died, not hung: ``failure.FAILURE_RULES``, the first that fires,
+   gives the decision (with its Xids);
+3. what a running job shows (``live_rules.LIVE_RULES``, each in turn);
+4. a pause: no rank inside communication, nothing decided (``paused``);
+5. the finding's Xids and culprits' stack frames (``xid.with_xids``, ``with_where``);
+6. a busy culprit, held to the progress timeout (``held_busy``);
 
 and pages what is left when its verdict is a hang.  Pure.
 """
@@ -21,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from ncclwatch.watchdog.events import Stall
-from ncclwatch.watchdog.hang.failure import failure_finding, job_failed
+from ncclwatch.watchdog.hang.failure import failure_finding
 from ncclwatch.watchdog.hang.job_rules import job_finding
 from ncclwatch.watchdog.hang.live_rules import LIVE_RULES, UNDECIDED, Observed
 from ncclwatch.watchdog.hang.rules import refined
@@ -37,11 +39,12 @@ WAITING_KINDS = (*IN_COMMUNICATION, "gpu_wait")  # a rank spinning here burns CP
 
 
 def classify(snapshot: Snapshot) -> Decision:
+    finding = job_finding(snapshot)
     # A job that died, not hung (issue 44): why it failed, by the failure stage's own rules (hang.failure).
-    if job_failed(snapshot) and (died := failure_finding(snapshot, job_finding(snapshot))) is not None:
+    if (died := failure_finding(snapshot, finding)) is not None:
         return Decision(with_xids(died, snapshot), page=died.verdict in HANG_VERDICTS)
     seen = Observed.of(snapshot)
-    finding = refined(LIVE_RULES, seen, job_finding(snapshot))
+    finding = refined(LIVE_RULES, seen, finding)
     if (pause := paused(seen, finding)) is not None:
         return pause
     finding = with_where(with_xids(finding, snapshot), seen.where)

@@ -3,13 +3,13 @@
 Runs when the job ended failed (``JobEnded``, torchrun's summary) or a rank exited non-zero of its own cause;
 a job that ended cleanly, was stopped by the user, or was ended by ncclwatch's own response is none of its
 business.  ``FAILURE_RULES`` are tried in order, each ``fn(snapshot, finding) -> Finding | None`` with
-``finding`` the sequences' verdict (``decide``); the first that answers decides:
+``finding`` the sequences' verdict (``job_rules.job_finding``); the first that answers decides:
 
 - ``sequences_mismatch``: the sequences (NCCL logs, Flight Recorder) found a ``collective_mismatch``: it names the
   rank that issued the different operation, not the rank whose transport caught it and aborted first;
 - ``died_of_its_own``: the first rank that died of its own cause (a Python exception, CUDA OOM, a CUDA error, a
   signal such as SIGKILL or SIGSEGV, an exit code with no peer to blame) is ``process_dead``, in
-  ``classify._dead``'s shape; an exception its own code raised (``ValueError`` in the user's file) or an exit it
+  ``live_rules.dead``'s shape; an exception its own code raised (``ValueError`` in the user's file) or an exit it
   chose (``sys.exit(3)``) is said to be the user's, not a collective fault (``kind``);
 - ``transport_mismatch``: a transport caught two ranks' operations differing (gloo's size enforce, NCCL's
   ``message truncated``): ``collective_mismatch``; the reporter is a suspect, not the culprit (the victim posts
@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ncclwatch.watchdog.events import FailureKind, JobOutcome, RankExited, RankFailure
+from ncclwatch.watchdog.hang.rules import Rule, first_fired
 from ncclwatch.watchdog.hang.snapshot import Snapshot
 from ncclwatch.watchdog.hang.types import Fact, Finding
 from ncclwatch.watchdog.hang.verdicts import Verdict
@@ -45,7 +46,7 @@ SIGNAL_MEANING = {
     "SIGILL": "crashed with SIGILL",
 }
 
-FailureRule = tuple[str, Callable[[Snapshot, Finding], Finding | None]]
+FailureRule = Rule[Callable[[Snapshot, Finding], Finding | None]]
 
 
 def job_failed(snapshot: Snapshot) -> bool:
@@ -60,11 +61,7 @@ def failure_finding(snapshot: Snapshot, finding: Finding) -> Finding | None:
     """Why the job died, by the first rule of ``FAILURE_RULES`` that answers; None when the job did not fail."""
     if not job_failed(snapshot):
         return None
-    for _name, rule in FAILURE_RULES:
-        found = rule(snapshot, finding)
-        if found is not None:
-            return found
-    return None
+    return first_fired(FAILURE_RULES, snapshot, finding)
 
 
 def _failed_itself(exited: RankExited) -> bool:
@@ -133,7 +130,7 @@ def _when(failure: RankFailure | None, exited: RankExited | None) -> float:
 
 
 def died_of_its_own(snapshot: Snapshot, finding: Finding) -> Finding | None:
-    """The first rank that died of its own cause is ``process_dead`` (``classify._dead``'s shape)."""
+    """The first rank that died of its own cause is ``process_dead`` (``live_rules.dead``'s shape)."""
     dead = _own_cause(snapshot)
     if not dead:
         return None
@@ -227,9 +224,9 @@ def root_cause(snapshot: Snapshot, finding: Finding) -> Finding | None:
 
 
 FAILURE_RULES: tuple[FailureRule, ...] = (
-    ("sequences_mismatch", sequences_mismatch),
-    ("died_of_its_own", died_of_its_own),
-    ("transport_mismatch", transport_mismatch),
-    ("timed_out", timed_out),
-    ("root_cause", root_cause),
+    Rule("sequences_mismatch", sequences_mismatch),
+    Rule("died_of_its_own", died_of_its_own),
+    Rule("transport_mismatch", transport_mismatch),
+    Rule("timed_out", timed_out),
+    Rule("root_cause", root_cause),
 )

@@ -6,7 +6,7 @@ Each stage has one shape of rule and one way of running its table:
 
 - ``first_fired``: the first rule that returns a finding gives it (the
   per-communicator sequence rules: a mismatch hides whatever follows it;
-  the job without sequences);
+  the job without sequences; the failure stage);
 - ``fired`` then ``most_severe``: every rule is asked and the most severe
   decided finding wins, the first of equals by the table's order (partial
   evidence, where sources that each saw a part may all speak);
@@ -41,10 +41,11 @@ class Rule(Generic[Fn]):
     last: bool = False  # ``refined``: when it fires, no later rule of the stage runs
 
 
-def first_fired(rules: Iterable[Rule[Callable[[Subject], Finding | None]]], subject: Subject) -> Finding | None:
-    """The finding of the first rule that fires on ``subject``; None when none does."""
+def first_fired(rules: Iterable[Rule[Callable[..., Finding | None]]], *given: Any) -> Finding | None:
+    """The finding of the first rule that fires on ``given`` (a subject, and for some stages the finding so far);
+    None when none does."""
     for rule in rules:
-        if (found := rule.fn(subject)) is not None:
+        if (found := rule.fn(*given)) is not None:
             return found
     return None
 
