@@ -11,7 +11,7 @@ as if it never posted anything) is never the job's.
 from __future__ import annotations
 
 from conftest import NOW
-from engine import state_of
+from harness import state_of
 from nccl_lines import init, op
 
 from ncclwatch.watchdog.cluster.judge import job_state

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import pytest
 from conftest import FIXTURES, NOW
-from engine import state_of, verdict_of
+from harness import judged, state_of, verdict_of
 from nccl_lines import init, op
 
-from ncclwatch.watchdog.events import Citation, Event, ProcessState, StackDump, Stall, ThreadStack, WorkerSeen
+from ncclwatch.watchdog.events import Citation, ProcessState, StackDump, Stall, ThreadStack, WorkerSeen
 from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.stacks import IN_COMMUNICATION, whereabouts
-from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.parsing.pyspy import parse_pyspy
 
@@ -92,13 +91,6 @@ def sleeping(pid: int) -> StackDump:
     """A rank asleep in its own code (py-spy's spelling, as rank 1 of the same job showed it)."""
     frames = ["hold (comm_waits_job.py:52)", "schedule_1f1b (comm_waits_job.py:64)", "main (comm_waits_job.py:148)"]
     return StackDump(pid=pid, threads=[ThreadStack(name="MainThread", frames=frames)], cite=Citation(file="py-spy"))
-
-
-def judged(*events: Event):  # type: ignore[no-untyped-def]
-    state = JobState()
-    for event in events:
-        state.apply(event)
-    return classify(take_snapshot(state, observed_at=NOW))
 
 
 class TestPipelineScheduleStalled:

@@ -14,7 +14,7 @@ import random
 
 import nccl_lines as L
 from conftest import NOW
-from engine import verdict_of
+from harness import judged_with_report, verdict_of
 
 from ncclwatch.watchdog.events import (
     Citation,
@@ -28,14 +28,10 @@ from ncclwatch.watchdog.events import (
     ThreadStack,
     WorkerSeen,
 )
-from ncclwatch.watchdog.hang.classify import classify
-from ncclwatch.watchdog.hang.report import build_report, render_text
-from ncclwatch.watchdog.hang.snapshot import take_snapshot
+from ncclwatch.watchdog.hang.report import render_text
 from ncclwatch.watchdog.hang.stacks import user_frame
-from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.hang.step_pattern import expected_next, learn_steps
 from ncclwatch.watchdog.hang.verdicts import Verdict
-from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
 
 BF16, FP32 = 9, 7  # NCCL's datatype numbers
 TORCH = "/venv/lib/python3.12/site-packages/torch/distributed"
@@ -102,7 +98,7 @@ def frames(op: tuple) -> list[FrFrame]:
     return stack + [FrFrame(name=func, filename=path, line=int(line))]
 
 
-def dumps_of(sequences: list[list[tuple]], kept: int = 2000) -> list[FrDump]:
+def sequence_dumps(sequences: list[list[tuple]], kept: int = 2000) -> list[FrDump]:
     """Flight Recorder's dumps of the two ranks: its newest ``kept`` entries; the last two still pending."""
     dtype = {BF16: "BFloat16", FP32: "Float"}
     group = {"0": FrProcessGroup(pg_id="0", desc="default_pg", ranks=[0, 1])}
@@ -131,18 +127,6 @@ def dumps_of(sequences: list[list[tuple]], kept: int = 2000) -> list[FrDump]:
             )
         )
     return dumps
-
-
-def judged(*events: Event, logs: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
-    state = JobState()
-    for name, text in (logs or {}).items():
-        for event in NcclLogParser(name).feed(text.encode(), final=True):
-            state.apply(event)
-    for event in events:
-        state.apply(event)
-    snapshot = take_snapshot(state, observed_at=NOW)
-    finding = classify(snapshot).finding
-    return finding, build_report(finding, snapshot, inputs=[], cited={})
 
 
 def keys(ops: list[tuple]) -> list[tuple]:
@@ -289,8 +273,8 @@ class TestCallSites:
     IN_ALL_REDUCE = ["all_reduce (torch/distributed/distributed_c10d.py:3068)", "main (/job/train.py:71)"]
 
     def test_each_side_gets_the_line_that_issued_its_operation(self) -> None:
-        finding, report = judged(
-            *dumps_of(job(12, skip_step=9)), *self.stacks({0: self.IN_ALL_REDUCE, 1: self.BACKWARD})
+        finding, report = judged_with_report(
+            *sequence_dumps(job(12, skip_step=9)), *self.stacks({0: self.IN_ALL_REDUCE, 1: self.BACKWARD})
         )
         assert finding.culprits == (1,)
         assert "rank 1 skipped AllReduce count=1 Float at train.py:71" in finding.reason
@@ -312,7 +296,9 @@ class TestCallSites:
         )
 
     def test_the_table_shows_py_spy_on_a_second_line_only_where_it_differs(self) -> None:
-        _, report = judged(*dumps_of(job(12, skip_step=9)), *self.stacks({0: self.IN_ALL_REDUCE, 1: self.BACKWARD}))
+        _, report = judged_with_report(
+            *sequence_dumps(job(12, skip_step=9)), *self.stacks({0: self.IN_ALL_REDUCE, 1: self.BACKWARD})
+        )
         table = render_text(report).split("\n\n")[1].splitlines()
         assert "call site" in table[0]
         rank0, rank1, now = table[1], table[2], table[3]
@@ -320,7 +306,7 @@ class TestCallSites:
         assert now.strip() == "now: _engine_run_backward <- main (train.py:67)" and len(table) == 4
 
     def test_a_tie_names_both_sides_with_their_lines(self) -> None:
-        finding, report = judged(*dumps_of(job(2, skip_step=0)))
+        finding, report = judged_with_report(*sequence_dumps(job(2, skip_step=0)))
         assert finding.culprits == ()
         assert "rank 0 issued AllReduce count=1 Float at train.py:71; rank 1 issued AllGather" in finding.summary
         assert (
@@ -330,7 +316,7 @@ class TestCallSites:
 
     def test_a_verdict_from_nccl_logs_takes_the_lines_from_flight_recorder(self) -> None:
         sequences = job(12, skip_step=9)
-        finding, report = judged(*dumps_of(sequences), logs=logs_of(sequences))
+        finding, report = judged_with_report(*sequence_dumps(sequences), logs=logs_of(sequences))
         assert finding.source == "nccl_log" and finding.culprits == (1,)
         assert [row.call_site.rpartition(" <- ")[2] for row in report.ranks if row.call_site] == [
             "main (/job/train.py:71)",
@@ -339,9 +325,9 @@ class TestCallSites:
 
     def test_a_dump_too_short_for_a_step_leaves_the_split_to_the_longer_nccl_log(self) -> None:
         sequences = job(12, skip_step=10)
-        finding, _ = judged(*dumps_of(sequences, kept=30), logs=logs_of(sequences))
+        finding, _ = judged_with_report(*sequence_dumps(sequences, kept=30), logs=logs_of(sequences))
         assert (finding.source, finding.culprits) == ("nccl_log", (1,))
-        finding, _ = judged(*dumps_of(sequences, kept=30))
+        finding, _ = judged_with_report(*sequence_dumps(sequences, kept=30))
         assert finding.culprits == ()
 
 

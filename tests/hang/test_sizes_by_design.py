@@ -49,7 +49,7 @@ def entry(
     )
 
 
-def judged(rank0: list[FrEntry], rank1: list[FrEntry], last_completed: tuple[int, int] | None = None) -> Finding:
+def pair_finding(rank0: list[FrEntry], rank1: list[FrEntry], last_completed: tuple[int, int] | None = None) -> Finding:
     """Two ranks' dumps; with ``last_completed``, gloo's way: every entry 'scheduled', the group's status counts."""
     state = JobState()
     for rank, entries in enumerate((rank0, rank1)):
@@ -90,24 +90,24 @@ class TestSidesEveryRankRecordsAlike:
             op = case.split(",")[0]
             rank0 = [all_reduce(1), entry(2, op, sizes0, dtypes0, WAITING), all_reduce(3, state=WAITING)]
             rank1 = [all_reduce(1), entry(2, op, sizes1, dtypes1, WAITING)]
-            finding = judged(rank0, rank1)
+            finding = pair_finding(rank0, rank1)
             assert (finding.verdict, finding.culprits, finding.position) == (Verdict.rank_behind, (1,), 3), case
 
     def test_nccl_scatters_of_other_chunks_are_a_mismatch(self) -> None:
         root = entry(2, "Scatter", ([[4, 2]], [[4, 2], [4, 2]]), (["Float"], ["Float", "Float"]), WAITING)
         other = entry(2, "Scatter", ([[4, 3]], [[0]]), (["Float"], ["UNKNOWN_SCALAR"]), WAITING)
-        finding = judged([all_reduce(1), root], [all_reduce(1), other])
+        finding = pair_finding([all_reduce(1), root], [all_reduce(1), other])
         assert (finding.verdict, finding.position) == (Verdict.collective_mismatch, 2)
 
     def test_scatters_of_other_chunks_are_a_mismatch(self) -> None:
         rank0 = [all_reduce(1), entry(2, "Scatter", ([[2, 3]], [[3]]), state=WAITING)]
         rank1 = [all_reduce(1), entry(2, "Scatter", ([], [[4]]), ([], ["Float"]), WAITING)]
-        finding = judged(rank0, rank1)
+        finding = pair_finding(rank0, rank1)
         assert (finding.verdict, finding.position) == (Verdict.collective_mismatch, 2)
 
     def test_all_reduces_of_other_counts_or_dtypes_are_a_mismatch(self) -> None:
         for other in (all_reduce(2, 8, WAITING), all_reduce(2, 4, WAITING, "Double")):
-            finding = judged([all_reduce(1), all_reduce(2, 4, WAITING)], [all_reduce(1), other])
+            finding = pair_finding([all_reduce(1), all_reduce(2, 4, WAITING)], [all_reduce(1), other])
             assert (finding.verdict, finding.position) == (Verdict.collective_mismatch, 2), other
 
 
@@ -121,33 +121,33 @@ class TestCompletedEverywhere:
         return rank0, rank1
 
     def test_the_ranks_met_there_and_the_stall_is_what_is_pending(self) -> None:
-        finding = judged(*self.ranks(DONE))
+        finding = pair_finding(*self.ranks(DONE))
         assert (finding.verdict, finding.culprits, finding.position) == (Verdict.rank_behind, (1,), 4)
 
     def test_gloo_s_completion_counts_the_same(self) -> None:
         # gloo (torch 2.13) leaves every entry 'scheduled'; last_completed_collective 3 on both ranks completes #2.
-        finding = judged(*self.ranks(DONE), last_completed=(3, 3))
+        finding = pair_finding(*self.ranks(DONE), last_completed=(3, 3))
         assert (finding.verdict, finding.culprits, finding.position) == (Verdict.rank_behind, (1,), 4)
 
     def test_a_difference_still_pending_is_a_mismatch(self) -> None:
-        finding = judged(*self.ranks(WAITING))
+        finding = pair_finding(*self.ranks(WAITING))
         assert (finding.verdict, finding.position) == (Verdict.collective_mismatch, 2)
 
     def test_a_completed_difference_the_ranks_never_recover_from_stays_the_divergence(self) -> None:
         # NCCL completes what it is given (the 2-GPU capture mismatch_fr): what follows is shifted, the cause is here.
-        finding = judged(*self.ranks(DONE, then_agree=False))
+        finding = pair_finding(*self.ranks(DONE, then_agree=False))
         assert (finding.verdict, finding.position) == (Verdict.collective_mismatch, 2)
 
     def test_with_nothing_pending_after_it_a_completed_difference_holds_nothing(self) -> None:
         # A job in its set-up, slow between its first collectives: nothing it issued is still running.
         rank0 = [all_reduce(1), all_reduce(2, 6)]
         rank1 = [all_reduce(1), all_reduce(2, 9)]
-        assert judged(rank0, rank1).verdict == Verdict.no_hang
+        assert pair_finding(rank0, rank1).verdict == Verdict.no_hang
 
     def test_another_collective_is_another_call_even_completed(self) -> None:
         rank0 = [all_reduce(1), all_reduce(2), all_reduce(3), all_reduce(4, state=WAITING)]
         rank1 = [all_reduce(1), entry(2, "Broadcast", ([[4]], [[4]])), all_reduce(3)]
-        finding = judged(rank0, rank1)
+        finding = pair_finding(rank0, rank1)
         assert (finding.verdict, finding.position) == (Verdict.collective_mismatch, 2)
 
 
@@ -163,28 +163,28 @@ class TestDatatypesCompletedApart:
         return [*history, all_reduce(4), *after], [*history, all_reduce(4, dtype=rank1_dtype), *after]
 
     def test_the_collective_right_after_it_hanging_names_the_rank_that_changed_its_datatype(self) -> None:
-        finding = judged(*self.ranks([WAITING, WAITING]))
+        finding = pair_finding(*self.ranks([WAITING, WAITING]))
         assert (finding.verdict, finding.culprits, finding.position) == (Verdict.collective_mismatch, (1,), 4)
         assert finding.kind == "dtype"
         assert finding.summary.startswith("rank 1 passes BFloat16 where rank 0 passes Float")
 
     def test_with_every_collective_after_it_completed_it_is_not_what_holds_the_job(self) -> None:
         # a pause after it (a checkpoint): nothing pending, so no mismatch is the stall
-        assert judged(*self.ranks([DONE, DONE])).verdict is not Verdict.collective_mismatch
+        assert pair_finding(*self.ranks([DONE, DONE])).verdict is not Verdict.collective_mismatch
 
     def test_far_behind_the_stall_it_is_not_the_stall_s_cause(self) -> None:
-        finding = judged(*self.ranks([DONE] * 6 + [WAITING]))
+        finding = pair_finding(*self.ranks([DONE] * 6 + [WAITING]))
         assert finding.verdict is not Verdict.collective_mismatch and finding.position == 11, finding.summary
 
     def test_a_size_that_differs_by_design_keeps_its_old_reading(self) -> None:
         # the same run with the counts differing instead (one call recorded apart): the stall is what is pending
         rank0, rank1 = self.ranks([WAITING, WAITING], rank1_dtype="Float")
         rank1[3] = all_reduce(4, count=8)
-        assert judged(rank0, rank1).verdict is not Verdict.collective_mismatch
+        assert pair_finding(rank0, rank1).verdict is not Verdict.collective_mismatch
 
     def test_a_divergence_still_pending_far_after_it_is_the_one_named(self) -> None:
         rank0, rank1 = self.ranks([DONE] * 6)
         rank0.append(all_reduce(11, state=WAITING))
         rank1.append(entry(11, "AllGather", ([[4]], [[8]]), state=WAITING))
-        finding = judged(rank0, rank1)
+        finding = pair_finding(rank0, rank1)
         assert (finding.verdict, finding.position) == (Verdict.collective_mismatch, 11), finding.summary

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import nccl_lines as L
-from engine import snapshot_of
+from harness import snapshot_of
 
 from ncclwatch.watchdog.analyze import analyze_paths
 from ncclwatch.watchdog.hang.classify import classify

@@ -1,6 +1,8 @@
-"""Partial evidence of the kind users post, where the culprit was knowable and not named (issue 23, part 5).
+"""The partial-evidence rules (``hang.partial.PARTIAL_RULES``): one class per rule, named after it, with a case where
+it fires and one where it stays quiet (``test_rule_tables`` checks every rule has both).
 
-Each rule has a case that names the culprit and one that must not name anyone.  Lines mirror the real
+Partial evidence of the kind users post, where the culprit was knowable and not named (issue 23, part 5): each rule
+has a case that names the culprit and one that must not name anyone.  Lines mirror the real
 formats: NCCL's COLL line (``host:pid:tid [cudaDev] NCCL INFO AllReduce: opCount ...``, as in the
 2.28.9 captures in ``shared/fixtures``), PyTorch's watchdog lines of torch 2.4+ (``[rank1]:[E...]
 [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(...)`` and ``[PG ID 0 PG GUID
@@ -14,8 +16,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import nccl_lines as L
+from harness import snapshot_with
+
 from ncclwatch.watchdog.analyze import analyze_paths
+from ncclwatch.watchdog.events import Citation, Event, NetworkError, WatchdogTimeout, WorkerFailure
+from ncclwatch.watchdog.hang.partial import dead_peer, detail_mismatch
+from ncclwatch.watchdog.hang.partial_rules import Facts, network_finding, orphan_ops, process_groups, transport_mismatch
 from ncclwatch.watchdog.hang.report import Report
+from ncclwatch.watchdog.hang.verdicts import Verdict
 
 NOW = 1_800_000_000.0
 BF16, F32, SUM = 9, 7, 0
@@ -60,7 +69,11 @@ def single_node(steps: int, pid: int, dev: int) -> str:
     return "".join(coll("gpu7", pid, dev, op, 0, count) for _ in range(steps) for op, count in STEP)
 
 
-class TestNcclLinesWithoutInit:
+class TestOrphanOps:
+    def test_quiet_where_every_line_has_its_init(self) -> None:
+        logs = {f"nccl.vm.{640 + r}.log": nccl_with_init(r, STEP * 2) for r in (0, 1)}
+        assert orphan_ops(facts_of(logs=logs)) is None
+
     def test_two_processes_agree_and_the_third_departs_it_is_named_by_process_and_gpu(self, tmp_path: Path) -> None:
         files = {f"nccl.gpu7.{4100 + d}": single_node(4, 4100 + d, d) for d in range(3)}
         for d in (0, 1):  # both enter the loss all-reduce; process 4102 enters an all-gather of another size
@@ -166,7 +179,10 @@ GARBAGE = (
 )
 
 
-class TestDetailReports:
+class TestDetailMismatch:
+    def test_quiet_without_a_detail_report(self) -> None:
+        assert detail_mismatch(facts_of(timeout(0, "ALLREDUCE"))) is None
+
     def test_one_rank_comparing_itself_with_rank_0_names_both_as_suspects_and_no_culprit(self, tmp_path: Path) -> None:
         text = detail(1, fingerprint(37, "ALLREDUCE", "1024", device="cuda:1"), 0, fingerprint(37, "BROADCAST", "1024"))
         report = analyze(write(tmp_path / "case", {"rank1.err": text}))
@@ -273,3 +289,82 @@ class TestSeqNumContradictions:
         }
         report = analyze(write(tmp_path / "case", files))
         assert (report.verdict.value, report.culprit_ranks) == ("inconclusive", [])
+
+
+# --------------------------------------------------------------------------
+# the other rules, each on the events its parser gives
+# --------------------------------------------------------------------------
+
+
+def facts_of(*events: Event, logs: dict[str, str] | None = None) -> Facts:
+    return Facts.collect(snapshot_with(*events, logs=logs))
+
+
+def timeout(rank: int, op: str) -> WatchdogTimeout:
+    """PyTorch's watchdog line: ``rank`` timed out in SeqNum 5, an ``op`` of 1024 elements."""
+    return WatchdogTimeout(rank=rank, seq=5, op=op, numel_in=1024, ran_ms=600082, cite=Citation(file=f"rank{rank}.log"))
+
+
+TRUNCATED = (
+    "vm:543:567 [0] transport/net_socket.cc:567 NCCL WARN NET/Socket : peer 192.0.2.2<36764> message truncated : "
+    "receiving 131072 bytes instead of 65536. If you believe your socket network is in a healthy state, there may be "
+    "a mismatch in collective sizes or environment settings (e.g. NCCL_PROTO, NCCL_ALGO) between ranks\n"
+)
+COMM = "0x5581e4a3c9e0"
+
+
+class TestTransportMismatch:
+    @staticmethod
+    def one_node(warn: str) -> dict[str, str]:
+        return {"vm.543": L.init(0, 2, COMM, host="vm", pid=543) + L.steps(0, COMM, 3, host="vm", pid=543) + warn}
+
+    def test_nccls_truncated_message_is_a_mismatch_with_both_ranks_suspect(self) -> None:
+        found = transport_mismatch(facts_of(logs=self.one_node(TRUNCATED)))
+        assert found is not None and (found.verdict, found.suspects) == (Verdict.collective_mismatch, (0, 1))
+
+    def test_quiet_without_the_warning(self) -> None:
+        assert transport_mismatch(facts_of(logs=self.one_node(""))) is None
+
+
+class TestDeadPeer:
+    def test_a_rank_torchrun_saw_die_on_its_own(self) -> None:
+        failure = WorkerFailure(rank=1, exitcode=3, pid=1001, root_cause=True, cite=Citation(file="console.log"))
+        found = dead_peer(facts_of(failure))
+        assert found is not None and (found.verdict, found.culprits) == (Verdict.process_dead, (1,))
+
+    def test_quiet_on_torchruns_teardown(self) -> None:
+        failure = WorkerFailure(rank=1, exitcode=-15, pid=1001, root_cause=False, cite=Citation(file="console.log"))
+        assert dead_peer(facts_of(failure)) is None
+
+
+class TestProcessGroups:
+    def test_ranks_timing_out_in_one_seqnum_with_different_operations_mismatch(self) -> None:
+        found = process_groups(facts_of(timeout(0, "ALLREDUCE"), timeout(1, "BROADCAST")))
+        assert found is not None and found.verdict == Verdict.collective_mismatch
+
+    def test_quiet_without_pytorchs_lines(self) -> None:
+        assert (
+            process_groups(facts_of(WorkerFailure(rank=1, exitcode=3, root_cause=True, cite=Citation(file="c"))))
+            is None
+        )
+
+
+class TestNetworkFinding:
+    @staticmethod
+    def error(kind: str) -> NetworkError:
+        return NetworkError(
+            kind=kind,  # type: ignore[arg-type]
+            rank=0,
+            peer="10.0.0.2<45678>",
+            device="mlx5_0",
+            status=12,
+            status_name="IBV_WC_RETRY_EXC_ERR",
+            cite=Citation(file="node1.1000", line=40),
+        )
+
+    def test_an_infiniband_completion_error_is_a_network_error(self) -> None:
+        found = network_finding(facts_of(self.error("ib_completion")))
+        assert found is not None and found.verdict == Verdict.network_error
+
+    def test_quiet_on_a_closed_connection_alone(self) -> None:
+        assert network_finding(facts_of(self.error("connection_closed"))) is None
