@@ -48,7 +48,7 @@ from ncclwatch.watchdog.parsing.failure_lines import WATCH as FAILURE_MARKERS
 from ncclwatch.watchdog.parsing.failure_lines import FailureLines
 from ncclwatch.watchdog.parsing.kernel_log import KernelLogParser, looks_like_kernel_log
 from ncclwatch.watchdog.parsing.line_prefix import LinePrefix, PrefixStripper, detect
-from ncclwatch.watchdog.parsing.nccl_excerpt import OrphanScanner
+from ncclwatch.watchdog.parsing.nccl_excerpt import BareLines, OrphanScanner, has_bare_lines
 from ncclwatch.watchdog.parsing.nccl_log import Residual
 from ncclwatch.watchdog.parsing.rank_prefix import SAMPLE as PREFIX_SAMPLE
 from ncclwatch.watchdog.parsing.rank_prefix import rank_of_file, ranks_in_chunk, ranks_in_samples
@@ -260,6 +260,7 @@ class TextIngest:
         # A launcher's or scheduler's prefix on every line (``line_prefix``): rewritten before any parser reads.
         self.stripper = PrefixStripper(prefix) if prefix is not None else None
         self.kernel: KernelLogParser | None = None  # the driver's Xid lines, where the input is a kernel log
+        self.bare: BareLines | None = None  # NCCL lines pasted without their host:pid:tid
         self.file_rank = rank_of_file(name)
         self.nccl = NcclLogParser(name, watch=_WATCHED)
         self.torch = TorchLogParser(name, self.file_rank)
@@ -278,6 +279,7 @@ class TextIngest:
     def run(self, head: bytes, handle: BinaryIO, compression: str | None) -> InputFile:
         # Decided once from the head: an NCCL debug file pays nothing for the kernel log's reader.
         self.kernel = KernelLogParser(self.name) if looks_like_kernel_log(head) else None
+        self.bare = BareLines(self.name) if has_bare_lines(head) else None  # a pasted excerpt's NCCL lines
         chunk = head
         while chunk:
             self._read(chunk)
@@ -289,10 +291,11 @@ class TextIngest:
         if self.kernel is not None:  # the kernel log's own prefixes carry the time and host: it reads the original
             for event in self.kernel.feed(chunk, final=final):
                 self.state.apply(event)
-        if self.stripper is None:
+        if self.stripper is None and self.bare is None:
             self._feed(chunk, final=final)
             return
-        text = self.stripper.feed(chunk, final=final)
+        text = self.stripper.feed(chunk, final=final) if self.stripper is not None else chunk
+        text = self.bare.feed(text, final=final) if self.bare is not None else text
         if text or final:
             self._feed(text, final=final)
 

@@ -74,7 +74,8 @@ XID_TABLE: dict[int, tuple[str, bool]] = {
 }
 
 _XID_RE = re.compile(
-    r"NVRM: Xid \((?:PCI:)?(?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})(?:\.[0-9a-fA-F])?\): "
+    # A pasted line's bus id is often elided ("(PCI:...)", "(PCI:…)"): kept as written, it places no GPU.
+    r"NVRM: Xid \((?:PCI:)?(?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}|\.{3}|…)(?:\.[0-9a-fA-F])?\): "
     r"(?P<code>\d+),\s*(?:pid=(?P<pid>\d+|'?<unknown>'?),\s*)?(?:name=(?P<name>[^,]*),\s*)?(?P<msg>.*)"
 )
 # Where the line came from, in front of "NVRM:": each gives the time as printed, some the host.

@@ -8,6 +8,10 @@ communicator address, the count and the last ``KEEP`` operations with their
 ``opCount`` and line number, plus ``[nranks=N]`` (2.19+), the ``[cudaDev]`` of the prefix and the rank a
 ``[rankN]:`` prefix or the file name gives.
 
+A pasted excerpt often lost even the ``host:pid:tid`` in front of NCCL's own ``[cudaDev] NCCL INFO``: ``BareLines``
+gives each such line a process again, named by its file and GPU (``pasted-<file>:<cudaDev>:0 [cudaDev] NCCL
+...``), before any NCCL reader sees it; its Init lines, where kept, then give the ranks.
+
 Failure mode: ``opCount`` counts kernel launches, not operations, and is 0
 forever on single-node jobs from NCCL 2.27.3; ``hang.partial`` aligns by it
 only when it moves.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from pathlib import PurePath
 
 from ncclwatch.watchdog.events import OpSig, OrphanOps, ProcKey
 from ncclwatch.watchdog.parsing.rank_prefix import rank_of_line
@@ -29,6 +34,33 @@ _LINE_RE = re.compile(
     rb"opCount (?P<oc>[0-9a-fA-F]+) sendbuff \S+ recvbuff \S+ count (?P<count>\d+) datatype (?P<dt>\d+) "
     rb"op (?P<redop>\d+) root (?P<root>-?\d+) comm (?P<comm>\S+)(?: \[nranks=(?P<nranks>\d+)\])?"
 )
+
+
+_BARE_RE = re.compile(rb"(?m)^\[(\d+)\] NCCL (?=INFO |WARN )")
+
+
+def has_bare_lines(head: bytes) -> bool:
+    """NCCL lines whose ``host:pid:tid`` was cut off (``[0] NCCL INFO ...``, as pasted into an issue)."""
+    return _BARE_RE.search(head) is not None
+
+
+class BareLines:
+    """Chunks cut anywhere -> the same lines, each bare NCCL line behind a process named by its file and GPU.
+
+    The line count never changes (citations hold).  Two ranks' pastes in one file stay apart by their GPU; two
+    files of one GPU each are two processes by their names.
+    """
+
+    def __init__(self, name: str) -> None:
+        stem = re.sub(r"[^\w.-]", "_", PurePath(name).name) or "input"
+        self._host = b"pasted-" + stem.encode()
+        self._partial = b""
+
+    def feed(self, chunk: bytes, final: bool = False) -> bytes:
+        text = self._partial + chunk
+        cut = len(text) if final else text.rfind(b"\n") + 1
+        self._partial = text[cut:]
+        return _BARE_RE.sub(lambda m: self._host + b":" + m[1] + b":0 " + m[0], text[:cut])
 
 
 class _Slot:

@@ -7,7 +7,12 @@ At ``--fault-step`` rank ``--fault-rank`` (default: the last):
   exit         sys.exit(3)
   timeout      sleeps past the process group's timeout (``--timeout-s``): the others' all_reduce times out
   extra        one extra all_reduce of another size (gloo checks sizes: the others abort)
+  skip         skips the step's all_reduce: its next, smaller all_gather meets the others' all_reduce
+  oom          allocates more GPU memory than the GPU has (CUDA out of memory; --backend nccl)
   none         healthy: --steps steps, then a clean exit
+
+``--backend nccl`` puts every rank on GPU 0, each with its own ``NCCL_HOSTID`` (NCCL then joins them over its
+socket transport, as two nodes: NCCL-FACTS.md, "Many nodes on one GPU").
 
 Run it with plain ``torchrun --nproc-per-node=N`` (tests/fixtures/failures/README.md says how each file was made).
 """
@@ -21,7 +26,7 @@ import signal
 import sys
 import time
 
-FAULTS = ("none", "raise", "sigkill", "exit", "timeout", "extra")
+FAULTS = ("none", "raise", "sigkill", "exit", "timeout", "extra", "skip", "oom")
 
 
 def parse_args() -> argparse.Namespace:
@@ -31,6 +36,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fault-step", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--timeout-s", type=float, default=3.0)
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     return parser.parse_args()
 
 
@@ -44,10 +50,16 @@ def main() -> int:
     import torch.distributed as dist
 
     args = parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    device = torch.device("cpu")
+    if args.backend == "nccl":
+        os.environ["NCCL_HOSTID"] = f"failing-job-host-{os.environ['RANK']}"
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     fault_rank = args.fault_rank if args.fault_rank >= 0 else world - 1
-    grads = torch.ones(4096)
+    grads = torch.ones(1 << 18, device=device)
+    gathered = [torch.empty(1024, device=device) for _ in range(world)]
     for step in range(args.steps):
         time.sleep(0.05)
         if rank == fault_rank and step == args.fault_step:
@@ -61,8 +73,14 @@ def main() -> int:
             elif args.fault == "timeout":
                 time.sleep(args.timeout_s * 4)
             elif args.fault == "extra":
-                dist.all_reduce(torch.ones(123))
-        dist.all_reduce(grads)
+                dist.all_reduce(torch.ones(123, device=device))
+            elif args.fault == "oom":
+                torch.empty(1 << 43, dtype=torch.uint8, device=device)  # 8 TiB
+        if not (args.fault == "skip" and rank == fault_rank and step == args.fault_step):
+            dist.all_reduce(grads)
+        dist.all_gather(gathered, torch.full((1024,), float(rank), device=device))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()
     return 0
