@@ -95,6 +95,20 @@ class TestTorchrunSummary:
         (ended,) = [e for e in events if isinstance(e, JobEnded)]
         assert (ended.outcome, ended.returncode, ended.at) == (JobOutcome.failed, 1, exits[root].at)
 
+    def test_a_job_whose_first_failure_was_a_sigterm_from_outside_was_stopped(self, tmp_path: Path) -> None:
+        # the raise capture's summary with its root cause SIGTERMed, as when ncclwatch or a user ends the ranks
+        text = (FAILURES / "gloo-2.13-raise.txt").read_text()
+        head, root = text.split("Root Cause (first observed failure):")
+        root = root.replace("exitcode  : 1 (pid: 8115) ", "exitcode  : -15 (pid: 8115)  (SIGTERM)")
+        events = parse_failure_lines((head + "Root Cause (first observed failure):" + root).encode(), "stopped.txt")
+        (ended,) = [e for e in events if isinstance(e, JobEnded)]
+        assert ended.outcome == JobOutcome.stopped
+
+    def test_torchrun_stopped_by_a_signal_is_no_ranks_failure(self) -> None:
+        # torchrun SIGTERMed by hand: its own SignalException traceback, and no summary
+        events = parse_failure_lines((FIXTURES / "torchrun-sigterm-2.13.txt").read_bytes(), "torchrun-sigterm.txt")
+        assert [e for e in events if isinstance(e, (RankFailure, JobEnded))] == []
+
     def test_a_clean_job_says_nothing(self) -> None:
         assert read("gloo-2.13-clean.txt") == []
 

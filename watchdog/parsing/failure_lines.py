@@ -100,6 +100,7 @@ _CAUSES: tuple[tuple[FailureKind, re.Pattern[str]], ...] = (
         ),
     ),
 )
+_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 _KEEP_FRAMES = 64  # a traceback's frames kept per stream (a deep recursion prints a thousand)
 
 
@@ -219,8 +220,8 @@ class FailureLines:
             return []  # no exception line where one was due: the traceback was cut
         message = m["msg"] or ""
         error_type = m["type"]
-        if error_type.endswith("ChildFailedError"):
-            return []  # torchrun's own traceback, before its summary: the summary says who failed
+        if error_type.startswith("torch.distributed.elastic.") or error_type.endswith("ChildFailedError"):
+            return []  # torchrun's own traceback (before its summary, or a signal it got): no rank's failure
         kind = classify(message) or (FailureKind.out_of_memory if "OutOfMemory" in error_type else None)
         user = [f for f in stream.frames if not is_library(f[0])]
         frame = user[-1] if user else None
@@ -276,7 +277,10 @@ class FailureLines:
             events = self._once(("exited", exited.rank, self._root_cause), exited)
             if self._root_cause and exited.at is not None:
                 # The summary is torchrun's last word: it raises ChildFailedError, so it exits 1, at about that time.
-                events += self._once(("ended",), JobEnded(outcome=JobOutcome.failed, returncode=1, at=exited.at))
+                # A first failure by SIGTERM, SIGINT or SIGHUP was sent from outside (the user, a scheduler, or
+                # ncclwatch ending a hung job): stopped, not failed.
+                outcome = JobOutcome.stopped if exited.signal in _STOP_SIGNALS else JobOutcome.failed
+                events += self._once(("ended",), JobEnded(outcome=outcome, returncode=1, at=exited.at))
             return events
         return None
 
