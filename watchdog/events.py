@@ -615,6 +615,28 @@ class Heartbeat(Event):
     beats: int = 0
 
 
+class InspectorProgress(Event):
+    """How far one rank got in one communicator, from NVIDIA's NCCL Inspector plugin (``sources/inspector.py``).
+
+    Sequence numbers are the highest *completed* ones the plugin recorded (per communicator, collectives and p2p
+    apart); it records nothing under its size floor and may drop completions between two dumps, so they are
+    "at least this far", never a count.  ``rank`` is the rank in that communicator.
+    """
+
+    host: str
+    pid: int
+    comm_id: str  # NCCL's communicator hash, "0x..."
+    comm_name: str
+    rank: int
+    nranks: int
+    last_coll_seq: int | None
+    last_p2p_seq: int | None
+    bus_bw_gbs_median: float | None
+    exec_us_median: float | None
+    dumped_at: float  # wall clock of the plugin's latest dump that held this communicator
+    cite: Citation
+
+
 STOPPED_STATES = frozenset({"T", "t"})  # /proc state letters of a stopped process: SIGSTOP (T) and ptrace stop (t)
 BLOCKED_STATES = frozenset({"S", "D"})  # /proc: asleep in the kernel (a read, a sleep, a futex) or in disk I/O
 
