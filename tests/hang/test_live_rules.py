@@ -67,6 +67,9 @@ def busy_workers(cpu_busy_rank: int) -> list[Event]:
 
 
 STALL = Stall(at=NOW, stalled_for_s=30, stall_timeout_s=5, progress_timeout_s=600)
+# Real bundles: gloo pipeline x DP with rank 0 stuck; 2 x H200 pipelines whose rank 1's GPU hangs before a send.
+PP_DP_STUCK_R0 = FIXTURES / "bundles" / "gloo-2.13-cpu-pp-dp-stuck-r0"
+PIPELINE_GPU_HANG = sorted((FIXTURES / "bundles" / "nccl-2.28.9-h200x2-pipeline-gpu-hang").glob("*.tar.gz"))
 BEHIND = {r: L.init(r, 3, COMM) + L.steps(r, COMM, 5 if r == 2 else 6) for r in range(3)}
 
 
@@ -177,6 +180,18 @@ class TestStreamHeldBeforeNccl:
         dumps = dumps_of(lambda r: [coll(0, 1, OpState.started)])
         assert stream_held_before_nccl(observed(*dumps), STUCK) is None
 
+    @pytest.mark.parametrize("bundle", PIPELINE_GPU_HANG, ids=lambda p: p.name.split("_gpu_hang")[0])
+    def test_the_rank_whose_gpu_started_none_of_its_nccl_work_is_named(self, bundle) -> None:  # type: ignore[no-untyped-def]
+        """A pipeline rank whose GPU is held by its own kernel before its next send (real 2 x H200 bundles, GPipe and
+        1F1B), paged as stuck with no culprit before."""
+        report = analyze_paths([str(bundle)])
+        assert (report.verdict, report.culprit_ranks) == (Verdict.gpu_compute_hang, [1]), report.summary
+        assert "Rank 1's GPU runs none of the NCCL operations its host enqueued" in report.summary
+        assert report.kind == "spin"  # NVML: one block busy on rank 1's GPU, and no NCCL operation running there
+
+    def test_two_pipeline_bundles_were_given(self) -> None:
+        assert len(PIPELINE_GPU_HANG) == 2
+
 
 class TestLeadFromStacks:
     def test_the_rank_outside_the_collective_its_peers_sit_in_leads(self) -> None:
@@ -239,6 +254,26 @@ class TestP2pWaitFromStacks:
     def test_quiet_where_the_rank_behind_is_in_its_own_code(self) -> None:
         seen = observed(stall(), *workers(0, 1), stack(1000, IN_ALL_REDUCE), stack(1001, ASLEEP))
         assert p2p_wait_from_stacks(seen, self.behind) is None
+
+    @pytest.mark.parametrize("order", [("node0", "node1"), ("node1", "node0")])
+    def test_the_rank_in_its_own_code_is_named_whichever_node_comes_first(self, order: tuple[str, str]) -> None:
+        """A rank behind in one communicator because it waits in a pipeline's recv is not the cause (real gloo
+        bundles, pipeline x DP, rank 0 stuck)."""
+        paths = [str(next(PP_DP_STUCK_R0.glob(f"{node}-*.tar.gz"))) for node in order]
+        report = analyze_paths(paths)
+        assert (report.verdict, report.culprit_ranks) == (Verdict.rank_behind, [0])
+        rows = {row.rank: row for row in report.ranks}
+        assert "Fault.at" in (rows[0].stack or "")
+        assert "forward_backward (shapes_job.py:272)" in (rows[3].stack or "")  # the schedule's recv, under its step
+
+    def test_one_nodes_bundle_alone_names_no_rank_when_the_one_behind_waits_for_an_unseen_peer(self) -> None:
+        """Node 1's bundle alone: rank 3 waits in the schedule's recv for rank 0, which is in no input; rank 2, the
+        only other rank seen, waits in the all-reduce and never owed rank 3 a send."""
+        report = analyze_paths([str(next(PP_DP_STUCK_R0.glob("node1-*.tar.gz")))])
+        assert (report.verdict, report.culprit_ranks) == (Verdict.inconclusive, [])
+        assert "Rank 3 never entered AllReduce" in report.summary
+        assert "ranks 0, 1 of the job are in no input given" in report.summary
+        assert any(m.startswith("ranks 0, 1: no input") for m in report.missing), report.missing
 
 
 class TestBusy:
