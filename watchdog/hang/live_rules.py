@@ -193,7 +193,7 @@ def stuck_from_stacks(seen: Observed, finding: Finding) -> Finding | None:
 def p2p_deadlock_from_stacks(seen: Observed, finding: Finding) -> Finding | None:
     """Every live rank blocked in the same side of a point-to-point call (all ``recv``, or all ``send``): nobody
     can post the side they wait for.  The sequences could not say it (gloo's Flight Recorder records no
-    send/recv; NCCL's logs name the peers, and decide() judges those), so the stacks do."""
+    send/recv; NCCL's logs name the peers, and ``comm_rules`` reads those), so the stacks do."""
     if not seen.silent_undecided(finding):
         return None
     snapshot, where = seen.snapshot, seen.where
@@ -335,7 +335,7 @@ def p2p_wait_from_stacks(seen: Observed, finding: Finding) -> Finding | None:
     parallel on two nodes: ranks 1 and 2 both in ``recv`` first, their data-parallel peers 0 and 3 in the
     all-reduce, were paged ``rank_behind [1, 2]`` with the all-reduce over every rank, ``rank_behind [3]``,
     the only rank ahead in its group, with the all-reduce over each stage's).  gloo's Flight Recorder records
-    no send/recv and a stack names no peer; NCCL's logs name the peer (``detectors``)."""
+    no send/recv and a stack names no peer; NCCL's logs name the peer (``comm_rules``)."""
     if finding.verdict != Verdict.rank_behind or not finding.culprits:
         return None
     snapshot, where = seen.snapshot, seen.where

@@ -78,7 +78,7 @@ class Finding:
     missing: tuple[str, ...] = ()
     rows: tuple[RankStatus, ...] = ()
     # Culprits named only because their dump is absent: right when the live watchdog asked them
-    # (they could not answer), no evidence when files were merely not given (``classify.judge``).
+    # (they could not answer), no evidence when files were merely not given (``live_rules.unblame_absent``).
     absent: tuple[int, ...] = ()
     # Culprits known as processes only, where the input gives no rank (report: ``culprit_processes``).
     culprit_processes: tuple[CulpritProcess, ...] = ()

@@ -22,7 +22,7 @@ the fast path.  A stopped rank cannot answer.
 Every rank is asked at once and waited for in parallel; a rank that does not
 answer in ``wait_s`` (stopped, dead, or holding the GIL in a C call) simply
 has no fresh dump, which the engine reads as a fact
-(``detectors._silent_ranks``).  ``prime`` asks once without waiting.
+(``comm_rules._silent_ranks``).  ``prime`` asks once without waiting.
 """
 
 from __future__ import annotations
