@@ -10,7 +10,8 @@ from harness import coll, dumps_of, judged, judged_state, p2p, snapshot_of, stal
 from nccl_lines import destroy, init, op, steps
 
 from ncclwatch.watchdog.events import Citation, FrEntry, OpState, StackDump, ThreadStack, WorkerFailure, WorkerSeen
-from ncclwatch.watchdog.hang.comm_rules import check_collectives, p2p_log_pairs, p2p_recv_cycle, p2p_recv_never_sent
+from ncclwatch.watchdog.hang.comm_collectives import check_collectives
+from ncclwatch.watchdog.hang.comm_p2p import p2p_log_pairs, p2p_recv_cycle, p2p_recv_never_sent
 from ncclwatch.watchdog.hang.report import build_report, headline
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState

@@ -20,7 +20,7 @@ import pytest
 
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, OpState
 from ncclwatch.watchdog.hang.classify import classify
-from ncclwatch.watchdog.hang.comm_rules import p2p_recv_cycle, p2p_recv_never_sent
+from ncclwatch.watchdog.hang.comm_p2p import p2p_recv_cycle, p2p_recv_never_sent
 from ncclwatch.watchdog.hang.job_rules import job_finding
 from ncclwatch.watchdog.hang.snapshot import take_snapshot
 from ncclwatch.watchdog.hang.state import JobState

@@ -20,7 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ncclwatch.watchdog.events import RasCommunicator, RasReport
-from ncclwatch.watchdog.hang.comm_rules import comm_finding, missing_send_behind_cycle, with_call_sites
+from ncclwatch.watchdog.hang.comm_collectives import with_call_sites
+from ncclwatch.watchdog.hang.comm_p2p import missing_send_behind_cycle
+from ncclwatch.watchdog.hang.comm_rules import comm_finding
 from ncclwatch.watchdog.hang.gpu_signatures import lead_from_signatures
 from ncclwatch.watchdog.hang.partial import partial_finding, strong_partial
 from ncclwatch.watchdog.hang.partial_rules import mismatch_facts

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from ncclwatch.watchdog.events import STOPPED_STATES, GpuSnapshot, OpState
-from ncclwatch.watchdog.hang.comm_rules import P2P_DEADLOCK_FIX
+from ncclwatch.watchdog.hang.comm_p2p import P2P_DEADLOCK_FIX
 from ncclwatch.watchdog.hang.gpu_signatures import NCCL_SPIN, ONE_BLOCK_SPIN, lead_from_signatures, rank_signatures
 from ncclwatch.watchdog.hang.rules import Rule
 from ncclwatch.watchdog.hang.snapshot import CommView, RankView, Snapshot
