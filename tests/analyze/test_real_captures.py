@@ -27,9 +27,14 @@ SHARED_2GPU = {
 }
 
 
+# With torchrun's failure summary a rank's own exit (os._exit(3), no exception, signal or error line) is the program
+# choosing to stop: no incident (issue 44).  From the NCCL logs alone the survivors only saw it die: process_dead.
+SHARED_2GPU_WHOLE = {**SHARED_2GPU, "exit": (V.no_hang, [])}
+
+
 @pytest.mark.parametrize("scenario", sorted(SHARED_2GPU))
 def test_shared_capture_whole(scenario):
-    verdict, culprits = SHARED_2GPU[scenario]
+    verdict, culprits = SHARED_2GPU_WHOLE[scenario]
     report = analyze_paths([str(shared("nccl-2.28.9-2gpu", scenario))])
     assert (report.verdict, report.culprit_ranks) == (verdict, culprits)
 

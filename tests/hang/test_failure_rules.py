@@ -67,6 +67,12 @@ class TestDiedOfItsOwn:
         # the timeout: rank 0 timed out (exit 1, waited), rank 1 was ended by torchrun's SIGTERM
         assert RULES["died_of_its_own"](snapshot_of("gloo-2.13-timeout.txt"), UNDECIDED) is None
 
+    def test_a_ranks_own_exit_is_no_incident(self) -> None:
+        # sys.exit(3) on rank 1: no exception, no signal; its peers' "connection closed" only say they lost it
+        found = RULES["died_of_its_own"](snapshot_of("gloo-2.13-exit.txt"), UNDECIDED)
+        assert found is not None and (found.verdict, found.culprits, found.kind) == (Verdict.no_hang, (), "exit")
+        assert "chose to stop" in found.summary
+
     def test_gloos_abort_is_the_transports_not_the_ranks_own(self) -> None:
         assert RULES["died_of_its_own"](snapshot_of("gloo-2.13-extra.txt"), UNDECIDED) is None
 
@@ -79,6 +85,21 @@ class TestTransportMismatch:
             (),
             (2,),
         )
+
+    def test_names_the_reporter_the_sequences_set_apart_from_two_that_agree(self) -> None:
+        # demo --fault extra, 3 ranks: rank 2 aborted in C++ (no dump of its extra call); ranks 0 and 1 agree
+        apart = Finding(verdict=Verdict.stuck_in_collective, summary="rank 2 leads.", culprits=(2,))
+        found = RULES["transport_mismatch"](snapshot_of("demo-extra-gloo-2.13-run/console.txt"), apart)
+        assert found is not None and (found.verdict, found.culprits, found.suspects) == (
+            Verdict.collective_mismatch,
+            (2,),
+            (),
+        )
+
+    def test_a_reporter_the_sequences_do_not_set_apart_stays_a_suspect(self) -> None:
+        other = Finding(verdict=Verdict.stuck_in_collective, summary="rank 1 leads.", culprits=(1,))
+        found = RULES["transport_mismatch"](snapshot_of("demo-extra-gloo-2.13-run/console.txt"), other)
+        assert found is not None and (found.culprits, found.suspects) == ((), (2,))
 
     def test_quiet_without_a_size_check(self) -> None:
         assert RULES["transport_mismatch"](snapshot_of("gloo-2.13-raise.txt"), UNDECIDED) is None

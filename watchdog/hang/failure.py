@@ -135,15 +135,15 @@ def died_of_its_own(snapshot: Snapshot, finding: Finding) -> Finding | None:
     if not dead:
         return None
     rank, kind, failure, exited = dead[0]
+    if kind == "exit":
+        return _chose_to_stop(rank, exited, snapshot, finding)  # type: ignore[arg-type]
     where = f" in {failure.frame}" if failure is not None and failure.frame else ""
     if kind == "user_exception":
         what = f"raised {failure.detail}{where}: its own code raised it, not a collective"  # type: ignore[union-attr]
     elif failure is not None:
         what = f"died of {failure.kind.value.replace('_', ' ')}: {failure.detail}{where}"
-    elif kind == "signal":
+    else:  # a signal
         what = SIGNAL_MEANING.get(exited.signal or "", f"ended by {exited.signal}")  # type: ignore[union-attr]
-    else:
-        what = f"exited with code {exited.exitcode} of its own (sys.exit or os._exit in its code; no exception printed)"  # type: ignore[union-attr]
     others = sorted({f.rank for f in snapshot.rank_failures if f.rank not in (None, rank) and f.kind in WAITED})
     then = f" Rank {', '.join(map(str, others))} then failed waiting for it." if others else ""
     return replace(
@@ -159,6 +159,23 @@ def died_of_its_own(snapshot: Snapshot, finding: Finding) -> Finding | None:
     )
 
 
+def _chose_to_stop(rank: int, exited: RankExited, snapshot: Snapshot, finding: Finding) -> Finding:
+    """The first rank to go exited with a code of its own, no exception, no signal, no error line (``sys.exit(3)``):
+    the program chose to stop, and its peers' errors only say they lost it.  No incident (issue 44)."""
+    return replace(
+        finding,
+        verdict=Verdict.no_hang,
+        culprits=(),
+        suspects=(),
+        kind="exit",
+        summary=f"Rank {rank} exited with code {exited.exitcode} of its own (sys.exit or os._exit in its code; no "
+        "exception, signal or error printed): the program chose to stop, so this is no incident.",
+        reason="A rank's own exit with no error is the program's decision; the other ranks' errors (a closed "
+        "connection, a timeout) say only that they lost it.",
+        evidence=_departures(snapshot),
+    )
+
+
 def transport_mismatch(snapshot: Snapshot, finding: Finding) -> Finding | None:
     """A transport caught two ranks' operations differing: a mismatch whose side stderr alone cannot tell."""
     caught = [f for f in snapshot.rank_failures if f.kind is FailureKind.size_mismatch]
@@ -168,6 +185,8 @@ def transport_mismatch(snapshot: Snapshot, finding: Finding) -> Finding | None:
         r for r, failures in _by_rank(snapshot).items() if r is not None and any(f in caught for f in failures)
     )
     ranks = ", ".join(map(str, reporters)) or "a rank"
+    if (singled := _singled_out(snapshot, finding, reporters)) is not None:
+        return singled
     return replace(
         finding,
         verdict=Verdict.collective_mismatch,
@@ -179,6 +198,30 @@ def transport_mismatch(snapshot: Snapshot, finding: Finding) -> Finding | None:
         "operation: the Flight Recorder dumps or NCCL logs of the ranks say which rank departed.",
         evidence=_departures(snapshot),
         missing=("which rank issued the different operation: the ranks' Flight Recorder dumps or NCCL logs",),
+    )
+
+
+def _singled_out(snapshot: Snapshot, finding: Finding, reporters: list[int]) -> Finding | None:
+    """The one rank that caught the mismatch is also the one the sequences set apart from all the others (3 ranks or
+    more): the others agree with each other, so the operation that differed was the reporter's.  gloo aborts the
+    reporter in C++ (no dump of its last operations); its peers' dumps, written as they died, still agree."""
+    world = {e.rank for e in snapshot.exits} | {w.rank for w in snapshot.workers}
+    if len(reporters) != 1 or len(world) < 3 or tuple(finding.culprits) != tuple(reporters):
+        return None
+    if finding.verdict not in (Verdict.stuck_in_collective, Verdict.rank_behind, Verdict.collective_mismatch):
+        return None
+    rank = reporters[0]
+    others = ", ".join(str(r) for r in sorted(world) if r != rank)
+    return replace(
+        finding,
+        verdict=Verdict.collective_mismatch,
+        culprits=(rank,),
+        suspects=(),
+        summary=f"Rank {rank} issued an operation that differs from ranks {others}, which agree with each other; its "
+        "transport caught the sizes differing and aborted the job.",
+        reason="Ranks that all agree did not depart; the one rank the sequences set apart, which also caught the "
+        "mismatch, did.",
+        evidence=finding.evidence + _departures(snapshot),
     )
 
 
