@@ -429,9 +429,8 @@ def test_the_streamed_state_is_judged_only_when_something_came(tmp_path: Path) -
 
 def joined(rig: Rig, cluster: Cluster) -> Nodes:
     """The rig's sidecar joins the other nodes, met through ``cluster`` (the workers named the store)."""
-    rig.sidecar.nodes = nodes = Nodes(rig.sidecar, join=lambda membership, host: cluster)
+    rig.sidecar.nodes = nodes = Nodes(rig.sidecar, cluster)
     rig.sidecar.judging = nodes.judging
-    nodes.met_with(cluster)
     return nodes
 
 
@@ -480,7 +479,7 @@ def test_a_members_peek_is_its_full_evidence_when_the_leader_asks_before_its_own
     def asked(started_at: float) -> bytes | None:
         incident = IncidentView(opened_at=NOW + 4, want=[1], started_at=NOW + started_at)
         cluster.view = JobView(leader=0, term=0, seq=2, nnodes=2, incident=incident)
-        asyncio.run(nodes._follow(nodes.met))  # type: ignore[arg-type]
+        asyncio.run(nodes._follow(nodes.met))
         reader = StoreClient("127.0.0.1", store.port, timeout_s=5)  # one a loop, as the rig's
         return asyncio.run(reader.get(cluster.key("full", 1)))
 

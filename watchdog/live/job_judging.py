@@ -1,8 +1,8 @@
 """Judging with several nodes: the leader's sidecar judges the whole job from every node's evidence; a member
 shares its own and waits for the leader's verdict; without the store each judges its own ranks.
 
-``JobJudging`` is the ``Judging`` (``judging.py``) of a sidecar that joins the other nodes (``nodes.py``); until
-the workers name the store it judges this node alone, as ``NodeJudging`` does.  The leader gathers every node's
+``JobJudging`` is the ``Judging`` (``judging.py``) of a sidecar that has met the other nodes (``nodes.py``); before,
+it asks ``NodeJudging``.  The leader gathers every node's
 compact evidence into one state as it arrives (``JobEvidence``), asks the nodes whose ranks decide for their full
 evidence and judges again; a member's decision is held ("node 0 judges the whole job") and the leader's verdict
 reaches it through the sidecar's queue (``Nodes``).  At a page, ``role`` says whether the verdict is the job's and
@@ -99,11 +99,11 @@ async def gather_compact(
 class JobJudging:
     """Several nodes: the leader judges the job; a member shares its evidence and waits for the leader's verdict."""
 
-    def __init__(self, watch: Watch, wake: asyncio.Event) -> None:
+    def __init__(self, watch: Watch, met: Met, wake: asyncio.Event) -> None:
         self.watch = watch
         self.live = watch.live
+        self.met = met
         self.wake = wake  # the exchange runs now (``Nodes.run``), not at its next round
-        self.met: Met | None = None  # once the workers say the job spans several nodes (``Nodes``)
         self.job_state: JobState | None = None  # the latest probe's state merged with the other nodes' evidence
         self.shared: list[Event] = []  # what this node shared at its latest look (its full evidence on request)
         self.peeked_nodes: dict[int, int] = {}  # rank -> node, as the leader's latest peek gathered them
@@ -112,8 +112,6 @@ class JobJudging:
     async def judge(self, stall: Stall, probed: list[Event]) -> Decision:
         """This node's view, or the whole job's: the leader judges it, the others share and wait for it."""
         met = self.met
-        if met is None:
-            return judge_at(self.live.state, stall.at)
         if CLUSTER in self.live.down:
             return await self._judge_without_store(met, stall, self.live.down[CLUSTER])
         self.shared = self.compact(probed, stall)
@@ -144,7 +142,7 @@ class JobJudging:
         waiting in a collective, which proves nothing), and the warm-up timeout is minutes.  No incident is opened:
         the other nodes' sidecars go on watching, and the evidence is gathered from this silence only."""
         met = self.met
-        if met is None or CLUSTER in self.live.down:
+        if CLUSTER in self.live.down:
             return judge_at(self.live.state, stall.at)
         try:
             if not met.cluster.leads():
@@ -213,8 +211,6 @@ class JobJudging:
         """While the store answers the verdict is the whole job's, taken from the state the leader merged at its
         latest probe, and a member follows the leader's page; else this node's."""
         met = self.met
-        if met is None:
-            return Role(self.live.state)
         key = job_incident_key(met.cluster.membership, decision)
         if CLUSTER in self.live.down:
             return Role(self.live.state, key=key)
@@ -228,8 +224,6 @@ class JobJudging:
         elected now, while the others' lifelines still answer: a node whose leader announced a verdict it could not
         read, or a lower node that answers, pages."""
         met = self.met
-        if met is None:
-            return None
         cluster = met.cluster
         if role.job_wide and cluster.leads():
             response, why = (plan.response.value, plan.why) if plan is not None else (None, "")

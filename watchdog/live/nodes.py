@@ -1,13 +1,14 @@
-"""The other nodes' sidecars: what a sidecar that joins them does besides judging, held only when it may.
+"""The other nodes' sidecars: what a sidecar does besides judging once it has met them, held only then.
 
-``run`` meets the other nodes' sidecars once the workers name the store, then publishes this node's summary and
-reads the job's view every PUBLISH_S (HOT_S while a stall is judged): it sends the full evidence the leader asks
-for, closes the leader's incident once the watch is back to watching, and hands the leader's verdict to the
-sidecar through its queue (a ``LeaderVerdict``, which the tick follows: one verdict, one page).  Around it:
-``peer_suspects`` (another node probes: look now), ``moved`` (a member's ranks moved: withdraw its evidence),
-``proved`` (the leader's peek proved a hang: ask the deciding nodes for their full evidence now), ``hand_off``
-(before a job-wide response ends the job, the members read the verdict), and ``farewell`` (the job ended here;
-without the store, whether the store's node is lost).  Judging itself is ``job_judging.JobJudging``'s.
+The sidecar meets the other nodes' sidecars once its workers name the job's store and several nodes
+(``Membership.of``); from then on it holds a ``Nodes`` and asks its ``judging`` (``job_judging.JobJudging``).
+``run`` publishes this node's summary and reads the job's view every PUBLISH_S (HOT_S while a stall is judged):
+it sends the full evidence the leader asks for, closes the leader's incident once the watch is back to watching,
+and hands the leader's verdict to the sidecar through its queue (a ``LeaderVerdict``, which the tick follows: one
+verdict, one page).  Around it: ``peer_suspects`` (another node probes: look now), ``moved`` (a member's ranks
+moved: withdraw its evidence), ``proved`` (the leader's peek proved a hang: ask the deciding nodes for their full
+evidence now), ``hand_off`` (before a job-wide response ends the job, the members read the verdict), and
+``farewell`` (the job ended here; without the store, whether the store's node is lost).
 
 Failure modes: a store that fails mid-exchange is a ``SourceDown`` of the cluster source, emitted to the sidecar's
 queue, and the node judges its own ranks; a node whose lifeline cannot listen is taken for lost by the others once
@@ -44,45 +45,22 @@ PEEKED_HOT_S = 5.0  # a member exchanges at HOT_S this long after its peek (``No
 
 
 class Nodes:
-    """This node's part among the job's nodes; ``judging`` is the ``Judging`` the sidecar asks."""
+    """This node's part among the job's nodes, met through ``cluster``; ``judging`` is the ``Judging`` the sidecar
+    asks from then on."""
 
-    def __init__(self, watch: Watch, join: ClusterFactory) -> None:
+    def __init__(self, watch: Watch, cluster: Cluster) -> None:
         self.watch = watch
         self.live = watch.live
-        self.join = join
+        self.met = Met.of(cluster)
         self.wake = asyncio.Event()  # the incident's phase changed, or a peek was shared: exchange now
-        self.judging = JobJudging(watch, self.wake)
+        self.judging = JobJudging(watch, self.met, self.wake)
         self._lifeline: Lifeline | None = None
         self._took_store = False  # this node served the store and its job ended by a hang or a failure
         self._following: str | None = None  # the leader's verdict handed to the sidecar, not yet followed there
 
-    @property
-    def met(self) -> Met | None:
-        return self.judging.met
-
-    # -- the exchange, every round ------------------------------------------
-
-    async def run(self) -> None:
-        """Find the other nodes' sidecars once the workers name the store; publish, read the view, follow it."""
-        down: str | None = None
-        while True:
-            if self.met is None and (membership := Membership.of(self.live.state)) is not None:
-                await self._join(membership)
-            if (met := self.met) is not None:
-                reason = await exchange_or_degrade(met.cluster, self._summary())
-                if reason != down:
-                    self.watch.emit(SourceDown(source=CLUSTER, reason=reason) if reason else SourceUp(source=CLUSTER))
-                    down = reason
-                if reason is None:
-                    await self._follow(met)
-            self.wake.clear()
-            try:
-                await asyncio.wait_for(self.wake.wait(), HOT_S if self._hot() else PUBLISH_S)
-            except TimeoutError:
-                pass
-
-    async def _join(self, membership: Membership) -> None:
-        self.met_with(self.join(membership, self.watch.host))
+    async def start(self) -> None:
+        """Say where the sidecars meet, and answer on this node's lifeline (announced in its summary)."""
+        membership = self.met.cluster.membership
         log.info(
             "node %d of %d; sidecars meet in the store at %s:%d",
             membership.node_rank,
@@ -92,15 +70,28 @@ class Nodes:
         )
         self._lifeline = Lifeline(membership.node_rank, self._lifeline_state)
         try:
-            self.met.cluster.lifeline_port = await self._lifeline.start()  # type: ignore[union-attr]
+            self.met.cluster.lifeline_port = await self._lifeline.start()
         except OSError as exc:
             log.warning("no lifeline (%s): without the store, the other nodes will take this one for lost", exc)
             self._lifeline = None
 
-    def met_with(self, cluster: Cluster) -> Met:
-        """The other nodes' sidecars are met through ``cluster``: judging goes job-wide."""
-        self.judging.met = met = Met.of(cluster)
-        return met
+    # -- the exchange, every round ------------------------------------------
+
+    async def run(self) -> None:
+        """Publish this node's summary, read the view, follow it; every PUBLISH_S, or HOT_S, or when woken."""
+        down: str | None = None
+        while True:
+            reason = await exchange_or_degrade(self.met.cluster, self._summary())
+            if reason != down:
+                self.watch.emit(SourceDown(source=CLUSTER, reason=reason) if reason else SourceUp(source=CLUSTER))
+                down = reason
+            if reason is None:
+                await self._follow(self.met)
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), HOT_S if self._hot() else PUBLISH_S)
+            except TimeoutError:
+                pass
 
     def _lifeline_state(self) -> str:
         return "running" if self.live.view(self.watch.clock()).alive else "ended"
@@ -125,7 +116,7 @@ class Nodes:
 
     def peer_suspects(self) -> bool:
         """Another node probes a stall and waits for this node's evidence."""
-        return self.met is not None and self.met.cluster.peer_suspects()
+        return self.met.cluster.peer_suspects()
 
     def _hot(self) -> bool:
         """Exchange every HOT_S while a stall is judged (``VerdictHandoff.hurry``) or this node suspects one:
@@ -135,8 +126,6 @@ class Nodes:
         peek: where the leader's peek of the same silence proves the hang, it asks for this node's full evidence
         at once (``proved``), before this node suspects anything itself."""
         met = self.met
-        if met is None:
-            return False
         suspects = self.watch.incident.phase in (Phase.suspect, Phase.confirming)
         looked_at = self._shared_at()
         peeked = looked_at is not None and self.watch.clock() - looked_at < PEEKED_HOT_S
@@ -170,7 +159,6 @@ class Nodes:
 
     def _summary(self) -> NodeSummary:
         view = self.live.view(self.watch.clock())
-        assert self.met is not None
         phase = self.watch.incident.phase
         if phase is Phase.paged:
             self._following = None
@@ -194,7 +182,7 @@ class Nodes:
         (``focus``) for it now, while its own look waits for fresh dumps, not after judging the compact evidence
         again.  They send what their peek of this silence saw (``full_wanted``)."""
         met, incident, judging = self.met, self.watch.incident, self.judging
-        if met is None or CLUSTER in self.live.down or not met.cluster.leads() or judging.job_state is None:
+        if CLUSTER in self.live.down or not met.cluster.leads() or judging.job_state is None:
             return
         want = focus(decision, judging.peeked_nodes, set(met.lost.lost()), FULL_NODES)
         if incident.opened_at is None or not want:
@@ -211,7 +199,7 @@ class Nodes:
         rank skipping a collective at step 1: the member had peeked during a slow step, 0.1 s into the leader's
         silence; the leader took that look for this silence's, judged a rank stuck, and peeked again 20 s later."""
         looked_at, met = self._shared_at(), self.met
-        if looked_at is None or last_progress <= looked_at or met is None:
+        if looked_at is None or last_progress <= looked_at:
             return
         self.judging.shared = []
         if met.cluster.leads() or CLUSTER in self.live.down:
@@ -227,7 +215,7 @@ class Nodes:
         """The leader's node serves the store: before its job ends, and the store with it, the members read the
         verdict (bounded by HANDOFF_S; a member that did not says so in its own bundle)."""
         met = self.met
-        if met is None or not met.cluster.leads():
+        if not met.cluster.leads():
             return
         try:
             waiting = await met.verdicts.handed_off()
@@ -267,8 +255,6 @@ class Nodes:
         once when it dies, so no hang is ever seen here): the decision to page, and the line that says why.
         ``paged``: this node paged a hang already."""
         met = self.met
-        if met is None:
-            return None
         self._took_store = met.cluster.serves_store and (job_failed or paged)
         if not met.cluster.leads() and not paged:
             await self._leave_evidence(met, job_failed)
@@ -286,9 +272,5 @@ class Nodes:
     # -- the performance looks ---------------------------------------------------
 
     def perf_sharing(self) -> PerfSharing | None:
-        """The performance looks are shared once met, while the store answers."""
-        return self.met.perf if self.met is not None and CLUSTER not in self.live.down else None
-
-    def job_started_at(self, own: float) -> float:
-        """When the job's first sidecar started (``Cluster.job_started_at``); this one's before the nodes met."""
-        return self.met.cluster.job_started_at(own) if self.met is not None else own
+        """The performance looks are shared while the store answers."""
+        return self.met.perf if CLUSTER not in self.live.down else None

@@ -49,6 +49,7 @@ class Watch(Protocol):
     clock: Callable[[], float]
     dispatcher: Dispatcher | None  # None: findings are only logged
     incident: Incident  # a look is taken only while watching
+    nodes: Nodes | None  # the other nodes' sidecars, once met: the looks are shared through the store
 
     def emit(self, item: Event) -> None: ...
 
@@ -56,12 +57,11 @@ class Watch(Protocol):
 class PerformancePaging:
     """The looks this node takes, and the pages of their findings still open."""
 
-    def __init__(self, perf: PerfWatch, watch: Watch, nodes: Nodes | None = None) -> None:
+    def __init__(self, perf: PerfWatch, watch: Watch) -> None:
         self.perf = perf
         self.watch = watch
         self.settings = watch.settings
         self.live = watch.live
-        self.nodes = nodes  # the other nodes' sidecars (the looks are shared through the store once met)
         self._pages: dict[str, Alert] = {}  # finding key -> its open page
         self._unseen: dict[str, int] = {}  # finding key -> looks in a row without it
 
@@ -80,7 +80,8 @@ class PerformancePaging:
 
     async def _look(self, view: LiveView) -> None:
         """One look; each new finding is one log line, and a page where its ``page_on_*`` setting says so."""
-        exchange = self.nodes.perf_sharing() if self.nodes is not None else None
+        nodes = self.watch.nodes
+        exchange = nodes.perf_sharing() if nodes is not None else None
         job = None
         if exchange is not None:  # several nodes: share the look, the leader judges
             job = JobLook(exchange.cluster.me, lambda record: self._exchange(exchange, record))
@@ -92,7 +93,7 @@ class PerformancePaging:
             return
         # The job's start, not this sidecar's: whichever node leads pages a finding under the same key.
         started = self.live.started_at
-        run_started_at = self.nodes.job_started_at(started) if self.nodes is not None else started
+        run_started_at = nodes.met.cluster.job_started_at(started) if nodes is not None else started
         dispatcher = self.watch.dispatcher
         for finding in new:
             through = f" (links: {', '.join(finding.links)})" if finding.links else ""

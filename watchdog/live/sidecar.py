@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ncclwatch.watchdog.cluster.handoff import LeaderVerdict
+from ncclwatch.watchdog.cluster.peers import Membership
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.events import Event, JobEnded, JobOutcome
 from ncclwatch.watchdog.hang.classify import Decision
@@ -91,18 +92,19 @@ class Sidecar:
         self._to_follow: list[tuple[list[Action], LiveView]] = []  # what following it asks, for the next tick
         self.probing = Probing(self.prober, self.live, self.settings, self.journal, self.clock, self.drain)
         self.proof = Proof(self.live)
-        # Several nodes: the exchange with them, and the leader's verdict to follow (None: this node alone).
-        self.nodes = Nodes(self, join_cluster) if join_cluster is not None else None
-        self.judging: Judging = self.nodes.judging if self.nodes is not None else NodeJudging(self.live)
+        self._join = join_cluster
+        # The other nodes' sidecars, once met (``_meet``): the exchange with them, the leader's verdict to follow.
+        self.nodes: Nodes | None = None
+        self.judging: Judging = NodeJudging(self.live)  # the whole job's (``JobJudging``) once the nodes met
+        self._tasks: list[asyncio.Task[None]] = []
         self.responding = Responding(responder, self.live, self.clock, self._say, self.resolve)
-        self.performance = None if perf is None else PerformancePaging(perf, self, self.nodes)
+        self.performance = None if perf is None else PerformancePaging(perf, self)
 
     # -- lifecycle ---------------------------------------------------------
 
     async def run(self) -> None:
-        tasks = [asyncio.create_task(supervise(s, self.emit), name=f"source:{s.name}") for s in self.sources]
-        if self.nodes is not None:
-            tasks.append(asyncio.create_task(self.nodes.run(), name="cluster"))
+        tasks = self._tasks
+        tasks += [asyncio.create_task(supervise(s, self.emit), name=f"source:{s.name}") for s in self.sources]
         if self.performance is not None:
             tasks.append(asyncio.create_task(self.performance.run(), name="performance"))
         try:
@@ -151,6 +153,19 @@ class Sidecar:
             actions, view = self._to_follow.pop(0)
             await self.perform(actions, view)
 
+    async def _meet(self) -> None:
+        """Once the workers name the job's store and several nodes, this sidecar meets the other nodes' sidecars:
+        the exchange runs beside the ticks, and the whole job is judged from then on."""
+        if self.nodes is not None or self._join is None:
+            return
+        membership = Membership.of(self.live.state)
+        if membership is None:
+            return
+        self.nodes = nodes = Nodes(self, self._join(membership, self.host))
+        await nodes.start()
+        self.judging = nodes.judging
+        self._tasks.append(asyncio.create_task(nodes.run(), name="cluster"))
+
     async def job_ended(self, end: JobEnded) -> None:
         """torchrun exited.  A failed job (not stopped by the user, not ended by a response of ours, nothing paged
         yet) is judged for why it failed, from what the watch holds and what the ranks left on disk, and paged with
@@ -192,6 +207,7 @@ class Sidecar:
     async def tick(self) -> None:
         """Fold what arrived, follow the leader's verdict, advance the incident, perform what it asks."""
         self.drain()
+        await self._meet()
         await self._perform_followed()
         view = self.live.view(self.clock())
         if (incident := self.responding.after_restart(self.incident)) is None:
