@@ -23,7 +23,7 @@ processes so the simulator is not the bottleneck.  Measured:
   member shares its compact evidence (8 ranks: workers, /proc samples,
   stacks, a 2,000-entry Flight Recorder ring trimmed by ``pack``, NCCL
   tails; one rank of the last node one collective behind); the leader, in
-  this process, runs ``ClusterJudging._judge_job`` (live/judging.py)'s sequence step by step
+  this process, runs ``JobJudging._judge_job`` (live/job_judging.py)'s sequence step by step
   (gather compact, judge, focus, ask full, gather full, judge) and
   publishes the verdict; the members follow it.  Bytes the leader read,
   gather / judge / total time (wall and CPU per step), the verdict and
@@ -72,9 +72,12 @@ from multiprocessing.connection import Connection
 
 import psutil
 
+from ncclwatch.watchdog.cluster.handoff import VerdictHandoff
+from ncclwatch.watchdog.cluster.incident_evidence import EVIDENCE_WAIT_S, FULL_NODES, FULL_WAIT_S, IncidentEvidence
 from ncclwatch.watchdog.cluster.judge import JobEvidence, focus, incident_key, with_lost_nodes
+from ncclwatch.watchdog.cluster.lost import LostNodes
 from ncclwatch.watchdog.cluster.payload import TAIL_SHARED, pack, paused_gc, unpack
-from ncclwatch.watchdog.cluster.peers import EVIDENCE_WAIT_S, FULL_NODES, FULL_WAIT_S, Cluster, Membership
+from ncclwatch.watchdog.cluster.peers import Cluster, Membership
 from ncclwatch.watchdog.cluster.store import StoreClient, StoreError
 from ncclwatch.watchdog.cluster.view import HOT_S, PUBLISH_S, NodeSummary
 from ncclwatch.watchdog.events import (
@@ -278,6 +281,14 @@ class Node:
     followed_at: float | None = None  # when it read the leader's verdict
     verdict_read: int = 0  # bytes it read to follow it
     culprits: list[int] = field(default_factory=list)
+    evidence: IncidentEvidence = field(init=False)  # the cluster's roles at a stall (``live/job_judging.Met``)
+    verdicts: VerdictHandoff = field(init=False)
+    lost: LostNodes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.evidence = IncidentEvidence(self.cluster)
+        self.verdicts = VerdictHandoff(self.cluster, self.evidence)
+        self.lost = LostNodes(self.cluster)
 
     def counters(self) -> tuple[int, int, int, int]:
         client = self.cluster.client
@@ -286,7 +297,7 @@ class Node:
 
 class Sim:
     """The simulated sidecars of one process: each exchanges on a fixed grid; during an incident each also
-    sends its full evidence when asked and follows the leader's verdict, as ``ClusterJudging._follow`` does."""
+    sends its full evidence when asked and follows the leader's verdict, as ``Nodes._follow`` (live/nodes.py) does."""
 
     def __init__(self, port: int, nnodes: int, ranks: int) -> None:
         self.port, self.nnodes, self.ranks = port, nnodes, ranks
@@ -324,18 +335,18 @@ class Sim:
             next_at += period
 
     async def _follow(self, node: Node, stall: Stall) -> None:
-        cluster, client = node.cluster, node.cluster.client
-        if (opened := cluster.full_wanted(stall.at)) is not None:
+        cluster, client, evidence = node.cluster, node.cluster.client, node.evidence
+        if (opened := evidence.full_wanted(stall.at)) is not None:
             sent = client.sent_bytes
-            await cluster.share("full", node_evidence(cluster.me, self.ranks, self.nnodes, stall), stall.at)
-            cluster.full_shared(opened)
+            await evidence.share("full", node_evidence(cluster.me, self.ranks, self.nnodes, stall), stall.at)
+            evidence.full_shared(opened)
             node.full_sent += client.sent_bytes - sent
         received = client.received_bytes
-        verdict = await cluster.read_verdict()
+        verdict = await node.verdicts.read()
         node.verdict_read += client.received_bytes - received
         if verdict is not None:
             node.followed_at, node.culprits = time.time(), list(verdict.decision.finding.culprits)
-            await cluster.drop_own_evidence()
+            await evidence.drop_own()
 
     async def status(self) -> dict:
         views = [n.cluster.view for n in self.nodes]
@@ -357,7 +368,7 @@ class Sim:
         for node in self.nodes:
             events = node_evidence(node.cluster.me, self.ranks, self.nnodes, self.stall)
             client, started, before = node.cluster.client, time.process_time(), node.cluster.client.sent_bytes
-            await node.cluster.share("compact", events, self.stall.at)  # pack (trim, journal, zlib) and set
+            await node.evidence.share("compact", events, self.stall.at)  # pack (trim, journal, zlib) and set
             sent.append(client.sent_bytes - before)
             cpu.append(time.process_time() - started)
             await asyncio.sleep(0)  # each node packs on its own CPU: the others' rounds go on meanwhile
@@ -678,32 +689,33 @@ def step(out: dict, name: str) -> Iterator[None]:
     out["steps"][name] = {"wall_s": round(time.perf_counter() - wall, 4), "cpu_s": round(time.process_time() - cpu, 4)}
 
 
-async def lead_incident(leader: Cluster, local: JobState, stall: Stall, out: dict) -> None:
-    """The leader's side, as ``ClusterJudging._judge_job`` (live/judging.py) runs it and ``_page`` publishes it, step by
-    step. (The leader's own exchanges go on meanwhile, as in the sidecar: their CPU is in the steps' CPU.)"""
+async def lead_incident(node: Node, local: JobState, stall: Stall, out: dict) -> None:
+    """The leader's side, as ``JobJudging._judge_job`` (live/job_judging.py) runs it and ``page`` publishes it, step
+    by step. (The leader's own exchanges go on meanwhile, as in the sidecar: their CPU is in the steps' CPU.)"""
+    leader, leader_evidence = node.cluster, node.evidence
     client = leader.client
     assert isinstance(client, CountingClient)
     received, started = client.received_bytes, time.perf_counter()
     with step(out, "open_incident"):
-        await leader.open_incident(stall.at)
+        await leader_evidence.open_incident(stall.at)
     answering = leader.answering()
     evidence = JobEvidence(local, stall)
     with paused_gc(freeze=True):
         with step(out, "gather_compact"):
-            remote = await leader.gather("compact", answering, stall.at, EVIDENCE_WAIT_S, fold=evidence.add)
+            remote = await leader_evidence.gather("compact", answering, stall.at, EVIDENCE_WAIT_S, fold=evidence.add)
         out["compact_read_bytes"] = client.evidence_read
         with step(out, "judge_compact"):
             decision = evidence.judge()
-        if want := focus(decision, evidence.nodes_of, set(leader.lost()), FULL_NODES):
+        if want := focus(decision, evidence.nodes_of, set(node.lost.lost()), FULL_NODES):
             with step(out, "ask_full"):
-                await leader.open_incident(stall.at, want, since=evidence.state().fewest_issued())
+                await leader_evidence.open_incident(stall.at, want, since=evidence.state().fewest_issued())
             with step(out, "gather_full"):
-                remote |= await leader.gather("full", set(want), stall.at, FULL_WAIT_S, fold=evidence.add)
+                remote |= await leader_evidence.gather("full", set(want), stall.at, FULL_WAIT_S, fold=evidence.add)
             with step(out, "judge_full"):
                 decision = evidence.judge()
-    decision = with_lost_nodes(decision, leader.lost(), remote)
+    decision = with_lost_nodes(decision, node.lost.lost(), remote)
     with step(out, "publish_verdict"):
-        await leader.publish_verdict(incident_key(leader.membership, decision), decision)
+        await node.verdicts.publish(incident_key(leader.membership, decision), decision)
     out.update(
         total_s=round(time.perf_counter() - started, 3),
         published_at=time.time(),
@@ -766,12 +778,12 @@ async def follow_incident(lead: Sim, workers: Workers, store: Store, out: dict) 
     local = JobState()
     for event in node_evidence(0, ranks, nnodes, stall):
         local.apply(event)
-    await lead_incident(leader, local, stall, out)
+    await lead_incident(lead.nodes[0], local, stall, out)
     out["step"] = "follow"
     await until(followed, 10 * HOT_S + 10, "not every member followed the verdict")
     out["keys"]["followed"], out["rss_mb"]["incident"] = await store.keys(), store.rss_mb()
     out["step"] = "close"
-    await leader.close_incident()
+    await lead.nodes[0].evidence.close_incident()
     out["keys"]["closed"] = await store.keys()
     out["step"] = "done"
 

@@ -6,7 +6,7 @@ pack their evidence within 410 s beside their exchanges, and at every size the m
 Here each of N nodes' evidence (bench/cluster.py's ``node_evidence``: 8 ranks, the job's last rank one collective
 behind) is packed once as the member would (``payload.pack``), then the leader's steps run in this process alone:
 
-- ``incremental`` (live/judging.py's ``_judge_job`` now): each payload decoded and folded as it is read
+- ``incremental`` (live/job_judging.py's ``_judge_job`` now): each payload decoded and folded as it is read
   (``JobEvidence.add``), judged, the asked node's full evidence replacing its compact evidence in place, judged
   again, cyclic GC paused and the survivors frozen (``paused_gc``);
 - ``rebuilt`` (the sequence before issue 32's change, with today's decoder): every payload decoded, the job's state
@@ -34,9 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import cluster as bench  # noqa: E402  (its evidence, by the same name as its own simulator processes use)
 
+from ncclwatch.watchdog.cluster.incident_evidence import FULL_NODES  # noqa: E402
 from ncclwatch.watchdog.cluster.judge import JobEvidence, focus, job_state  # noqa: E402
 from ncclwatch.watchdog.cluster.payload import pack, paused_gc, unpack  # noqa: E402
-from ncclwatch.watchdog.cluster.peers import FULL_NODES  # noqa: E402
 from ncclwatch.watchdog.events import Event, Stall, WorkerSeen  # noqa: E402
 from ncclwatch.watchdog.hang.classify import classify  # noqa: E402
 from ncclwatch.watchdog.hang.snapshot import take_snapshot  # noqa: E402

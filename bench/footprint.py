@@ -34,7 +34,8 @@ import threading
 import time
 from pathlib import Path
 
-from ncclwatch.watchdog.analyze import analyze_paths, judge, take_snapshot
+from ncclwatch.watchdog.analyze import analyze_paths, take_snapshot
+from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.state import JobState
 from ncclwatch.watchdog.sources.files import NcclFileSource
 from ncclwatch.watchdog.sources.holes import disk_bytes, punch_problem
@@ -179,7 +180,7 @@ def main() -> None:
     reading.set()
     reader.join()
     source.poll(state.apply)
-    finding = judge(take_snapshot(state, observed_at=time.time())).finding
+    finding = classify(take_snapshot(state, observed_at=time.time())).finding
     issued = {seq.rank: seq.total for comm in state.comms.values() for seq in comm.ranks.values()}
     row(
         kind="verdict",

@@ -8,8 +8,11 @@ import pytest
 from conftest import NOW
 from support import torch_store_server
 
+from ncclwatch.watchdog.cluster.handoff import VerdictHandoff
+from ncclwatch.watchdog.cluster.incident_evidence import IncidentEvidence
 from ncclwatch.watchdog.cluster.judge import degraded, focus, incident_key, job_state, with_lost_nodes
 from ncclwatch.watchdog.cluster.lifeline import Lifeline, ask
+from ncclwatch.watchdog.cluster.lost import LostNodes
 from ncclwatch.watchdog.cluster.payload import (
     FR_ENTRIES_COMPACT,
     FR_ENTRIES_SHARED,
@@ -249,7 +252,7 @@ class TestExchange:
         assert per_round[1:] == [2] * 5  # set the summary, read the view: whatever the job's size
         # plus the view's compare-and-set and every summary: one MULTI_GET on libuv, CHECK + GET each on classic
         assert per_round[0] == (4 if nodes[0].client.sparse_reads else 3 + 2 * 5)
-        assert nodes[3].view is not None and nodes[3].view.joined == 6 and nodes[3].lost() == {}
+        assert nodes[3].view is not None and nodes[3].view.joined == 6 and LostNodes(nodes[3]).lost() == {}
         assert nodes[0].summaries[5].ranks == [5] and nodes[1].summaries == {}
 
     def test_a_silent_leader_is_replaced_by_the_next_node_and_the_others_follow(self, torch_store) -> None:  # type: ignore[no-untyped-def]
@@ -263,7 +266,7 @@ class TestExchange:
 
         nodes = asyncio.run(talk())
         assert nodes[1].leads() and nodes[2].leader() == 1 and nodes[2].view is not None and nodes[2].view.term == 1
-        assert set(nodes[2].lost()) == {0}
+        assert set(LostNodes(nodes[2]).lost()) == {0}
 
     def test_a_node_silent_since_the_leaders_last_exchange_is_lost_when_it_judges(self, torch_store) -> None:  # type: ignore[no-untyped-def]
         """CI, two wrappers, node 1 frozen: the leader judged 5.8 s into the silence, over 7.5 s after it had seen
@@ -280,13 +283,13 @@ class TestExchange:
             return nodes
 
         nodes = asyncio.run(talk())
-        leader = nodes[0]
-        assert leader.leads() and 1 in leader.answering() and leader.lost() == {}
+        leader, lost = nodes[0], LostNodes(nodes[0]).lost
+        assert leader.leads() and 1 in leader.answering() and lost() == {}
         clock.now += 1.0  # no exchange since the view was composed
         assert leader.answering() == {2}
-        assert set(leader.lost()) == {1} and leader.lost()[1].ranks == [1]
+        assert set(lost()) == {1} and lost()[1].ranks == [1]
         clock.now += 10.0  # the leader's exchange fell behind: node 2 published, unread
-        assert leader.answering() == {2} and set(leader.lost()) == {1}
+        assert leader.answering() == {2} and set(lost()) == {1}
 
     def test_two_nodes_taking_over_at_once_end_with_one_leader(self, torch_store) -> None:  # type: ignore[no-untyped-def]
         async def talk():  # type: ignore[no-untyped-def]
@@ -309,34 +312,36 @@ class TestExchange:
             await rounds(nodes, clock, 2)
             keys_watching = await nodes[0].client.num_keys()
             leader = nodes[0]
-            await leader.open_incident(clock.now)
+            evidence = [IncidentEvidence(c) for c in nodes]
+            verdicts = [VerdictHandoff(c, e) for c, e in zip(nodes, evidence)]
+            await evidence[0].open_incident(clock.now)
             for c in nodes[1:]:
                 await c.exchange(summary(c.me, clock.now, [c.me], phase="suspect"))
-                await c.share(
+                await evidence[c.me].share(
                     "compact", [WorkerSeen(pid=10 + c.me, rank=c.me, host=c.host, at=NOW)], stall_at=clock.now
                 )
-            compact = await leader.gather("compact", {1, 2}, since=clock.now - 1, wait_s=1.0)
-            await leader.open_incident(clock.now, want=[2])
+            compact = await evidence[0].gather("compact", {1, 2}, since=clock.now - 1, wait_s=1.0)
+            await evidence[0].open_incident(clock.now, want=[2])
             await nodes[2].exchange(summary(2, clock.now, [2], phase="suspect"))
             await nodes[1].exchange(summary(1, clock.now, [1], phase="suspect"))
-            asked = (nodes[1].full_wanted(clock.now), nodes[2].full_wanted(clock.now))
-            await nodes[2].share(
+            asked = (evidence[1].full_wanted(clock.now), evidence[2].full_wanted(clock.now))
+            await evidence[2].share(
                 "full", [Stall(at=clock.now, stalled_for_s=9, stall_timeout_s=5, progress_timeout_s=600)], clock.now
             )
-            full = await leader.gather("full", {2}, since=clock.now - 1, wait_s=1.0)
+            full = await evidence[0].gather("full", {2}, since=clock.now - 1, wait_s=1.0)
             found = decision(
                 Verdict.rank_behind, (2,), rows=tuple(RankStatus(r, "h", r, 5, "x", "ok") for r in range(100))
             )
-            await leader.publish_verdict("job/0|pg#5", found)
+            await verdicts[0].publish("job/0|pg#5", found)
             for c in nodes[1:]:
                 await c.exchange(summary(c.me, clock.now, [c.me], phase="suspect"))
-            verdicts = [await c.read_verdict() for c in nodes[1:]]
-            for c in nodes[1:]:
-                await c.drop_own_evidence()
-            again = await nodes[1].read_verdict()
+            read = [await v.read() for v in verdicts[1:]]
+            for e in evidence[1:]:
+                await e.drop_own()
+            again = await verdicts[1].read()
             keys_paged = await leader.client.num_keys()
-            await leader.close_incident()
-            return compact, asked, full, verdicts, again, keys_watching, keys_paged, await leader.client.num_keys()
+            await evidence[0].close_incident()
+            return compact, asked, full, read, again, keys_watching, keys_paged, await leader.client.num_keys()
 
         compact, asked, full, verdicts, again, watching, paged, closed = asyncio.run(talk())
         assert sorted(compact) == [1, 2] and [type(e).__name__ for e in full[2]] == ["Stall"]
@@ -354,7 +359,7 @@ class TestExchange:
         async def talk():  # type: ignore[no-untyped-def]
             first = cluster(torch_store.port, 0, nnodes=2)
             await first.exchange(summary(0, NOW, [0]))
-            await first.share("compact", [], NOW)
+            await IncidentEvidence(first).share("compact", [], NOW)
             before = await first.client.num_keys()
             second = cluster(torch_store.port, 0, nnodes=2, restart=1)
             await second.exchange(summary(0, NOW, [0]))
@@ -399,8 +404,8 @@ class TestLifelines:
             nodes = [cluster(1, n, nnodes=4) for n in range(4)]
             for c in nodes:
                 c.view = view(store=contacts[0], candidates=contacts)
-            lost = await nodes[3].store_node_lost()
-            pagers = [await c.pages_alone({0}) for c in nodes[2:]]
+            lost = await LostNodes(nodes[3]).store_node_lost()
+            pagers = [await LostNodes(c).pages_alone({0}) for c in nodes[2:]]
             for line in lines[2:]:
                 await line.close()
             return lost, pagers

@@ -17,6 +17,7 @@ from support import torch_store_server
 
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership, NodeSummary
 from ncclwatch.watchdog.cluster.perf_records import ENTRIES_SHARED, PerfRecord, perf_record
+from ncclwatch.watchdog.cluster.perf_sharing import PerfSharing
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState, ProcKey, RankTransport
 from ncclwatch.watchdog.hang.snapshot import WorkerView
 from ncclwatch.watchdog.live.performance_look import JobLook, PerfWatch, job_health
@@ -208,9 +209,10 @@ def two_node_looks(torch_store, networks: dict[int, str]) -> tuple[dict[int, lis
         # Whichever node pages a finding keys it on the job's start, the same on both.
         assert {clusters[n].job_started_at(summaries[n].started_at) for n in NODES} == {NOW}  # type: ignore[arg-type]
         told: dict[int, list] = {0: [], 1: []}  # type: ignore[type-arg]
+        sharing = {n: PerfSharing(clusters[n]) for n in NODES}
         for look in (NOW + 120.4, NOW + 180.4):  # two looks in a row make a straggler; node1 looks first
             for n in (1, 0):
-                job = JobLook(n, partial(clusters[n].exchange_perf, interval=INTERVAL))
+                job = JobLook(n, partial(sharing[n].exchange, interval=INTERVAL))
                 global_ranks = {ProcKey(f"node{n}", 100 + r): r for r in NODES[n]}
                 told[n] += await watches[n].look(workers(n), global_ranks, f"node{n}", look + n * 0.3, job)
         for cluster in clusters.values():

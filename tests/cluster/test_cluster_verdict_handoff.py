@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import NamedTuple
 
 import pytest
 from support import torch_store_server
 
+from ncclwatch.watchdog.cluster.handoff import VerdictHandoff
+from ncclwatch.watchdog.cluster.incident_evidence import IncidentEvidence
 from ncclwatch.watchdog.cluster.judge import degraded, unread_verdict
 from ncclwatch.watchdog.cluster.peers import Cluster, Membership
 from ncclwatch.watchdog.cluster.store import StoreClient
@@ -30,12 +33,20 @@ def store():  # type: ignore[no-untyped-def]
     return torch_store_server()
 
 
-def node(port: int, me: int) -> Cluster:
-    return Cluster(
+class Node(NamedTuple):
+    cluster: Cluster
+    evidence: IncidentEvidence
+    verdicts: VerdictHandoff
+
+
+def node(port: int, me: int) -> Node:
+    cluster = Cluster(
         Membership("127.0.0.1", port, "job", 0, me, 2),
         f"node{me}",
         client=StoreClient("127.0.0.1", port, timeout_s=15.0),
     )
+    evidence = IncidentEvidence(cluster)
+    return Node(cluster, evidence, VerdictHandoff(cluster, evidence))
 
 
 def summary(me: int, phase: str) -> NodeSummary:
@@ -43,27 +54,27 @@ def summary(me: int, phase: str) -> NodeSummary:
     return NodeSummary(node=me, host=f"node{me}", at=now, ranks=[me], last_progress=now - 10, phase=phase)
 
 
-async def judged(leader: Cluster, member: Cluster) -> None:
+async def judged(leader: Node, member: Node) -> None:
     """Two rounds, an incident, the leader's verdict; the member has read the view that announces it."""
     for phase in ("watching", "suspect"):
-        for c in (leader, member):
+        for c in (leader.cluster, member.cluster):
             await c.exchange(summary(c.me, phase))
-    assert leader.leads()
-    await leader.open_incident(time.time())
-    await member.exchange(summary(1, "suspect"))
-    await leader.publish_verdict(
+    assert leader.cluster.leads()
+    await leader.evidence.open_incident(time.time())
+    await member.cluster.exchange(summary(1, "suspect"))
+    await leader.verdicts.publish(
         KEY, Decision(Finding(Verdict.p2p_deadlock, "both recv first", culprits=(0, 1)), page=True)
     )
-    await member.exchange(summary(1, "suspect"))
+    await member.cluster.exchange(summary(1, "suspect"))
 
 
 def test_a_member_hurries_while_an_announced_verdict_is_unread(store) -> None:  # type: ignore[no-untyped-def]
     async def talk():  # type: ignore[no-untyped-def]
         leader, member = node(store.port, 0), node(store.port, 1)
         await judged(leader, member)
-        before = (member.unread_verdict(), member.hurry())
-        verdict = await member.read_verdict()
-        return before, verdict, (member.unread_verdict(), member.hurry())
+        before = (member.verdicts.unread(), member.verdicts.hurry())
+        verdict = await member.verdicts.read()
+        return before, verdict, (member.verdicts.unread(), member.verdicts.hurry())
 
     before, verdict, after = asyncio.run(talk())
     assert before == (KEY, True)  # judging is over, but the verdict waits to be read: exchange at HOT_S
@@ -78,11 +89,11 @@ def test_the_leader_waits_until_the_member_shows_it_follows(store) -> None:  # t
 
         async def follow() -> None:
             await asyncio.sleep(0.5)
-            await member.read_verdict()
-            await member.publish_summary(summary(1, "paged"))
+            await member.verdicts.read()
+            await member.cluster.publish_summary(summary(1, "paged"))
 
         started = time.monotonic()
-        waiting, _ = await asyncio.gather(leader.handed_off(wait_s=5.0), follow())
+        waiting, _ = await asyncio.gather(leader.verdicts.handed_off(wait_s=5.0), follow())
         return waiting, time.monotonic() - started
 
     waiting, took = asyncio.run(talk())
@@ -95,7 +106,7 @@ def test_the_leaders_wait_is_bounded_and_names_who_did_not_follow(store) -> None
         leader, member = node(store.port, 0), node(store.port, 1)
         await judged(leader, member)
         started = time.monotonic()
-        return await leader.handed_off(wait_s=0.6), time.monotonic() - started
+        return await leader.verdicts.handed_off(wait_s=0.6), time.monotonic() - started
 
     waiting, took = asyncio.run(talk())
     assert waiting == [1]

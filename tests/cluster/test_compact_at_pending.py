@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from conftest import FIXTURES
 
+from ncclwatch.watchdog.cluster.incident_evidence import FULL_NODES
 from ncclwatch.watchdog.cluster.judge import focus
 from ncclwatch.watchdog.cluster.payload import FR_ENTRIES_COMPACT, pack, unpack
-from ncclwatch.watchdog.cluster.peers import FULL_NODES
 from ncclwatch.watchdog.events import Citation, FrDump, FrEntry, FrProcessGroup, OpState
 from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.snapshot import take_snapshot

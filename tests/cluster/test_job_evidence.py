@@ -10,9 +10,9 @@ from collections.abc import Callable
 import pytest
 from conftest import REPO
 
+from ncclwatch.watchdog.cluster.incident_evidence import FULL_NODES
 from ncclwatch.watchdog.cluster.judge import JobEvidence, focus, job_state
 from ncclwatch.watchdog.cluster.payload import pack, unpack
-from ncclwatch.watchdog.cluster.peers import FULL_NODES
 from ncclwatch.watchdog.events import (
     Citation,
     Event,
@@ -139,7 +139,7 @@ def folded_in(local: JobState, stall: Stall, compact: dict[int, list[Event]]) ->
 
 
 def both_paths(stall: Stall, nodes: dict[int, list[Event]]) -> tuple[Decision, Decision, JobEvidence, JobState]:
-    """The leader's two judgements, incremental and rebuilt, as live/judging.py's ``_judge_job`` runs them."""
+    """The leader's two judgements, incremental and rebuilt, as live/job_judging.py's ``_judge_job`` runs them."""
     local, compact = leader_and_compact(stall, nodes)
     incremental = folded_in(local, stall, compact)
     rebuilt = dict(compact)

@@ -51,16 +51,15 @@ from ncclwatch.watchdog.hang.types import Decision, Finding
 from ncclwatch.watchdog.hang.verdicts import Verdict
 from ncclwatch.watchdog.live.incident import Phase
 from ncclwatch.watchdog.live.job import PEEK_WARMUP_S, LiveJob
+from ncclwatch.watchdog.live.job_judging import Met, gather_compact
 from ncclwatch.watchdog.live.judging import (
     DEAD_SETTLED_S,
     GPU_HANG_SETTLED_S,
     GPU_SPIN_SETTLED_S,
-    PEEKED_HOT_S,
     STOPPED_SETTLED_S,
-    ClusterJudging,
     Proof,
-    gather_compact,
 )
+from ncclwatch.watchdog.live.nodes import PEEKED_HOT_S, Nodes
 from ncclwatch.watchdog.parsing.nccl_log import NcclLogParser
 
 IN_ALL_GATHER = "all_gather (torch/distributed/distributed_c10d.py:3890)"
@@ -428,14 +427,20 @@ def test_the_streamed_state_is_judged_only_when_something_came(tmp_path: Path) -
     assert proof.streamed(live.view(NOW + 3.5 + STOPPED_SETTLED_S)) and len(judged) == 3  # settled: judged again
 
 
-def member_of_two(rig: Rig, port: int) -> tuple[Cluster, ClusterJudging]:
+def joined(rig: Rig, cluster: Cluster) -> Nodes:
+    """The rig's sidecar joins the other nodes, met through ``cluster`` (the workers named the store)."""
+    rig.sidecar.nodes = nodes = Nodes(rig.sidecar, cluster)
+    rig.sidecar.judging = nodes.judging
+    return nodes
+
+
+def member_of_two(rig: Rig, port: int) -> tuple[Cluster, Nodes]:
     """The rig's sidecar as node 1 of 2, met through the store on ``port`` (the workers named it); node 0 leads."""
     membership = Membership("127.0.0.1", port, "job", 0, 1, 2)
     cluster = Cluster(membership, "node1", clock=rig.clock, client=StoreClient("127.0.0.1", port, timeout_s=5))
-    rig.sidecar.judging = judging = ClusterJudging(rig.sidecar, join=lambda membership, host: cluster)
-    judging.cluster = cluster
+    nodes = joined(rig, cluster)
     cluster.view, cluster._view_changed_at = JobView(leader=0, term=0, seq=1, nnodes=2), NOW + 1
-    return cluster, judging
+    return cluster, nodes
 
 
 def test_a_member_nodes_proof_opens_its_incident_and_leaves_the_page_to_the_leader(tmp_path: Path) -> None:
@@ -445,7 +450,7 @@ def test_a_member_nodes_proof_opens_its_incident_and_leaves_the_page_to_the_lead
     store = torch_store_server()
     rig = Rig(tmp_path)
     starting_job(rig)
-    cluster, judging = member_of_two(rig, store.port)
+    cluster, _ = member_of_two(rig, store.port)
     skipped_all_reduce(rig)
     rig.tick(1.0 + PEEK_WARMUP_S)
     assert rig.prober.peeks == 1 and rig.prober.calls == [True]
@@ -463,18 +468,18 @@ def test_a_members_peek_is_its_full_evidence_when_the_leader_asks_before_its_own
     store = torch_store_server()
     rig = Rig(tmp_path)
     starting_job(rig)
-    cluster, judging = member_of_two(rig, store.port)
+    cluster, nodes = member_of_two(rig, store.port)
     rig.prober.frames = {100: IN_ALL_REDUCE, 101: IN_ALL_REDUCE, 102: IN_ALL_REDUCE}  # nothing proven here
     rig.tick(1.0 + PEEK_WARMUP_S)
     assert rig.prober.peeks == 1 and rig.phase is Phase.watching  # a quiet peek, shared
-    assert judging._hot()  # the leader's ask may come next: it is read within HOT_S, not PUBLISH_S
+    assert nodes._hot()  # the leader's ask may come next: it is read within HOT_S, not PUBLISH_S
     rig.at(1.0 + PEEK_WARMUP_S + PEEKED_HOT_S)
-    assert not judging._hot()
+    assert not nodes._hot()
 
     def asked(started_at: float) -> bytes | None:
         incident = IncidentView(opened_at=NOW + 4, want=[1], started_at=NOW + started_at)
         cluster.view = JobView(leader=0, term=0, seq=2, nnodes=2, incident=incident)
-        asyncio.run(judging._follow(cluster))
+        asyncio.run(nodes._follow(nodes.met))
         reader = StoreClient("127.0.0.1", store.port, timeout_s=5)  # one a loop, as the rig's
         return asyncio.run(reader.get(cluster.key("full", 1)))
 
@@ -511,14 +516,14 @@ def test_a_leaders_proving_peek_asks_the_deciding_nodes_for_their_full_evidence_
     rig = Rig(tmp_path)
     membership = Membership("127.0.0.1", store.port, "job", 0, 0, 2)  # node 0 of 2: the leader
     cluster = Cluster(membership, "node0", clock=rig.clock, client=StoreClient("127.0.0.1", store.port, timeout_s=5))
-    rig.sidecar.judging = judging = ClusterJudging(rig.sidecar, join=lambda membership, host: cluster)
-    judging.cluster, judging.job_state, judging._peeked_nodes = cluster, JobState(), {2: 1, 3: 1}
+    nodes = joined(rig, cluster)
+    nodes.judging.job_state, nodes.judging.peeked_nodes = JobState(), {2: 1, 3: 1}
     rig.sidecar.incident = replace(rig.sidecar.incident, phase=Phase.suspect, started_at=NOW + 1, opened_at=NOW + 3)
 
     def proved(culprits: tuple[int, ...]) -> JobView:
         cluster.view, cluster._view_raw = JobView(leader=0, term=0, seq=1, nnodes=2), None
         found = Decision(Finding(Verdict.collective_mismatch, "s", culprits=culprits), page=True)
-        asyncio.run(judging.proved(found))
+        asyncio.run(nodes.proved(found))
         return cluster.view
 
     assert proved((1,)).incident is None  # rank 1 runs here: its evidence is the leader's own
@@ -536,7 +541,7 @@ def test_a_member_withdraws_its_peeks_evidence_once_its_ranks_move_again(tmp_pat
     store = torch_store_server()
     rig = Rig(tmp_path)
     starting_job(rig)
-    cluster, judging = member_of_two(rig, store.port)
+    cluster, nodes = member_of_two(rig, store.port)
 
     def shared() -> bytes | None:
         reader = StoreClient("127.0.0.1", store.port, timeout_s=5)  # one a loop, as the rig's
@@ -553,7 +558,7 @@ def test_a_member_withdraws_its_peeks_evidence_once_its_ranks_move_again(tmp_pat
     assert shared() is not None
     rig.emit(*(Heartbeat(pid=100 + r, rank=r, step=2, time=NOW + 3.6) for r in range(3)))
     tick(3.75)
-    assert shared() is None and judging._shared == []
+    assert shared() is None and nodes.judging.shared == []
 
 
 def test_the_dumps_any_nodes_looks_asked_for_are_not_its_ranks_io_on_the_leader(tmp_path: Path) -> None:
@@ -565,7 +570,7 @@ def test_the_dumps_any_nodes_looks_asked_for_are_not_its_ranks_io_on_the_leader(
     store = torch_store_server()
     rig = Rig(tmp_path)
     starting_job(rig)
-    _, judging = member_of_two(rig, store.port)
+    _, nodes = member_of_two(rig, store.port)
     rig.prober.frames = {100: IN_ALL_REDUCE, 101: IN_TRAIN, 102: IN_ALL_REDUCE}
     peeked_at = 1.0 + PEEK_WARMUP_S
     rig.tick(peeked_at)  # node 1's peek: its ranks dump now
@@ -585,7 +590,7 @@ def test_the_dumps_any_nodes_looks_asked_for_are_not_its_ranks_io_on_the_leader(
         at=NOW + 5.6, stalled_for_s=4.6, stall_timeout_s=300, progress_timeout_s=1800, probe_began_at=NOW + 5.5
     )
     member.apply(later)
-    shared = unpack(pack(1, "full", later.at, judging._compact([], later)), "node 1")
+    shared = unpack(pack(1, "full", later.at, nodes.judging.compact([], later)), "node 1")
     assert shared is not None
 
     local = JobState()  # the leader's node: rank 3 dumped for the leader's own look
@@ -616,10 +621,10 @@ def test_a_member_whose_job_failed_leaves_the_leader_which_of_its_ranks_went_fir
         clock=rig.clock,
         client=StoreClient("127.0.0.1", store.port, timeout_s=5),
     )
-    rig.sidecar.judging = judging = ClusterJudging(rig.sidecar, join=lambda membership, host: member)
-    judging.cluster = member
+    nodes = joined(rig, member)
     member.view, member._view_changed_at = JobView(leader=0, term=0, seq=1, nnodes=2), NOW + 5
-    assert asyncio.run(judging.farewell(job_failed=True, paged=lambda: False)) is None
+    rig.sidecar.drain()  # the sidecar folds its queue before its farewell (``Sidecar.farewell``)
+    assert asyncio.run(nodes.farewell(job_failed=True, paged=False)) is None
 
     leader = Cluster(
         Membership("127.0.0.1", store.port, "job", 0, 0, 2),
@@ -634,7 +639,7 @@ def test_a_member_whose_job_failed_leaves_the_leader_which_of_its_ranks_went_fir
     for rank in (0, 1):
         local.apply(WorkerSeen(pid=100 + rank, rank=rank, host="node0", at=NOW))
     evidence = JobEvidence(local, Stall(at=NOW + 12, stalled_for_s=7, stall_timeout_s=5, progress_timeout_s=600))
-    assert list(asyncio.run(gather_compact(leader, set(), NOW + 5, 0.0, evidence))) == [1]
+    assert list(asyncio.run(gather_compact(Met.of(leader), set(), NOW + 5, 0.0, evidence))) == [1]
     finding = evidence.judge().finding
     assert (finding.verdict, finding.culprits) == (Verdict.process_dead, (3,)), finding.summary
     assert "Rank 2 exited after it, within 0.1 s" in finding.summary

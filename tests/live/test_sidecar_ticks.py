@@ -503,15 +503,15 @@ def test_a_peer_node_probing_a_stall_makes_this_node_look_at_the_floor(tmp_path:
     """A node whose own learned timeout is longer would keep the leader waiting for its evidence."""
     from ncclwatch.watchdog.cluster.peers import Cluster, Membership
     from ncclwatch.watchdog.cluster.view import JobView
-    from ncclwatch.watchdog.live.judging import ClusterJudging
+    from ncclwatch.watchdog.live.nodes import Nodes
 
     rig = Rig(tmp_path)
     for rank in range(2):
         rig.emit(WorkerSeen(pid=100 + rank, rank=rank, host="node1", at=NOW))
     rig.tick(6)  # no rhythm learned yet: the warm-up timeout (300 s) applies
     cluster = Cluster(Membership("127.0.0.1", 1, "job", 0, 1, 2), "node1", clock=rig.clock)
-    rig.sidecar.judging = judging = ClusterJudging(rig.sidecar, join=lambda membership, host: cluster)
-    judging.cluster = cluster  # met: the workers named the store
+    rig.sidecar.nodes = nodes = Nodes(rig.sidecar, cluster)
+    rig.sidecar.judging = nodes.judging
     cluster.view, cluster._view_changed_at = JobView(leader=0, term=0, seq=1, nnodes=2), NOW + 6
     rig.tick(6.5)
     assert rig.phase is Phase.watching
@@ -537,16 +537,76 @@ def test_the_node_serving_the_store_answers_longer_when_its_job_ended_on_a_hang(
     is lost once the member's own torchrun ends, seconds later (H200: node_lost paged after 3 s of lingering)."""
     from ncclwatch.watchdog.cluster.lifeline import LINGER_S, STORE_GONE_LINGER_S
     from ncclwatch.watchdog.cluster.peers import Cluster, Membership
-    from ncclwatch.watchdog.live.judging import ClusterJudging
+    from ncclwatch.watchdog.live.nodes import Nodes
 
     rig = Rig(tmp_path)
     cluster = Cluster(
         Membership("127.0.0.1", free_port(), "job", 0, 0, 2), "node0", clock=rig.clock, serves_store=serves
     )
-    rig.sidecar.judging = judging = ClusterJudging(rig.sidecar, join=lambda membership, host: cluster)
-    judging.cluster = cluster
-    assert asyncio.run(judging.farewell(job_failed=job_failed, paged=lambda: paged)) is None
-    assert judging.linger_s() == {"store gone": STORE_GONE_LINGER_S, "usual": LINGER_S}[lingers]
+    rig.sidecar.nodes = nodes = Nodes(rig.sidecar, cluster)
+    assert asyncio.run(nodes.farewell(job_failed=job_failed, paged=paged)) is None
+    rig.sidecar.drain()  # the sidecar folds what the farewell said (the store gone)
+    assert nodes.linger_s() == {"store gone": STORE_GONE_LINGER_S, "usual": LINGER_S}[lingers]
+
+
+def test_the_sidecar_meets_the_other_nodes_once_its_workers_name_the_store_and_several_nodes(tmp_path: Path) -> None:
+    """Before, it judges its ranks alone (``NodeJudging``) and holds no ``Nodes``; then the whole job's judging, and
+    the exchange runs beside the ticks.  A single node's workers never make it meet anyone."""
+    from ncclwatch.watchdog.cluster.peers import Cluster, Membership
+    from ncclwatch.watchdog.live.nodes import Nodes
+
+    met: list[Membership] = []
+
+    def join(membership: Membership, host: str) -> Cluster:
+        met.append(membership)
+        return Cluster(membership, host, clock=rig.clock)
+
+    async def tick(sidecar: Sidecar) -> None:
+        await sidecar.tick()
+        for task in sidecar._tasks:  # the exchange's task: no store here
+            task.cancel()
+
+    rig = Rig(tmp_path)
+    sidecar = Sidecar(
+        SETTINGS, "train", sources=[], prober=rig.prober, reporter=rig.report, clock=rig.clock, join_cluster=join
+    )  # type: ignore[arg-type]
+    store = {"store": "127.0.0.1:1", "run_id": "job", "node_rank": 1}
+    sidecar.emit(WorkerSeen(pid=100, rank=0, host="node1", at=NOW, nnodes=1, **store))  # type: ignore[arg-type]
+    asyncio.run(tick(sidecar))
+    assert sidecar.nodes is None and isinstance(sidecar.judging, NodeJudging) and met == []
+    sidecar.emit(WorkerSeen(pid=101, rank=1, host="node1", at=NOW, nnodes=2, **store))  # type: ignore[arg-type]
+    asyncio.run(tick(sidecar))
+    assert isinstance(sidecar.nodes, Nodes) and sidecar.judging is sidecar.nodes.judging
+    assert met == [Membership("127.0.0.1", 1, "job", 0, 1, 2)]
+    asyncio.run(tick(sidecar))
+    assert len(met) == 1  # met once
+
+
+def test_the_leaders_verdict_reaches_a_member_through_its_queue_and_the_tick_pages_its_part(tmp_path: Path) -> None:
+    """A member's exchange reads the leader's verdict and queues it; the member's summary says it follows at once
+    (the leader waits for that before its job, and the store, end), and its next tick pages this node's part: the
+    bundle, no alert (the leader pages)."""
+    from ncclwatch.watchdog.cluster.handoff import LeaderVerdict
+    from ncclwatch.watchdog.cluster.peers import Cluster, Membership
+    from ncclwatch.watchdog.cluster.view import JobView
+    from ncclwatch.watchdog.live.nodes import Nodes
+
+    rig = Rig(tmp_path)
+    for rank in range(2):
+        rig.emit(WorkerSeen(pid=100 + rank, rank=rank, host="node1", at=NOW))
+    rig.tick(1)
+    cluster = Cluster(Membership("127.0.0.1", 1, "job", 0, 1, 2), "node1", clock=rig.clock)
+    rig.sidecar.nodes = nodes = Nodes(rig.sidecar, cluster)
+    rig.sidecar.judging = nodes.judging
+    cluster.view, cluster._view_changed_at = JobView(leader=0, term=0, seq=1, nnodes=2), NOW + 1
+    stuck = Decision(Finding(Verdict.stuck_in_collective, "rank 0 is stuck", culprits=(0,)), page=True)
+    nodes._following = "job/0|stuck"  # what ``Nodes._follow`` notes as it queues the verdict
+    rig.sidecar.emit(LeaderVerdict("job/0|stuck", stuck))
+    assert rig.phase is Phase.watching and nodes._summary().phase == "paged"  # queued, said followed already
+    rig.tick(1.5)
+    assert rig.phase is Phase.paged and rig.pages == [stuck] and rig.alerts.submitted == []
+    assert "node 0 pages the job-wide verdict" in rig.out.getvalue()
+    assert nodes._summary().phase == "paged" and nodes._following is None
 
 
 # -- the sidecar's parts, alone --------------------------------------------------
@@ -578,9 +638,10 @@ def test_one_node_judges_its_own_ranks_and_pages_them(tmp_path: Path) -> None:
     stall = Stall(at=NOW + 26, stalled_for_s=6, stall_timeout_s=5, progress_timeout_s=600)
     decision = asyncio.run(judging.judge(stall, []))
     assert decision.page and decision.finding.culprits == (2,)
-    assert (judging.job_wide(), judging.follows(), judging.incident_key(decision)) == (False, False, None)
-    assert judging.report_state() is rig.sidecar.live.state
-    assert asyncio.run(judging.paged_elsewhere(job_wide=False, following=False)) is None
+    role = judging.role(decision)
+    assert (role.job_wide, role.follows, role.key) == (False, False, None) and rig.sidecar.nodes is None
+    assert role.state is rig.sidecar.live.state
+    assert asyncio.run(judging.page(decision, role, None)) is None
 
 
 def test_the_page_goes_out_before_the_evidence_and_links_the_bundle_about_to_be_written(tmp_path: Path) -> None:

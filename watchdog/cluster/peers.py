@@ -1,25 +1,28 @@
-"""The sidecars of one job, across nodes: who they are, who leads, what each one saw.
+"""The sidecars of one job, across nodes: who they are, who leads, the view they share.
 
 Every node computes the same facts from what torchrun gave its workers
 (``Membership``): the store (``MASTER_ADDR:MASTER_PORT``, the agent store
 both static and c10d rendezvous run), the run id and restart count (an
 elastic restart is a new round, under a new key prefix), the node's rank and
 the node count.  Through that store, with a load that grows with the node
-count, not its square (``view`` has the rules):
+count, not its square (``view`` has the rules), every ``PUBLISH_S``
+(``HOT_S`` while a stall is probed) each sidecar sets ``node/<n>``, its
+``NodeSummary``, and reads ``view`` with one request; the leader alone reads
+every summary (one ``MULTI_GET``) and publishes the view by compare-and-set:
+about 2 requests per node per round.  A new round deletes this node's keys of
+the previous one.
 
-- every ``PUBLISH_S`` (``HOT_S`` while a stall is probed) each sidecar sets
-  ``node/<n>``, its ``NodeSummary``, and reads ``view`` with one request;
-  the leader alone reads every summary (one ``MULTI_GET``) and publishes the
-  view by compare-and-set: about 2 requests per node per round;
-- at a stall every node sets ``compact/<n>``, where each of its ranks is;
-  the leader reads them all, judges, asks the nodes that decide the verdict
-  for ``full/<n>`` (``IncidentView.want``), judges again with the same
-  engine and publishes ``verdict``, which the members read and follow;
-- after each performance look each node sets ``perf/<n>``
-  (``perf_records``) and the leader reads them to judge the whole job;
-- evidence and verdict keys are deleted when the incident closes, a new
-  round deletes this node's keys of the previous one: the store keeps a
-  few keys per node, whatever the job's length.
+``Cluster`` is that exchange (the view, who leads, who answers); the roles at a
+stall speak through it, each in its module:
+
+- ``incident_evidence``: every node sets ``compact/<n>`` at a stall; the
+  leader reads them all, asks the nodes that decide for ``full/<n>``
+  (``IncidentView.want``); the keys go when the incident closes;
+- ``handoff``: the leader publishes ``verdict``, the members read and follow
+  it, and the leader waits for them before its job (and the store) ends;
+- ``lost``: which nodes are lost, and without the store who pages;
+- ``perf_sharing``: ``perf/<n>`` after each performance look, read by the
+  leader.
 
 A store that cannot be reached is said (``SourceDown``); the sidecar judges
 alone and asks the other nodes' lifelines (``lifeline``) whether the store's
@@ -33,52 +36,29 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TypeVar
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ValidationError
 
-from ncclwatch.watchdog.cluster.lifeline import ask
-from ncclwatch.watchdog.cluster.payload import Kind, pack, paused_gc, unpack
-from ncclwatch.watchdog.cluster.perf_records import PerfRecord
+from ncclwatch.watchdog.cluster.payload import paused_gc
 from ncclwatch.watchdog.cluster.store import StoreClient, StoreError
 from ncclwatch.watchdog.cluster.view import (
     LOST_AFTER_S,
     PUBLISH_S,
-    Contact,
-    IncidentView,
     JobView,
     NodeSummary,
     compose,
     may_lead,
-    pager_order,
 )
-from ncclwatch.watchdog.events import Event
 from ncclwatch.watchdog.hang.state import JobState
-from ncclwatch.watchdog.hang.types import Decision
 
 log = logging.getLogger("ncclwatch")
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
-EVIDENCE_WAIT_S = 4.0  # how long the leader waits for every node's compact evidence
-FULL_WAIT_S = 2.5  # how long it waits for the full evidence it asked for
-FULL_NODES = 8  # nodes asked for full evidence at most: the culprits' and the lost ones' come first
-# How long the leader's performance look waits for the other nodes' records of the same round; the look runs
-# beside the ticks, so this never delays hang detection.  The others look at the same moment.
-PERF_WAIT_S = 3.0
-# How long the leader, before ending its job (its node serves the store, which goes with it), waits for every
-# answering member to show it has the verdict: on the H100 a member that had not read it yet judged alone once
-# the store was gone and wrote a conflicting bundle.
-HANDOFF_S = 5.0
-FOLLOWED_PHASES = frozenset(
-    {"paged", "ended"}
-)  # a member's summary phase once it follows the verdict (or its job ended)
-VERDICT_ROWS = 64  # rank rows a shared verdict carries (culprits first); the leader's bundle has them all
 GATHER_POLL_S = 0.2
-
-_DECISION = TypeAdapter(Decision)
 
 
 @dataclass(frozen=True)
@@ -115,40 +95,9 @@ class Membership:
         return None
 
 
-class SharedVerdict(BaseModel):
-    key: str
-    opened_at: float
-    decision: bytes  # Decision as JSON (a dataclass: pydantic's TypeAdapter)
-    response: str | None = None  # what every node does about it (``response.policy.Response``); None: report only
-    why: str = ""
-
-
-@dataclass(frozen=True)
-class LeaderVerdict:
-    """The leader's verdict as a member reads it, with the response every node carries out."""
-
-    key: str
-    decision: Decision
-    response: str | None = None
-    why: str = ""
-
-
-def trimmed(decision: Decision) -> Decision:
-    """A verdict small enough for every node to read: the culprits' rows first, at most VERDICT_ROWS."""
-    finding = decision.finding
-    if len(finding.rows) <= VERDICT_ROWS:
-        return decision
-    culprits = set(finding.culprits)
-    rows = sorted(finding.rows, key=lambda r: r.rank not in culprits)[:VERDICT_ROWS]
-    note = f"{len(finding.rows) - VERDICT_ROWS} more rank rows in the leader's bundle"
-    return replace(
-        decision,
-        finding=replace(finding, rows=tuple(sorted(rows, key=lambda r: r.rank)), missing=finding.missing + (note,)),
-    )
-
-
 class Cluster:
-    """This sidecar's side of the exchange; one store connection, requests serialised."""
+    """This sidecar's side of the view exchange; one store connection, requests serialised.  The roles at a stall
+    (``incident_evidence``, ``handoff``, ``lost``, ``perf_sharing``) speak through it."""
 
     def __init__(
         self,
@@ -169,13 +118,9 @@ class Cluster:
         self._joined_at = clock()
         self._view_changed_at = self._joined_at
         self.summaries: dict[int, NodeSummary] = {}  # the others', as the leader last read them
-        self._changed_at: dict[int, float] = {}  # node -> when its summary last changed (this clock)
+        self.changed_at: dict[int, float] = {}  # node -> when its summary last changed (this clock)
         self._read_at: float | None = None  # when the leader last read every summary (this clock)
         self._cleaned = False
-        self._shared_full_for: float | None = None  # the incident this node sent its full evidence for
-        self._verdicts_read: set[str] = set()
-        self._evidence_keys: set[str] = set()  # what the leader read during the open incident: deleted at its end
-        self._perf_left_out: set[int] = set()
 
     @property
     def me(self) -> int:
@@ -222,19 +167,19 @@ class Cluster:
         now = self.clock()
         if self.view is not None and self.view.leader != self.me:
             # Taking over: the old leader fell silent when its view stopped changing, not at this first read.
-            self._changed_at.setdefault(self.view.leader, self._view_changed_at)
+            self.changed_at.setdefault(self.view.leader, self._view_changed_at)
         self._read_at = now
         for node, raw in zip(others, await self.client.multi_get([self.key("node", n) for n in others])):
-            summary = _parse(NodeSummary, raw) if raw is not None else None
+            summary = parse_model(NodeSummary, raw) if raw is not None else None
             if summary is None:
                 continue
             previous = self.summaries.get(node)
-            if previous is None and node in self._changed_at:
+            if previous is None and node in self.changed_at:
                 pass  # seeded at the takeover; a changed summary from now on says it is alive
             elif previous is None or previous.at != summary.at:
-                self._changed_at[node] = now
+                self.changed_at[node] = now
             self.summaries[node] = summary
-        fresh = {n for n, at in self._changed_at.items() if now - at <= LOST_AFTER_S}
+        fresh = {n for n, at in self.changed_at.items() if now - at <= LOST_AFTER_S}
         previous = self.view if self.view is not None and self.view.leader == self.me else None
         view = compose(previous, self.me, self.membership.nnodes, self.summaries, fresh, own, now - self._joined_at)
         if previous is None:  # taking over (or the first view): a new term
@@ -245,9 +190,9 @@ class Cluster:
                     "incident": self.view.incident if self.view else None,
                 }
             )
-        await self._publish(view)
+        await self.publish_view(view)
 
-    async def _publish(self, view: JobView) -> bool:
+    async def publish_view(self, view: JobView) -> bool:
         """Compare-and-set against the view last read: False (and that view noted) when another node's won."""
         raw = view.model_dump_json().encode()
         current = await self.client.compare_set(self.key("view"), self._view_raw or b"", raw)
@@ -262,7 +207,7 @@ class Cluster:
             old = self.membership.prefix_of(restart - 1)
             names = [f"{what}/{self.me}" for what in ("node", "compact", "full", "perf")]
             names += ["view", "verdict"] if self.me == 0 else []
-            await self._delete({old + name for name in names})
+            await self.delete({old + name for name in names})
         self._cleaned = True  # only once every delete went through: a failed one is tried again next round
 
     # -- what every node asks of the view ----------------------------------
@@ -273,44 +218,22 @@ class Cluster:
     def leads(self) -> bool:
         return self.view is not None and self.view.leader == self.me
 
+    def view_fresh(self) -> bool:
+        """The view changed within LOST_AFTER_S: its leader still publishes it."""
+        return self.clock() - self._view_changed_at <= LOST_AFTER_S
+
     def peer_suspects(self) -> bool:
         """Another node probes a stall, or the leader opened an incident: this node looks too."""
         view = self.view
-        if view is None or self.clock() - self._view_changed_at > LOST_AFTER_S:
+        if view is None or not self.view_fresh():
             return False
         return view.incident is not None or any(n != self.me for n in view.probing)
-
-    def hurry(self) -> bool:
-        """Exchange at HOT_S: the leader while any node probes (it must hear them), a member while the leader
-        judges (a request for its full evidence, then the verdict, come within a second)."""
-        view = self.view
-        if view is None:
-            return False
-        if self.leads():
-            return view.probing_count > 0 or view.incident is not None
-        pending = view.incident is not None and (view.incident.judging or self.unread_verdict() is not None)
-        return pending and self.clock() - self._view_changed_at <= LOST_AFTER_S
-
-    def lost(self) -> dict[int, Contact]:
-        """Nodes whose sidecar stopped publishing (``at`` None: never published this round).
-
-        The leader's view was composed at its last read of the summaries; a node silent since is lost now, by the
-        clock ``answering`` reads, so that every node is one or the other (CI, a frozen node: the leader judged
-        between the two, waited for nobody, named nobody lost, and paged ``stuck_in_collective`` without a
-        culprit)."""
-        lost = {c.node: c for c in self.view.lost} if self.view is not None else {}
-        if self.leads():
-            for node in sorted(set(self._changed_at) - self.answering()):
-                summary = self.summaries.get(node)
-                if summary is not None and summary.phase != "ended":
-                    lost.setdefault(node, summary.contact())
-        return lost
 
     def answering(self) -> set[int]:
         """The other nodes whose sidecars publish and whose jobs run: their evidence is worth waiting for."""
         now = self._silence_clock()
         return {
-            n for n, at in self._changed_at.items() if now - at <= LOST_AFTER_S and self.summaries[n].phase != "ended"
+            n for n, at in self.changed_at.items() if now - at <= LOST_AFTER_S and self.summaries[n].phase != "ended"
         }
 
     def _silence_clock(self) -> float:
@@ -330,194 +253,10 @@ class Cluster:
         started = self.view.started_at if self.view is not None else None
         return min(own, started) if started is not None else own
 
-    # -- at a stall ---------------------------------------------------------
-
-    async def share(self, kind: Kind, events: list[Event], stall_at: float) -> None:
-        """This node's evidence; full evidence reaches back to where the leader says the slowest rank stands."""
-        incident = self.view.incident if self.view is not None else None
-        since = incident.since if kind == "full" and incident is not None else {}
-        await self.client.set(self.key(kind, self.me), pack(self.me, kind, stall_at, events, since))
-
-    async def gather(
-        self,
-        kind: Kind,
-        wanted: set[int],
-        since: float,
-        wait_s: float,
-        fold: Callable[[int, list[Event]], None] | None = None,
-    ) -> dict[int, list[Event]]:
-        """``kind`` evidence of each wanted node from a probe at or after ``since``; waits up to ``wait_s``.  Each
-        node's events go to ``fold`` as they come (``judge.JobEvidence.add``), while the others are waited for."""
-
-        def parse(node: int, raw: bytes) -> tuple[float, list[Event]] | None:
-            payload = unpack(raw, f"node {node} (via the store)")
-            return (payload.stall_at, payload.events) if payload is not None else None
-
-        def found_one(node: int, events: list[Event]) -> None:
-            if fold is not None:
-                fold(node, events)
-
-        found = await self._gather(kind, wanted, since, wait_s, parse, found_one)
-        self._evidence_keys |= {self.key(kind, n) for n in found}
-        return found
-
-    async def open_incident(
-        self,
-        opened_at: float,
-        want: list[int] | None = None,
-        judging: bool = True,
-        since: dict[str, int] | None = None,
-        started_at: float | None = None,
-    ) -> None:
-        """The leader's incident, in the view: the others look now; ``want`` asks for full evidence, reaching back
-        to ``since`` (``IncidentView.since``), of the silence that began at ``started_at``; not ``judging`` while
-        the stall is held (a pause), so the members go back to their usual pace."""
-        assert self.view is not None
-        incident = self.view.incident
-        if incident is None or incident.opened_at != opened_at:
-            incident = IncidentView(opened_at=opened_at, started_at=started_at)
-        asked = {"want": want, "since": since or {}} if want is not None else {}
-        incident = incident.model_copy(update={"judging": judging, **asked})
-        if incident != self.view.incident:
-            await self._publish(self.view.model_copy(update={"incident": incident, "seq": self.view.seq + 1}))
-
-    def full_wanted(self, looked_at: float | None) -> float | None:
-        """The incident (its opening) whose full evidence the leader asks of this node and has not had yet, where
-        this node's latest look (at ``looked_at``; None: none yet) is of the incident's silence: an older look's
-        evidence would be passed over by the leader, and this node's next look must still be sent."""
-        incident = self.view.incident if self.view is not None else None
-        if incident is None or self.me not in incident.want or self._shared_full_for == incident.opened_at:
-            return None
-        if looked_at is None or (incident.started_at is not None and looked_at < incident.started_at):
-            return None
-        return incident.opened_at
-
-    def full_shared(self, opened_at: float) -> None:
-        self._shared_full_for = opened_at
-
-    async def publish_verdict(self, key: str, decision: Decision, response: str | None = None, why: str = "") -> None:
-        """The leader's verdict for the open incident, and the response to it, for every member to follow."""
-        assert self.view is not None and self.view.incident is not None
-        incident = self.view.incident
-        shared = SharedVerdict(
-            key=key,
-            opened_at=incident.opened_at,
-            decision=_DECISION.dump_json(trimmed(decision)),
-            response=response,
-            why=why,
-        )
-        await self.client.set(self.key("verdict"), shared.model_dump_json().encode())
-        self._verdicts_read.add(key)
-        judged = incident.model_copy(update={"verdict": key, "judging": False})
-        await self._publish(self.view.model_copy(update={"incident": judged, "seq": self.view.seq + 1}))
-        await self._delete(self._evidence_keys)  # judged (and announced): the members need the verdict only
-        self._evidence_keys = set()
-
-    async def read_verdict(self) -> LeaderVerdict | None:
-        """The leader's verdict, once per incident key, when the view announces one this node has not read."""
-        announced = self.unread_verdict()
-        if announced is None:
-            return None
-        raw = await self.client.peek(self.key("verdict"))
-        shared = _parse(SharedVerdict, raw) if raw is not None else None
-        if shared is None or shared.key != announced:
-            return None
-        self._verdicts_read.add(shared.key)
-        try:
-            return LeaderVerdict(shared.key, _DECISION.validate_json(shared.decision), shared.response, shared.why)
-        except ValidationError:
-            log.warning("the leader's verdict does not validate; this node judges on its own")
-            return None
-
-    def unread_verdict(self) -> str | None:
-        """The verdict key the view announces and this node has not read: the leader judged and paged it."""
-        incident = self.view.incident if self.view is not None else None
-        if incident is None or incident.verdict is None or incident.verdict in self._verdicts_read:
-            return None
-        return incident.verdict
-
-    async def handed_off(self, wait_s: float = HANDOFF_S) -> list[int]:
-        """The leader, before ending its job: wait up to ``wait_s`` until every answering member's summary shows it
-        follows the verdict; the members still not showing it (raises StoreError)."""
-        deadline = self.clock() + wait_s
-        while True:
-            members = sorted(self.answering())
-            raws = await self.client.multi_get([self.key("node", n) for n in members]) if members else []
-            summaries = [_parse(NodeSummary, raw) if raw is not None else None for raw in raws]
-            waiting = [n for n, s in zip(members, summaries) if s is None or s.phase not in FOLLOWED_PHASES]
-            if not waiting or self.clock() >= deadline:
-                return waiting
-            await asyncio.sleep(GATHER_POLL_S)
-
-    async def drop_own_evidence(self) -> None:
-        """A member that followed the verdict: its evidence keys are no longer needed."""
-        await self._delete({self.key(kind, self.me) for kind in ("compact", "full")})
-
-    async def close_incident(self) -> None:
-        """The leader's incident is over (progress, or back to watching): its keys and the verdict go."""
-        await self._delete(self._evidence_keys | {self.key("verdict")})
-        self._evidence_keys = set()
-        if self.view is not None and self.view.incident is not None and self.leads():
-            await self._publish(self.view.model_copy(update={"incident": None, "seq": self.view.seq + 1}))
-
-    async def _delete(self, keys: set[str]) -> None:
+    async def delete(self, keys: set[str]) -> None:
         await self.client.delete_many(sorted(keys))
 
-    # -- without the store --------------------------------------------------
-
-    async def store_node_lost(self) -> Contact | None:
-        """The node serving the store, when the store is gone and that node's lifeline does not answer."""
-        store = self.view.store if self.view is not None else None
-        if store is None or store.node == self.me or store.lifeline is None:
-            return None
-        return store if await ask(store.lifeline) is None else None
-
-    async def pages_alone(self, lost: set[int]) -> bool:
-        """Without the store: does this node page?  The first node of ``pager_order`` that answers does; if
-        none of them answers (all lost at once), every survivor does, under one dedup key."""
-        for contact in pager_order(self.view, self.me, lost):
-            if contact.node == self.me:
-                return True
-            if contact.lifeline is not None and await ask(contact.lifeline) is not None:
-                return False
-        return True
-
-    # -- performance looks --------------------------------------------------
-
-    async def exchange_perf(self, record: PerfRecord, interval: float) -> dict[int, PerfRecord] | None:
-        """Publish this node's performance record; the other nodes' when this node leads, else None."""
-        await self.client.set(self.key("perf", self.me), record.model_dump_json().encode())
-        return await self.gather_perf(record.at, interval) if self.leads() else None
-
-    async def gather_perf(self, look_at: float, interval: float) -> dict[int, PerfRecord]:
-        """The other nodes' performance records for the leader's look at ``look_at``.
-
-        Looks are aligned to the same wall-clock grid on every node (``PerfWatch``), so each answering node's
-        record of this round (newer than half an interval ago) is waited for, up to PERF_WAIT_S; a node that
-        did not publish this round gives its latest if it is at most two intervals old.  Older or none: left
-        out, said once.
-        """
-
-        def parse(node: int, raw: bytes) -> tuple[float, PerfRecord] | None:
-            record = _parse(PerfRecord, raw)
-            if record is None:
-                log.warning("node %s published a performance record that does not validate; ignored", node)
-            return (record.at, record) if record is not None else None
-
-        found = await self._gather("perf", self.answering(), look_at - interval / 2, PERF_WAIT_S, parse)
-        others = {n for n in range(self.membership.nnodes) if n != self.me}
-        found |= await self._gather("perf", others - set(found), look_at - 2 * interval, 0.0, parse)
-        left_out = others - set(found)
-        if newly := sorted(left_out - self._perf_left_out):
-            log.warning(
-                "performance look: node(s) %s published no record in two intervals: the job-wide view "
-                "leaves their ranks out",
-                ", ".join(map(str, newly)),
-            )
-        self._perf_left_out = left_out
-        return found
-
-    async def _gather(
+    async def gather_keys(
         self,
         what: str,
         wanted: set[int],
@@ -544,7 +283,7 @@ class Cluster:
             await asyncio.sleep(GATHER_POLL_S)
 
 
-def _parse(model: type[M], raw: bytes) -> M | None:
+def parse_model(model: type[M], raw: bytes) -> M | None:
     try:
         return model.model_validate_json(raw)
     except ValidationError:

@@ -18,14 +18,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
-from ncclwatch.watchdog.cluster.peers import Cluster
 from ncclwatch.watchdog.cluster.perf_records import PerfRecord
+from ncclwatch.watchdog.cluster.perf_sharing import PerfSharing
 from ncclwatch.watchdog.cluster.store import StoreError
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.events import Event, SourceDown
+from ncclwatch.watchdog.live.incident import Incident, Phase
 from ncclwatch.watchdog.live.job import LiveJob, LiveView
 from ncclwatch.watchdog.live.judging import CLUSTER
+from ncclwatch.watchdog.live.nodes import Nodes
 from ncclwatch.watchdog.live.performance_look import JobLook, PerfWatch
 from ncclwatch.watchdog.sinks.alert import Alert, resolve_for, trigger_from_finding
 from ncclwatch.watchdog.sinks.delivery import Dispatcher
@@ -36,33 +39,29 @@ log = logging.getLogger("ncclwatch")
 PERF_RESOLVE_LOOKS = 2
 
 
+class Watch(Protocol):
+    """What the looks read of the node's watch (``Sidecar``); a store that fails goes to its queue (``emit``)."""
+
+    settings: Settings
+    live: LiveJob
+    job_name: str
+    host: str
+    clock: Callable[[], float]
+    dispatcher: Dispatcher | None  # None: findings are only logged
+    incident: Incident  # a look is taken only while watching
+    nodes: Nodes | None  # the other nodes' sidecars, once met: the looks are shared through the store
+
+    def emit(self, item: Event) -> None: ...
+
+
 class PerformancePaging:
     """The looks this node takes, and the pages of their findings still open."""
 
-    def __init__(
-        self,
-        perf: PerfWatch,
-        settings: Settings,
-        live: LiveJob,
-        *,
-        job_name: str,
-        host: str,
-        clock: Callable[[], float],
-        dispatcher: Dispatcher | None,
-        emit: Callable[[Event], None],
-        watching: Callable[[], bool],
-        cluster: Callable[[], Cluster | None],
-    ) -> None:
+    def __init__(self, perf: PerfWatch, watch: Watch) -> None:
         self.perf = perf
-        self.settings = settings
-        self.live = live
-        self.job_name = job_name
-        self.host = host
-        self.clock = clock
-        self.dispatcher = dispatcher  # None: findings are only logged
-        self.emit = emit
-        self.watching = watching  # no incident open: only then is a look taken
-        self.cluster = cluster  # the other nodes' sidecars, once met (the looks are shared through the store)
+        self.watch = watch
+        self.settings = watch.settings
+        self.live = watch.live
         self._pages: dict[str, Alert] = {}  # finding key -> its open page
         self._unseen: dict[str, int] = {}  # finding key -> looks in a row without it
 
@@ -73,31 +72,35 @@ class PerformancePaging:
 
     async def tick(self) -> None:
         """The performance look, when one is due and no incident is open."""
-        if not self.watching():
+        if self.watch.incident.phase is not Phase.watching:
             return
-        view = self.live.view(self.clock())
+        view = self.live.view(self.watch.clock())
         if view.workers and view.alive and self.perf.due(view.observed_at):
             await self._look(view)
 
     async def _look(self, view: LiveView) -> None:
         """One look; each new finding is one log line, and a page where its ``page_on_*`` setting says so."""
-        cluster = self.cluster()
+        nodes = self.watch.nodes
+        exchange = nodes.perf_sharing() if nodes is not None else None
         job = None
-        if cluster is not None and CLUSTER not in self.live.down:  # several nodes: share the look, the leader judges
-            job = JobLook(cluster.me, self._exchange)
+        if exchange is not None:  # several nodes: share the look, the leader judges
+            job = JobLook(exchange.cluster.me, lambda record: self._exchange(exchange, record))
+        host = self.watch.host
         try:
-            new = await self.perf.look(view.workers, self.live.state.global_ranks(), self.host, view.observed_at, job)
+            new = await self.perf.look(view.workers, self.live.state.global_ranks(), host, view.observed_at, job)
         except Exception:  # the look is a nicety; the watch for hangs goes on
             log.exception("performance look failed")
             return
         # The job's start, not this sidecar's: whichever node leads pages a finding under the same key.
-        run_started_at = cluster.job_started_at(self.live.started_at) if cluster is not None else self.live.started_at
+        started = self.live.started_at
+        run_started_at = nodes.met.cluster.job_started_at(started) if nodes is not None else started
+        dispatcher = self.watch.dispatcher
         for finding in new:
             through = f" (links: {', '.join(finding.links)})" if finding.links else ""
             log.warning("performance: %s: %s%s", finding.kind.value, finding.summary, through)
-            if self.dispatcher is not None and pages(finding, self.settings):
-                alert = trigger_from_finding(finding, job=self.job_name, host=self.host, run_started_at=run_started_at)
-                self.dispatcher.submit(alert)
+            if dispatcher is not None and pages(finding, self.settings):
+                alert = trigger_from_finding(finding, job=self.watch.job_name, host=host, run_started_at=run_started_at)
+                dispatcher.submit(alert)
                 self._pages[finding.key] = alert
         self._resolve_gone({f.key for f in self.perf.findings()})
 
@@ -113,16 +116,14 @@ class PerformancePaging:
         for open_key in [key] if key is not None else list(self._pages):
             alert = self._pages.pop(open_key, None)
             self._unseen.pop(open_key, None)
-            if alert is not None and self.dispatcher is not None:
-                self.dispatcher.submit(resolve_for(alert, why))
+            if alert is not None and self.watch.dispatcher is not None:
+                self.watch.dispatcher.submit(resolve_for(alert, why))
 
-    async def _exchange(self, record: PerfRecord) -> Mapping[int, PerfRecord] | None:
+    async def _exchange(self, exchange: PerfSharing, record: PerfRecord) -> Mapping[int, PerfRecord] | None:
         """Share this node's look; the leader gets the other nodes' records, a member None, and a store that
         fails mid-way leaves this node judging alone (an empty mapping), as when it cannot be reached."""
-        cluster = self.cluster()
-        assert cluster is not None
         try:
-            return await cluster.exchange_perf(record, self.perf.interval)
+            return await exchange.exchange(record, self.perf.interval)
         except StoreError as exc:
-            self.emit(SourceDown(source=CLUSTER, reason=str(exc)))
+            self.watch.emit(SourceDown(source=CLUSTER, reason=str(exc)))
             return {}

@@ -453,7 +453,7 @@ class Probing:
         finally:
             if sampling is not None:
                 sampling.cancel()  # a sample no rule asked for is dropped; its thread ends on its own
-        proven = proof.proves(decision, proven_at, judging.report_state())
+        proven = proof.proves(decision, proven_at, judging.role(decision).state)
         f = decision.finding
         log.info("%s: %s %s page=%s proven=%s held=%s", "peek" if probe.peek else "probe", f.verdict, f.culprits,
                  decision.page, proven, decision.held)  # fmt: skip

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ncclwatch.watchdog.cluster.peers import LeaderVerdict
+from ncclwatch.watchdog.cluster.handoff import LeaderVerdict
 from ncclwatch.watchdog.hang.report import ActionRecord, Report
 from ncclwatch.watchdog.hang.types import Decision
 from ncclwatch.watchdog.live.bundle import amend_bundle

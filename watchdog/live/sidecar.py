@@ -1,18 +1,21 @@
 """The node's sidecar: the watch's lifecycle, start, tick, stop; the other parts live beside it.
 
-- ``run`` starts one supervised task per source (``supervision.py``), the judging's exchange with the other
-  nodes and the performance look, then calls ``tick`` every poll until ``stop``.
-- ``tick`` folds queued events into the ``LiveJob``, feeds the incident state machine (``incident.py``) the
+- ``run`` starts one supervised task per source (``supervision.py``), the exchange with the other nodes
+  (``nodes.py``, only where the sidecar may join them) and the performance look, then calls ``tick`` every poll
+  until ``stop``.
+- ``tick`` folds queued events into the ``LiveJob`` (and follows the leader's verdict, which the exchange queues
+  as a ``LeaderVerdict``), feeds the incident state machine (``incident.py``) the
   clock and whether the streamed state proves a hang (``judging.Proof``), and performs what it answers: probe or
   peek (``prober.py``; probes are journaled for ``ncclwatch analyze``), say a line, resolve, or page (the
   ``Reporter`` writes the verdict and the bundle, the alert goes out, then the response, ``responding.py``).
 - ``stop`` ends the tasks; before it, ``farewell`` tells the other nodes that the job ended here.
 
-Who judges a stall is ``judging.py``: this node alone, or the leader's sidecar for the whole job through its store
-(one verdict, one page).  A slow job is no hang: its findings are ``performance_paging.py``'s.  Sources, prober,
-reporter, performance look and clock are injected: a test drives the sidecar tick by tick with scripted events
-and a fake clock, no sleeps.  Nothing here raises out of ``run`` for bad input: a broken source is a
-``SourceDown``; a broken probe is a missing piece of evidence; a broken reporter or look is logged.
+Who judges a stall and who pages is the ``Judging`` (``judging.py``): this node alone, or the leader's sidecar for
+the whole job through its store (``job_judging.py``: one verdict, one page).  A slow job is no hang: its findings
+are ``performance_paging.py``'s.  Sources, prober, reporter, performance look and clock are injected: a test drives
+the sidecar tick by tick with scripted events and a fake clock, no sleeps.  Nothing here raises out of ``run`` for
+bad input: a broken source is a ``SourceDown``; a broken probe is a missing piece of evidence; a broken reporter or
+look is logged.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from ncclwatch.watchdog.cluster.handoff import LeaderVerdict
+from ncclwatch.watchdog.cluster.peers import Membership
 from ncclwatch.watchdog.config import Settings
 from ncclwatch.watchdog.events import Event, JobEnded, JobOutcome
 from ncclwatch.watchdog.hang.report import Report
@@ -35,15 +40,8 @@ from ncclwatch.watchdog.live.health import Health, health_of
 from ncclwatch.watchdog.live.incident import Action, Incident, Page, Phase, Probe, Resolve, Say
 from ncclwatch.watchdog.live.job import LiveJob, LiveView
 from ncclwatch.watchdog.live.journal import Journal
-from ncclwatch.watchdog.live.judging import (
-    ClusterFactory,
-    ClusterJudging,
-    Judging,
-    NodeJudging,
-    Proof,
-    judge_at,
-    page_report,
-)
+from ncclwatch.watchdog.live.judging import Judging, NodeJudging, Proof, judge_at, page_report
+from ncclwatch.watchdog.live.nodes import ClusterFactory, Nodes
 from ncclwatch.watchdog.live.performance_look import PerfWatch
 from ncclwatch.watchdog.live.performance_paging import PerformancePaging
 from ncclwatch.watchdog.live.prober import Prober, Probing
@@ -84,37 +82,29 @@ class Sidecar:
         self, join_cluster: ClusterFactory | None, perf: PerfWatch | None, responder: Responder | None
     ) -> None:
         self.live = LiveJob(self.settings, started_at=self.clock())
-        self.queue: asyncio.Queue[tuple[Event, float]] = asyncio.Queue()
+        # What the sources, the probes and the other nodes' part send: events, and the leader's verdict to follow.
+        self.queue: asyncio.Queue[tuple[Event | LeaderVerdict, float]] = asyncio.Queue()
         self.incident = Incident()  # watching
         self.reported: list[Reported] = []  # every incident that was paged, oldest first
         self._stopping = asyncio.Event()
         self._ended: JobEnded | None = None  # torchrun exited (``job_ended``)
+        self.followed: LeaderVerdict | None = None  # the leader's latest verdict, with the response to carry out
+        self._to_follow: list[tuple[list[Action], LiveView]] = []  # what following it asks, for the next tick
         self.probing = Probing(self.prober, self.live, self.settings, self.journal, self.clock, self.drain)
         self.proof = Proof(self.live)
-        self.judging: Judging = NodeJudging(self.live) if join_cluster is None else ClusterJudging(self, join_cluster)
+        self._join = join_cluster
+        # The other nodes' sidecars, once met (``_meet``): the exchange with them, the leader's verdict to follow.
+        self.nodes: Nodes | None = None
+        self.judging: Judging = NodeJudging(self.live)  # the whole job's (``JobJudging``) once the nodes met
+        self._tasks: list[asyncio.Task[None]] = []
         self.responding = Responding(responder, self.live, self.clock, self._say, self.resolve)
-        self.performance = (
-            None
-            if perf is None
-            else PerformancePaging(
-                perf,
-                self.settings,
-                self.live,
-                job_name=self.job_name,
-                host=self.host,
-                clock=self.clock,
-                dispatcher=self.dispatcher,
-                emit=self.emit,
-                watching=lambda: self.incident.phase is Phase.watching,
-                cluster=lambda: self.judging.cluster,
-            )
-        )
+        self.performance = None if perf is None else PerformancePaging(perf, self)
 
     # -- lifecycle ---------------------------------------------------------
 
     async def run(self) -> None:
-        tasks = [asyncio.create_task(supervise(s, self.emit), name=f"source:{s.name}") for s in self.sources]
-        tasks.append(asyncio.create_task(self.judging.run(), name="cluster"))
+        tasks = self._tasks
+        tasks += [asyncio.create_task(supervise(s, self.emit), name=f"source:{s.name}") for s in self.sources]
         if self.performance is not None:
             tasks.append(asyncio.create_task(self.performance.run(), name="performance"))
         try:
@@ -129,18 +119,52 @@ class Sidecar:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.drain()
-            await self.judging.close()
+            if self.nodes is not None:
+                await self.nodes.close()
 
     def stop(self) -> None:
         self._stopping.set()
 
-    def emit(self, event: Event) -> None:
-        self.queue.put_nowait((event, self.clock()))
+    def emit(self, item: Event | LeaderVerdict) -> None:
+        self.queue.put_nowait((item, self.clock()))
 
     def drain(self) -> None:
+        """Fold what arrived into ``live``; the leader's verdict moves the incident now (``on_verdict``), and the
+        tick performs what that asks."""
         while not self.queue.empty():
-            event, at = self.queue.get_nowait()
-            self.live.apply(event, at)
+            item, at = self.queue.get_nowait()
+            if isinstance(item, LeaderVerdict):
+                self._follow(item)
+            else:
+                self.live.apply(item, at)
+
+    def _follow(self, verdict: LeaderVerdict) -> None:
+        """The leader's job-wide verdict, paged here too: this node's bundle, its part of the response."""
+        self.followed = verdict
+        view = self.live.view(self.clock())
+        self.incident, actions = machine.on_verdict(
+            self.incident, view.observed_at, verdict.decision, view.last_progress
+        )
+        self._to_follow.append((actions, view))
+
+    async def _perform_followed(self) -> None:
+        """What following the leader's verdict asks (the page of this node's part), once."""
+        while self._to_follow:
+            actions, view = self._to_follow.pop(0)
+            await self.perform(actions, view)
+
+    async def _meet(self) -> None:
+        """Once the workers name the job's store and several nodes, this sidecar meets the other nodes' sidecars:
+        the exchange runs beside the ticks, and the whole job is judged from then on."""
+        if self.nodes is not None or self._join is None:
+            return
+        membership = Membership.of(self.live.state)
+        if membership is None:
+            return
+        self.nodes = nodes = Nodes(self, self._join(membership, self.host))
+        await nodes.start()
+        self.judging = nodes.judging
+        self._tasks.append(asyncio.create_task(nodes.run(), name="cluster"))
 
     async def job_ended(self, end: JobEnded) -> None:
         """torchrun exited.  A failed job (not stopped by the user, not ended by a response of ours, nothing paged
@@ -149,6 +173,7 @@ class Sidecar:
         self.emit(end)
         self.drain()
         self._ended = end
+        await self._perform_followed()  # a verdict read as the job ended: this node's bundle still, no response
         if end.outcome is not JobOutcome.failed or self.incident.phase is Phase.paged:
             return
         view = self.live.view(self.clock())
@@ -163,8 +188,12 @@ class Sidecar:
 
     async def farewell(self, job_failed: bool) -> None:
         """The job ended here: the other nodes are told; a failure after the store went away may page the store's
-        node as lost (``ClusterJudging.farewell``)."""
-        lost = await self.judging.farewell(job_failed, paged=lambda: any(r.decision.page for r in self.reported))
+        node as lost (``Nodes.farewell``)."""
+        if self.nodes is None:
+            return
+        self.drain()
+        lost = await self.nodes.farewell(job_failed, paged=any(r.decision.page for r in self.reported))
+        self.drain()
         if lost is None:
             return
         decision, why = lost
@@ -176,8 +205,10 @@ class Sidecar:
     # -- the tick ----------------------------------------------------------
 
     async def tick(self) -> None:
-        """Fold what arrived, advance the incident, perform what it asks."""
+        """Fold what arrived, follow the leader's verdict, advance the incident, perform what it asks."""
         self.drain()
+        await self._meet()
+        await self._perform_followed()
         view = self.live.view(self.clock())
         if (incident := self.responding.after_restart(self.incident)) is None:
             return
@@ -185,16 +216,18 @@ class Sidecar:
         if not view.workers or not view.alive:
             return
         self.probing.between_probes(view)
-        await self.judging.moved(view.last_progress)
-        peer = self.judging.peer_suspects()  # another node probes a stall and waits for our evidence: look now
+        nodes = self.nodes
+        if nodes is not None:
+            await nodes.moved(view.last_progress)
+        peer = nodes is not None and nodes.peer_suspects()  # another node probes a stall and waits for us: look now
         timeout = min(view.stall_timeout, self.settings.stall_timeout_floor) if peer else view.stall_timeout
         before = self.incident.phase
         proven = before is Phase.watching and view.stalled_for < timeout and self.proof.streamed(view)
         self.incident, actions = machine.on_tick(
             self.incident, view.observed_at, view.last_progress, view.stalled_for, timeout, view.peek_after, proven
         )
-        if self.incident.phase is not before:
-            self.judging.phase_changed()
+        if self.incident.phase is not before and nodes is not None:
+            nodes.phase_changed()
         if self.incident.phase is Phase.suspect and actions:
             log.info("stall: nothing moved for %.1f s (stall timeout %.1f s)", view.stalled_for, timeout)
         await self.perform(actions, view)
@@ -210,38 +243,32 @@ class Sidecar:
             elif isinstance(action, Page):
                 await self._page(action.decision, view)
 
-    def follow_verdict(self, decision: Decision, view: LiveView) -> list[Action]:
-        """The leader's job-wide verdict, paged here too (``on_verdict``): the actions to perform."""
-        self.incident, actions = machine.on_verdict(self.incident, view.observed_at, decision, view.last_progress)
-        return actions
-
     async def _probe(self, view: LiveView, probe: Probe) -> None:
         look, decision, proven = await self.probing.decide(
             view, probe, self.incident.opened_at, self.judging, self.proof
         )
-        settles = None if proven else self.proof.settles_at(decision, look.stall.at, self.judging.report_state())
+        settles = None if proven else self.proof.settles_at(decision, look.stall.at, self.judging.role(decision).state)
         before = self.incident.phase
         self.incident, actions = machine.on_probe(
             self.incident, look.stall.at, decision, look.moved, look.view.stalled_for, proven, settles
         )
-        if before is Phase.watching and self.incident.phase is Phase.suspect:
-            await self.judging.proved(decision)
+        if before is Phase.watching and self.incident.phase is Phase.suspect and self.nodes is not None:
+            await self.nodes.proved(decision)
         await self.perform(actions, look.view)
 
     async def _page(self, decision: Decision, view: LiveView) -> None:
         """Report the hang, alert (or say which node does), respond.  A reporter that raises is logged: the job
         may hang again, and the watch goes on."""
         started_at = self.incident.started_at if self.incident.started_at is not None else view.last_progress
-        judging = self.judging
-        job_wide, following = judging.job_wide(), judging.follows()
-        report = page_report(judging, decision, view, self.job_name, self.host, started_at, self.clock())
+        role = self.judging.role(decision)
+        report = page_report(role, decision, view, self.job_name, self.host, started_at, self.clock())
         # A job that already ended has nothing left to kill, restart or drain: the verdict is its last word.
         plan = (
-            None if self._ended is not None else self.responding.plan(report, judging.followed if following else None)
+            None if self._ended is not None else self.responding.plan(report, self.followed if role.follows else None)
         )
-        if job_wide:  # before the bundle: the members page (and restart or end their ranks) meanwhile
-            await judging.publish_verdict(decision, plan)
-        said_instead = await judging.paged_elsewhere(job_wide, following)  # None: this node pages
+        # A job-wide verdict is published before the bundle: the members page (and restart or end their ranks)
+        # meanwhile.  None: this node pages.
+        said_instead = await self.judging.page(decision, role, plan)
         response = {"response": plan.headline()} if plan is not None else {}
         reported = Reported(started_at, decision, report.model_copy(update=response), self.bundle_for(report, view))
         if said_instead is None and self.dispatcher is not None:  # retried and spooled by the dispatcher
@@ -263,8 +290,8 @@ class Sidecar:
         if said_instead is not None:
             self._say(said_instead())
         if plan is not None:
-            if plan.ends_job and job_wide:
-                await judging.hand_off()
+            if plan.ends_job and role.job_wide and self.nodes is not None:
+                await self.nodes.hand_off()
             await self.responding.respond(plan, reported, [w.pid for w in view.alive], pager=said_instead is None)
 
     def resolve(self, reported: Reported, why: str) -> None:
