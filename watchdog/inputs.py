@@ -393,7 +393,7 @@ class TextIngest:
         if total > used:
             parts.append(
                 f"the other {total - used:,} are neither NCCL debug lines nor PyTorch/NCCL diagnostics "
-                "(training output, tracebacks)"
+                f"({_what_else(self.name)})"
             )
         if self.nccl.garbled:
             parts.append(f"{self.nccl.garbled} garbled operation line(s) skipped (interleaved or cut writes)")
@@ -424,6 +424,18 @@ class TextIngest:
             by_how.setdefault(log.how, []).append(log.rank)
         self._ranks_said = "; ".join(f"rank {_ranges(ranks)} by {how}" for how, ranks in by_how.items())
         return logs
+
+
+# What the lines a text input holds besides diagnostics are, by where it is: a bundle's record of a rank (kept for
+# people, read for what it may cite), or else a log.
+_BUNDLE_RECORDS = (
+    (re.compile(r"(^|/)env/rank\d+\.txt$"), "the rank's environment, as the bundle keeps it"),
+    (re.compile(r"(^|/)proc/rank\d+\.txt$"), "the rank's /proc state, as the bundle keeps it"),
+)
+
+
+def _what_else(name: str) -> str:
+    return next((what for pattern, what in _BUNDLE_RECORDS if pattern.search(name)), "training output, tracebacks")
 
 
 def _suffix(text: str | None) -> str:
