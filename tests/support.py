@@ -9,12 +9,16 @@
 - ``RasServer``: NCCL's side of the RAS protocol on a loopback ephemeral port,
   answering with a canned report; the first ``silent`` connections are accepted
   and never answered, as a SIGSTOPped rank's socket is.
+- ``watched`` / ``run_watched``: ``ncclwatch ... torchrun --standalone JOB`` in a test's folder,
+  ``job_processes``: what of such a job is still running, ``only_report`` and ``assert_offline_parity``:
+  its bundle's report, and ``ncclwatch analyze`` reaching the same verdict (the e2e tests' wrapper runs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import signal
@@ -23,10 +27,12 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
+
+import psutil
 
 from ncclwatch.watchdog.events import Event
 from ncclwatch.watchdog.evidence import EvidenceContext, RankTarget
@@ -214,3 +220,107 @@ def bundle_events(bundle: Path) -> list[Event]:
                 parser = NcclLogParser(name.removeprefix("nccl/"))
                 events += parser.feed(archive.extractfile(member).read(), final=True)  # type: ignore[union-attr]
     return events
+
+
+E2E_TIMEOUT_S = 150  # one wrapped job, start to end, on two busy cores
+
+
+def demo(fault: str, *args: str) -> list[str]:
+    """launcher/demo_job.py with ``fault`` at step 10 of 30 quick steps; later ``args`` override these."""
+    from ncclwatch.launcher import demo_job
+
+    return [demo_job.__file__, f"--fault={fault}", "--fault-step=10", "--step-time=0.05", "--steps=30", *args]
+
+
+def standalone(nproc: int, *options: str) -> list[str]:
+    """``torchrun --standalone --nproc_per_node=NPROC OPTIONS...`` (as ``python -m torch.distributed.run``)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *options]
+
+
+def watched(
+    tmp_path: Path, job: Sequence[str], *watch: str, nproc: int = 3, torchrun: Sequence[str] = (), run_dir: bool = True
+) -> list[str]:
+    """``ncclwatch --bundle-dir <tmp>/bundles [--run-dir <tmp>/run] WATCH... torchrun --standalone TORCHRUN... JOB``,
+    torchrun's monitor at 0.2 s (not 5 s), so the job ends soon after its ranks."""
+    folders = ["--bundle-dir", str(tmp_path / "bundles")] + (["--run-dir", str(tmp_path / "run")] if run_dir else [])
+    wrapper = [sys.executable, "-m", "ncclwatch", *folders, *watch]
+    return wrapper + standalone(nproc, "--monitor-interval=0.2", *torchrun, *job)
+
+
+def run_watched(
+    tmp_path: Path,
+    job: Sequence[str],
+    *watch: str,
+    nproc: int = 3,
+    torchrun: Sequence[str] = (),
+    run_dir: bool = True,
+    timeout_s: float = E2E_TIMEOUT_S,
+) -> subprocess.CompletedProcess[str]:
+    """``watched(...)`` run to its end in ``tmp_path``, its output captured.  No process of the job may outlive
+    the wrapper: any still running are killed, and the test fails naming them."""
+    command = watched(tmp_path, job, *watch, nproc=nproc, torchrun=torchrun, run_dir=run_dir)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=tmp_path)
+    finally:
+        leftovers = kill_leftovers(tmp_path)
+    assert not leftovers, f"processes outlived the wrapper: {leftovers}"
+    return done
+
+
+def job_processes(folder: Path) -> list[psutil.Process]:
+    """Every process of a job started in ``folder``: the wrapper runs it there (the working directory every
+    process of the job inherits), and a wrapper given ``--run-dir`` inside it tells its ranks so."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            run_dir = process.environ().get("NCCLWATCH_RUN_DIR", "")
+            if Path(process.cwd()) == folder or run_dir.startswith(f"{folder}/"):
+                found.append(process)
+        except psutil.Error:
+            continue  # gone, or not ours to read
+    return found
+
+
+def kill_leftovers(folder: Path) -> list[psutil.Process]:
+    """Kill what of the job started in ``folder`` still runs; what that was (for the test to fail on)."""
+    leftovers = job_processes(folder)
+    for process in leftovers:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    return leftovers
+
+
+def only_report(tmp_path: Path) -> dict:  # type: ignore[type-arg]
+    """The report of the one bundle in ``<tmp>/bundles``, with ``_evidence`` (its evidence index) and ``_files``."""
+    bundles = sorted((tmp_path / "bundles").glob("*.tar.gz"))
+    assert len(bundles) == 1, f"expected one bundle, found {bundles}"
+    with tarfile.open(bundles[0]) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith("/report.json"))
+        names = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
+        report = json.load(tar.extractfile(member))  # type: ignore[arg-type]
+        index = next(m for m in tar.getmembers() if m.name.endswith("/evidence.json"))
+        report["_evidence"] = json.load(tar.extractfile(index))["records"]  # type: ignore[arg-type]
+    report["_files"] = names
+    return report
+
+
+def analyzed(path: Path) -> dict:  # type: ignore[type-arg]
+    """``ncclwatch analyze --json`` on what the live run left (run folder or bundle)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "ncclwatch", "analyze", "--json", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def assert_offline_parity(tmp_path: Path, report: dict) -> None:  # type: ignore[type-arg]
+    """One engine: analyze on the kept run folder and on the bundle reaches the live verdict."""
+    [bundle] = sorted((tmp_path / "bundles").glob("*.tar.gz"))
+    for left in (tmp_path / "run", bundle):
+        offline = analyzed(left)
+        assert (offline["verdict"], offline["culprit_ranks"]) == (report["verdict"], report["culprit_ranks"]), left
+
+
+def fault_time(tmp_path: Path) -> float:
+    """When the job's first rank misbehaved: the earliest ``fault.<rank>`` mark in the run folder."""
+    return min(json.loads(p.read_text())["time"] for p in (tmp_path / "run").glob("fault.*"))

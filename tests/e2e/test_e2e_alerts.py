@@ -10,47 +10,26 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 from receiver import Receiver, Reply
-
-import ncclwatch.launcher.demo_job as demo_job
+from support import E2E_TIMEOUT_S, demo, kill_leftovers, watched
 
 pytest.importorskip("torch")
 
 
 async def run_job(tmp_path: Path, receiver: Receiver) -> tuple[int, str]:
     env = dict(os.environ, NCCLWATCH_PAGERDUTY_ROUTING_KEY="test-routing-key", NCCLWATCH_PAGERDUTY_URL=receiver.url)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "ncclwatch",
-        "--bundle-dir",
-        str(tmp_path / "bundles"),
-        "--stall-timeout",
-        "4",
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=3",
-        "--monitor-interval=0.2",
-        demo_job.__file__,
-        "--fault=straggle",
-        "--fault-step=10",
-        "--pause-s=14",
-        "--step-time=0.05",
-        "--steps=20",
-        "--mark-dir",
-        str(tmp_path),
-        env=env,
-        cwd=tmp_path,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, stderr = await asyncio.wait_for(process.communicate(), 150)
-    return process.returncode, stderr.decode(errors="replace")
+    job = demo("straggle", "--pause-s=14", "--steps=20", "--mark-dir", str(tmp_path))
+    command = watched(tmp_path, job, "--stall-timeout", "4", run_dir=False)
+    process = await asyncio.create_subprocess_exec(*command, env=env, cwd=tmp_path, stderr=asyncio.subprocess.PIPE)
+    try:
+        _, stderr = await asyncio.wait_for(process.communicate(), E2E_TIMEOUT_S)
+    finally:
+        leftovers = kill_leftovers(tmp_path)
+    assert not leftovers, f"processes outlived the wrapper: {leftovers}"
+    return process.returncode, stderr.decode(errors="replace")  # type: ignore[return-value]
 
 
 def test_hang_pages_once_with_retries_and_resolves_when_progress_returns(tmp_path: Path) -> None:

@@ -15,113 +15,28 @@ import os
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from support import (
+    E2E_TIMEOUT_S,
+    assert_offline_parity,
+    demo,
+    fault_time,
+    job_processes,
+    kill_leftovers,
+    only_report,
+    run_watched,
+    standalone,
+    watched,
+)
 
-import ncclwatch.launcher.demo_job as demo_job
 from ncclwatch.launcher.process import exit_status
 
 pytest.importorskip("torch")
 
 NPROC = 3
-TIMEOUT_S = 150
-
-
-def wrapper_command(
-    tmp_path: Path, fault: str, *options: str, job_args: tuple[str, ...] = (), nproc: int = NPROC
-) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "ncclwatch",
-        "--bundle-dir",
-        str(tmp_path / "bundles"),
-        "--run-dir",
-        str(tmp_path / "run"),
-        *options,
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "--monitor-interval=0.2",
-        demo_job.__file__,
-        f"--fault={fault}",
-        "--fault-step=10",
-        "--step-time=0.05",
-        "--steps=30",
-        *job_args,
-    ]
-
-
-def job_processes(run_dir: Path) -> list[psutil.Process]:
-    """Every process of the job, found by the run folder the wrapper gave it."""
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if process.environ().get("NCCLWATCH_RUN_DIR") == str(run_dir):
-                found.append(process)
-        except psutil.Error:
-            continue
-    return found
-
-
-def run_wrapper(
-    tmp_path: Path, fault: str, *options: str, job_args: tuple[str, ...] = (), nproc: int = NPROC
-) -> subprocess.CompletedProcess[str]:
-    try:
-        done = subprocess.run(
-            wrapper_command(tmp_path, fault, *options, job_args=job_args, nproc=nproc),
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-            cwd=tmp_path,
-        )
-    finally:
-        leftovers = job_processes(tmp_path / "run")
-        for process in leftovers:
-            process.kill()
-    assert not leftovers, f"processes outlived the wrapper: {leftovers}"
-    return done
-
-
-def only_report(tmp_path: Path) -> dict:
-    bundles = sorted((tmp_path / "bundles").glob("*.tar.gz"))
-    assert len(bundles) == 1, f"expected one bundle, found {bundles}"
-    with tarfile.open(bundles[0]) as tar:
-        member = next(m for m in tar.getmembers() if m.name.endswith("/report.json"))
-        names = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
-        report = json.load(tar.extractfile(member))  # type: ignore[arg-type]
-        index = next(m for m in tar.getmembers() if m.name.endswith("/evidence.json"))
-        report["_evidence"] = json.load(tar.extractfile(index))["records"]  # type: ignore[arg-type]
-    report["_files"] = names
-    return report
-
-
-def analyzed(path: Path) -> dict:
-    """``ncclwatch analyze --json`` on what the live run left (run folder or bundle)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "ncclwatch", "analyze", "--json", str(path)], capture_output=True, text=True, timeout=120
-    )
-    assert done.stdout, done.stderr[-2000:]
-    return json.loads(done.stdout)
-
-
-def assert_offline_parity(tmp_path: Path, report: dict) -> None:
-    """One engine: analyze on the kept run folder and on the bundle reaches the live verdict."""
-    [bundle] = sorted((tmp_path / "bundles").glob("*.tar.gz"))
-    for left in (tmp_path / "run", bundle):
-        offline = analyzed(left)
-        assert (offline["verdict"], offline["culprit_ranks"]) == (report["verdict"], report["culprit_ranks"]), left
-
-
-def fault_time(tmp_path: Path) -> float:
-    marks = [json.loads(p.read_text())["time"] for p in (tmp_path / "run").glob("fault.*")]
-    return min(marks)
 
 
 @pytest.mark.parametrize(
@@ -129,7 +44,7 @@ def fault_time(tmp_path: Path) -> float:
     [("skip", "collective_mismatch"), ("python_stuck", "rank_behind"), ("sigstop", "process_stopped")],
 )
 def test_hang_is_named_bundled_and_killed(tmp_path: Path, fault: str, verdict: str) -> None:
-    done = run_wrapper(tmp_path, fault, "--on-hang", "kill")
+    done = run_watched(tmp_path, demo(fault), "--on-hang", "kill")
     assert done.returncode == 3, done.stderr[-3000:]
     assert verdict.replace("_", " ").upper() in done.stderr
     report = only_report(tmp_path)
@@ -150,10 +65,11 @@ def test_hang_is_named_bundled_and_killed(tmp_path: Path, fault: str, verdict: s
     assert_offline_parity(tmp_path, report)
 
 
+@pytest.mark.serial  # the bus-bandwidth probes run under a hard time limit, which other workers' jobs exceed
 def test_preflight_measures_before_the_job_and_again_after_the_kill(tmp_path: Path) -> None:
     """--preflight on CPU (gloo, 2 ranks): the baseline before the job starts, kept in the bundle; once --on-hang kill
     has ended the hung job, a second probe beside the bundle, compared with the baseline."""
-    done = run_wrapper(tmp_path, "skip", "--on-hang", "kill", "--preflight")
+    done = run_watched(tmp_path, demo("skip"), "--on-hang", "kill", "--preflight")
     assert done.returncode == 3, done.stderr[-3000:]
     said = done.stderr
     assert said.index("--preflight: measuring") < said.index("[demo]") and "gloo 2 ranks x 1 nodes" in said
@@ -173,13 +89,8 @@ def test_preflight_measures_before_the_job_and_again_after_the_kill(tmp_path: Pa
 
 
 def test_elastic_restart_is_followed_and_the_new_attempt_judged(tmp_path: Path) -> None:
-    command = wrapper_command(tmp_path, "python_stuck", "--on-hang", "kill", job_args=("--crash-attempts=1",))
-    command.insert(command.index("--standalone"), "--max-restarts=1")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
-    leftovers = job_processes(tmp_path / "run")
-    for process in leftovers:
-        process.kill()
-    assert not leftovers
+    job = demo("python_stuck", "--crash-attempts=1")
+    done = run_watched(tmp_path, job, "--on-hang", "kill", torchrun=("--max-restarts=1",))
     assert done.returncode == 3, done.stderr[-3000:]
     assert "crashing to make torchrun restart" in done.stderr
     report = only_report(tmp_path)
@@ -190,57 +101,19 @@ def test_elastic_restart_is_followed_and_the_new_attempt_judged(tmp_path: Path) 
 
 
 def test_crashing_rank_keeps_torchrun_exit_code_and_no_bundle(tmp_path: Path) -> None:
-    done = run_wrapper(tmp_path, "exit")
+    done = run_watched(tmp_path, demo("exit"))
     bare = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={NPROC}",
-            "--monitor-interval=0.2",
-            demo_job.__file__,
-            "--fault=exit",
-            "--fault-step=10",
-            "--step-time=0.05",
-            "--steps=30",
-            "--mark-dir",
-            str(tmp_path),
-        ],
+        standalone(NPROC, "--monitor-interval=0.2", *demo("exit", "--mark-dir", str(tmp_path))),
         capture_output=True,
         text=True,
-        timeout=TIMEOUT_S,
+        timeout=E2E_TIMEOUT_S,
     )
     assert done.returncode == exit_status(bare.returncode) != 0
     assert not list((tmp_path / "bundles").glob("*.tar.gz"))
 
 
 def test_healthy_job_exits_zero_without_bundle_and_cleans_up(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ncclwatch",
-            "--bundle-dir",
-            str(tmp_path / "bundles"),
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={NPROC}",
-            "--monitor-interval=0.2",
-            demo_job.__file__,
-            "--fault=uneven",
-            "--step-time=0.05",
-            "--steps=30",
-            "--mark-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        cwd=tmp_path,
-    )
+    done = run_watched(tmp_path, demo("uneven", "--mark-dir", str(tmp_path)), run_dir=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "30 steps done" in done.stderr
     assert not (tmp_path / "bundles").exists()
@@ -248,7 +121,7 @@ def test_healthy_job_exits_zero_without_bundle_and_cleans_up(tmp_path: Path) -> 
 
 
 def test_pause_longer_than_stall_timeout_is_not_a_collective_hang(tmp_path: Path) -> None:
-    done = run_wrapper(tmp_path, "pause", "--on-hang", "kill", "--stall-timeout", "4", job_args=("--pause-s=10",))
+    done = run_watched(tmp_path, demo("pause", "--pause-s=10"), "--on-hang", "kill", "--stall-timeout", "4")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "not paging: no rank is inside a collective" in done.stderr
     assert not (tmp_path / "bundles").exists()
@@ -256,22 +129,20 @@ def test_pause_longer_than_stall_timeout_is_not_a_collective_hang(tmp_path: Path
 
 def test_report_mode_leaves_the_job_running_and_sigterm_ends_it(tmp_path: Path) -> None:
     with open(tmp_path / "stderr.txt", "w") as stderr:  # a pipe nobody drains would block the wrapper
-        process = subprocess.Popen(wrapper_command(tmp_path, "python_stuck"), stderr=stderr, cwd=tmp_path)
+        process = subprocess.Popen(watched(tmp_path, demo("python_stuck")), stderr=stderr, cwd=tmp_path)
     try:
-        deadline = time.monotonic() + TIMEOUT_S
+        deadline = time.monotonic() + E2E_TIMEOUT_S
         while time.monotonic() < deadline and not list((tmp_path / "bundles").glob("*.tar.gz")):
             time.sleep(0.5)
         assert list((tmp_path / "bundles").glob("*.tar.gz")), "no bundle"
         assert process.poll() is None, "report mode must leave the job running"
-        assert len(job_processes(tmp_path / "run")) >= NPROC
+        assert len(job_processes(tmp_path)) >= NPROC
         process.send_signal(signal.SIGTERM)
         returncode = process.wait(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
-        leftovers = job_processes(tmp_path / "run")
-        for leftover in leftovers:
-            leftover.kill()
+        leftovers = kill_leftovers(tmp_path)
     assert not leftovers
     assert returncode != 0
     assert os.path.isdir(tmp_path / "run")  # kept for inspection after a hang
@@ -292,13 +163,10 @@ def test_readme_demo_catches_names_and_bundles(tmp_path: Path) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=TIMEOUT_S,
+        timeout=E2E_TIMEOUT_S,
         cwd=tmp_path,
     )
-    leftovers = job_processes(tmp_path / "run")
-    for process in leftovers:
-        process.kill()
-    assert not leftovers
+    assert not kill_leftovers(tmp_path)
     assert done.returncode == 3, done.stderr[-3000:]  # the demo ends the hung job after the capture
     assert "COLLECTIVE MISMATCH — culprit rank 2" in done.stderr
     report = only_report(tmp_path)

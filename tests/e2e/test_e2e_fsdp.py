@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import REPO
-from test_e2e_cpu import TIMEOUT_S, assert_offline_parity, job_processes, only_report
+from support import assert_offline_parity, only_report, run_watched
 
 from ncclwatch.watchdog.hang.report import EXIT_KILLED_ON_HANG
 
@@ -32,40 +31,8 @@ def line_of(pattern: str) -> int:
 
 
 def run(tmp_path: Path, *job_args: str) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "ncclwatch",
-        "--bundle-dir",
-        str(tmp_path / "bundles"),
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--on-hang",
-        "kill",
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "--monitor-interval=0.2",
-        str(JOB),
-        "--device",
-        "cpu",
-        "--blocks",
-        "4",
-        "--width",
-        "64",
-        "--mark-dir",
-        str(tmp_path / "run"),
-        *job_args,
-    ]
-    try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
-    finally:
-        leftovers = job_processes(tmp_path / "run")
-        for process in leftovers:
-            process.kill()
-        assert not leftovers, f"processes outlived the wrapper: {leftovers}"
+    job = [str(JOB), "--device", "cpu", "--blocks", "4", "--width", "64", "--mark-dir", str(tmp_path / "run")]
+    return run_watched(tmp_path, [*job, *job_args], "--on-hang", "kill", nproc=2)
 
 
 def test_fsdp2_rank_skipping_the_logging_all_reduce_is_named_with_its_line(tmp_path: Path) -> None:

@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -22,8 +21,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-import ncclwatch.launcher.demo_job as demo_job
+from support import demo, kill_leftovers, watched
 
 pytest.importorskip("torch")
 TOKEN = "e2e-secret-token"
@@ -46,28 +44,8 @@ def get(url: str, token: str | None = None) -> tuple[int, bytes]:
 
 def test_sidecar_serves_bundles_and_metrics_during_a_hang(tmp_path: Path) -> None:
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "ncclwatch",
-        "--bundle-dir",
-        str(tmp_path / "bundles"),
-        "--listen",
-        f"127.0.0.1:{port}",
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=3",
-        "--monitor-interval=0.2",
-        demo_job.__file__,
-        "--fault=skip",
-        "--fault-step=10",
-        "--step-time=0.05",
-        "--steps=30",
-        "--mark-dir",
-        str(tmp_path),
-    ]
+    job = demo("skip", "--mark-dir", str(tmp_path))
+    command = watched(tmp_path, job, "--listen", f"127.0.0.1:{port}", run_dir=False)
     env = {**os.environ, "NCCLWATCH_API_TOKEN": TOKEN}
     with open(tmp_path / "stderr.txt", "w") as stderr:
         process = subprocess.Popen(command, stderr=stderr, cwd=tmp_path, env=env)
@@ -100,3 +78,5 @@ def test_sidecar_serves_bundles_and_metrics_during_a_hang(tmp_path: Path) -> Non
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
+        leftovers = kill_leftovers(tmp_path)
+    assert not leftovers, f"processes outlived the wrapper: {leftovers}"

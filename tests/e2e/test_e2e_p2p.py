@@ -12,13 +12,11 @@ first look at the heartbeats can come several steps in.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import REPO
-from test_e2e_cpu import TIMEOUT_S, assert_offline_parity, job_processes, only_report
+from support import assert_offline_parity, only_report, run_watched
 
 from ncclwatch.watchdog.hang.report import EXIT_KILLED_ON_HANG
 
@@ -26,43 +24,9 @@ pytest.importorskip("torch")
 
 
 def test_both_ranks_receiving_first_is_a_p2p_deadlock_naming_both(tmp_path: Path) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "ncclwatch",
-        "--bundle-dir",
-        str(tmp_path / "bundles"),
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--on-hang",
-        "kill",
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "--monitor-interval=0.2",
-        str(REPO / "bench" / "gpu_job.py"),
-        "--device",
-        "cpu",
-        "--size",
-        "tiny",
-        "--steps",
-        "90",
-        "--fault",
-        "p2p_deadlock",
-        "--fault-step",
-        "40",
-        "--mark-dir",
-        str(tmp_path / "run"),
-    ]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
-    finally:
-        leftovers = job_processes(tmp_path / "run")
-        for process in leftovers:
-            process.kill()
-    assert not leftovers, f"processes outlived the wrapper: {leftovers}"
+    job = [str(REPO / "bench" / "gpu_job.py"), "--device", "cpu", "--size", "tiny", "--steps", "90"]
+    job += ["--fault", "p2p_deadlock", "--fault-step", "40", "--mark-dir", str(tmp_path / "run")]
+    done = run_watched(tmp_path, job, "--on-hang", "kill", nproc=2)
     assert done.returncode == EXIT_KILLED_ON_HANG, done.stderr[-3000:]
     assert "P2P DEADLOCK" in done.stderr
     report = only_report(tmp_path)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -26,10 +25,11 @@ import pytest
 from conftest import REPO
 from prometheus_client.parser import text_string_to_metric_families
 from receiver import Receiver
-from support import free_port
-from test_e2e_cpu import job_processes
+from support import free_port, kill_leftovers, watched
 
 pytest.importorskip("torch")
+# Two ranks' arrival times decide it, and other workers' jobs on the same two cores would skew them: run alone.
+pytestmark = pytest.mark.serial
 
 # 300 CPU steps: 2.4 steps/s on the 2-core CI machine of 2026-11-24 (a fresh-clone run reached step 268 at 120 s)
 TIMEOUT_S = 240
@@ -48,40 +48,9 @@ async def run_straggler_job(tmp_path: Path) -> tuple[int, str, dict, list]:  # t
     """The job under the wrapper; its exit code, stderr, the first /metrics showing a straggler,
     and the webhook's requests."""
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "ncclwatch",
-        "--bundle-dir",
-        str(tmp_path / "bundles"),
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--perf-interval",
-        "3",
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "--monitor-interval=0.2",
-        str(REPO / "bench" / "gpu_job.py"),
-        "--device",
-        "cpu",
-        "--size",
-        "tiny",
-        "--batch",
-        "16",
-        "--seq",
-        "64",
-        "--steps",
-        "300",
-        "--fault",
-        "straggler",
-        "--fault-step",
-        "5",
-    ]
+    job = [str(REPO / "bench" / "gpu_job.py"), "--device", "cpu", "--size", "tiny", "--batch", "16", "--seq", "64"]
+    job += ["--steps", "300", "--fault", "straggler", "--fault-step", "5"]
+    command = watched(tmp_path, job, "--listen", f"127.0.0.1:{port}", "--perf-interval", "3", nproc=2)
     async with Receiver() as receiver:
         env = {**os.environ, "NCCLWATCH_WEBHOOK_URL": receiver.url}
         process = await asyncio.create_subprocess_exec(*command, env=env, cwd=tmp_path, stderr=asyncio.subprocess.PIPE)
@@ -107,10 +76,8 @@ def test_a_straggler_is_named_in_metrics_and_the_log_and_not_paged(tmp_path: Pat
     try:
         code, stderr, metrics, pages = asyncio.run(asyncio.wait_for(run_straggler_job(tmp_path), TIMEOUT_S))
     finally:
-        leftovers = job_processes(tmp_path / "run")
-        for process in leftovers:
-            process.kill()
-    assert not leftovers
+        leftovers = kill_leftovers(tmp_path)
+    assert not leftovers, f"processes outlived the wrapper: {leftovers}"
     assert code == 0, stderr[-3000:]
     assert metrics, f"no scrape showed a straggler:\n{stderr[-3000:]}"
     assert metrics[("ncclwatch_rank_straggler", "0")] == 0

@@ -24,15 +24,13 @@ import asyncio
 import datetime
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import DATA, stderr_at_end
 from receiver import Receiver
-from support import free_port
-from test_e2e_cpu import assert_offline_parity, fault_time, job_processes, only_report
+from support import assert_offline_parity, fault_time, free_port, only_report, run_watched
 from test_e2e_multinode import reports
 
 from ncclwatch.watchdog.hang.report import EXIT_KILLED_ON_HANG
@@ -45,36 +43,9 @@ TIMEOUT_S = 120  # each run takes 15-35 s on two busy cores
 
 
 def test_a_stage_stuck_in_its_own_code_is_behind_and_paged_within_the_stall_timeout(tmp_path: Path) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "ncclwatch",
-        "--bundle-dir",
-        str(tmp_path / "bundles"),
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--on-hang",
-        "kill",
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "--monitor-interval=0.2",
-        str(JOB),
-        "--steps=400",
-        "--step-time=0.05",
-        "--fault=python_stuck",
-        f"--fault-step={FAULT_STEP}",
-        f"--mark-dir={tmp_path / 'run'}",
-    ]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
-    finally:
-        leftovers = job_processes(tmp_path / "run")
-        for process in leftovers:
-            process.kill()
-    assert not leftovers, f"processes outlived the wrapper: {leftovers}"
+    job = [str(JOB), "--steps=400", "--step-time=0.05", "--fault=python_stuck", f"--fault-step={FAULT_STEP}"]
+    job += [f"--mark-dir={tmp_path / 'run'}"]
+    done = run_watched(tmp_path, job, "--on-hang", "kill", nproc=2, timeout_s=TIMEOUT_S)
     assert done.returncode == EXIT_KILLED_ON_HANG, done.stderr[-3000:]
     after_fault = done.stderr.partition("fault 'python_stuck' at step")[2]
     assert "RANK BEHIND" in after_fault and "progress_stalled is reported after" not in after_fault

@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 
 import pytest
-from test_e2e_cpu import assert_offline_parity, fault_time, job_processes, only_report, wrapper_command
-
-import ncclwatch.launcher.demo_job as demo_job
+from support import assert_offline_parity, demo, fault_time, only_report, run_watched
 
 pytest.importorskip("torch")
+# Each bounds the time from the wrapper's start to the page: run alone, not beside other workers' jobs.
+pytestmark = pytest.mark.serial
 
 HUNG_S = 90  # a hung run is killed by the wrapper (--on-hang kill) long before this; the warm-up timeout is 300 s
 PAGED_WITHIN_S = 30  # from the wrapper's start to the page
@@ -63,17 +63,10 @@ EARLY_EXIT_JOB = textwrap.dedent(
 )
 
 
-def run(tmp_path: Path, command: list[str], timeout_s: float) -> tuple[subprocess.CompletedProcess[str], float]:
-    """The wrapper's result and when it started; no process of the job may outlive it."""
+def run(tmp_path: Path, job: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
+    """The wrapper's result (``--on-hang kill``) and when it started; no process of the job may outlive it."""
     started = time.time()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=tmp_path)
-    finally:
-        leftovers = job_processes(tmp_path / "run")
-        for process in leftovers:
-            process.kill()
-    assert not leftovers, f"processes outlived the wrapper: {leftovers}"
-    return done, started
+    return run_watched(tmp_path, job, "--on-hang", "kill", timeout_s=HUNG_S), started
 
 
 def paged_after(report: dict, since: float) -> float:
@@ -81,8 +74,7 @@ def paged_after(report: dict, since: float) -> float:
 
 
 def test_a_collective_skipped_at_step_1_is_paged_within_seconds(tmp_path: Path) -> None:
-    command = wrapper_command(tmp_path, "skip", "--on-hang", "kill", job_args=("--fault-step=1", "--fault-rank=1"))
-    done, started = run(tmp_path, command, HUNG_S)
+    done, started = run(tmp_path, demo("skip", "--fault-step=1", "--fault-rank=1"))
     assert done.returncode == 3, done.stderr[-3000:]
     report = only_report(tmp_path)
     assert (report["verdict"], report["culprit_ranks"]) == ("collective_mismatch", [1])
@@ -95,9 +87,7 @@ def test_a_collective_skipped_at_step_1_is_paged_within_seconds(tmp_path: Path) 
 def test_a_rank_that_exits_at_step_2_while_its_peers_wait_is_paged_dead(tmp_path: Path) -> None:
     job = tmp_path / "early_exit.py"
     job.write_text(EARLY_EXIT_JOB)
-    command = wrapper_command(tmp_path, "none", "--on-hang", "kill")
-    command = command[: command.index(demo_job.__file__)] + [str(job)]  # the same torchrun, this job
-    done, started = run(tmp_path, command, HUNG_S)
+    done, started = run(tmp_path, [str(job)])
     assert done.returncode == 3, done.stderr[-3000:]
     report = only_report(tmp_path)
     assert (report["verdict"], report["culprit_ranks"]) == ("process_dead", [1])
@@ -111,7 +101,7 @@ def test_an_early_pause_is_not_paged(tmp_path: Path, fault: str) -> None:
     """A checkpoint (every rank outside collectives) or one rank in its own code while its peers wait: silence
     that proves nothing, so the warm-up timeout holds; the job ends well."""
     job_args = ("--fault-step=1", "--fault-rank=1", "--pause-s=15", "--steps=12")
-    done, _ = run(tmp_path, wrapper_command(tmp_path, fault, "--on-hang", "kill", job_args=job_args), HUNG_S)
+    done, _ = run(tmp_path, demo(fault, *job_args))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "12 steps done" in done.stderr
     assert not (tmp_path / "bundles").exists()

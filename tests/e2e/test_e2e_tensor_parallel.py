@@ -10,13 +10,11 @@ offline from the kept run folder and the bundle. ``--stall-timeout 5`` skips the
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import DATA
-from test_e2e_cpu import TIMEOUT_S, assert_offline_parity, job_processes, only_report
+from support import assert_offline_parity, only_report, run_watched
 
 from ncclwatch.watchdog.hang.report import EXIT_KILLED_ON_HANG
 
@@ -25,39 +23,8 @@ JOB = DATA / "flight_recorder" / "make_tp_dumps.py"
 
 
 def test_tensor_parallel_rank_asleep_after_the_set_up_scatter_is_behind(tmp_path: Path) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "ncclwatch",
-        "--stall-timeout",
-        "5",
-        "--bundle-dir",
-        str(tmp_path / "bundles"),
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--on-hang",
-        "kill",
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "--monitor-interval=0.2",
-        str(JOB),
-        "--steps",
-        "40",
-        "--stuck-rank",
-        "1",
-        "--stuck-step",
-        "20",
-    ]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
-    finally:
-        leftovers = job_processes(tmp_path / "run")
-        for process in leftovers:
-            process.kill()
-        assert not leftovers, f"processes outlived the wrapper: {leftovers}"
+    job = [str(JOB), "--steps", "40", "--stuck-rank", "1", "--stuck-step", "20"]
+    done = run_watched(tmp_path, job, "--stall-timeout", "5", "--on-hang", "kill", nproc=2)
     assert done.returncode == EXIT_KILLED_ON_HANG, done.stderr[-3000:]
     report = only_report(tmp_path)
     assert (report["verdict"], report["culprit_ranks"], report["position"]) == ("rank_behind", [1], 45), report[

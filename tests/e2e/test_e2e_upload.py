@@ -26,7 +26,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from receiver import Receiver
-from support import free_port
+from support import demo, free_port, watched
 
 import ncclwatch.launcher.demo_job as demo_job
 
@@ -58,14 +58,10 @@ async def start_job(tmp_path: Path, name: str, server: str, hook: str, drain_s: 
     folder.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("NCCLWATCH_")}
     env |= {"NCCLWATCH_UPLOAD": server, "NCCLWATCH_UPLOAD_TOKEN": UPLOAD, "NCCLWATCH_WEBHOOK_URL": hook}
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ncclwatch", "--bundle-dir", str(folder / "bundles"), "--stall-timeout", "4",
-        "--on-hang", "kill", "--alert-drain-timeout", str(drain_s), "--job-name", name,
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=0.2",
-        demo_job.__file__, "--fault=skip", "--fault-step=6", "--step-time=0.05", "--steps=2000", "--backend=gloo",
-        "--mark-dir", str(folder),
-        env=env, cwd=folder, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    job = demo("skip", "--fault-step=6", "--steps=2000", "--backend=gloo", "--mark-dir", str(folder))
+    watch = ["--stall-timeout", "4", "--on-hang", "kill", "--alert-drain-timeout", str(drain_s), "--job-name", name]
+    command = watched(folder, job, *watch, nproc=2, run_dir=False)
+    return await asyncio.create_subprocess_exec(*command, env=env, cwd=folder, stderr=asyncio.subprocess.PIPE)
 
 
 async def get(base: str, path: str) -> object:

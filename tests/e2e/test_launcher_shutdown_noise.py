@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES
-from test_e2e_cpu import run_wrapper
+from support import demo, run_watched
 
 from ncclwatch.launcher.shutdown_noise import MAX_HELD_LINES, ShutdownNoiseFilter, StderrRelay
 from ncclwatch.watchdog.hang.report import EXIT_KILLED_ON_HANG
@@ -189,7 +189,7 @@ def test_on_a_terminal_the_job_keeps_a_terminal_of_its_size_and_the_notice_is_di
 
 def run_two_ranks(tmp_path: Path, fault: str) -> subprocess.CompletedProcess[str]:
     """The real wrapper with ``--on-hang kill`` on 2 gloo ranks of the demo job."""
-    return run_wrapper(tmp_path, fault, "--on-hang", "kill", nproc=2)
+    return run_watched(tmp_path, demo(fault), "--on-hang", "kill", nproc=2)
 
 
 def test_after_the_kill_the_verdict_is_the_last_word(tmp_path: Path) -> None:
