@@ -1,8 +1,11 @@
-"""Shared paths and builders for the tests.
+"""Shared paths and builders for the tests, and the test tiers.
 
 Real captures live in the repository, so every clone runs every test:
 ``tests/fixtures/nccl-2.28.9-2gpu`` (2 x H200, torch 2.11, NCCL 2.28.9) and
 ``tests/fixtures/captures`` (made by ``tools/capture`` on H200s).
+
+Every test under ``tests/e2e`` is marked ``e2e`` here, by its folder: ``pytest -m "not e2e"`` is the fast tier.
+``serial`` tests bound a wall time or compare latencies; ``.ci/run`` runs them alone, after the parallel run.
 """
 
 from __future__ import annotations
@@ -16,10 +19,23 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+E2E = REPO / "tests" / "e2e"
 FIXTURES = REPO / "tests" / "fixtures"
 CAPTURES = REPO / "tests" / "fixtures" / "captures"
 DATA = REPO / "tests" / "data"
 NOW = 1_795_301_250.0
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests of ``tests/e2e`` ``e2e``.  Under pytest-xdist (``-n``) they go first: each runs a real job
+    for up to a minute or two, mostly waiting on the job's clock, so started first they overlap the quick tests
+    instead of leaving one worker to finish them alone."""
+    for item in items:
+        if item.path.is_relative_to(E2E):
+            item.add_marker(pytest.mark.e2e)
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller hands out items in this order
+        items.sort(key=lambda item: not item.path.is_relative_to(E2E))
 
 
 def shared(*parts: str) -> Path:

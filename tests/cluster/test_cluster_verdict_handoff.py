@@ -82,6 +82,7 @@ def test_a_member_hurries_while_an_announced_verdict_is_unread(store) -> None:  
     assert after == (None, False)
 
 
+@pytest.mark.serial  # a bound on its wall time: run alone, not beside other workers' jobs
 def test_the_leader_waits_until_the_member_shows_it_follows(store) -> None:  # type: ignore[no-untyped-def]
     async def talk():  # type: ignore[no-untyped-def]
         leader, member = node(store.port, 0), node(store.port, 1)
@@ -101,6 +102,7 @@ def test_the_leader_waits_until_the_member_shows_it_follows(store) -> None:  # t
     assert 0.4 <= took < 3.0  # as soon as it shows "paged", well before the bound
 
 
+@pytest.mark.serial  # a bound on its wall time: run alone, not beside other workers' jobs
 def test_the_leaders_wait_is_bounded_and_names_who_did_not_follow(store) -> None:  # type: ignore[no-untyped-def]
     async def talk():  # type: ignore[no-untyped-def]
         leader, member = node(store.port, 0), node(store.port, 1)

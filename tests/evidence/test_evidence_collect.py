@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 
+import pytest
 from support import RasServer, context, free_port, sleepers
 
 from ncclwatch.watchdog.evidence import EVIDENCE_JSON, EvidenceRecord, collect_all
@@ -34,6 +35,7 @@ def run_dir(tmp_path):
     return run
 
 
+@pytest.mark.serial  # a bound on its wall time: run alone, not beside other workers' jobs
 def test_three_real_ranks_well_within_budget(tmp_path):
     with sleepers(3, stopped=(1,)) as procs:
         ctx = context(tmp_path, procs, run_dir=run_dir(tmp_path), ras_port=free_port(), sys_infiniband=tmp_path / "no")
@@ -55,6 +57,7 @@ def test_three_real_ranks_well_within_budget(tmp_path):
     assert (ctx.out_dir / "proc/rank1.txt").read_text().count("state: T (stopped)") == 1
 
 
+@pytest.mark.serial  # a bound on its wall time: run alone, not beside other workers' jobs
 def test_budget_cuts_what_has_not_finished(tmp_path):
     """A RAS server that accepts and never answers would hold the RAS collector ~6 s; the budget is 3 s."""
 

@@ -79,6 +79,7 @@ def rank(r: int, pid: int) -> RankTarget:
     return RankTarget(rank=r, pid=pid, local_rank=r, host="localhost")
 
 
+@pytest.mark.serial  # a bound on its wall time: run alone, not beside other workers' jobs
 def test_torch_pipe_dump_is_triggered_and_copied(tmp_path, fr_dir, responders):
     responder = responders(str(fr_dir / "pipe_0.pipe"), fr_dir / "nccl_trace_rank_0")
     ctx, (rec,) = collect(tmp_path, fr_dir, [rank(0, responder.pid)])
@@ -134,6 +135,7 @@ def test_no_run_folder(tmp_path):
     assert rec.error == "no run folder: Flight Recorder pipes unknown"
 
 
+@pytest.mark.serial  # a bound on its wall time: run alone, not beside other workers' jobs
 def test_rank_that_did_not_answer_the_probe_is_not_asked_again(tmp_path, fr_dir, responders):
     """Its communicator is in error (seen on H100): waiting again only delays the bundle."""
     responder = responders(str(fr_dir / "pipe_0.pipe"), fr_dir / "nccl_trace_rank_0", answer=False)

@@ -17,6 +17,7 @@ from ncclwatch.watchdog.probes.nvml import sample_gpus
 REAL = DATA / "ras" / "real-2.28.9-h200x2"
 
 
+@pytest.mark.serial  # a bound on its wall time: run alone, not beside other workers' jobs
 @pytest.mark.skipif(sample_gpus(0.1) is not None, reason="this machine has a usable GPU")
 def test_nvml_absent_is_an_error_record(tmp_path):
     (rec,) = asyncio.run(collect_nvml(context(tmp_path)))

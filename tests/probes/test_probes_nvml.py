@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 HAVE_GPU = sample_gpus(gpm_window_s=0.1) is not None
 
 
+@pytest.mark.serial  # a bound on its wall time: run alone, not beside other workers' jobs
 @pytest.mark.skipif(HAVE_GPU, reason="this machine has a usable GPU")
 def test_without_nvml_every_call_is_none_and_logged_once():
     """A fresh process, so the one-time initialisation really happens here."""
@@ -37,6 +38,7 @@ def test_without_nvml_every_call_is_none_and_logged_once():
     assert out.stderr.count("NVML not available") == 1
 
 
+@pytest.mark.serial  # a bound on its wall time: run alone, not beside other workers' jobs
 @pytest.mark.skipif(HAVE_GPU, reason="this machine has a usable GPU")
 def test_async_form_without_nvml():
     started = time.monotonic()
@@ -110,6 +112,7 @@ class OneThreadNvml:
         return type("Request", (), {"metrics": [metric() for _ in range(8)]})()
 
 
+@pytest.mark.serial  # a bound on its wall time: run alone, not beside other workers' jobs
 def test_two_threads_sampling_at_once_take_turns_inside_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     """The NVML source and a probe sample at once, each in its own thread; NVML is entered by one at a time (a
     sidecar died of SIGSEGV in such a look on 4 x H200), and neither waits out the other's GPM window."""

@@ -46,6 +46,7 @@ def test_json_report_sets_the_format_first():
     assert server.commands == [["CLIENT PROTOCOL 2", "TIMEOUT 2", "SET FORMAT json", "STATUS"]]
 
 
+@pytest.mark.serial  # a bound on its wall time: run alone, not beside other workers' jobs
 def test_silent_first_connection_is_retried_on_a_new_one(quick_handshake):
     server = RasServer(TEXT, silent=1)
     started = time.monotonic()
