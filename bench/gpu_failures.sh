@@ -3,7 +3,7 @@
 # die (a ValueError in the user's code, a real 1 PiB allocation, SIGKILL, PyTorch's own timeout, a dtype mismatch
 # that NCCL's socket transport catches) and jobs the user ends (sys.exit(3), Ctrl-C) plus a healthy run, on rank 0
 # and the last rank in turn.
-#   bash bench/gpu_failures.sh
+#   bash bench/gpu_failures.sh            (BUDGET=300: start no run past 300 s in either lane)
 # Two lanes at once on the same GPU(s): one node x 2 ranks (each rank its own NCCL_HOSTID: NCCL's socket transport,
 # as between hosts) and two wrappers x 1 rank.  Rows and every wrapper's -v log are packed into $OUT/r.tar.gz every
 # 30 s, so that a call cut short still brings back what ran.
@@ -25,8 +25,8 @@ lane() {  # name, budget, scenarios, repeats, layout args
     OUT=$R/$name bash bench/gpu.sh faults "$@" "${common[@]}" --scenarios "$scenarios" --repeats "$repeats" \
         --budget "$budget" --out-dir "$R/$name" --name "$name" >"$R/$name/$name.out" 2>&1 &
 }
-lane n1 440 raise,oom,sigkill,pg_timeout,dtype,exit,interrupt,none 3 --nnodes 1 --nproc 2
-lane w2 440 raise,sigkill,dtype,pg_timeout,exit 2 --nnodes 2 --nproc 1
+lane n1 "${BUDGET:-440}" raise,oom,sigkill,pg_timeout,dtype,exit,interrupt,none 3 --nnodes 1 --nproc 2
+lane w2 "${BUDGET:-440}" raise,sigkill,dtype,pg_timeout,exit 2 --nnodes 2 --nproc 1
 wait -n
 wait -n
 kill "$packer" 2>/dev/null
