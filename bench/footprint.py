@@ -2,7 +2,7 @@
 
 Writers (one process per rank) append real NCCL lines (a capture's Init
 lines, then its operation lines over and over: tests/fixtures/nccl-2.28.9-2gpu/
-healthy, 2 x H200, NCCL 2.28.9) through one open descriptor, as NCCL does,
+healthy, 2 x H200, NCCL 2.28.9; bench/nccl_writer.py) through one open descriptor, as NCCL does,
 to a run folder made as the wrapper makes it (``RunFolderSpace.declare``);
 the real NCCL source (``NcclFileSource``) reads them every 0.25 s into the
 real engine's state, freeing what it consumed.  Each phase samples the
@@ -34,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 
+from nccl_writer import CAPTURE, OpCycle, capture, paced
+
 from ncclwatch.watchdog.analyze import analyze_paths, take_snapshot
 from ncclwatch.watchdog.hang.classify import classify
 from ncclwatch.watchdog.hang.state import JobState
@@ -41,41 +43,23 @@ from ncclwatch.watchdog.sources.files import NcclFileSource
 from ncclwatch.watchdog.sources.holes import disk_bytes, punch_problem
 from ncclwatch.watchdog.sources.run_space import MIB, RunFolderSpace
 
-CAPTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "nccl-2.28.9-2gpu" / "healthy" / "nccl"
 DAY_S = 86_400
-
-
-def capture(rank_file: Path) -> tuple[bytes, list[bytes]]:
-    """(the lines before the first operation, the operation lines) of one rank's real NCCL file."""
-    lines = rank_file.read_bytes().splitlines(keepends=True)
-    first = next(i for i, line in enumerate(lines) if b": opCount " in line)
-    return b"".join(lines[:first]), [line for line in lines[first:] if b": opCount " in line]
 
 
 def writer(path: str, rank_file: str, rate: mp.Value, stop: mp.Event, written: mp.Value, plant: mp.Event) -> None:
     """Append operation lines at ``rate`` per second (batches every 10 ms) until ``stop``; then the planted op."""
     head, ops = capture(Path(rank_file))
+    cycle = OpCycle(ops)
     with open(path, "wb", buffering=0) as out:
         out.write(head)
-        index, began, sent, pace = 0, time.monotonic(), 0, rate.value
-        while not stop.is_set():
-            if rate.value != pace:  # a new phase: its rate counts from now
-                began, sent, pace = time.monotonic(), 0, rate.value
-            due = int((time.monotonic() - began) * pace) - sent
-            if due <= 0:
-                time.sleep(0.01)
-                continue
-            due = min(due, 50_000)
-            batch = [ops[(index + i) % len(ops)] for i in range(due)]
-            out.write(b"".join(batch))
-            index, sent = index + due, sent + due
+        for due in paced(lambda: rate.value, lambda: not stop.is_set()):
+            out.write(cycle.take(due))
             with written.get_lock():
                 written.value += due
         plant.wait()  # the main process has set ``rate`` to the count every rank reaches before the planted op
         while sent_total(written) < rate.value:
             missing = int(rate.value) - sent_total(written)
-            out.write(b"".join(ops[(index + i) % len(ops)] for i in range(missing)))
-            index += missing
+            out.write(cycle.take(missing))
             with written.get_lock():
                 written.value += missing
         last = [line for line in ops if b"AllReduce" in line][-1]
