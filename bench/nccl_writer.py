@@ -42,8 +42,9 @@ def as_rank(text: bytes, *, rank: int, nranks: int, host: str, pid: int) -> byte
 
     The prefix (``host:pid:tid [cudaDev]``, threads kept apart by their
     offset from the main thread), the rank and size in the Init, topology and
-    operation lines, and the communicator's address (one per process) change;
-    the commId stays, so all ranks share one communicator.
+    operation lines, the Send and Recv peers (the captured ring) and the
+    communicator's address (one per process) change; the commId stays, so
+    all ranks share one communicator.
     """
     capture_pid = int(_PREFIX.search(text).group(1))
     capture_rank, capture_size = (int(g) for g in _INIT_RANK.search(text).groups())
@@ -61,6 +62,9 @@ def as_rank(text: bytes, *, rank: int, nranks: int, host: str, pid: int) -> byte
     text = re.sub(rb"cudaDev \d+ nvmlDev \d+", f"cudaDev {rank} nvmlDev {rank}".encode(), text)
     text = re.sub(rb"cudaDev \d+ busId", f"cudaDev {rank} busId".encode(), text)
     text = text.replace(f"[nranks={capture_size}]".encode(), f"[nranks={nranks}]".encode())
+    # The captured job's ring batch_isend_irecv: send to rank + 1, receive from rank - 1 (a line's root is its peer).
+    text = re.sub(rb"(Send: .*? root )\d+ ", f"\\g<1>{(rank + 1) % nranks} ".encode(), text)
+    text = re.sub(rb"(Recv: .*? root )\d+ ", f"\\g<1>{(rank - 1) % nranks} ".encode(), text)
     comm = re.search(rb"comm (0x[0-9a-f]+) rank ", text).group(1)
     return text.replace(comm, f"0x{0x10000000 + 0x100000 * rank + capture_rank:x}".encode())
 
