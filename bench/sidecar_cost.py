@@ -142,6 +142,10 @@ def summarize(args: argparse.Namespace, rows: list[dict], writer_rows: list[dict
         else None,
         "wrapper_rss_mib_max": max(r["wrapper_rss_mib"] for r in rows) if rows else None,
         "wrapper_rss_slope_mib_per_hour": round(slope_per_hour([(r["t_s"], r["wrapper_rss_mib"]) for r in steady]), 3),
+        # The first minutes fill bounded buffers (gaps, tails, caches); growth that goes on shows in the second half.
+        "wrapper_rss_slope_mib_per_hour_second_half": round(
+            slope_per_hour([(r["t_s"], r["wrapper_rss_mib"]) for r in steady[len(steady) // 2 :]]), 3
+        ),
         "run_dir_disk_mib_max": max(r["run_dir_disk_mib"] for r in rows) if rows else None,
         "run_dir_cap_mib": args.cap_mib,
         "nccl_logical_mib_end": rows[-1]["nccl_logical_mib"] if rows else None,
