@@ -129,7 +129,7 @@ class TestUnreadable:
             assert NEEDS in line and (proc.returncode, proc.stdout) == (EXIT_UNREADABLE, "")
 
     def test_help_documents_the_status(self) -> None:
-        proc = analyze("--help")
+        proc = analyze("--help-all")
         assert f"  {EXIT_UNREADABLE}  " in proc.stdout and "could be read" in proc.stdout
 
 

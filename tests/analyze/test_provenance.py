@@ -54,7 +54,7 @@ def test_the_command_line_refuses_two_jobs_in_one_line_with_its_own_status() -> 
     assert line.startswith("ncclwatch analyze: inputs of 2 different jobs, not judged together: ")
     assert (
         f"  {EXIT_MIXED_JOBS}  no report: the inputs hold bundles or run folders of different jobs"
-        in analyze("--help").stdout
+        in analyze("--help-all").stdout
     )
 
 

@@ -57,7 +57,7 @@ class TestOutput:
     def test_help_teaches_verdicts_and_exit_codes(self):
         from ncclwatch.watchdog.hang.verdicts import Verdict
 
-        proc = run("analyze", "--help")
+        proc = run("analyze", "--help-all")
         assert proc.returncode == 0
         for word in ("exit status", "NCCL_DEBUG_SUBSYS=INIT,COLL"):
             assert word in proc.stdout
@@ -66,7 +66,7 @@ class TestOutput:
     def test_the_wrappers_help_lists_every_live_verdict(self):
         from ncclwatch.watchdog.hang.verdicts import CATALOGUE
 
-        proc = run("--help")
+        proc = run("--help-all")
         assert proc.returncode == 0
         paged_live = [v.value for v, entry in CATALOGUE.items() if entry.live and entry.hang]
         assert [name for name in paged_live if name not in proc.stdout] == []
