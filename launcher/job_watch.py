@@ -7,10 +7,11 @@ status and metrics server.  The launcher (``run.py``) only builds the parts and 
   writer and the sidecar.
 - ``main_loop`` waits for torchrun and says how the job ended (``JobEnd``): cleanly, failed, stopped by the user
   (a signal the wrapper passed on), or ended by ncclwatch's own response to a hang (kill, drain).
-- ``shutdown`` is bounded and ordered by what each step needs: the sidecar hears of the end first (a failed job is
-  judged while its files and the other nodes are still there), then the other nodes, then the sidecar and the
-  server stop, what the job left behind is reaped, the bus-bandwidth check runs after a kill, alerts of a job that
-  ended cleanly are resolved, the summary is said, and the run folder goes (the bundle holds the evidence).
+- ``shutdown`` is bounded and ordered by what each step needs: the other nodes hear of the end first (a failure
+  after the store's node went is that node lost), then the sidecar judges a failed job while its files are still
+  there, then the sidecar and the server stop, what the job left behind is reaped, the bus-bandwidth check runs
+  after a kill, alerts of a job that ended cleanly are resolved, the summary is said, and the run folder goes (the
+  bundle holds the evidence).
 """
 
 from __future__ import annotations
@@ -89,8 +90,10 @@ class JobWatch:
 
     async def shutdown(self, end: JobEnded) -> None:
         sidecar = self.sidecar
-        await sidecar.job_ended(end)
+        # The other nodes first: a job that failed after the store's node went is that node lost (one page from one
+        # survivor), which the failure stage, blind to the other nodes, would read as its own rank's death.
         await sidecar.farewell(job_failed=end.outcome is JobOutcome.failed)
+        await sidecar.job_ended(end)
         sidecar.stop()
         if self._watching is not None:
             with contextlib.suppress(TimeoutError):

@@ -24,6 +24,7 @@ ALL_NAMES = {
     "env",
     "nccl_logs",
     "worker_logs",
+    "job_output",
 }
 
 

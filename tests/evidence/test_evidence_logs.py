@@ -7,7 +7,7 @@ import asyncio
 from support import context
 
 from ncclwatch.watchdog.evidence import RankTarget, collect_nccl_logs, collect_worker_logs
-from ncclwatch.watchdog.evidence.logs import NO_WORKER_LOGS, read_tail
+from ncclwatch.watchdog.evidence.logs import NO_WORKER_LOGS, collect_job_output, read_tail
 
 LINE = b"vm:732:740 [0] NCCL INFO AllReduce: opCount 0 sendbuff 0x1 recvbuff 0x2 count 4 datatype 7 op 0 root 0\n"
 
@@ -37,6 +37,22 @@ def test_nccl_tails(tmp_path):
     assert rec.note == f"2 files, 1 cut to their last {len(LINE) * 10 + 5} bytes"
     assert (ctx.out_dir / "nccl/vm.732").read_bytes() == LINE * 10
     assert (ctx.out_dir / "nccl/vm.733").read_bytes() == LINE * 2
+
+
+def test_the_jobs_stderr_copy_older_part_first(tmp_path):
+    output = tmp_path / "run" / "output"
+    output.mkdir(parents=True)
+    (output / "stderr.1.log").write_bytes(LINE * 3)
+    (output / "stderr.log").write_bytes(LINE * 100)
+    ctx = context(tmp_path, run_dir=tmp_path / "run", tail_bytes=len(LINE) * 10)
+    (rec,) = asyncio.run(collect_job_output(ctx))
+    assert (rec.error, rec.paths) == (None, ["output/stderr.1.log", "output/stderr.log"])
+    assert (ctx.out_dir / "output/stderr.log").read_bytes() == LINE * 10
+
+
+def test_no_copy_of_the_jobs_stderr(tmp_path):
+    (rec,) = asyncio.run(collect_job_output(context(tmp_path, run_dir=tmp_path)))
+    assert rec.error == f"no copy of the job's stderr ({tmp_path / 'output'})"
 
 
 def test_no_nccl_folder(tmp_path):

@@ -121,3 +121,7 @@ class TestRootCause:
 
     def test_quiet_without_a_summary(self) -> None:
         assert RULES["root_cause"](snapshot_of("gloo-2.13-clean.txt"), UNDECIDED) is None
+
+    def test_quiet_where_the_root_cause_only_lost_its_peer(self) -> None:
+        # node 1 of two wrappers after node 0 was killed whole: its rank's one error is "connection closed by peer"
+        assert RULES["root_cause"](snapshot_of("gloo-2.13-peer-node-killed.txt"), UNDECIDED) is None

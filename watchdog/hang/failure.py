@@ -254,6 +254,9 @@ def root_cause(snapshot: Snapshot, finding: Finding) -> Finding | None:
     first = next((e for e in snapshot.exits if e.root_cause), None)
     if first is None:
         return None
+    said = [f.kind for f in _by_rank(snapshot).get(first.rank, [])]
+    if said and all(kind is FailureKind.peer_gone for kind in said):
+        return None  # it only lost a peer (on another node, out of this output's sight): not the cause
     how = f"signal {first.signal}" if first.signal else f"exit code {first.exitcode}"
     return replace(
         finding,
