@@ -643,6 +643,16 @@ def expected_text(runs: list[dict]) -> str:
     return first["expected_verdict"] or ("crash: torchrun's exit" if first.get("expect_crash") else "no page")
 
 
+def grouped(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """Each table row's runs: (scenario, "nodes x ranks (rendezvous)") -> its runs, rows in order of first run."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for record in records:
+        nodes = f"{record['nnodes']} x {record['nproc_per_node']}"
+        nodes += f" ({record['rdzv']})" if record["nnodes"] > 1 else ""
+        groups.setdefault((record["scenario"], nodes), []).append(record)
+    return groups
+
+
 def summarize(records: list[dict]) -> str:
     lines = [
         "| scenario | nodes x ranks | runs | correct | expected | got (culprits) | fault -> first page p50 / p90 (s) "
@@ -651,12 +661,7 @@ def summarize(records: list[dict]) -> str:
         "| performance findings (first, s after the fault) |",
         "|" + " --- |" * 16,
     ]
-    groups: dict[tuple, list[dict]] = {}
-    for record in records:
-        nodes = f"{record['nnodes']} x {record['nproc_per_node']}"
-        nodes += f" ({record['rdzv']})" if record["nnodes"] > 1 else ""
-        groups.setdefault((record["scenario"], nodes), []).append(record)
-    for (scenario, nodes), runs in groups.items():
+    for (scenario, nodes), runs in grouped(records).items():
         got = sorted({outcome(node) for r in runs for node in r["nodes"]})
         # Older records have no "reports": their "pages" counted every wrapper that showed a verdict.
         false_pages = "-"
@@ -684,11 +689,7 @@ def summarize_failures(records: list[dict]) -> str:
         "| pages |",
         "|" + " --- |" * 10,
     ]
-    groups: dict[tuple, list[dict]] = {}
-    for record in records:
-        if record["scenario"] in DIES:
-            nodes = f"{record['nnodes']} x {record['nproc_per_node']}"
-            groups.setdefault((record["scenario"], nodes), []).append(record)
+    groups = grouped([record for record in records if record["scenario"] in DIES])
     for (scenario, nodes), runs in groups.items():
         got = sorted({outcome(node) for r in runs for node in r["nodes"]})
         page = [r.get("page_from_death_s") for r in runs]

@@ -79,6 +79,11 @@ def _by_rank(snapshot: Snapshot) -> dict[int | None, list[RankFailure]]:
     return by_rank
 
 
+def _ranks(snapshot: Snapshot) -> set[int]:
+    """The job's ranks as far as torchrun's summary and the workers seen say."""
+    return {e.rank for e in snapshot.exits} | {w.rank for w in snapshot.workers}
+
+
 def _departures(snapshot: Snapshot) -> tuple[Fact, ...]:
     """What each rank's output and exit say, for the evidence: who aborted first, and of what."""
     facts = [
@@ -205,7 +210,7 @@ def _singled_out(snapshot: Snapshot, finding: Finding, reporters: list[int]) -> 
     """The one rank that caught the mismatch is also the one the sequences set apart from all the others (3 ranks or
     more): the others agree with each other, so the operation that differed was the reporter's.  gloo aborts the
     reporter in C++ (no dump of its last operations); its peers' dumps, written as they died, still agree."""
-    world = {e.rank for e in snapshot.exits} | {w.rank for w in snapshot.workers}
+    world = _ranks(snapshot)
     if len(reporters) != 1 or len(world) < 3 or tuple(finding.culprits) != tuple(reporters):
         return None
     if finding.verdict not in (Verdict.stuck_in_collective, Verdict.rank_behind, Verdict.collective_mismatch):
@@ -231,7 +236,7 @@ def timed_out(snapshot: Snapshot, finding: Finding) -> Finding | None:
     if not timeouts:
         return None
     waited = sorted({f.rank for f in timeouts})  # type: ignore[type-var]
-    world = {e.rank for e in snapshot.exits} | {w.rank for w in snapshot.workers} | set(waited)
+    world = _ranks(snapshot) | set(waited)
     behind = tuple(finding.culprits) if finding.verdict is Verdict.rank_behind and finding.culprits else ()
     never = behind or tuple(sorted(world - set(waited)))
     first = timeouts[0]
